@@ -1,0 +1,124 @@
+"""Every environment variable mindio reads: name, type, default, range and meaning, in one place.
+
+Read a value with ``knobs.get("TTP_LOG_LEVEL")``; a malformed or out-of-range value raises
+:class:`mindio.errors.ConfigError` naming the variable, the bad value and the allowed range.
+``python -m mindio._knobs`` prints the table.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 0/1/true/false")
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple | None = None
+
+    def read(self, environ=None) -> Any:
+        env = os.environ if environ is None else environ
+        raw = env.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            value = self.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{self.name}={raw!r} is not valid ({exc}); {self.allowed()}") from None
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{self.name}={raw!r} is not valid; {self.allowed()}")
+        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+            raise ConfigError(f"{self.name}={raw!r} is out of range; {self.allowed()}")
+        return value
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return f"allowed: {', '.join(map(str, self.choices))} (default {self.default!r})"
+        if self.min is not None or self.max is not None:
+            return f"allowed: [{self.min}, {self.max}] (default {self.default!r})"
+        return f"default {self.default!r}"
+
+
+def _upper(text: str) -> str:
+    return text.strip().upper()
+
+
+def _ha_list(text: str) -> tuple:
+    allowed = {"dump", "retry", "recover", "recover-in-place", "elastic-training"}
+    items = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        raise ValueError(f"unknown strategies {bad}; use a comma list of {sorted(allowed)}")
+    return items
+
+
+_ALL = [
+    # --- logging (reference names) ---
+    Knob("TTP_LOG_PATH", str, "logs", "Directory of mindio's log files (file name ttp_log.log)."),
+    Knob("TTP_LOG_LEVEL", _upper, "INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Knob("TTP_LOG_MODE", _upper, "PER_PROC",
+         "ONLY_ONE: all processes write one log; PER_PROC: one file per process (ttp_log.log.<pid>).",
+         choices=("ONLY_ONE", "PER_PROC")),
+    Knob("TTP_LOG_STDOUT", _bool, False, "1: log to stderr only, write no log file."),
+    Knob("MINDIO_EVENT_LOG", str, "",
+         "Path of a JSON-lines event log (fault seen, transitions, actions and durations); empty: off."),
+    # --- control plane ---
+    Knob("TTP_RETRY_TIMES", int, 10, "Processor connection attempts to a controller.", min=1, max=300),
+    Knob("TTP_NORMAL_ACTION_TIME_LIMIT", float, 180.0,
+         "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),
+    Knob("MINDIO_WAIT_MINDX_TIME", float, 30.0,
+         "Seconds the controller waits for the cluster brain's answer.", min=1, max=3600),
+    Knob("TTP_STOP_CLEAN_BEFORE_DUMP", _bool, False, "Run stop & clean before a last-words dump."),
+    Knob("TTP_ADDR", str, "", "Controller address for processors (falls back to CONTROLLER_ADDR, MASTER_ADDR)."),
+    Knob("CONTROLLER_ADDR", str, "", "Controller address (alias of TTP_ADDR)."),
+    Knob("PROCESSOR_ADDR", str, "", "Local address a processor binds/advertises."),
+    Knob("TTP_PORT", int, 8000, "Controller port.", min=1024, max=65535),
+    Knob("MINDIO_HEARTBEAT_INTERVAL", float, 1.0, "Seconds between heartbeats.", min=0.05, max=60),
+    Knob("MINDIO_HEARTBEAT_MISSES", int, 3, "Missed heartbeats after which a rank is abnormal.", min=1, max=100),
+    Knob("MINDIO_SECRET", str, "", "Per-job secret that signs control messages (hex); generated if empty."),
+    Knob("HIGH_AVAILABILITY", _ha_list, (),
+         "Comma list of strategies to enable: dump, retry, recover, recover-in-place, elastic-training."),
+    # --- checkpoint store ---
+    Knob("MINDIO_ACP_DIR", str, "",
+         "Runtime directory of the per-user acp daemon (socket, lock, journal); default /tmp/mindio-acp-<uid>."),
+    Knob("MINDIO_ACP_IDLE_EXIT", float, 600.0,
+         "Seconds an idle daemon with nothing to persist waits before exiting.", min=1, max=86400),
+    Knob("MINDIO_ACP_DISABLE", _bool, False, "1: never use the daemon; save writes directly to storage."),
+    Knob("MINDIO_AUTO_PATCH_MEGATRON", _bool, False,
+         "1: route megatron-core checkpoint save/load through mindio.save/load."),
+]
+
+KNOBS: dict[str, Knob] = {k.name: k for k in _ALL}
+
+
+def get(name: str, environ=None) -> Any:
+    """Value of the environment variable ``name``, parsed and validated (its default when unset)."""
+    try:
+        knob = KNOBS[name]
+    except KeyError:
+        raise ConfigError(f"{name} is not a mindio environment variable; known: {sorted(KNOBS)}") from None
+    return knob.read(environ)
+
+
+def table() -> str:
+    return "\n".join(f"{k.name:32} {k.allowed():60} {k.doc}" for k in _ALL)
+
+
+if __name__ == "__main__":
+    print(table())

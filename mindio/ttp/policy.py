@@ -1,0 +1,226 @@
+"""Pure decisions of the controller: no I/O, no clocks, no globals; property-tested with hypothesis.
+
+* :func:`classify` -- an exception message -> :class:`ReportState` (first match wins).
+* :func:`shard_key`, :func:`select_dump_ranks` -- one usable rank per optimizer shard saves the dump.
+* :func:`select_repair_sources` -- a usable replica for every rank to repair (used by retry/recover).
+* :func:`feasible_strategies` -- the fallback order retry -> recover-in-place -> recover -> downgrade
+  -> dump -> exit, restricted to what is enabled and possible.
+* :func:`find_hung_ranks` -- who is hung when the job stalls.
+
+A rank is *usable* at lock step ``L`` when it is healthy (alive, not itself the faulty one), its
+optimizer state is UPDATED and its step equals ``L``. Shard index of a rank = position in its sorted DP
+group mod (d / R), R = replica_cnt: the DP group is cut into R contiguous parts that hold the same shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from ._enums import OsStatus, ReportState
+
+__all__ = [
+    "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "classify", "is_primary", "can_do_uce_repair", "RankView",
+    "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "select_repair_sources",
+    "STRATEGY_ORDER", "Incident", "feasible_strategies", "find_hung_ranks",
+]
+
+# The reference table (SPEC §2); first match wins. HBM MULTI BIT ECC is resolved by timing in classify().
+REFERENCE_PATTERNS: tuple[tuple[str, ReportState], ...] = (
+    ("UCE ERROR", ReportState.RS_UCE),
+    ("HBM MULTI BIT ECC", ReportState.RS_UCE),
+    ("FORCE STOP", ReportState.RS_NORMAL),
+    ("ARF FINISH", ReportState.RS_PREREPAIR_FINISH),
+    ("STEP FINISH", ReportState.RS_STEP_FINISH),
+    ("HCCL OP RETRY FAILED", ReportState.RS_HCCL_FAILED),
+    ("SUSPECT REMOTE ERROR", ReportState.RS_HCCL_FAILED),
+    ("UB LINK ERROR", ReportState.RS_HCCL_FAILED),
+    ("HCCS LINK ERROR", ReportState.RS_HCCL_FAILED),
+)
+# Secondary failures: this rank's collective failed because a *peer* died or tore down its groups.
+# Such a rank is healthy (treated like FORCE STOP): its optimizer state stays usable for dump/repair.
+SECONDARY_PATTERNS: tuple[str, ...] = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+    "NCCL communicator was aborted", "ProcessGroupNCCL is aborted", "process group has been destroyed",
+    "peer closed", "Socket Timeout",
+)
+
+
+def classify(message: str, user_patterns: Sequence[tuple[str, ReportState]] = (),
+             uce_repairable: bool = True) -> ReportState:
+    """ReportState for an exception message. User patterns (tft_register_exception_handler) are tried
+    first, so a user can override the reference table; then the reference table, then the secondary
+    (peer-failure) patterns; anything else is RS_UNKNOWN. ``uce_repairable`` False turns an
+    ``HBM MULTI BIT ECC`` into RS_UCE_CORRUPTED (the error hit inside the optimizer update window)."""
+    for pattern, state in user_patterns:
+        if pattern in message:
+            return ReportState(state)
+    for pattern, state in REFERENCE_PATTERNS:
+        if pattern in message:
+            if pattern == "HBM MULTI BIT ECC" and not uce_repairable:
+                return ReportState.RS_UCE_CORRUPTED
+            return state
+    for pattern in SECONDARY_PATTERNS:
+        if pattern in message:
+            return ReportState.RS_NORMAL
+    return ReportState.RS_UNKNOWN
+
+
+def is_primary(state: ReportState) -> bool:
+    """Does this report name its own rank as faulty? (RS_NORMAL = stopped/secondary: healthy.)"""
+    return state not in (ReportState.RS_NORMAL, ReportState.RS_STEP_FINISH, ReportState.RS_INIT_FINISH,
+                         ReportState.RS_PREREPAIR_FINISH)
+
+
+def can_do_uce_repair(hbm_error_time: int, start_time: int | None, end_time: int | None) -> bool:
+    """False when the error time falls inside the optimizer update window [start, end] (data may be
+    corrupted mid-update); True otherwise or when no window is known."""
+    if start_time is None:
+        return True
+    if end_time is None or end_time < start_time:  # update still running (or a stale end): open window
+        return hbm_error_time < start_time
+    return not (start_time <= hbm_error_time <= end_time)
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What the controller knows about one rank at decision time."""
+    rank: int
+    alive: bool = True
+    faulty: bool = False          # reported a primary error, died, or was killed as hung
+    step: int = 0
+    data_status: int = OsStatus.UPDATED
+    replica: tuple = ()           # ({"rank_list", "replica_cnt", "replica_shift"}, ...) per optimizer type
+
+
+def shard_key(rank: int, opt_type: int, entry: Mapping | None) -> tuple:
+    """(optimizer type, sorted DP group, shard index) of ``rank``; a rank without replica info is a
+    shard of its own (conservative: its state exists nowhere else)."""
+    if not entry or not entry.get("rank_list"):
+        return (opt_type, (rank,), 0)
+    group = tuple(sorted(int(r) for r in entry["rank_list"]))
+    r = max(1, int(entry.get("replica_cnt", 1)))
+    if rank not in group:
+        raise ValueError(f"rank {rank} is not in its own DP group {list(group)}")
+    if len(group) % r:
+        raise ValueError(f"DP group of size {len(group)} is not divisible by replica_cnt {r}")
+    return (opt_type, group, group.index(rank) % (len(group) // r))
+
+
+def shards_of(view: RankView) -> list[tuple]:
+    entries = view.replica or ({},)
+    return [shard_key(view.rank, t, e) for t, e in enumerate(entries)]
+
+
+def usable(view: RankView, lock_step: int) -> bool:
+    return view.alive and not view.faulty and view.data_status == OsStatus.UPDATED and view.step == lock_step
+
+
+@dataclass(frozen=True)
+class DumpPlan:
+    save_info: list              # [{"type": t, "ranks": [...]}, ...] in optimizer-type order
+    ranks: tuple                 # every rank that saves, sorted
+    missing: tuple = ()          # shards with no usable rank (plan impossible when non-empty)
+
+    @property
+    def possible(self) -> bool:
+        return not self.missing and bool(self.ranks)
+
+
+def select_dump_ranks(views: Iterable[RankView], lock_step: int) -> DumpPlan:
+    """For every optimizer shard, the lowest usable rank that holds it."""
+    views = list(views)
+    members: dict[tuple, list[int]] = {}
+    for v in views:
+        for key in shards_of(v):
+            members.setdefault(key, [])
+            if usable(v, lock_step):
+                members[key].append(v.rank)
+    chosen: dict[int, set] = {}
+    missing = []
+    for key in sorted(members):
+        if members[key]:
+            chosen.setdefault(key[0], set()).add(min(members[key]))
+        else:
+            missing.append(key)
+    types = sorted({k[0] for k in members})
+    save_info = [{"type": t, "ranks": sorted(chosen.get(t, ()))} for t in types]
+    every = tuple(sorted(set().union(*chosen.values()))) if chosen else ()
+    return DumpPlan(save_info=save_info, ranks=every, missing=tuple(missing))
+
+
+def select_repair_sources(views: Iterable[RankView], lock_step: int, targets: Iterable[int]) -> dict:
+    """{(dst rank, optimizer type): src rank} -- a usable replica of the same shard for each target;
+    raises ValueError naming the shard when a target has none."""
+    views = {v.rank: v for v in views}
+    holders: dict[tuple, list[int]] = {}
+    for v in views.values():
+        if usable(v, lock_step):
+            for key in shards_of(v):
+                holders.setdefault(key, []).append(v.rank)
+    plan = {}
+    for dst in sorted(set(targets)):
+        for t, key in enumerate(shards_of(views[dst])):
+            srcs = sorted(r for r in holders.get(key, ()) if r != dst)
+            if not srcs:
+                raise ValueError(f"no usable replica of shard {key} for rank {dst} at step {lock_step}")
+            plan[(dst, t)] = srcs[0]
+    return plan
+
+
+STRATEGY_ORDER = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")
+
+
+@dataclass(frozen=True)
+class Incident:
+    """Facts about one fault, as seen at decision time."""
+    states: Mapping[int, ReportState] = field(default_factory=dict)  # primary reports by rank
+    dead: frozenset = frozenset()        # ranks whose process is gone (heartbeats lost / killed)
+    repair_possible: bool = False        # every faulty rank's shards have a usable replica
+    dump_possible: bool = False
+    spare_available: bool = False
+
+
+_RETRYABLE = {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
+
+
+def feasible_strategies(enabled: Iterable[str], incident: Incident) -> list[str]:
+    """Strategies in fallback order that are enabled and possible for this incident; ends with "exit"."""
+    on = set(enabled)
+    states = set(incident.states.values())
+    out = []
+    only_network = bool(states) and states == {ReportState.RS_HCCL_FAILED} and not incident.dead
+    if "retry" in on and not incident.dead and states and states <= _RETRYABLE and (
+            incident.repair_possible or only_network):
+        out.append("retry")
+    if incident.repair_possible and (incident.dead or states):
+        if "recover-in-place" in on:
+            out.append("recover-in-place")
+        if "recover" in on and incident.spare_available:
+            out.append("recover")
+        if "elastic-training" in on or "downgrade" in on:
+            out.append("downgrade")
+    if "dump" in on and incident.dump_possible:
+        out.append("dump")
+    out.append("exit")
+    return out
+
+
+def find_hung_ranks(views: Iterable[tuple[int, float, bool, int]], timeout: float) -> list[int]:
+    """Ranks to kill as hung. ``views``: (rank, progress_age_s, in_collective, step) of live ranks;
+    a negative age means "not armed yet" (no step finished). A rank stalled for ``timeout`` whose main
+    thread is *not* inside a collective is hung (its peers wait for it inside one). When every stalled
+    rank is inside a collective, the ones behind (lowest step) are hung if steps differ; else nobody can
+    be blamed and the list is empty."""
+    if timeout <= 0:
+        return []
+    stalled = [(r, c, s) for r, age, c, s in views if age >= timeout]
+    if not stalled:
+        return []
+    outside = sorted(r for r, c, _ in stalled if not c)
+    if outside:
+        return outside
+    steps = {s for _, _, s in stalled}
+    if len(steps) > 1:
+        low = min(steps)
+        return sorted(r for r, _, s in stalled if s == low)
+    return []

@@ -1,0 +1,210 @@
+"""The wire format of the control plane: the only module that touches bytes.
+
+A frame is ``msgpack([v, type, sn, rank, gen, body]) + HMAC-SHA256(secret, msgpack-bytes)``.
+
+* ``v``    protocol version (:data:`VERSION`); any other version is rejected.
+* ``type`` a :class:`MsgType`; ``body`` is the payload dataclass for that type, as a dict.
+* ``sn``   the action sequence number for ACTION / REPLY (0 for other messages).
+* ``rank`` the sender's rank (-1 for a controller, -2 for a backup controller's hello).
+* ``gen``  the job generation; a processor of an older generation is refused by a later issue's rebuild.
+
+Authentication is always on: every frame carries an HMAC over its bytes with the per-job secret, and
+the MAC is checked *before* anything is unpacked. A frame that is oversize, unauthenticated, not valid
+msgpack, of a wrong version or an unknown type, or whose body does not match its payload type raises
+:class:`mindio.errors.ProtocolError` (or :class:`mindio.errors.AuthError`); receivers drop it and count
+it in a :class:`DropCounter`. Nothing is ever pickled.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import hashlib
+import hmac
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from ..errors import AuthError, ProtocolError
+
+__all__ = [
+    "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
+    "Report", "Info", "Action", "Reply", "encode", "decode", "DropCounter", "BODY_TYPES",
+]
+
+VERSION = 1
+MAX_FRAME = 1 << 20  # 1 MiB: control messages are small; anything bigger is an attack or a bug
+_MAC_LEN = 32
+_log = logging.getLogger(__name__)
+
+
+class MsgType(enum.IntEnum):
+    REGISTER = 1       # processor -> controller: hello (also a backup controller's hello, rank -2)
+    REGISTER_ACK = 2   # controller -> processor: accepted; heartbeat interval, backup addresses
+    HEARTBEAT = 3      # processor -> controller: liveness + step progress
+    HEARTBEAT_ACK = 4  # controller -> processor: controller liveness
+    REPORT = 5         # processor -> controller: an error caught on the rank (wakes the controller)
+    INFO = 6           # processor -> controller: optimizer replica layout / DP group changed
+    ACTION = 7         # controller -> processor: do something (sn identifies it)
+    REPLY = 8          # processor -> controller: result of ACTION sn
+
+
+@dataclass(frozen=True)
+class Register:
+    world_size: int
+    pid: int
+    host: str
+    step: int = 0
+    data_status: int = 0
+    replica: list = field(default_factory=list)   # tft_set_optimizer_replica's replica_info
+    dp_group: list = field(default_factory=list)  # tft_set_dp_group_info's dp_rank_list
+    role: str = "processor"                       # "processor" | "backup"
+    addr: str = ""                                # a backup controller's tcp://host:port
+
+
+@dataclass(frozen=True)
+class RegisterAck:
+    gen: int
+    interval: float
+    backups: list = field(default_factory=list)   # addresses to fail over to, in order
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    step: int
+    data_status: int
+    in_collective: bool = False   # main thread is inside torch.distributed right now
+    progress_age: float = 0.0     # seconds since this rank last made step progress
+
+
+@dataclass(frozen=True)
+class HeartbeatAck:
+    state: str = ""
+
+
+@dataclass(frozen=True)
+class Report:
+    state: int        # ReportState value
+    message: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Info:
+    replica: list
+    dp_group: list
+
+
+@dataclass(frozen=True)
+class Action:
+    name: str
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reply:
+    ok: bool
+    code: int = 0
+    detail: dict = field(default_factory=dict)
+
+
+BODY_TYPES: dict[MsgType, type] = {
+    MsgType.REGISTER: Register, MsgType.REGISTER_ACK: RegisterAck, MsgType.HEARTBEAT: Heartbeat,
+    MsgType.HEARTBEAT_ACK: HeartbeatAck, MsgType.REPORT: Report, MsgType.INFO: Info,
+    MsgType.ACTION: Action, MsgType.REPLY: Reply,
+}
+_PY_TYPES = {"int": (int,), "str": (str,), "float": (float, int), "bool": (bool,), "list": (list,), "dict": (dict,)}
+
+
+@dataclass(frozen=True)
+class Envelope:
+    type: MsgType
+    body: Any
+    rank: int = -1
+    sn: int = 0
+    gen: int = 0
+    v: int = VERSION
+
+
+def _body_from(mtype: MsgType, raw: Any):
+    cls = BODY_TYPES[mtype]
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{mtype.name} body must be a map, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise ProtocolError(f"{mtype.name} body has unknown fields {sorted(map(str, unknown))}")
+    for name, f in fields.items():
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{mtype.name} body lacks field {name!r}")
+            continue
+        ok = _PY_TYPES[f.type]
+        value = raw[name]
+        if not isinstance(value, ok) or (f.type == "int" and isinstance(value, bool)):
+            raise ProtocolError(f"{mtype.name}.{name} must be {f.type}, got {type(value).__name__}")
+    return cls(**raw)
+
+
+def encode(env: Envelope, key: bytes) -> bytes:
+    """Serialize and sign one envelope. Raises ProtocolError if the result would be oversize."""
+    body = dataclasses.asdict(env.body)
+    payload = msgpack.packb([env.v, int(env.type), env.sn, env.rank, env.gen, body], use_bin_type=True)
+    if len(payload) + _MAC_LEN > MAX_FRAME:
+        raise ProtocolError(f"oversize {env.type.name} frame ({len(payload)} bytes > {MAX_FRAME})")
+    return payload + hmac.new(key, payload, hashlib.sha256).digest()
+
+
+def decode(frame: bytes, key: bytes) -> Envelope:
+    """Verify and parse one frame. Raises AuthError / ProtocolError; never anything else."""
+    if len(frame) > MAX_FRAME:
+        raise ProtocolError(f"oversize frame ({len(frame)} > {MAX_FRAME} bytes)")
+    if len(frame) <= _MAC_LEN:
+        raise ProtocolError(f"short frame ({len(frame)} bytes)")
+    payload, mac = frame[:-_MAC_LEN], frame[-_MAC_LEN:]
+    if not hmac.compare_digest(mac, hmac.new(key, payload, hashlib.sha256).digest()):
+        raise AuthError("frame failed HMAC verification (wrong secret or forged sender)")
+    try:
+        items = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types on garbage; all mean "malformed"
+        raise ProtocolError(f"malformed msgpack ({exc.__class__.__name__})") from None
+    if not isinstance(items, list) or len(items) != 6:
+        raise ProtocolError("envelope must be a 6-element array [v, type, sn, rank, gen, body]")
+    v, mtype, sn, rank, gen, body = items
+    if v != VERSION:
+        raise ProtocolError(f"protocol version {v!r} is not supported (this side speaks {VERSION})")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (mtype, sn, rank, gen)):
+        raise ProtocolError("envelope type/sn/rank/gen must be integers")
+    try:
+        mtype = MsgType(mtype)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    return Envelope(type=mtype, body=_body_from(mtype, body), rank=rank, sn=sn, gen=gen, v=v)
+
+
+class DropCounter:
+    """Counts rejected frames by reason; logs the first few of each reason, then every 1000th."""
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def drop(self, exc: Exception, origin: str = "") -> None:
+        reason = "auth" if isinstance(exc, AuthError) else "protocol"
+        with self._lock:
+            self._counts[reason] += 1
+            n = self._counts[reason]
+        if n <= 5 or n % 1000 == 0:
+            _log.warning("dropped frame #%d (%s) from %s: %s", n, reason, origin or "?", exc)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._counts)
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())

@@ -1,0 +1,154 @@
+"""Property tests of the pure decisions (mindio.ttp.policy)."""
+from hypothesis import given, settings, strategies as st
+
+from mindio.ttp import policy
+from mindio.ttp._enums import OsStatus, ReportState
+from mindio.ttp.policy import Incident, RankView
+
+
+def test_reference_patterns_first_match():
+    assert policy.classify("RuntimeError: UCE ERROR on device 3") is ReportState.RS_UCE
+    assert policy.classify("HBM MULTI BIT ECC") is ReportState.RS_UCE
+    assert policy.classify("HBM MULTI BIT ECC", uce_repairable=False) is ReportState.RS_UCE_CORRUPTED
+    assert policy.classify("FORCE STOP") is ReportState.RS_NORMAL
+    assert policy.classify("ARF FINISH") is ReportState.RS_PREREPAIR_FINISH
+    assert policy.classify("STEP FINISH") is ReportState.RS_STEP_FINISH
+    for m in ("HCCL OP RETRY FAILED", "SUSPECT REMOTE ERROR", "UB LINK ERROR", "HCCS LINK ERROR"):
+        assert policy.classify(m) is ReportState.RS_HCCL_FAILED
+    assert policy.classify("UCE ERROR then FORCE STOP") is ReportState.RS_UCE  # first match wins
+    assert policy.classify("[../third_party/gloo/...] Connection closed by peer [127.0.0.1]:1234") \
+        is ReportState.RS_NORMAL
+    assert policy.classify("division by zero") is ReportState.RS_UNKNOWN
+
+
+def test_user_patterns_come_first():
+    pats = [("UCE ERROR", ReportState.RS_HCCL_FAILED), ("my disk died", ReportState.RS_UCE)]
+    assert policy.classify("UCE ERROR", pats) is ReportState.RS_HCCL_FAILED
+    assert policy.classify("oh no my disk died", pats) is ReportState.RS_UCE
+
+
+@given(st.text())
+def test_classify_total(msg):
+    assert isinstance(policy.classify(msg), ReportState)
+
+
+@given(st.integers(0, 100), st.integers(0, 100), st.integers(0, 100))
+def test_uce_window(t, a, b):
+    start, end = min(a, b), max(a, b)
+    assert policy.can_do_uce_repair(t, start, end) == (not start <= t <= end)
+    assert policy.can_do_uce_repair(t, None, None)
+
+
+@st.composite
+def _cluster(draw):
+    """A DP world of d = R * k ranks with replica info, random health / steps / status."""
+    r = draw(st.sampled_from([1, 2, 4]))
+    k = draw(st.integers(1, 4))
+    d = r * k
+    lock = draw(st.integers(1, 5))
+    views = []
+    entry = {"rank_list": list(range(d)), "replica_cnt": r, "replica_shift": 0}
+    for rank in range(d):
+        views.append(RankView(rank=rank, alive=draw(st.booleans()), faulty=draw(st.booleans()),
+                              step=draw(st.sampled_from([lock - 1, lock, lock])),
+                              data_status=draw(st.sampled_from(list(OsStatus))), replica=(entry,)))
+    return views, lock, d, r
+
+
+@given(_cluster())
+@settings(max_examples=300)
+def test_dump_plan_one_usable_rank_per_shard(cluster):
+    views, lock, d, r = cluster
+    plan = policy.select_dump_ranks(views, lock)
+    by_rank = {v.rank: v for v in views}
+    chosen = set(plan.ranks)
+    for rank in chosen:  # only usable ranks save
+        assert policy.usable(by_rank[rank], lock)
+    shards = {}
+    for v in views:
+        shards.setdefault(v.rank % (d // r), []).append(v)
+    for idx, members in shards.items():
+        has_usable = any(policy.usable(v, lock) for v in members)
+        saved = [v.rank for v in members if v.rank in chosen]
+        if has_usable:
+            assert len(saved) == 1  # exactly one saver per shard
+        else:
+            assert saved == []
+            assert any(key[2] == idx for key in plan.missing)
+    assert plan.possible == all(any(policy.usable(v, lock) for v in m) for m in shards.values())
+    assert plan.save_info == [{"type": 0, "ranks": sorted(chosen)}]
+
+
+@given(_cluster())
+@settings(max_examples=200)
+def test_repair_sources_are_usable_replicas(cluster):
+    views, lock, d, r = cluster
+    targets = [v.rank for v in views if not policy.usable(v, lock)]
+    try:
+        plan = policy.select_repair_sources(views, lock, targets)
+    except ValueError:
+        return
+    for (dst, _t), src in plan.items():
+        assert src != dst and policy.usable(views[src], lock)
+        assert src % (d // r) == dst % (d // r)
+
+
+def test_no_replica_info_means_own_shard():
+    views = [RankView(0, step=3), RankView(1, alive=False, faulty=True, step=3)]
+    plan = policy.select_dump_ranks(views, 3)
+    assert not plan.possible and plan.missing == ((0, (1,), 0),)
+
+
+def test_bad_layout_rejected():
+    import pytest
+    with pytest.raises(ValueError, match="divisible"):
+        policy.shard_key(0, 0, {"rank_list": [0, 1, 2], "replica_cnt": 2})
+
+
+_ENABLED = st.sets(st.sampled_from(["retry", "recover-in-place", "recover", "elastic-training", "dump"]))
+_STATE = st.sampled_from([ReportState.RS_UCE, ReportState.RS_HCCL_FAILED, ReportState.RS_UNKNOWN,
+                          ReportState.RS_UCE_CORRUPTED])
+
+
+@given(_ENABLED, st.dictionaries(st.integers(0, 7), _STATE, max_size=3), st.frozensets(st.integers(0, 7)),
+       st.booleans(), st.booleans(), st.booleans())
+def test_strategies_follow_fallback_order(enabled, states, dead, repair, dump, spare):
+    inc = Incident(states=states, dead=dead, repair_possible=repair, dump_possible=dump, spare_available=spare)
+    out = policy.feasible_strategies(enabled, inc)
+    assert out[-1] == "exit"
+    order = [policy.STRATEGY_ORDER.index(s) for s in out]
+    assert order == sorted(order)
+    names = {"downgrade": "elastic-training"}
+    for s in out[:-1]:
+        assert names.get(s, s) in enabled
+    if "dump" in out:
+        assert dump
+    if "retry" in out:
+        assert not dead and set(states.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
+    if "recover" in out:
+        assert spare and repair
+
+
+def test_dump_only_job():
+    inc = Incident(states={3: ReportState.RS_UCE}, repair_possible=True, dump_possible=True)
+    assert policy.feasible_strategies({"dump"}, inc) == ["dump", "exit"]
+    assert policy.feasible_strategies({"retry", "dump"}, inc) == ["retry", "dump", "exit"]
+    assert policy.feasible_strategies(set(), inc) == ["exit"]
+
+
+def test_hung_rank_found():
+    # rank 2 sleeps outside any collective; the others wait for it inside an all-reduce
+    views = [(0, 9.0, True, 5), (1, 9.0, True, 5), (2, 9.0, False, 5), (3, 9.0, True, 5)]
+    assert policy.find_hung_ranks(views, 5.0) == [2]
+    assert policy.find_hung_ranks(views, 10.0) == []
+    assert policy.find_hung_ranks(views, 0) == []
+    behind = [(0, 9.0, True, 5), (1, 9.0, True, 4)]
+    assert policy.find_hung_ranks(behind, 5.0) == [1]
+    assert policy.find_hung_ranks([(0, -1.0, False, 0)], 5.0) == []
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.floats(-1, 100), st.booleans(), st.integers(0, 9)),
+                unique_by=lambda t: t[0]), st.floats(0.1, 50))
+def test_hung_ranks_are_stalled(views, timeout):
+    stalled = {r for r, age, _, _ in views if age >= timeout}
+    assert set(policy.find_hung_ranks(views, timeout)) <= stalled

@@ -1,0 +1,354 @@
+"""The per-node launch agent behind ``mindio-run`` (torchrun-compatible).
+
+One agent runs on every node. Conversation through the agents' TCPStore (hosted by node 0 on
+``--master-port``; every key below lives there):
+
+* ``agent/<node>/beat``      each agent, every monitor interval: its wall-clock time (liveness).
+* ``round/<n>/joined``       each agent adds 1 when it starts round ``n`` (a round = one generation of
+                             worker processes; a whole-job restart starts the next round).
+* ``round/<n>/port``         node 0: port of the round's *worker* TCPStore. Every round gets a fresh
+                             store so that keys of a failed round can never collide with the new one.
+* ``round/<n>/failed``       any agent: why the round failed (a worker exited non-zero, a node's beats
+                             stopped). Every agent then stops its workers and, while restarts remain,
+                             joins round ``n+1``.
+* ``round/<n>/done``         each agent adds 1 when all its workers exited 0; the job succeeds when it
+                             reaches ``nnodes``. Node 0 keeps the stores up until then.
+
+Workers are started through :mod:`mindio.launch._bootstrap`: each agent keeps ``warm_spares``
+interpreters that already imported torch and the script's imports, so a (re)start does not pay the
+interpreter start-up on the critical path. Workers die with their agent (PR_SET_PDEATHSIG), so killing
+an agent simulates the loss of a node.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LaunchConfig", "Agent"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What one agent needs to know. Mirrors torchrun's flags."""
+
+    entrypoint: str
+    """Training script path, or module name when ``is_module``."""
+    args: tuple = ()
+    is_module: bool = False
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    max_restarts: int = 0
+    """Whole-job restarts allowed after a failure (torchrun semantics)."""
+    monitor_interval: float = 0.1
+    """Seconds between checks of the workers and the other agents."""
+    rdzv_timeout: float = 300.0
+    """Seconds to wait for all agents to join a round."""
+    node_lost_after: float = 3.0
+    """Seconds without a beat from an agent before its node is declared lost."""
+    term_grace: float = 3.0
+    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    warm_spares: int = 1
+    standby: bool = False
+    """Offer this node as a spare: wait until a node is lost, take over its node rank, join the next round."""
+    run_id: str = "mindio"
+    extra_env: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not self.standby and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is outside [0, {self.nnodes - 1}] for --nnodes {self.nnodes}")
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port {self.master_port} is not a valid port (1-65535)")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.monitor_interval <= 0 or self.monitor_interval * 3 > self.node_lost_after:
+            raise ConfigError(
+                f"--monitor-interval {self.monitor_interval} must be > 0 and at most a third of the "
+                f"node-loss timeout ({self.node_lost_after} s), or live nodes would be declared lost"
+            )
+        if not self.is_module and not os.path.exists(self.entrypoint):
+            raise ConfigError(f"training script {self.entrypoint!r} does not exist")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class _Spares:
+    """Warm bootstrap interpreters waiting for an assignment."""
+
+    def __init__(self, cfg: LaunchConfig, env: dict):
+        self._cfg = cfg
+        self._env = env
+        self._pool: list[subprocess.Popen] = []
+
+    def _start(self) -> subprocess.Popen:
+        target = ["-m", self._cfg.entrypoint] if self._cfg.is_module else [self._cfg.entrypoint]
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "mindio.launch._bootstrap", *target],
+            stdin=subprocess.PIPE, env=self._env, text=True,
+        )
+
+    def fill(self) -> None:
+        self._pool = [p for p in self._pool if p.poll() is None]
+        while len(self._pool) < self._cfg.warm_spares:
+            self._pool.append(self._start())
+
+    def take(self, env: dict, argv) -> subprocess.Popen:
+        self._pool = [p for p in self._pool if p.poll() is None]
+        proc = self._pool.pop(0) if self._pool else self._start()
+        proc.stdin.write(json.dumps({"env": env, "argv": list(argv)}) + "\n")
+        proc.stdin.close()
+        return proc
+
+    def close(self) -> None:
+        for p in self._pool:
+            if p.poll() is None:
+                try:
+                    p.stdin.close()  # EOF: the spare exits 0 on its own
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 5
+        for p in self._pool:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._pool = []
+
+
+class Agent:
+    """Runs one node's workers; see the module docstring for the protocol between agents."""
+
+    def __init__(self, cfg: LaunchConfig):
+        self.cfg = cfg
+        self._store = None
+        self._worker_store = None
+        self._workers: dict[int, subprocess.Popen] = {}  # global rank -> process
+        self._stopping = False
+        base = dict(os.environ)
+        base.update({k: str(v) for k, v in cfg.extra_env.items()})
+        if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
+            base["OMP_NUM_THREADS"] = "1"  # as torchrun does: N processes must not each spawn N threads
+        self._base_env = base
+        self._spares = _Spares(cfg, base)
+
+    # --- stores -------------------------------------------------------------------------------
+    def _connect(self):
+        from torch.distributed import TCPStore
+
+        timeout = datetime.timedelta(seconds=self.cfg.rdzv_timeout)
+        self._store = TCPStore(
+            self.cfg.master_addr, self.cfg.master_port, world_size=None,
+            is_master=self.cfg.node_rank == 0 and not self.cfg.standby, timeout=timeout,
+            wait_for_workers=False,
+        )
+
+    def _new_worker_store(self, rnd: int) -> int:
+        from torch.distributed import TCPStore
+
+        if self.cfg.node_rank == 0:
+            self._worker_store = TCPStore(
+                self.cfg.master_addr, 0, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout),
+            )
+            self._store.set(f"round/{rnd}/port", str(self._worker_store.port))
+        self._store.wait([f"round/{rnd}/port"])
+        return int(self._store.get(f"round/{rnd}/port"))
+
+    def _beat(self) -> None:
+        self._store.set(f"agent/{self.cfg.node_rank}/beat", repr(time.time()))
+
+    def _lost_nodes(self) -> list[int]:
+        keys = [f"agent/{n}/beat" for n in range(self.cfg.nnodes)
+                if n != self.cfg.node_rank or self.cfg.standby]
+        keys = [k for k in keys if self._store.check([k])]  # never beat: still joining (rdzv timeout covers it)
+        if not keys:
+            return []
+        now = time.time()
+        beats = self._store.multi_get(keys)
+        return [
+            int(k.split("/")[1]) for k, b in zip(keys, beats)
+            if now - float(b) > self.cfg.node_lost_after
+        ]
+
+    # --- workers ------------------------------------------------------------------------------
+    def _worker_env(self, local_rank: int, rnd: int, port: int) -> dict:
+        cfg = self.cfg
+        rank = cfg.node_rank * cfg.nproc_per_node + local_rank
+        return {
+            "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": cfg.world_size,
+            "LOCAL_WORLD_SIZE": cfg.nproc_per_node, "GROUP_RANK": cfg.node_rank,
+            "GROUP_WORLD_SIZE": cfg.nnodes, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": cfg.world_size,
+            "ROLE_NAME": "default", "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": port,
+            "TORCHELASTIC_RESTART_COUNT": rnd, "TORCHELASTIC_MAX_RESTARTS": cfg.max_restarts,
+            "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "MINDIO_AGENT_STORE": f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
+        }
+
+    def _start_workers(self, rnd: int, port: int) -> None:
+        for local_rank in range(self.cfg.nproc_per_node):
+            env = self._worker_env(local_rank, rnd, port)
+            self._workers[env["RANK"]] = self._spares.take(env, self.cfg.args)
+        self._spares.fill()  # warm the next spare now, off the critical path
+
+    def _stop_workers(self) -> None:
+        live = [p for p in self._workers.values() if p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.term_grace
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._workers = {}
+
+    # --- rounds -------------------------------------------------------------------------------
+    def _join(self, rnd: int) -> None:
+        key = f"round/{rnd}/joined"
+        if self.cfg.node_rank == 0:
+            self._store.set("job/round", str(rnd))
+        self._store.add(key, 1)
+        deadline = time.monotonic() + self.cfg.rdzv_timeout
+        while self._store.add(key, 0) < self.cfg.nnodes:
+            lost = self._lost_nodes()
+            spares = self._store.add("standby/count", 0) - self._store.add("standby/claimed", 0)
+            if lost and spares < len(lost):
+                raise RuntimeError(
+                    f"round {rnd}: node(s) {lost} lost and {max(spares, 0)} standby node(s) available; "
+                    f"start a spare agent with --standby or restart the lost node's agent"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"round {rnd}: only {self._store.add(key, 0)} of {self.cfg.nnodes} agents joined within "
+                    f"{self.cfg.rdzv_timeout} s; start an agent for every --node-rank or raise --rdzv-timeout"
+                )
+            self._beat()
+            time.sleep(self.cfg.monitor_interval)
+
+    def _monitor(self, rnd: int) -> str | None:
+        """Watch the round until it succeeds (returns None) or fails (returns the reason)."""
+        failed_key, done_key = f"round/{rnd}/failed", f"round/{rnd}/done"
+        reported_done = False
+        while not self._stopping:
+            self._beat()
+            if self._store.check([failed_key]):
+                return self._store.get(failed_key).decode()
+            codes = {r: p.poll() for r, p in self._workers.items()}
+            bad = {r: c for r, c in codes.items() if c not in (None, 0)}
+            if bad:
+                reason = "; ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(bad.items()))
+                self._store.compare_set(failed_key, "", f"node {self.cfg.node_rank}: {reason}")
+                return self._store.get(failed_key).decode()
+            lost = self._lost_nodes()
+            if lost:
+                self._store.compare_set(failed_key, "", f"node(s) {lost} lost (no agent beat for {self.cfg.node_lost_after} s)")
+                return self._store.get(failed_key).decode()
+            if not reported_done and all(c == 0 for c in codes.values()):
+                self._store.add(done_key, 1)
+                reported_done = True
+            if reported_done and self._store.add(done_key, 0) >= self.cfg.nnodes:
+                return None
+            time.sleep(self.cfg.monitor_interval)
+        return "agent stopped by signal"
+
+    def _wait_for_lost_node(self) -> int | None:
+        """Standby: block until some node's agent stops beating, claim its node rank; return the
+        round to join (None if stopped by a signal)."""
+        self._store.add("standby/count", 1)
+        me = f"standby-{os.getpid()}-{time.time()}"
+        log.info("standby agent waiting for a lost node")
+        while not self._stopping:
+            for node in self._lost_nodes():
+                stale = self._store.get(f"agent/{node}/beat").decode()
+                if self._store.compare_set(f"claim/{node}/{stale}", "", me).decode() != me:
+                    continue  # another standby took this node
+                self._store.add("standby/claimed", 1)
+                self.cfg = dataclasses.replace(self.cfg, node_rank=node, standby=False)
+                self._beat()
+                rnd = int(self._store.get("job/round"))
+                if self._store.add(f"round/{rnd}/joined", 0) >= self.cfg.nnodes:
+                    rnd += 1
+                print(f"mindio-run: standby takes over node {node} from round {rnd}", file=sys.stderr)
+                return rnd
+            time.sleep(self.cfg.monitor_interval)
+        return None
+
+    def run(self) -> int:
+        """Run the job on this node; returns the agent's exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        self._spares.fill()  # interpreters warm up while the agents rendezvous
+        if self._store is None:
+            self._connect()
+        rnd = 0
+        if self.cfg.standby:
+            rnd = self._wait_for_lost_node()
+            if rnd is None:
+                self._spares.close()
+                return 0
+        try:
+            while True:
+                self._join(rnd)
+                port = self._new_worker_store(rnd)
+                log.info("round %d: starting %d workers (world size %d)", rnd, self.cfg.nproc_per_node, self.cfg.world_size)
+                self._start_workers(rnd, port)
+                reason = self._monitor(rnd)
+                if reason is None:
+                    log.info("round %d: all workers finished", rnd)
+                    return 0
+                self._stop_workers()
+                if self._stopping or rnd >= self.cfg.max_restarts:
+                    print(f"mindio-run: job failed: {reason} (restarts used: {rnd} of {self.cfg.max_restarts})", file=sys.stderr)
+                    return 1
+                print(f"mindio-run: round {rnd} failed: {reason}; restarting all workers", file=sys.stderr)
+                rnd += 1
+        finally:
+            self._stop_workers()
+            self._spares.close()
+            self._leave()
+
+    def _leave(self) -> None:
+        """Node 0 hosts the stores: it leaves last, so no agent reads a store that is gone."""
+        try:
+            if self.cfg.node_rank != 0:
+                self._store.add("job/left", 1)
+                return
+            deadline = time.monotonic() + 10
+            while self._store.add("job/left", 0) < self.cfg.nnodes - 1 and time.monotonic() < deadline:
+                time.sleep(self.cfg.monitor_interval)
+        except Exception:  # the store is already gone: nothing left to coordinate
+            pass
+
+    def _on_signal(self, signum, frame):
+        self._stopping = True
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"

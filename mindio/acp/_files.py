@@ -1,0 +1,196 @@
+"""File-style access (open_file/create_file), completion checkers and the async save handle.
+
+``open_file(path)`` reads the newest pooled bytes of a path, else the file. ``create_file(path)``
+buffers ``write``s and, on ``close``, stores the bytes in the pool (persisted in the background) or,
+without a daemon, writes the file atomically; ``drop`` discards them and deletes the file.
+``register_checker`` watches directories on a thread and calls ``callback(0 | 1, user_context)``.
+``async_save`` saves like ``save`` and returns a handle whose ``wait`` re-raises a persistence failure.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from ..errors import CheckpointError, ConfigError, ServerUnavailable
+from . import _storage, api
+
+__all__ = ["open_file", "create_file", "register_checker", "async_save", "SaveHandle"]
+
+log = logging.getLogger(__name__)
+
+
+class _ReadableFileWrapper:
+    def __init__(self, path: str):
+        self.path = path
+        self._data = api._pooled(path)
+        if self._data is None:
+            with open(path, "rb") as f:
+                self._data = f.read()
+        self.size = len(self._data)
+
+    def read(self, offset: int = 0, count: int = -1) -> bytes:
+        if self._data is None:
+            raise ValueError(f"{self.path} is closed")
+        if count == -1:
+            count = self.size - offset
+        if not (0 <= offset <= self.size and 0 <= count and offset + count <= self.size) or (
+                self.size and offset == self.size and count):
+            raise ValueError(f"read(offset={offset}, count={count}) outside {self.path} ({self.size} bytes): "
+                             "need 0 <= offset, 0 < count, offset + count <= file size")
+        return bytes(self._data[offset: offset + count])
+
+    def close(self) -> None:
+        self._data = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _WriteableFileWrapper:
+    def __init__(self, path: str, mode: int):
+        self.path, self.mode = path, mode
+        self._chunks: list[bytes] | None = []
+
+    def write(self, data) -> int:
+        if self._chunks is None:
+            raise ValueError(f"{self.path} is closed")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"write() takes bytes, not {type(data).__name__}")
+        self._chunks.append(bytes(data))
+        return len(data)
+
+    def drop(self) -> None:
+        """Discard what was written and delete the file (from the pool and from storage)."""
+        self._chunks = None
+        empty = _WriteableFileWrapper(self.path, self.mode)
+        empty._store()      # a newer empty version supersedes any pooled one ...
+        for p in (self.path, _storage.marker_path(self.path)):
+            try:
+                os.unlink(p)  # ... and the file itself goes away
+            except FileNotFoundError:
+                pass
+
+    def _store(self) -> int:
+        data = b"".join(self._chunks or [])
+        client = api._get_client()
+        if client is not None:
+            try:
+                client.save_image(len(data), lambda buf, copy: copy(buf, 0, data) if data else None,
+                                  [self.path], kind="raw", mode=self.mode)
+                return 1
+            except (api.PoolFull, ServerUnavailable) as exc:
+                api._note_fallback("direct write", str(exc))
+        _storage.atomic_write(self.path, [data], mode=self.mode)
+        return 2
+
+    def close(self) -> None:
+        if self._chunks is not None:
+            self._store()
+            self._chunks = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.close()
+        else:
+            self._chunks = None
+
+
+def open_file(path) -> _ReadableFileWrapper:
+    return _ReadableFileWrapper(os.path.abspath(os.fspath(path)))
+
+
+def create_file(path, mode: int = 0o600) -> _WriteableFileWrapper:
+    if not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ConfigError(f"create_file mode={mode!r}: expected an int in [0o000, 0o777]")
+    return _WriteableFileWrapper(api._target(path), mode)
+
+
+def _count_files(directory: str) -> int:
+    try:
+        return sum(1 for e in os.scandir(directory)
+                   if e.is_file(follow_symlinks=False) and not _storage.is_internal_name(e.name))
+    except FileNotFoundError:
+        return -1
+
+
+def register_checker(callback, check_dict, user_context, timeout_sec):
+    """Call ``callback(0, user_context)`` once every directory holds its file count on storage (all
+    persisted), or ``callback(1, user_context)`` after ``timeout_sec``. Returns 1, or None on bad input."""
+    if not callable(callback) or not isinstance(check_dict, dict) or not check_dict:
+        log.error("register_checker: need a callable and a non-empty {directory: file_count} dict")
+        return None
+    if not isinstance(timeout_sec, (int, float)) or not 1 <= timeout_sec <= 3600:
+        log.error("register_checker: timeout_sec=%r outside [1, 3600]", timeout_sec)
+        return None
+    dirs = {os.path.abspath(d): int(n) for d, n in check_dict.items()}
+
+    def watch():
+        deadline = time.monotonic() + timeout_sec
+        while True:
+            ok = all(_count_files(d) == n and not any(_storage.is_internal_name(x) for x in os.listdir(d))
+                     for d, n in dirs.items() if os.path.isdir(d)) and all(os.path.isdir(d) for d in dirs)
+            if ok or time.monotonic() >= deadline:
+                if not ok:
+                    log.error("watching checkpoint failed: %s not complete after %s s", dirs, timeout_sec)
+                try:
+                    callback(0 if ok else 1, user_context)
+                except Exception:
+                    log.exception("register_checker callback raised")
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="mindio-acp-checker", daemon=True).start()
+    return 1
+
+
+class SaveHandle:
+    """Completion of one async_save: ``done()`` polls, ``wait(timeout)`` blocks and re-raises failures."""
+
+    def __init__(self, paths: list, seqs: list, rc: int):
+        self.paths, self.seqs, self.rc = paths, seqs, rc
+        self._final: list | None = None if seqs else []
+
+    def _check(self, entries: list) -> bool:
+        busy = [e for e in entries if e["state"] in ("pending", "persisting")]
+        failed = [e for e in entries if e["state"] in ("failed", "unknown")]
+        if failed:
+            raise CheckpointError(f"persisting {[e.get('path', e['seq']) for e in failed]} failed: "
+                                  f"{[e.get('error', 'daemon lost it') for e in failed]}")
+        if not busy:
+            self._final = entries
+        return not busy
+
+    def done(self) -> bool:
+        if self._final is not None:
+            return True
+        return self.wait(timeout=0, _raise_timeout=False)
+
+    def wait(self, timeout: float | None = None, _raise_timeout: bool = True) -> bool:
+        if self._final is not None:
+            return True
+        client = api._get_client()
+        if client is None:
+            raise CheckpointError(f"cannot learn whether {self.paths} persisted: daemon unavailable")
+        limit = 3600.0 if timeout is None else float(timeout)
+        reply = client.side_request({"op": "wait", "seqs": self.seqs, "timeout": limit}, limit)
+        finished = self._check(reply["entries"])
+        if not finished and _raise_timeout:
+            raise TimeoutError(f"{self.paths} not persisted within {limit} s")
+        return finished
+
+
+def async_save(obj, path, open_way: str = "memfs") -> SaveHandle:
+    """Save (blocking only for the copy into memory) and return a handle on the persistence."""
+    target = api._target(path)
+    rc, seqs = api._save(obj, [target], open_way)
+    if rc == -1:
+        raise CheckpointError(f"saving {target} failed on every path; see the log")
+    return SaveHandle([target], seqs, rc)

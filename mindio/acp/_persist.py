@@ -1,0 +1,248 @@
+"""The daemon's persistence workers, retry policy, unserviceable state and crash recovery.
+
+A worker takes the oldest ready pending entry, computes its checksums (format.checksummed_header),
+writes it atomically next to its target (mindio.acp._storage.atomic_write), removes the in-progress
+marker when no newer version is waiting, and journals the completion. Workers run at nice 19 and the
+lowest best-effort I/O priority so the trainer keeps its CPU.
+
+Failures: each entry gets MINDIO_ACP_PERSIST_RETRIES attempts with exponential back-off; then it is
+FAILED (its bytes stay in the pool, retried every 5 s) and counts as one storage failure. After
+MINDIO_ACP_UNSERVICEABLE_AFTER consecutive failures the daemon is unserviceable: ``alloc`` refuses
+and clients fall back to writing storage themselves. The first success clears the state.
+
+Recovery: a restarted daemon reads the journal's unfinished commits. Each whose bytes are still in
+the old pool file (/dev/shm survives a daemon's death) and whose header verifies is persisted again;
+every other one is appended to ``lost.jsonl`` by path and reported to clients by ``initialize()``.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+
+from .. import _knobs, _logging
+from . import format as fmt
+from ._state import FAILED, PENDING, PERSISTED, PERSISTING, SUPERSEDED, Entry, Region
+from ._storage import atomic_write, remove_marker
+
+__all__ = ["Persister"]
+
+log = logging.getLogger(__name__)
+_FAILED_RETRY_S = 5.0
+
+
+class Persister:
+    def __init__(self, daemon):
+        self.d = daemon
+        self.queue: list[Entry] = []
+        self.unserviceable = False
+        self._consecutive = 0
+        self._retries = _knobs.get("MINDIO_ACP_PERSIST_RETRIES")
+        self._threshold = _knobs.get("MINDIO_ACP_UNSERVICEABLE_AFTER")
+        self._path_locks: dict[str, threading.Lock] = {}
+        self._stats = {"persisted": 0, "persist_failures": 0, "bytes_persisted": 0}
+        self._workers: list[threading.Thread] = []
+
+    # ---- scheduling -----------------------------------------------------------------------------
+    def start(self, n: int) -> None:
+        for i in range(n):
+            t = threading.Thread(target=self._work, name=f"persist-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+
+    def enqueue(self, entry: Entry) -> None:
+        self.queue.append(entry)   # caller holds the daemon lock and notifies
+
+    def health(self) -> str:
+        return "unserviceable" if self.unserviceable else "ok"
+
+    def counters(self) -> dict:
+        return dict(self._stats, queued=len(self.queue))
+
+    @staticmethod
+    def lower_priority() -> None:
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.syscall(251, 1, tid, (2 << 13) | 7)   # ioprio_set(WHO_PROCESS, tid, BE class, level 7)
+        except (OSError, AttributeError):
+            pass
+
+    def _take(self):
+        lock = self.d.lock
+        with lock:
+            while True:
+                now = time.monotonic()
+                for i, entry in enumerate(self.queue):
+                    if entry.state == SUPERSEDED:
+                        self.queue.pop(i)
+                        break
+                    if entry.not_before <= now and self._path_lock(entry.path).acquire(blocking=False):
+                        self.queue.pop(i)
+                        entry.state = PERSISTING
+                        return entry
+                else:
+                    if self._draining and not any(e.state == PENDING for e in self.queue):
+                        return None
+                    lock.wait(0.5)
+
+    _draining = False
+
+    def _path_lock(self, path: str) -> threading.Lock:
+        return self._path_locks.setdefault(path, threading.Lock())
+
+    def _work(self) -> None:
+        self.lower_priority()
+        while True:
+            entry = self._take()
+            if entry is None:
+                return
+            try:
+                result = self._write(entry)
+            finally:
+                self._path_lock(entry.path).release()
+            self._finish(entry, result)
+
+    def drain(self, timeout: float = 600.0) -> None:
+        """Let the workers finish every pending entry (bounded), then return."""
+        with self.d.lock:
+            self._draining = True
+            self.d.lock.notify_all()
+        deadline = time.monotonic() + timeout
+        for t in self._workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    # ---- one file -------------------------------------------------------------------------------
+    def _write(self, entry: Entry):
+        region = entry.region
+        try:
+            if entry.kind == "acp":
+                header = fmt.checksummed_header(region.view, name=entry.path)
+                chunks = [header, region.view[len(header):]]
+            else:
+                chunks = [region.view]
+            st = atomic_write(entry.path, chunks, mode=entry.mode, tag=str(entry.seq))
+            return [st.st_ino, st.st_mtime_ns, st.st_size]
+        except Exception as exc:  # storage errors of every kind are handled by the retry policy
+            return exc
+
+    def _finish(self, entry: Entry, result) -> None:
+        d = self.d
+        with d.lock:
+            if isinstance(result, list):
+                entry.stat, entry.error = result, ""
+                self._stats["persisted"] += 1
+                self._stats["bytes_persisted"] += entry.region.size
+                if self.unserviceable:
+                    log.warning("storage works again (%s persisted): daemon serviceable", entry.path)
+                self.unserviceable, self._consecutive = False, 0
+                d.journal.append({"d": entry.seq}, sync=False)
+                newest = d.entries.get(entry.path) is entry
+                if newest:
+                    entry.state = PERSISTED
+                    if not any(e.path == entry.path for e in self.queue):
+                        remove_marker(entry.path)
+                else:
+                    entry.state = SUPERSEDED
+                    entry.region.refs -= 1
+                    entry.region.maybe_free()
+            else:
+                self._failed(entry, result)
+            d.lock.notify_all()
+
+    def _failed(self, entry: Entry, exc: Exception) -> None:
+        entry.attempts += 1
+        entry.error = f"{type(exc).__name__}: {exc}"
+        if entry.attempts < self._retries:
+            entry.state, entry.not_before = PENDING, time.monotonic() + 0.2 * 2 ** entry.attempts
+        else:
+            entry.state, entry.not_before = FAILED, time.monotonic() + _FAILED_RETRY_S
+            if entry.attempts == self._retries:
+                self._stats["persist_failures"] += 1
+                self._consecutive += 1
+                log.error("persisting %s failed %d times (%s); its data stays in memory and is retried "
+                          "every %.0f s", entry.path, entry.attempts, entry.error, _FAILED_RETRY_S)
+                _logging.event("acp_persist_failed", path=entry.path, error=entry.error)
+                if self._consecutive >= self._threshold and not self.unserviceable:
+                    self.unserviceable = True
+                    log.error("ALARM: %d consecutive storage failures: daemon unserviceable, clients will "
+                              "write storage directly until it recovers", self._consecutive)
+                    _logging.event("acp_unserviceable", failures=self._consecutive)
+        self.queue.append(entry)
+
+    # ---- recovery -------------------------------------------------------------------------------
+    def recover(self, records: list) -> list:
+        """Re-install unfinished commits from a previous daemon; returns the records still pending."""
+        maps: dict = {}
+        newest: dict = {}
+        for rec in records:
+            if rec["path"] not in newest or rec["c"] > newest[rec["path"]]["c"]:
+                newest[rec["path"]] = rec
+        kept = []
+        for rec in sorted(newest.values(), key=lambda r: r["c"]):
+            try:
+                view = self._recovered_view(rec, maps)
+                if rec["kind"] == "acp":
+                    fmt.header_info(view, name=rec["path"])
+            except Exception as exc:
+                self._lost(rec, f"{type(exc).__name__}: {exc}")
+                continue
+            region = Region(rec["file"], rec["off"], rec["size"], view, self._release_recovered(maps))
+            entry = Entry(rec["c"], rec["path"], region, rec["kind"], rec.get("mode", 0o644))
+            region.refs += 1
+            self.d.entries[entry.path] = entry
+            self.d.by_seq[entry.seq] = entry
+            self.d._last_seq = max(self.d._last_seq, entry.seq)
+            self.enqueue(entry)
+            kept.append(rec)
+            log.warning("recovered unpersisted checkpoint %s from %s; persisting it now", rec["path"], rec["file"])
+        return kept
+
+    @staticmethod
+    def _recovered_view(rec: dict, maps: dict) -> memoryview:
+        path = rec["file"]
+        if path not in maps:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                maps[path] = [mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED), 0]
+            finally:
+                os.close(fd)
+        mm = maps[path][0]
+        if rec["off"] + rec["size"] > len(mm):
+            raise ValueError(f"pool file {path} is shorter than the recorded region")
+        maps[path][1] += 1
+        return memoryview(mm)[rec["off"]: rec["off"] + rec["size"]]
+
+    @staticmethod
+    def _release_recovered(maps: dict):
+        def release(region: Region) -> None:
+            entry = maps[region.file]
+            entry[1] -= 1
+            if entry[1] == 0:
+                try:
+                    os.unlink(region.file)   # last recovered region of an old pool: drop the file
+                except OSError:
+                    pass
+        return release
+
+    def _lost(self, rec: dict, reason: str) -> None:
+        record = {"path": rec["path"], "seq": rec["c"], "reason": reason, "time": time.time()}
+        with open(os.path.join(self.d.dir, "lost.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        log.error("acknowledged checkpoint %s (seq %d) is LOST: %s; its previous version on storage is intact",
+                  rec["path"], rec["c"], reason)
+        _logging.event("acp_lost", path=rec["path"], reason=reason)
+
+    def lost_records(self) -> list:
+        try:
+            with open(os.path.join(self.d.dir, "lost.jsonl")) as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except (FileNotFoundError, ValueError):
+            return []

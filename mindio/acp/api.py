@@ -1,0 +1,314 @@
+"""The ACP functions with the reference's names, arguments and return codes.
+
+save/multi_save return 1 (kept in the memory pool, persisted in the background), 2 (written to
+storage directly: open_way='fopen', daemon absent/full/unserviceable), 0 (fell back to torch.save:
+the object cannot be expressed in the mindio format) or -1 / None (failed; the reason is logged).
+Every fallback is logged once per process and counted (``fallback_counts()``).
+
+load reads the newest pooled version of a path when the daemon has one (zero-copy, copy-on-write),
+otherwise the file: a mindio container (verified) or a plain torch.save file (torch.load).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from .. import _knobs
+from ..errors import CheckpointError, ConfigError, ServerUnavailable
+from . import _config, _storage
+from . import format as fmt
+from .client import Client, PoolFull
+
+__all__ = ["initialize", "save", "multi_save", "load", "preload", "flush", "convert",
+           "fallback_counts", "lost_checkpoints", "server_stat", "shutdown_server", "reset"]
+
+log = logging.getLogger(__name__)
+
+_lock = threading.RLock()
+_client: Client | None = None
+_cfg: _config.ServerConfig | None = None
+_server_info: dict | None = None
+_retry_after = 0.0
+_counts: dict = {}
+_lost: list = []
+
+
+def _note_fallback(kind: str, why: str) -> None:
+    _counts[kind] = _counts.get(kind, 0) + 1
+    if _counts[kind] == 1:
+        log.warning("checkpoint fallback to %s: %s (logged once; see mindio.acp.fallback_counts())", kind, why)
+
+
+def fallback_counts() -> dict:
+    """How many saves took each fallback path in this process."""
+    return dict(_counts)
+
+
+def lost_checkpoints() -> list:
+    """Acknowledged saves a crashed daemon could not persist: [{path, seq, reason, time}]."""
+    return list(_lost)
+
+
+def initialize(server_info: dict | None = None) -> int:
+    """Validate ``server_info``, start or reach the daemon, map its pool. 0 ok, -1 failure (logged).
+
+    Raises ConfigError for unknown keys or out-of-range values.
+    """
+    global _client, _cfg, _server_info
+    cfg = _config.parse_server_info(server_info)
+    with _lock:
+        _cfg, _server_info = cfg, dict(server_info or {})
+        if _knobs.get("MINDIO_ACP_DISABLE"):
+            log.info("MINDIO_ACP_DISABLE=1: checkpoints are written to storage directly")
+            return 0
+        if _client is not None and _client.alive():
+            return 0
+        try:
+            _client = Client(cfg, _config.runtime_dir(), server_info)
+            _client.connect()
+        except (ServerUnavailable, OSError) as exc:
+            log.error("mindio.acp.initialize failed: %s; saves will write storage directly", exc)
+            _client = None
+            return -1
+        for rec in _client.request({"op": "lost"})["lost"]:
+            if rec not in _lost:
+                _lost.append(rec)
+                log.error("checkpoint %s was acknowledged but LOST when the daemon died (%s); the previous "
+                          "version of that file, if any, is intact", rec["path"], rec["reason"])
+    return 0
+
+
+def _get_client() -> Client | None:
+    """The connected client, (re)connecting when needed; None means 'write storage directly'."""
+    global _client, _retry_after
+    with _lock:
+        if _client is not None and _client.alive():
+            return _client
+        if _knobs.get("MINDIO_ACP_DISABLE") or time.monotonic() < _retry_after:
+            return None
+        if _client is not None and _client.pid != os.getpid():
+            _client = None            # forked child: never share the parent's socket
+        if initialize(_server_info) != 0:
+            _retry_after = time.monotonic() + 10.0
+            return None
+        return _client
+
+
+def _target(path) -> str:
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"cannot save {path}: directory {parent} does not exist")
+    return path
+
+
+def _check_way(open_way: str) -> None:
+    if open_way not in ("memfs", "fopen"):
+        raise ConfigError(f"open_way={open_way!r}: expected 'memfs' or 'fopen'")
+
+
+def _save(obj, paths: list, open_way: str):
+    _check_way(open_way)
+    try:
+        plan = fmt.plan(obj)
+    except Exception as exc:  # unsupported object: torch.save can still store it
+        _note_fallback("torch.save", f"object not expressible in the mindio format ({exc})")
+        return _torch_save(obj, paths), []
+    client = _get_client() if open_way == "memfs" else None
+    if client is not None:
+        try:
+            return 1, client.save_image(plan.total_len, plan.write_into, paths)
+        except (PoolFull, ServerUnavailable) as exc:
+            _note_fallback("direct write", str(exc))
+    elif open_way == "memfs":
+        _note_fallback("direct write", "mindio-acp-server unavailable or disabled")
+    try:
+        for path in paths:
+            _storage.atomic_write(path, plan.file_chunks())
+        return 2, []
+    except OSError as exc:
+        _note_fallback("torch.save", f"direct write failed: {exc}")
+        return _torch_save(obj, paths), []
+
+
+def _torch_save(obj, paths: list) -> int:
+    import torch
+
+    try:
+        for path in paths:
+            head, tail = os.path.split(path)
+            tmp = os.path.join(head, f".{tail}.mindio-tmp.{os.getpid()}")
+            torch.save(obj, tmp)
+            os.replace(tmp, path)
+        return 0
+    except Exception as exc:
+        log.error("saving %s failed on every path (memory pool, direct write, torch.save): %s", paths, exc)
+        return -1
+
+
+def save(obj, path, open_way: str = "memfs") -> int:
+    """Save ``obj`` to ``path``. Returns 1 (memory pool), 2 (direct write), 0 (torch.save), -1 (failed)."""
+    try:
+        rc, _ = _save(obj, [_target(path)], open_way)
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        return -1
+    return rc
+
+
+def multi_save(obj, path_list):
+    """Save one object to several paths (one copy in the pool). Returns 1/2/0 like save, None on failure."""
+    if not isinstance(path_list, (list, tuple)) or not path_list:
+        raise ConfigError("multi_save: path_list must be a non-empty list of file paths")
+    try:
+        rc, _ = _save(obj, [_target(p) for p in path_list], "memfs")
+    except FileNotFoundError as exc:
+        log.error("%s", exc)
+        return None
+    return None if rc == -1 else rc
+
+
+def _pooled(path: str):
+    client = _get_client()
+    if client is None:
+        return None
+    try:
+        found = client.open_region(path)
+    except (ServerUnavailable, OSError):
+        return None
+    if found is None:
+        return None
+    mm, reply = found
+    if reply["persisted"] and reply["stat"]:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None       # deleted behind mindio's back
+        if [st.st_ino, st.st_mtime_ns, st.st_size] != list(reply["stat"]):
+            return None       # replaced behind mindio's back: the file on storage is newer
+    return mm
+
+
+def load(path, open_way: str = "memfs", map_location=None, weights_only: bool = True):
+    """Load what ``save`` or ``torch.save`` wrote to ``path``; newest pooled version first."""
+    _check_way(open_way)
+    path = os.path.abspath(os.fspath(path))
+    if open_way == "memfs":
+        mm = _pooled(path)
+        if mm is not None:
+            if fmt.is_container(mm[:8]):
+                return fmt.load_buffer(mm, path, weights_only=weights_only, map_location=map_location)
+            return _torch_load_bytes(bytes(mm), map_location, weights_only)
+    return _load_storage(path, map_location, weights_only)
+
+
+def _torch_load_bytes(data: bytes, map_location, weights_only):
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+
+
+def _load_storage(path: str, map_location, weights_only):
+    import torch
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if not fmt.is_container(head):
+            f.close()
+            return torch.load(path, map_location=map_location, weights_only=weights_only)
+        size = os.fstat(f.fileno()).st_size
+        buf = torch.empty(size, dtype=torch.uint8).numpy()
+        f.seek(0)
+        got = f.readinto(memoryview(buf))
+    return fmt.load_buffer(buf[:got], path, weights_only=weights_only, map_location=map_location)
+
+
+def preload(*paths) -> int:
+    """Copy files from storage into the pool so later loads hit memory. 0 ok, 1 failure."""
+    client = _get_client()
+    if client is None or not paths:
+        return 1
+    try:
+        for path in paths:
+            path = os.path.abspath(os.fspath(path))
+            st = os.stat(path)
+            obj = _load_storage(path, None, False)
+            plan = fmt.plan(obj)
+            client.save_image(plan.total_len, plan.write_into, [path], kind="cache",
+                              stat=[st.st_ino, st.st_mtime_ns, st.st_size])
+    except Exception as exc:
+        log.error("preload of %s failed: %s", paths, exc)
+        return 1
+    return 0
+
+
+def flush(timeout: float = 3600.0) -> int:
+    """Wait until everything saved so far is on storage. 0 ok, 1 some file could not be persisted."""
+    client = _get_client()
+    if client is None:
+        return 0   # nothing is held in memory when there is no daemon
+    try:
+        reply = client.side_request({"op": "flush", "timeout": timeout}, timeout)
+    except ServerUnavailable as exc:
+        log.error("flush failed: %s", exc)
+        return 1
+    if reply["failed"] or reply["pending"]:
+        log.error("flush: %d file(s) could not be persisted yet: %s (still %d pending); their data stays in "
+                  "memory and the daemon keeps retrying", len(reply["failed"]), reply["failed"], reply["pending"])
+        return 1
+    return 0
+
+
+def convert(src, dst) -> int:
+    """Write ``src`` (any checkpoint load() reads) to ``dst`` as a plain torch.save file. 0 ok, -1 failure."""
+    import torch
+
+    try:
+        for p in (src, dst):
+            if os.path.islink(p):
+                raise CheckpointError(f"{p} is a symbolic link; convert refuses links")
+        obj = load(src, weights_only=False)
+        dst = os.path.abspath(os.fspath(dst))
+        head, tail = os.path.split(dst)
+        tmp = os.path.join(head, f".{tail}.mindio-tmp.{os.getpid()}")
+        torch.save(obj, tmp)
+        os.replace(tmp, dst)
+        return 0
+    except Exception as exc:
+        log.error("convert %s -> %s failed: %s", src, dst, exc)
+        return -1
+
+
+def server_stat() -> dict:
+    """The daemon's counters (entries by state, free pool bytes, persisted bytes, health)."""
+    client = _get_client()
+    if client is None:
+        raise ServerUnavailable("no mindio-acp-server connected")
+    return client.request({"op": "stat"})
+
+
+def shutdown_server() -> None:
+    """Ask the daemon to persist what it holds and exit (tests and admin tools), then disconnect."""
+    global _client
+    with _lock:
+        if _client is not None and _client.alive():
+            try:
+                _client.request({"op": "shutdown"})
+            except ServerUnavailable:
+                pass
+            _client.close()
+        _client = None
+
+
+def reset() -> None:
+    """Forget this process's connection and settings (the daemon keeps running)."""
+    global _client, _cfg, _server_info, _retry_after
+    with _lock:
+        if _client is not None:
+            _client.close()
+        _client, _cfg, _server_info, _retry_after = None, None, None, 0.0
+        _counts.clear()

@@ -1,0 +1,195 @@
+"""A training process's side of the checkpoint store: daemon connection, pool mapping, leases.
+
+One ``Client`` per process (re-created after fork). ``connect`` reaches the daemon of the runtime
+directory, starting it if absent (``mindio-acp-server --detach``: double fork + setsid, so it
+outlives the trainer; its lock file makes concurrent starts safe), maps the pool once and faults the
+mapping in, so that a save is a memcpy into warm pages.
+
+``save_image`` = alloc -> copy -> commit. ``open_region`` returns a private (copy-on-write) mapping
+of a committed region and holds a lease on it until the mapping is garbage collected, so the
+daemon cannot reuse those bytes while tensors view them. Every request has a deadline; a daemon that
+stops answering raises ServerUnavailable and the caller falls back to storage.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+from .. import _native
+from ..errors import ServerUnavailable
+from . import _config, _wire
+
+__all__ = ["Client", "PoolFull"]
+
+log = logging.getLogger(__name__)
+_MADV_POPULATE_WRITE = 23
+_START_TIMEOUT_S = 60.0
+
+
+class PoolFull(Exception):
+    """The daemon has no room (or is unserviceable): the caller should write storage directly."""
+
+
+class Client:
+    def __init__(self, cfg: _config.ServerConfig, run_dir: str, server_info: dict | None):
+        self.cfg, self.dir, self.server_info = cfg, run_dir, server_info or {}
+        self.pid = os.getpid()
+        self._lock = threading.RLock()
+        self._sock = None
+        self._releases: list[int] = []
+        self.pool = None
+        self.hello: dict = {}
+
+    # ---- connection -----------------------------------------------------------------------------
+    @property
+    def sock_path(self) -> str:
+        return os.path.join(self.dir, "acp.sock")
+
+    def _dial(self, timeout: float = 10.0) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(self.sock_path)
+        except OSError:
+            s.close()
+            raise
+        return s
+
+    def connect(self) -> None:
+        """Reach (or start) the daemon and map its pool; raises ServerUnavailable on failure."""
+        try:
+            self._sock = self._dial()
+        except OSError:
+            self._start_daemon()
+        self.hello = self.request({"op": "hello"})
+        theirs = self.hello["config"]
+        if theirs["pool_bytes"] != self.cfg.pool_bytes or theirs["block_bytes"] != self.cfg.block_bytes:
+            log.warning("mindio-acp-server in %s already runs with a %d MiB pool of %d MiB blocks; "
+                        "this process's server_info asked for %d MiB / %d MiB and is not applied",
+                        self.dir, theirs["pool_bytes"] >> 20, theirs["block_bytes"] >> 20,
+                        self.cfg.pool_bytes >> 20, self.cfg.block_bytes >> 20)
+        self._map_pool(self.hello["pool"], self.hello["pool_bytes"])
+
+    def _start_daemon(self) -> None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        env = dict(os.environ, MINDIO_ACP_DIR=self.dir)
+        cmd = [sys.executable, "-m", "mindio.acp.server", "--dir", self.dir,
+               "--config", json.dumps(self.server_info), "--detach"]
+        try:
+            subprocess.run(cmd, env=env, timeout=_START_TIMEOUT_S, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        except (subprocess.SubprocessError, OSError) as exc:
+            raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: {exc}") from exc
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            try:
+                self._sock = self._dial()
+                log.info("started mindio-acp-server (runtime dir %s)", self.dir)
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise ServerUnavailable(
+                        f"mindio-acp-server did not come up in {self.dir} within {_START_TIMEOUT_S:.0f} s; "
+                        f"see {os.path.join(self.dir, 'server.log')}") from None
+                time.sleep(0.05)
+
+    def _map_pool(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.pool = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        try:
+            self.pool.madvise(_MADV_POPULATE_WRITE)   # page tables in place: saves never fault
+        except OSError:
+            _native.touch_pages(self.pool, write=False)
+        self.view = memoryview(self.pool)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def alive(self) -> bool:
+        return self._sock is not None and os.getpid() == self.pid
+
+    def request(self, message: dict, timeout: float = 30.0) -> dict:
+        """One request/reply on the shared connection (queued lease releases ride along first)."""
+        with self._lock:
+            if self._sock is None:
+                raise ServerUnavailable(f"not connected to mindio-acp-server in {self.dir}")
+            try:
+                self._sock.settimeout(timeout)
+                if self._releases:
+                    leases, self._releases = self._releases, []
+                    _wire.send(self._sock, {"op": "release", "leases": leases})
+                    _wire.recv(self._sock)
+                _wire.send(self._sock, message)
+                reply = _wire.recv(self._sock)
+            except (OSError, ConnectionError) as exc:
+                self._sock.close()
+                self._sock = None
+                raise ServerUnavailable(f"mindio-acp-server in {self.dir} stopped answering: {exc}") from exc
+        if not reply.get("ok"):
+            if reply.get("full") or reply.get("unserviceable"):
+                raise PoolFull(reply.get("error", "pool unavailable"))
+            raise ServerUnavailable(f"mindio-acp-server refused {message.get('op')}: {reply.get('error')}")
+        return reply
+
+    def side_request(self, message: dict, timeout: float) -> dict:
+        """A request on a fresh connection, for long waits that must not block saves."""
+        try:
+            with self._dial(timeout + 10) as s:
+                _wire.send(s, message)
+                reply = _wire.recv(s)
+        except (OSError, ConnectionError) as exc:
+            raise ServerUnavailable(f"mindio-acp-server in {self.dir} stopped answering: {exc}") from exc
+        if not reply.get("ok"):
+            raise ServerUnavailable(f"mindio-acp-server refused {message.get('op')}: {reply.get('error')}")
+        return reply
+
+    # ---- data -----------------------------------------------------------------------------------
+    def save_image(self, size: int, write, paths: list, kind: str = "acp", mode: int = 0o644, stat=None) -> list:
+        """Allocate ``size`` bytes, let ``write(buffer, copy)`` fill them, commit under ``paths``."""
+        reply = self.request({"op": "alloc", "size": size})
+        alloc, offset = reply["alloc"], reply["offset"]
+        try:
+            write(self.view[offset: offset + size], self._copy)
+        except BaseException:
+            try:
+                self.request({"op": "abort", "alloc": alloc})
+            except ServerUnavailable:
+                pass
+            raise
+        return self.request({"op": "commit", "alloc": alloc, "paths": paths, "kind": kind,
+                             "mode": mode, "stat": stat})["seqs"]
+
+    def _copy(self, dst, offset: int, src) -> None:
+        _native.copy_into(dst, offset, src, self.cfg.copy_threads(), self.cfg.slice_bytes)
+
+    def open_region(self, path: str):
+        """(private mapping, lookup reply) of the newest pooled version of ``path``, or None."""
+        reply = self.request({"op": "lookup", "path": path})
+        if not reply["hit"]:
+            return None
+        try:
+            fd = os.open(reply["file"], os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, reply["size"], flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=reply["offset"])
+            finally:
+                os.close(fd)
+        except BaseException:
+            self._releases.append(reply["lease"])
+            raise
+        weakref.finalize(mm, self._releases.append, reply["lease"])
+        return mm, reply

@@ -1,0 +1,287 @@
+"""The mindio checkpoint container: the only module that knows its bytes.
+
+Layout (all integers little-endian)::
+
+    [0, 64)              preamble: magic b"MINDIOCK", version u16, flags u16, n_storages u32,
+                         meta_len u64, table_off u64, data_off u64, total_len u64,
+                         meta_crc u32, table_crc u32, reserved u32, preamble_crc u32 (CRC-32 of bytes 0..59)
+    [64, 64+meta_len)    meta: msgpack {"skeleton": pickle bytes, "tensors": [...], "storages": n}
+    [table_off, +24*n)   storage table: n x (offset u64, nbytes u64, crc32 u32, reserved u32)
+    [data_off, total_len) storage bytes; data_off is page aligned, each storage 64-byte aligned
+
+A file is written in two steps. ``Plan.write_into`` fills a buffer (a pool region) with flags = 0 and
+zero storage CRCs: that is the cheap, blocking part of a save. ``checksummed_header`` computes the
+per-storage CRCs later (in the daemon, off the trainer's path) and returns the first ``data_off``
+bytes with the table CRCs filled in and ``FLAG_CHECKSUMS`` set; the persisted file is that header
+followed by the unchanged data. ``load_buffer`` verifies preamble, meta and table always, and every
+storage's CRC when the flag is set; any mismatch raises CorruptCheckpoint naming the file.
+
+The object skeleton is a pickle in which every tensor is replaced by a persistent id (an index into
+meta["tensors"]); storages are shared exactly as torch.save shares them. Loading with
+``weights_only=True`` (the default) uses a restricted unpickler that only rebuilds plain containers,
+tensors, dtypes, devices and numpy arrays; it never imports or calls anything else.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from dataclasses import dataclass, field
+
+import msgpack
+
+from .. import _native
+from ..errors import CorruptCheckpoint
+
+__all__ = ["MAGIC", "VERSION", "FLAG_CHECKSUMS", "HEADER_SIZE", "Plan", "plan", "is_container",
+           "checksummed_header", "load_buffer", "header_info"]
+
+MAGIC = b"MINDIOCK"
+VERSION = 1
+FLAG_CHECKSUMS = 1
+_PRE = struct.Struct("<8sHHIQQQQIII")  # 60 bytes, then preamble_crc u32
+HEADER_SIZE = 64
+_ENTRY = struct.Struct("<QQII")
+_PAGE = 4096
+_ALIGN = 64
+
+
+def _round(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Plan:
+    """What a save will write: computed from the object before any byte is copied."""
+
+    header: bytes                      # preamble + meta + table (zero CRCs), exactly data_off bytes long
+    storages: list = field(default_factory=list)  # [(uint8 CPU tensor, offset from data_off)]
+    data_off: int = 0
+    total_len: int = 0
+
+    def write_into(self, buf, copy=None) -> None:
+        """Write the whole file image into ``buf`` (len >= total_len); ``copy(dst, off, src)`` moves bytes."""
+        copy = copy or (lambda dst, off, src: _native.copy_into(dst, off, src))
+        view = memoryview(buf).cast("B")
+        view[: len(self.header)] = self.header
+        for src, off in self.storages:
+            if src.numel():
+                copy(view, self.data_off + off, src.numpy())
+
+
+    def file_chunks(self):
+        """The checksummed file image as a list of byte chunks (for writing storage directly)."""
+        view = memoryview(self.header)
+        fields = _PRE.unpack_from(view, 0)
+        n, meta_len, table_off = fields[3], fields[4], fields[5]
+        entries, chunks, pos = [], [], 0
+        for src, off in self.storages:
+            data = src.numpy() if src.numel() else b""
+            entries.append(_ENTRY.pack(off, len(data), _native.crc32(data), 0))
+            if off > pos:
+                chunks.append(b"\0" * (off - pos))
+            chunks.append(data)
+            pos = off + len(data)
+        if self.data_off + pos < self.total_len:
+            chunks.append(b"\0" * (self.total_len - self.data_off - pos))
+        table = b"".join(entries)
+        meta = bytes(view[HEADER_SIZE: HEADER_SIZE + meta_len])
+        header = bytearray(self.header)
+        header[:HEADER_SIZE] = _preamble(FLAG_CHECKSUMS, n, meta, table_off, self.data_off, self.total_len, table)
+        header[table_off: table_off + len(table)] = table
+        return [bytes(header)] + chunks
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, f, tensors, storages):
+        super().__init__(f, protocol=4)
+        self._tensors, self._storages = tensors, storages
+
+    def persistent_id(self, obj):
+        import torch
+
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"tensor subclass {type(obj).__name__} is not supported by the mindio format")
+        if obj.layout != torch.strided or obj.is_quantized:
+            raise TypeError(f"{obj.layout} tensors are not supported by the mindio format")
+        st = obj.untyped_storage()
+        key = (st.device.type, st.device.index, st.data_ptr(), st.nbytes())
+        if key not in self._storages:
+            self._storages[key] = (len(self._storages), st)
+        index = self._storages[key][0]
+        desc = [index, obj.storage_offset(), list(obj.shape), list(obj.stride()),
+                str(obj.dtype).removeprefix("torch."), bool(obj.requires_grad),
+                isinstance(obj, torch.nn.Parameter), str(obj.device)]
+        self._tensors.append(desc)
+        return ("t", len(self._tensors) - 1)
+
+
+def plan(obj) -> Plan:
+    """Serialize ``obj``'s skeleton and lay out its storages; raises TypeError for unsupported objects."""
+    import torch
+
+    tensors: list = []
+    storages: dict = {}
+    skel = io.BytesIO()
+    _Pickler(skel, tensors, storages).dump(obj)
+    ordered = sorted(storages.values(), key=lambda item: item[0])
+    meta = msgpack.packb({"skeleton": skel.getvalue(), "tensors": tensors, "storages": len(ordered)},
+                         use_bin_type=True)
+    table_off = HEADER_SIZE + len(meta)
+    data_off = _round(table_off + _ENTRY.size * len(ordered), _PAGE)
+    entries, srcs, off = [], [], 0
+    for _, st in ordered:
+        src = torch.empty(0, dtype=torch.uint8)
+        if st.nbytes():
+            cpu = st if st.device.type == "cpu" else st.cpu()
+            src = torch.empty(0, dtype=torch.uint8).set_(cpu, 0, (cpu.nbytes(),), (1,))
+        srcs.append((src, off))
+        entries.append(_ENTRY.pack(off, st.nbytes(), 0, 0))
+        off = _round(off + st.nbytes(), _ALIGN)
+    total = data_off + off
+    table = b"".join(entries)
+    header = _preamble(0, len(ordered), meta, table_off, data_off, total, table) + meta + table
+    header += b"\0" * (data_off - len(header))
+    return Plan(header=header, storages=srcs, data_off=data_off, total_len=total)
+
+
+def _preamble(flags, n, meta, table_off, data_off, total, table) -> bytes:
+    body = _PRE.pack(MAGIC, VERSION, flags, n, len(meta), table_off, data_off, total,
+                     _native.crc32(meta), _native.crc32(table), 0)
+    return body + struct.pack("<I", _native.crc32(body))
+
+
+def is_container(head: bytes) -> bool:
+    """True when ``head`` (the first bytes of a file) starts with the mindio magic."""
+    return bytes(head[:8]) == MAGIC
+
+
+@dataclass
+class _Header:
+    flags: int
+    n: int
+    meta: dict
+    table: list
+    data_off: int
+    total_len: int
+
+
+def _parse(view: memoryview, name) -> _Header:
+    if len(view) < HEADER_SIZE:
+        raise CorruptCheckpoint(name, f"truncated: {len(view)} bytes, shorter than the {HEADER_SIZE}-byte preamble")
+    fields = _PRE.unpack_from(view, 0)
+    magic, version, flags, n, meta_len, table_off, data_off, total, meta_crc, table_crc, _ = fields
+    if magic != MAGIC:
+        raise CorruptCheckpoint(name, "not a mindio checkpoint (bad magic)")
+    (pre_crc,) = struct.unpack_from("<I", view, _PRE.size)
+    if _native.crc32(view[: _PRE.size]) != pre_crc:
+        raise CorruptCheckpoint(name, "preamble checksum mismatch")
+    if version != VERSION:
+        raise CorruptCheckpoint(name, f"format version {version} is not supported (this mindio reads {VERSION})")
+    if total > len(view):
+        raise CorruptCheckpoint(name, f"truncated: {len(view)} bytes, header says {total}")
+    meta = view[HEADER_SIZE: HEADER_SIZE + meta_len]
+    table = view[table_off: table_off + _ENTRY.size * n]
+    if _native.crc32(meta) != meta_crc:
+        raise CorruptCheckpoint(name, "metadata checksum mismatch")
+    if _native.crc32(table) != table_crc:
+        raise CorruptCheckpoint(name, "tensor table checksum mismatch")
+    entries = [_ENTRY.unpack_from(table, i * _ENTRY.size)[:3] for i in range(n)]
+    for off, nbytes, _ in entries:
+        if data_off + off + nbytes > total:
+            raise CorruptCheckpoint(name, "tensor table points past the end of the file")
+    return _Header(flags, n, msgpack.unpackb(meta, raw=False), entries, data_off, total)
+
+
+def header_info(buf, name="<buffer>") -> dict:
+    """Parsed header fields (for tests and tools)."""
+    h = _parse(memoryview(buf).cast("B"), name)
+    return {"flags": h.flags, "storages": h.n, "data_off": h.data_off, "total_len": h.total_len,
+            "crcs": [e[2] for e in h.table]}
+
+
+def checksummed_header(buf, name="<pool>") -> bytes:
+    """Compute every storage CRC of the image in ``buf``; return its header with CRCs and the flag set."""
+    view = memoryview(buf).cast("B")
+    h = _parse(view, name)
+    entries = []
+    for off, nbytes, _ in h.table:
+        start = h.data_off + off
+        entries.append(_ENTRY.pack(off, nbytes, _native.crc32(view[start: start + nbytes]), 0))
+    table = b"".join(entries)
+    meta = bytes(view[HEADER_SIZE: HEADER_SIZE + _PRE.unpack_from(view, 0)[4]])
+    table_off = _PRE.unpack_from(view, 0)[5]
+    out = bytearray(view[: h.data_off])
+    out[:HEADER_SIZE] = _preamble(h.flags | FLAG_CHECKSUMS, h.n, meta, table_off, h.data_off, h.total_len, table)
+    out[table_off: table_off + len(table)] = table
+    return bytes(out)
+
+
+def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, verify: bool = True):
+    """Rebuild the saved object from ``buf`` (a writable buffer the tensors will view, not copy)."""
+    import torch
+
+    from ._unpickle import RestrictedUnpickler
+
+    view = memoryview(buf).cast("B")
+    h = _parse(view, name)
+    storages = []
+    for i, (off, nbytes, crc) in enumerate(h.table):
+        chunk = view[h.data_off + off: h.data_off + off + nbytes]
+        if verify and h.flags & FLAG_CHECKSUMS and _native.crc32(chunk) != crc:
+            raise CorruptCheckpoint(name, f"checksum mismatch in tensor storage {i} ({nbytes} bytes)")
+        storages.append(torch.frombuffer(chunk, dtype=torch.uint8).untyped_storage() if nbytes
+                        else torch.UntypedStorage(0))
+    tensors = h.meta["tensors"]
+    built: dict = {}
+
+    def persistent_load(pid):
+        if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "t" and 0 <= pid[1] < len(tensors)):
+            raise CorruptCheckpoint(name, f"bad tensor reference {pid!r}")
+        if pid[1] not in built:
+            built[pid[1]] = _tensor(tensors[pid[1]], storages, map_location, name)
+        return built[pid[1]]
+
+    unpickler_cls = RestrictedUnpickler if weights_only else pickle.Unpickler
+    up = unpickler_cls(io.BytesIO(h.meta["skeleton"]))
+    up.persistent_load = persistent_load
+    try:
+        return up.load()
+    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
+        if isinstance(exc, CorruptCheckpoint):
+            raise
+        raise CorruptCheckpoint(name, f"object skeleton cannot be rebuilt: {exc}") from exc
+
+
+def _tensor(desc, storages, map_location, name):
+    import torch
+
+    index, offset, shape, stride, dtype_name, requires_grad, is_param, device = desc
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype) or not 0 <= index < len(storages):
+        raise CorruptCheckpoint(name, f"bad tensor descriptor {desc!r}")
+    t = torch.empty(0, dtype=dtype).set_(storages[index], offset, shape, stride)
+    t = _relocate(t, device, map_location)
+    if is_param:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _relocate(t, saved_device: str, map_location):
+    """Place a CPU tensor the way torch.load would: map_location wins, else the device it was saved from."""
+    if map_location is None:
+        return t if saved_device == "cpu" else t.to(saved_device)
+    if callable(map_location):
+        out = map_location(t, saved_device)
+        return t if out is None else out
+    if isinstance(map_location, dict):
+        target = map_location.get(saved_device, saved_device)
+        return t if target == "cpu" else t.to(target)
+    import torch
+
+    target = torch.device(map_location)
+    return t if target.type == "cpu" else t.to(target)

@@ -1,0 +1,363 @@
+"""Pretrain a small GPT with megatron-core, with mindio high availability. Reads top to bottom.
+
+    torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
+        --train-iters 50 --enable-high-availability          # DP=4, each shard on 2 ranks
+    torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
+        --tensor-model-parallel-size 2 --save ckpt --save-interval 10
+
+megatron-core 0.16.1 has no ``megatron.training``, so ``pretrain()``, ``train()``,
+``train_step()`` and the arguments are written here with Megatron's names and flags. Lines marked
+``# mindio:`` are the integration points (docs/megatron.md lists them). Defaults are tiny (2 layers,
+hidden 64, sequence 64) and deterministic: fixed seeds, deterministic algorithms, data order
+derived from the number of consumed samples; ``state-digest: <sha256>`` is printed after every
+save and at the end so that runs compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mindio import megatron as mio  # mindio: the Megatron adapter (imports megatron-core)
+from mindio.adapter import local_digest
+
+try:  # mindio: the fault-tolerance API (tft_*); only needed with --enable-high-availability
+    from mindio import ttp
+except ImportError:  # pragma: no cover
+    ttp = None
+
+HERE = Path(__file__).resolve().parent
+log = logging.getLogger("pretrain_gpt")
+
+
+# ---------------------------------------------------------------------------------- arguments
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--num-layers", type=int, default=2)
+    a("--hidden-size", type=int, default=64)
+    a("--num-attention-heads", type=int, default=4)
+    a("--seq-length", type=int, default=64)
+    a("--max-position-embeddings", type=int, default=64)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--micro-batch-size", type=int, default=2)
+    a("--global-batch-size", type=int, default=None, help="default: micro batch x DP size")
+    a("--train-iters", type=int, default=20)
+    a("--exit-interval", type=int, default=None, help="exit when iteration %% interval == 0")
+    a("--lr", type=float, default=3e-3)
+    a("--min-lr", type=float, default=1e-4)
+    a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
+    a("--lr-warmup-iters", type=int, default=2)
+    a("--weight-decay", type=float, default=0.01)
+    a("--clip-grad", type=float, default=1.0)
+    a("--adam-beta1", type=float, default=0.9)
+    a("--adam-beta2", type=float, default=0.95)
+    a("--seed", type=int, default=1234)
+    a("--bf16", action="store_true")
+    a("--use-distributed-optimizer", action="store_true")
+    a("--save", default=None)
+    a("--load", default=None)
+    a("--save-interval", type=int, default=None)
+    a("--log-interval", type=int, default=1)
+    a("--data-path", default=str(HERE / "data" / "corpus.txt"))
+    a("--tokenizer-file", default=str(HERE / "data" / "tokenizer.json"))
+    a("--check-replicas", action="store_true",
+      help="after every step, check that all replicas of every optimizer shard are bit-identical")
+    mio.add_high_availability_args(p)  # mindio: --enable-high-availability & co.
+    args = p.parse_args(argv)
+    return mio.resolve_high_availability(args)  # mindio: HIGH_AVAILABILITY env var
+
+
+# ---------------------------------------------------------------------------------------- data
+class CorpusDataset:
+    """The tokenized corpus cut into ``seq+1``-token samples; sample ``i`` of the infinite stream
+    is drawn from a permutation seeded by (seed, epoch), so the order depends only on ``i``."""
+
+    def __init__(self, path: str, tokenizer_file: str, seq_length: int, seed: int):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(tokenizer_file)
+        self.vocab_size = tok.get_vocab_size()
+        ids = tok.encode(Path(path).read_text(encoding="utf-8")).ids
+        self.tokens = torch.tensor(ids, dtype=torch.long)
+        self.seq, self.seed = seq_length, seed
+        self.n = (len(ids) - 1) // seq_length
+        if self.n < 1:
+            raise ValueError(f"{path} is too short for --seq-length {seq_length}")
+        self._perm_epoch, self._perm = -1, None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        epoch, j = divmod(i, self.n)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.RandomState(self.seed + epoch).permutation(self.n)
+            self._perm_epoch = epoch
+        k = int(self._perm[j]) * self.seq
+        return self.tokens[k:k + self.seq + 1]
+
+
+def batch_iterator(dataset, consumed_samples: int, args):
+    """Megatron's pretraining sampler: each step takes ``global_batch_size`` consecutive samples;
+    each micro-batch of the step is ``mbs * dp`` of them, this DP rank takes its ``mbs`` slice."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    i = consumed_samples
+    while True:
+        start = i + dp_rank * args.micro_batch_size
+        yield torch.stack([dataset[start + k] for k in range(args.micro_batch_size)])
+        i += args.micro_batch_size * dp
+
+
+# ------------------------------------------------------------------------- model and optimizer
+def model_provider(args, config, pre_process=True, post_process=True):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process)
+
+
+def transformer_config(args):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        use_cpu_initialization=True,  # TP=2 then initialises exactly like TP=1
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+
+
+def setup_model_and_optimizer(args):
+    """Model chunks (DDP), optimizer and LR scheduler on the current parallel state."""
+    from megatron.core import parallel_state as ps, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    config = transformer_config(args)
+    model = model_provider(args, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    if args.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=mio.replica_count(args))  # mindio: replicas
+    model = [DDP(config, ddp_config, model)]
+    # Megatron-LM's training.py sets these; without them megatron-core never reduces gradients.
+    config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    mio.install()  # mindio: get_megatron_optimizer builds the ReplicaDistributedOptimizer
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
+        bf16=args.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(opt_config, model)
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.train_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant")
+    return model, optimizer, scheduler
+
+
+# --------------------------------------------------------------------------------- train loop
+def forward_step(ctx, data_iterator, model):
+    """One micro-batch: tokens -> per-token losses; the loss function averages them."""
+    if ctx.stop_requested.is_set():  # mindio: the stop callback parks training here
+        raise RuntimeError("FORCE STOP")
+    batch = next(data_iterator)
+    tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    position_ids = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, None, labels=labels)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, ctx):
+    """Forward/backward over all micro-batches, then one optimizer update (bracketed for mindio)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    args = ctx.args
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=lambda it, m: forward_step_func(ctx, it, m),
+        data_iterator=data_iterator, model=model, num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+    if args.enable_high_availability:
+        ttp.tft_start_updating_os(-1)  # mindio: optimizer state is being updated
+    update_successful, grad_norm, _ = optimizer.step()
+    ctx.iteration += 1
+    ctx.consumed_samples += args.global_batch_size
+    if args.enable_high_availability:
+        ttp.tft_end_updating_os(ctx.iteration)  # mindio: state is complete for this step
+    opt_param_scheduler.step(increment=args.global_batch_size)
+    loss = torch.zeros(1)
+    if ps.is_pipeline_last_stage():
+        loss = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
+    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    if args.pipeline_model_parallel_size > 1:
+        dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+    return loss.item() / ps.get_data_parallel_world_size(), grad_norm, update_successful
+
+
+def check_replicas(ctx) -> None:
+    """Every shard's replicas (same shard index in the DP group) must be bit-identical."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    digest = local_digest((str(i), t) for i, t in enumerate(ctx.shard_tensors()))
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).clone()
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    shards = len(parts) // ctx.replica_cnt
+    for pos, part in enumerate(parts):
+        if not torch.equal(part, parts[pos % shards]):
+            raise RuntimeError(f"iteration {ctx.iteration}: optimizer shard {pos % shards} differs "
+                               f"between DP positions {pos % shards} and {pos}")
+
+
+def train(forward_step_func, ctx, dataset):
+    """The loop. Re-entered after an in-process recovery: everything is read from ``ctx``."""
+    args = ctx.args
+    data_iterator = batch_iterator(dataset, ctx.consumed_samples, args)
+    while ctx.iteration < args.train_iters:
+        t0 = time.perf_counter()
+        loss, grad_norm, ok = train_step(forward_step_func, data_iterator, ctx.model,
+                                         ctx.optimizer, ctx.scheduler, ctx)
+        step_ms = (time.perf_counter() - t0) * 1000
+        if args.check_replicas and ctx.replica_cnt > 1:
+            check_replicas(ctx)
+            print_rank_0(f"replicas-identical: iteration {ctx.iteration}")
+        if ctx.iteration % args.log_interval == 0:
+            lr = ctx.optimizer.param_groups[0]["lr"]
+            print_rank_0(f"iteration {ctx.iteration:6d}/{args.train_iters} | lm loss {loss!r} | "
+                         f"grad norm {grad_norm!r} | lr {lr:.6e} | step {step_ms:.1f} ms")
+        if args.save and args.save_interval and ctx.iteration % args.save_interval == 0:
+            save(ctx)
+        if args.enable_high_availability:
+            ttp.tft_pause_train(ctx.iteration)  # mindio: graceful pause point
+        if args.exit_interval and ctx.iteration % args.exit_interval == 0:
+            break
+    return ctx.iteration
+
+
+def save(ctx) -> None:
+    seconds = mio.checkpoint.save_checkpoint(ctx)
+    print_rank_0(f"saved checkpoint iteration {ctx.iteration} to {ctx.args.save} "
+                 f"in {seconds * 1000:.0f} ms")
+    print_rank_0(f"state-digest: {mio.state_digest(ctx)}")
+
+
+# --------------------------------------------------------------------------- high availability
+def setup_high_availability(ctx) -> None:
+    """mindio: start the controller (rank 0) and processors, report replicas, register callbacks."""
+    from megatron.core import parallel_state as ps
+
+    if ttp is None or not hasattr(ttp, "tft_init_processor"):
+        raise SystemExit("--enable-high-availability needs mindio.ttp (tft_* API), which is not "
+                         "available in this installation; run without high availability")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = ctx.args
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("TTP_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
+    if rank == 0 and not os.environ.get("MINDIO_CONTROLLER_EXTERNAL"):
+        ttp.tft_init_controller(rank, world, False, enable_arf=args.enable_worker_reboot,
+                                enable_zit=args.enable_elastic_training)
+        ttp.tft_start_controller(addr, port, enable_tls=False)
+    ttp.tft_init_processor(rank, world, False, enable_tls=False,
+                           enable_uce=args.enable_hbmfault_repair,
+                           enable_arf=args.enable_worker_reboot,
+                           enable_zit=args.enable_elastic_training)
+    ttp.tft_start_processor(addr, port)
+    ttp.tft_set_optimizer_replica(rank, mio.replica.replica_info(ctx.replica_cnt))
+    ttp.tft_set_dp_group_info(rank, mio.replica.dp_rank_list())
+    mio.register(mio.MegatronAdapter(ctx), step_args=ctx)
+    params = sum(p.numel() for c in ctx.model for p in c.parameters())
+    d = ps.get_data_parallel_world_size(with_context_parallel=True)
+    extra = mio.replica.memory_overhead_bytes(params, ctx.replica_cnt, d)
+    print_rank_0(f"high availability on: replica_cnt={ctx.replica_cnt}, {params} params per "
+                 f"model-parallel rank, replica memory overhead {extra / 2**20:.3f} MiB per rank "
+                 f"(12*P*(R-1)/d)")
+
+
+# ------------------------------------------------------------------------------------ pretrain
+def initialize(args) -> None:
+    dist.init_process_group("gloo")
+    mio.setup_cpu()  # mindio: megatron-core CPU patches (only when there is no CUDA)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    dp = dist.get_world_size() // (args.tensor_model_parallel_size
+                                   * args.pipeline_model_parallel_size)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                         f"micro batch x DP = {args.micro_batch_size * dp}")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+
+
+def pretrain(args) -> str:
+    initialize(args)
+    dataset = CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
+    args.padded_vocab_size = dataset.vocab_size
+    ctx = mio.TrainingContext(args, build=lambda: setup_model_and_optimizer(args))
+    ctx.init_parallel()  # mindio: DP replica groups (num_distributed_optimizer_instances)
+    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+    if args.load:
+        it = mio.checkpoint.load_checkpoint(ctx)
+        print_rank_0(f"loaded checkpoint iteration {it}: state-digest: {mio.state_digest(ctx)}")
+    train_fn = train
+    if args.enable_high_availability:
+        setup_high_availability(ctx)
+        train_fn = ttp.tft_exception_handler(train)  # mindio: recovery re-enters train()
+    train_fn(forward_step, ctx, dataset)
+    if args.save and not (args.save_interval and ctx.iteration % args.save_interval == 0):
+        save(ctx)
+    digest = mio.state_digest(ctx)
+    print_rank_0(f"state-digest: {digest}")
+    if args.enable_high_availability:
+        ttp.tft_destroy_processor()
+        if dist.get_rank() == 0 and not os.environ.get("MINDIO_CONTROLLER_EXTERNAL"):
+            ttp.tft_destroy_controller()
+    dist.destroy_process_group()
+    return digest
+
+
+def print_rank_0(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+if __name__ == "__main__":  # megatron's async checkpoint writer spawns: keep the guard
+    _args = parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    pretrain(_args)

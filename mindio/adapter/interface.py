@@ -1,0 +1,152 @@
+"""The framework adapter: what a training framework gives mindio so that recovery can work.
+
+mindio's controller decides *what* to do after a fault; only the framework knows *how* to stop its
+loop, drop and rebuild its process groups, move optimizer state and roll its loop back. A framework
+provides that by subclassing :class:`FrameworkAdapter` and calling :func:`register` once, after
+``tft_init_processor`` and before training starts. The Megatron adapter is
+``mindio.megatron.MegatronAdapter``; ``examples/pytorch/train_ddp.py`` is a plain-PyTorch one.
+
+Call order of one in-process recovery (driven by mindio.ttp, on every surviving rank):
+
+1. ``stop()``            — make the training main thread leave its step soon (it raises
+                           ``RuntimeError("FORCE STOP")`` at its next check point).
+2. ``clean(is_uce)``     — drop every reference to process groups (model/optimizer wrappers
+                           included) after saving this rank's state locally; returns 0 ok,
+                           1 failed, 2 no rebuild needed.
+3. (mindio rebuilds the default process group under a new generation)
+4. ``rebuild_groups(fault_ranks)`` — re-create the framework's subgroups and its model/optimizer
+                           wrappers, and put the locally saved state back.
+5. ``repair(step, need_rebuild, error_ranks, repair_info)`` — RT_SEND ranks send their optimizer
+                           shard + scalar state to the paired RT_UCE_*/RT_RECV_REPAIR ranks;
+                           RT_LOAD_CKPT/RT_LOAD_REBUILD ranks load the periodic checkpoint instead.
+6. ``rollback(step)``    — iteration, consumed samples, LR scheduler and data iterator back to the
+                           end of ``step``; model params from the fp32 master + all-gather.
+7. the main thread re-enters ``train()``.
+
+Dump (last-words checkpoint): ``stop()`` (if TTP_STOP_CLEAN_BEFORE_DUMP) then ``save(step,
+save_info)`` on the chosen ranks, then ``rename(step)`` on one rank makes it the latest.
+``stream_sync()`` waits for queued device work; ``pause(step)`` is called by the training loop at
+the end of every iteration (``tft_pause_train``).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Any, Dict, List, Sequence
+
+__all__ = ["FrameworkAdapter", "register", "repair_pairs", "RepairRole"]
+
+_log = logging.getLogger(__name__)
+
+
+class RepairRole:
+    """``repair_info["repair_type"]`` values, by name (the ttp enum's names)."""
+
+    SEND = "RT_SEND"
+    UCE_HIGHLEVEL = "RT_UCE_HIGHLEVEL"
+    UCE_LOWLEVEL = "RT_UCE_LOWLEVEL"
+    RECV_REPAIR = "RT_RECV_REPAIR"
+    ROLLBACK = "RT_ROLLBACK"
+    LOAD_CKPT = "RT_LOAD_CKPT"
+    LOAD_REBUILD = "RT_LOAD_REBUILD"
+    RECEIVERS = (UCE_HIGHLEVEL, UCE_LOWLEVEL, RECV_REPAIR)
+    LOADERS = (LOAD_CKPT, LOAD_REBUILD)
+
+
+_TYPE_BY_VALUE = ("RT_SEND", "RT_UCE_HIGHLEVEL", "RT_UCE_LOWLEVEL", "RT_RECV_REPAIR",
+                  "RT_ROLLBACK", "RT_LOAD_CKPT", "RT_LOAD_REBUILD")  # mindio.ttp RepairType values
+
+
+def _type_name(repair_type: Any) -> str:
+    name = getattr(repair_type, "name", None)
+    if name:
+        return name
+    if isinstance(repair_type, int):
+        return _TYPE_BY_VALUE[repair_type]
+    return str(repair_type).split(".")[-1]
+
+
+def repair_pairs(repair_info: Any) -> List[Dict[str, Any]]:
+    """Normalise ``repair_info`` (one dict, or a list indexed by optimizer type) to a list of
+    ``{"type", "role", "src", "dst", "rank_list"}`` with role the RepairRole name."""
+    infos = repair_info if isinstance(repair_info, (list, tuple)) else [repair_info]
+    out = []
+    for info in infos:
+        if not info:
+            continue
+        src, dst = list(info.get("src", [])), list(info.get("dst", []))
+        role = _type_name(info["repair_type"])
+        if role in (RepairRole.SEND,) + RepairRole.RECEIVERS and len(src) != len(dst):
+            raise ValueError(f"repair_info pairs src {src} with dst {dst}: lengths differ")
+        out.append({"type": int(info.get("type", 0)), "role": role, "src": src, "dst": dst,
+                    "rank_list": list(info.get("rank_list", []))})
+    return out
+
+
+class FrameworkAdapter(abc.ABC):
+    """Recovery callbacks of one training framework. Subclass and implement every method."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Ask the main thread to stop at its next check point (it raises FORCE STOP)."""
+
+    @abc.abstractmethod
+    def clean(self, is_uce_error: bool) -> int:
+        """Keep local state, drop every process-group reference. 0 ok, 1 failed, 2 no rebuild."""
+
+    @abc.abstractmethod
+    def rebuild_groups(self, fault_ranks: Sequence[int]) -> None:
+        """Re-create subgroups and wrappers on the new default group; restore local state."""
+
+    @abc.abstractmethod
+    def repair(self, step: int, need_rebuild: bool, error_ranks: Sequence[int],
+               repair_info: Any) -> None:
+        """Send or receive optimizer shard + scalar state, or load the periodic checkpoint."""
+
+    @abc.abstractmethod
+    def rollback(self, step: int) -> None:
+        """Put iteration, data, scheduler and model params back to the end of ``step``."""
+
+    @abc.abstractmethod
+    def save(self, step: int, save_info: Any) -> None:
+        """Write the dump checkpoint for ``step`` (this rank's part, per ``save_info``)."""
+
+    @abc.abstractmethod
+    def rename(self, step: int) -> None:
+        """Make the dump checkpoint of ``step`` the latest one (one rank)."""
+
+    def stream_sync(self) -> None:
+        """Wait for queued device work (nothing to do on CPU)."""
+
+    def exit(self) -> None:
+        """Called before the process exits on the controller's order."""
+
+
+def register(adapter: FrameworkAdapter, step_args: Any = None) -> None:
+    """Register ``adapter``'s callbacks with mindio.ttp (reference signatures of SPEC section 3).
+
+    Raises ImportError with advice when mindio.ttp is not available.
+    """
+    try:
+        from mindio import ttp
+    except ImportError as exc:  # pragma: no cover - depends on the installed SDK
+        raise ImportError(
+            "mindio.ttp is not importable: install mindio fully or run without high availability"
+        ) from exc
+    if step_args is not None:
+        ttp.tft_set_step_args(step_args)
+    ttp.tft_register_stop_handler(lambda args, ctx: adapter.stop(), adapter)
+    ttp.tft_register_clean_handler(lambda is_uce, args, ctx: adapter.clean(is_uce), adapter)
+    ttp.tft_register_rebuild_group_handler(
+        lambda fault_ranks, args, ctx: adapter.rebuild_groups(fault_ranks), adapter)
+    ttp.tft_register_repair_handler(
+        lambda step, need_rebuild, error_ranks, repair_info, args, ctx: adapter.repair(
+            step, need_rebuild, error_ranks, repair_info), adapter)
+    ttp.tft_register_rollback_handler(lambda step, args, ctx: adapter.rollback(step), adapter)
+    ttp.tft_register_save_ckpt_handler(
+        lambda step, save_info, args, ctx: adapter.save(step, save_info), adapter)
+    ttp.tft_register_rename_handler(lambda step, args, ctx: adapter.rename(step), adapter)
+    ttp.tft_register_exit_handler(lambda ctx: adapter.exit(), adapter)
+    ttp.tft_register_stream_sync_handler(adapter.stream_sync)
+    _log.info("framework adapter %s registered with mindio.ttp", type(adapter).__name__)

@@ -1,0 +1,43 @@
+"""Megatron (megatron-core) adapter for mindio: replica optimizer, recovery callbacks, checkpoints.
+
+Importing this package imports megatron-core but changes nothing: the CPU patches are applied
+only by :func:`setup_cpu` (``mindio.megatron._cpu_compat.apply``) in CPU-only processes.
+See docs/megatron.md for the integration points.
+"""
+
+from . import checkpoint, replica
+from .adapter import MegatronAdapter, TrainingContext
+from mindio.adapter import register
+
+from .arguments import add_high_availability_args, replica_count, resolve_high_availability
+from .digest import state_digest
+from .optimizer import ReplicaDistributedOptimizer, distributed_optimizers, install
+
+
+def setup_cpu() -> bool:
+    """Apply the CPU compatibility patches when no CUDA device exists. Returns whether applied."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    from . import _cpu_compat
+
+    _cpu_compat.apply()
+    return True
+
+
+__all__ = [
+    "MegatronAdapter",
+    "TrainingContext",
+    "ReplicaDistributedOptimizer",
+    "install",
+    "distributed_optimizers",
+    "state_digest",
+    "setup_cpu",
+    "add_high_availability_args",
+    "resolve_high_availability",
+    "replica_count",
+    "register",
+    "checkpoint",
+    "replica",
+]

@@ -1,0 +1,235 @@
+"""MegatronAdapter: the recovery callbacks for a megatron-core training loop.
+
+The training loop owns a :class:`TrainingContext` (model chunks, optimizer, scheduler, iteration,
+consumed samples, and a ``build`` function that creates model + optimizer + scheduler on the
+current parallel state). The loop reads everything from the context each time ``train()`` is
+entered, so that callbacks running on mindio's processor thread can replace objects and counters
+while the main thread is parked. Call order: see :mod:`mindio.adapter.interface`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mindio.adapter import FrameworkAdapter, RepairRole, recv_state, repair_pairs, send_state
+from mindio.adapter.transfer import capture_rng, restore_rng
+
+from . import checkpoint, replica
+from .arguments import replica_count
+from .optimizer import distributed_optimizers
+
+__all__ = ["TrainingContext", "MegatronAdapter"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingContext:
+    """Everything a recovery callback may read or replace. Owned by the training loop."""
+
+    args: Any
+    build: Callable[[], tuple]  # () -> (model_chunks, optimizer, scheduler) on current groups
+    model: Optional[List[Any]] = None
+    optimizer: Any = None
+    scheduler: Any = None
+    iteration: int = 0
+    consumed_samples: int = 0
+    stop_requested: threading.Event = field(default_factory=threading.Event)
+    _kept: Optional[Dict[str, Any]] = None  # state saved by clean() for rebuild_groups()
+
+    # -- layout -------------------------------------------------------------------------------
+    @property
+    def replica_cnt(self) -> int:
+        return replica_count(self.args)
+
+    def _dp(self):
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_data_parallel_rank(with_context_parallel=True),
+                ps.get_data_parallel_world_size(with_context_parallel=True))
+
+    def shard_index(self) -> int:
+        pos, d = self._dp()
+        return pos % (d // self.replica_cnt)
+
+    def replica_instance(self) -> int:
+        pos, d = self._dp()
+        return pos // (d // self.replica_cnt)
+
+    def init_parallel(self) -> None:
+        a = self.args
+        replica.initialize_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                                    replica_cnt=self.replica_cnt)
+
+    # -- state --------------------------------------------------------------------------------
+    def shard_tensors(self) -> List[torch.Tensor]:
+        return [t for o in distributed_optimizers(self.optimizer) for t in o.shard_state()]
+
+    def rng_state(self) -> Dict[str, Any]:
+        from megatron.core import tensor_parallel
+
+        return capture_rng(tensor_parallel.get_cuda_rng_tracker().get_states())
+
+    def load_rng_state(self, state: Dict[str, Any]) -> None:
+        from megatron.core import tensor_parallel
+
+        tracker = restore_rng(state)
+        if tracker:
+            tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+
+    def scalar_state(self, with_rng: bool = True) -> Dict[str, Any]:
+        out = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+               "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        scaler = getattr(distributed_optimizers(self.optimizer)[0], "grad_scaler", None)
+        if scaler is not None:
+            out["grad_scaler"] = {k: (v.item() if torch.is_tensor(v) else v)
+                                  for k, v in scaler.state_dict().items()}
+        if with_rng:
+            out["rng"] = self.rng_state()
+        return out
+
+    def load_scalar_state(self, state: Dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        self.consumed_samples = int(state["consumed_samples"])
+        if state.get("scheduler") is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("grad_scaler"):
+            for o in distributed_optimizers(self.optimizer):
+                if o.grad_scaler is not None:
+                    o.grad_scaler.load_state_dict(
+                        {k: torch.tensor([v]) if isinstance(v, float) else v
+                         for k, v in state["grad_scaler"].items()})
+        if "rng" in state:
+            self.load_rng_state(state["rng"])
+
+
+def _megatron_groups() -> List[Any]:
+    """Every process group object megatron's parallel state holds (deduplicated)."""
+    from megatron.core import parallel_state as ps
+
+    found, seen = [], set()
+    for value in vars(ps).values():
+        for g in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(g, dist.ProcessGroup) and id(g) not in seen:
+                seen.add(id(g))
+                found.append(g)
+    return found
+
+
+class MegatronAdapter(FrameworkAdapter):
+    """Recovery callbacks over a :class:`TrainingContext`."""
+
+    def __init__(self, ctx: TrainingContext):
+        self.ctx = ctx
+
+    def stop(self) -> None:
+        self.ctx.stop_requested.set()
+
+    def clean(self, is_uce_error: bool) -> int:
+        """Keep this rank's shard and counters, drop model/optimizer and megatron's groups."""
+        from megatron.core import parallel_state as ps
+
+        ctx = self.ctx
+        try:
+            if ctx.optimizer is not None:
+                ctx._kept = {"shards": [t.detach().clone() for t in ctx.shard_tensors()],
+                             "scalars": ctx.scalar_state()}
+            groups = _megatron_groups()
+            ctx.model = ctx.optimizer = ctx.scheduler = None
+            ps.destroy_model_parallel()
+            world = dist.group.WORLD if dist.is_initialized() else None
+            for g in groups:
+                if g is not world:
+                    try:
+                        dist.destroy_process_group(g)
+                    except (ValueError, RuntimeError):
+                        pass  # already destroyed together with the world
+            del groups
+            gc.collect()
+            return 0
+        except Exception:  # reported to the controller as "clean failed"
+            _log.exception("clean failed")
+            return 1
+
+    def rebuild_groups(self, fault_ranks: Sequence[int]) -> None:
+        """Megatron groups + model/optimizer/scheduler on the new world; put kept state back."""
+        ctx = self.ctx
+        ctx.init_parallel()
+        ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+        kept, ctx._kept = ctx._kept, None
+        if kept is not None:
+            with torch.no_grad():
+                for dst, src in zip(ctx.shard_tensors(), kept["shards"]):
+                    dst.copy_(src)
+            ctx.load_scalar_state(kept["scalars"])
+        ctx.stop_requested.clear()
+
+    def repair(self, step: int, need_rebuild: bool, error_ranks: Sequence[int],
+               repair_info: Any) -> None:
+        ctx, me = self.ctx, dist.get_rank()
+        for pair in repair_pairs(repair_info):
+            role = pair["role"]
+            opts = distributed_optimizers(ctx.optimizer) if ctx.optimizer is not None else []
+            if role == RepairRole.SEND and me in pair["src"]:
+                tensors = opts[pair["type"]].shard_state()
+                for src, dst in zip(pair["src"], pair["dst"]):
+                    if src == me:
+                        sent = send_state(tensors, ctx.scalar_state(), dst)
+                        _log.info("repair: sent %d bytes of shard state to rank %d", sent, dst)
+            elif role in RepairRole.RECEIVERS and me in pair["dst"]:
+                if ctx.optimizer is None or (need_rebuild and role == RepairRole.UCE_HIGHLEVEL):
+                    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+                    opts = distributed_optimizers(ctx.optimizer)
+                src = pair["src"][pair["dst"].index(me)]
+                scalars = recv_state(opts[pair["type"]].shard_state(), src)
+                ctx.load_scalar_state(scalars)
+                _log.info("repair: received shard state of step %s from rank %d",
+                          scalars.get("iteration"), src)
+            elif role in RepairRole.LOADERS and (not pair["dst"] or me in pair["dst"]):
+                if ctx.optimizer is None or role == RepairRole.LOAD_REBUILD:
+                    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+                root = ctx.args.load or ctx.args.save
+                it = checkpoint.load_checkpoint(ctx, root)
+                _log.warning("repair: no usable replica; loaded periodic checkpoint of "
+                             "iteration %d from %s", it, root)
+
+    def rollback(self, step: int) -> None:
+        """Counters, scheduler and model params back to the end of ``step``."""
+        ctx = self.ctx
+        gbs = ctx.args.global_batch_size
+        if ctx.iteration != step:
+            _log.info("rollback: iteration %d -> %d", ctx.iteration, step)
+        ctx.iteration = step
+        ctx.consumed_samples = step * gbs
+        if ctx.scheduler is not None:
+            ctx.scheduler.num_steps = step * gbs
+            ctx.scheduler.step(increment=0)
+        for chunk in ctx.model:
+            chunk.zero_grad_buffer()
+        for opt in distributed_optimizers(ctx.optimizer):
+            opt.zero_grad()
+            opt.params_from_main()
+        ctx.stop_requested.clear()
+
+    def save(self, step: int, save_info: Any) -> None:
+        checkpoint.save_dump(self.ctx, step, save_info)
+
+    def rename(self, step: int) -> None:
+        checkpoint.write_tracker(self.ctx.args.save, step)
+
+    def stream_sync(self) -> None:
+        if torch.cuda.is_available() and not _cpu_patched():
+            torch.cuda.synchronize()
+
+
+def _cpu_patched() -> bool:
+    from . import _cpu_compat
+
+    return _cpu_compat.is_applied()

@@ -1,0 +1,158 @@
+"""The replica distributed optimizer: megatron-core's DistributedOptimizer, fixed and made repairable.
+
+Replicas. megatron-core 0.16.1 can already keep every ZeRO-1 shard on R ranks:
+``num_distributed_optimizer_instances=R`` cuts the data-parallel group into R contiguous parts
+(one optimizer *instance* each), reduce-scatters gradients inside an instance, all-reduces the
+shards across instances and all-gathers updated params inside the instance. Shard ``j`` therefore
+lives on DP positions ``j, j+d/R, j+2d/R, ...``: exactly MindIO's replica layout (shard index =
+position in the sorted DP group mod d/R), and the replicas stay bit-identical because every
+instance applies the same Adam update to the same all-reduced gradient. We use that machinery
+instead of re-implementing the collectives (see docs/megatron.md for the justification and the
+test that checks the replicas bit for bit after every step).
+
+What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
+
+1. Two upstream bugs on the torch-Adam path (no TE/Apex), present in 0.16.1 and 0.19.2:
+   - ``_set_main_param_and_optimizer_states`` iterates the *destination* keys, so a checkpoint
+     without a ``step`` key raises ``KeyError``, and it copies into leaf parameters outside
+     ``no_grad`` (``RuntimeError: a leaf Variable that requires grad ...``). Fixed: copy the keys
+     both sides have, under ``no_grad``, and give each param its own ``step`` tensor.
+   - ``load_state_dict`` assigns ONE shared ``step`` tensor to every param state; torch Adam then
+     increments it once per param per step and the bias correction drifts silently after a restore.
+     Fixed: every param state gets its own copy.
+2. ``shard_state()`` / ``load_shard_state()``: this rank's shard (fp32 main params, exp_avg,
+   exp_avg_sq, step, per param in bucket order) as a flat, ordered list of tensors, for
+   repair (point-to-point send/recv), for dump checkpoints and for keeping state across a rebuild.
+3. ``params_from_main()``: model params from the fp32 main shard plus the all-gather (rollback).
+
+:func:`install` puts the class into the ``megatron.core.optimizer`` namespace, where
+``get_megatron_optimizer`` looks ``DistributedOptimizer`` up, so megatron builds ours.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List
+
+import torch
+from megatron.core import optimizer as _mopt
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+__all__ = ["ReplicaDistributedOptimizer", "install", "distributed_optimizers", "STATE_KEYS"]
+
+_log = logging.getLogger(__name__)
+
+#: Per-param tensors of a shard, in the order they are sent and stored.
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
+
+
+class ReplicaDistributedOptimizer(DistributedOptimizer):
+    """DistributedOptimizer with the two restore bugs fixed and a flat shard-state interface."""
+
+    # -- upstream bug 1 ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return super()._set_main_param_and_optimizer_states(model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        optim_state = self.optimizer.state[main_param]
+        for key, value in tensors.items():
+            if key == "param":
+                main_param.copy_(value)
+            elif key == "step":
+                optim_state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+            elif key in optim_state:
+                optim_state[key].copy_(value)
+            elif isinstance(value, torch.Tensor):
+                optim_state[key] = value.detach().clone()
+
+    # -- upstream bug 2 ---------------------------------------------------------------------
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        _unshare_steps(self.optimizer)
+
+    # -- shard state ------------------------------------------------------------------------
+    def _param_states(self):
+        """(model_param, tensors-dict) for every param of this rank's shard, in bucket order."""
+        for gbuf_range_maps in self.gbuf_ranges:
+            for gbuf_range_map_for_all_buckets in gbuf_range_maps.values():
+                for gbuf_range_map in gbuf_range_map_for_all_buckets:
+                    for model_param in gbuf_range_map["param_map"]:
+                        yield model_param, self._get_main_param_and_optimizer_states(model_param)
+
+    def ensure_state(self) -> None:
+        """Allocate Adam state (zeros, step 0) if no step has run yet, so a shard can be received.
+
+        Done by hand, not with megatron's dummy optimizer step, which would apply weight decay.
+        """
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = self.optimizer.state[param]
+                if len(state) == 0:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )
+
+    def shard_state(self) -> List[torch.Tensor]:
+        """This rank's shard as a flat list: for each param in bucket order, STATE_KEYS tensors.
+
+        The tensors are the live ones (no copy); clone them to keep a snapshot.
+        """
+        self.ensure_state()
+        out: List[torch.Tensor] = []
+        for _, tensors in self._param_states():
+            for key in STATE_KEYS:
+                value = tensors[key]
+                out.append(value if value.dim() else value.reshape(1))
+        return out
+
+    @torch.no_grad()
+    def load_shard_state(self, tensors: List[torch.Tensor]) -> None:
+        """Inverse of :meth:`shard_state`: copy a shard (from a replica or a file) into this rank."""
+        mine = self.shard_state()
+        if len(tensors) != len(mine):
+            raise ValueError(
+                f"shard has {len(tensors)} tensors, this optimizer expects {len(mine)}: "
+                "the model, parallel layout or replica count differs from the sender's"
+            )
+        for i, (dst, src) in enumerate(zip(mine, tensors)):
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise ValueError(
+                    f"shard tensor {i} ({STATE_KEYS[i % len(STATE_KEYS)]}): expected "
+                    f"{tuple(dst.shape)}/{dst.dtype}, got {tuple(src.shape)}/{src.dtype}"
+                )
+            dst.copy_(src)
+
+    @torch.no_grad()
+    def params_from_main(self) -> None:
+        """Rebuild the model params from the fp32 main shard: copy, then all-gather (rollback)."""
+        self._copy_main_params_to_model_params()
+        for model_chunk in self.model_chunks:
+            model_chunk.start_param_sync(force_sync=True)
+
+
+def _unshare_steps(torch_optimizer: torch.optim.Optimizer) -> None:
+    for state in torch_optimizer.state.values():
+        if "step" in state and isinstance(state["step"], torch.Tensor):
+            state["step"] = state["step"].detach().clone()
+
+
+def install() -> None:
+    """Make ``get_megatron_optimizer`` build :class:`ReplicaDistributedOptimizer`."""
+    _mopt.DistributedOptimizer = ReplicaDistributedOptimizer
+
+
+def distributed_optimizers(optimizer) -> List[ReplicaDistributedOptimizer]:
+    """The ReplicaDistributedOptimizer(s) inside what ``get_megatron_optimizer`` returned."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    found = [o for o in inner if isinstance(o, ReplicaDistributedOptimizer)]
+    if len(found) != len(inner):
+        raise TypeError(
+            "the optimizer is not (only) a ReplicaDistributedOptimizer: call "
+            "mindio.megatron.optimizer.install() before get_megatron_optimizer(), with "
+            "use_distributed_optimizer=True"
+        )
+    return found

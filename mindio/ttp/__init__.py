@@ -1,0 +1,34 @@
+"""mindio.ttp: training fault tolerance (MindIO TFT/TTP compatible API).
+
+Everything public is re-exported here, so ``from mindio.ttp import tft_init_processor`` works like
+``from mindio_ttp.framework_ttp import tft_init_processor`` in the reference. Importing starts nothing.
+See docs/ttp.md for the controller <-> processor conversation.
+"""
+from __future__ import annotations
+
+from . import api as _api
+from ._enums import (EXIT_CODE_DUMPED, EXIT_CODE_FAULT, Action, OptimizerType, OsStatus, RepairType,
+                     ReportState, ResultCode)
+from .api import (
+    tft_init_controller, tft_start_controller, tft_destroy_controller, start_backup_controller,
+    tft_init_processor, tft_start_processor, tft_destroy_processor, tft_start_updating_os, tft_start_copy_os,
+    tft_end_updating_os, tft_set_optimizer_replica, tft_set_dp_group_info, tft_set_step_args,
+    tft_register_save_ckpt_handler, tft_register_rename_handler, tft_register_exit_handler,
+    tft_register_stop_handler, tft_register_clean_handler, tft_register_rebuild_group_handler,
+    tft_register_repair_handler, tft_register_rollback_handler, tft_register_stream_sync_handler,
+    tft_register_zit_downgrade_rebuild_handler, tft_register_zit_upgrade_rebuild_handler,
+    tft_register_zit_upgrade_repair_handler, tft_register_zit_upgrade_rollback_handler,
+    tft_register_exception_handler, tft_report_error, tft_wait_next_action, tft_get_repair_step,
+    tft_get_repair_type, tft_is_reboot_node, tft_get_reboot_type, tft_reset_limit_step,
+    tft_report_load_ckpt_step, tft_register_decrypt_handler, tft_pause_train, tft_can_do_uce_repair,
+    tft_set_update_start_time, tft_set_update_end_time, tft_notify_controller_dump,
+    tft_notify_controller_stop_train, tft_notify_controller_on_global_rank,
+    tft_notify_controller_prepare_action, tft_notify_controller_change_strategy, tft_register_mindx_callback,
+    tft_query_high_availability_switch,
+)
+from .decorator import tft_exception_handler
+
+__all__ = list(_api.__all__) + [
+    "tft_exception_handler", "ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode",
+    "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT",
+]

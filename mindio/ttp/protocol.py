@@ -32,7 +32,7 @@ from ..errors import AuthError, ProtocolError
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
-    "Report", "Info", "Action", "Reply", "encode", "decode", "DropCounter", "BODY_TYPES",
+    "Report", "Info", "Action", "Reply", "Bye", "encode", "decode", "DropCounter", "BODY_TYPES",
 ]
 
 VERSION = 1
@@ -50,6 +50,7 @@ class MsgType(enum.IntEnum):
     INFO = 6           # processor -> controller: optimizer replica layout / DP group changed
     ACTION = 7         # controller -> processor: do something (sn identifies it)
     REPLY = 8          # processor -> controller: result of ACTION sn
+    BYE = 9            # processor -> controller: leaving normally (training finished); not a fault
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class HeartbeatAck:
-    state: str = ""
+    state: str = ""                               # "UNKNOWN": the controller does not know this rank
+    backups: list = field(default_factory=list)   # current backup controller addresses
 
 
 @dataclass(frozen=True)
@@ -111,10 +113,15 @@ class Reply:
     detail: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Bye:
+    reason: str = ""
+
+
 BODY_TYPES: dict[MsgType, type] = {
     MsgType.REGISTER: Register, MsgType.REGISTER_ACK: RegisterAck, MsgType.HEARTBEAT: Heartbeat,
     MsgType.HEARTBEAT_ACK: HeartbeatAck, MsgType.REPORT: Report, MsgType.INFO: Info,
-    MsgType.ACTION: Action, MsgType.REPLY: Reply,
+    MsgType.ACTION: Action, MsgType.REPLY: Reply, MsgType.BYE: Bye,
 }
 _PY_TYPES = {"int": (int,), "str": (str,), "float": (float, int), "bool": (bool,), "list": (list,), "dict": (dict,)}
 

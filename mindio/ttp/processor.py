@@ -1,0 +1,267 @@
+"""The per-rank agent inside every training process.
+
+Threads: the training *main thread* (calls the tft_* status functions and, in the decorator, parks);
+the *link* thread (transport.Link: heartbeats, controller messages); one short-lived *action* thread
+per controller action, so callbacks never run on the main thread and a 30-minute save never blocks
+heartbeats.
+
+Status: ``tft_start_updating_os`` -> UPDATING, ``tft_start_copy_os`` -> COPYING, ``tft_end_updating_os(s)``
+-> (s, UPDATED). Heartbeats carry (step, status, is the main thread inside torch.distributed, seconds
+since the last step progress); the controller uses the last two to find hung ranks.
+
+Actions (ACTION name -> what this rank does; every reply is cached by sn, a repeated sn replays it):
+
+* ``stop``   hold the fence (no new optimizer update starts), wait until the main thread is quiet
+             (parked in the decorator or blocked at the fence), reply {step, data_status, main}.
+* ``save``   run the save-ckpt callback ``func(step, save_info, args, ctx)``.
+* ``rename`` run the rename callback ``func(step, args, ctx)``.
+* ``exit``   hand EXIT(code) to the main thread (a fenced main thread gets ``RuntimeError("FORCE STOP")``).
+* ``kill``   SIGKILL this process: the controller found it hung; a hang becomes a process death.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from .. import _knobs, _logging
+from ..errors import ConfigError
+from . import protocol as P
+from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
+from .transport import Link
+
+__all__ = ["Processor", "CALLBACK_NAMES"]
+
+_log = logging.getLogger(__name__)
+CALLBACK_NAMES = ("save_ckpt", "rename", "exit", "stop", "clean", "rebuild_group", "repair", "rollback",
+                  "stream_sync", "zit_downgrade_rebuild", "zit_upgrade_rebuild", "zit_upgrade_repair",
+                  "zit_upgrade_rollback", "decrypt")
+
+
+def _in_collective(frame) -> bool:
+    while frame is not None:
+        if "torch/distributed" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Processor:
+    def __init__(self, rank: int, world_size: int, enable_uce: bool = True, enable_arf: bool = False,
+                 enable_zit: bool = False, curve: dict | None = None):
+        if not 0 <= rank < world_size <= 100000:
+            raise ConfigError(f"processor rank {rank} / world_size {world_size}: need 0 <= rank < world_size <= 100000")
+        self.rank, self.world_size = rank, world_size
+        self.features = {"uce": enable_uce, "arf": enable_arf, "zit": enable_zit}
+        self.curve = curve
+        self.callbacks: dict[str, tuple[Callable, Any]] = {}
+        self.step_args = None
+        self.replica: list = []
+        self.dp_group: list = []
+        self.step, self.data_status, self.backup_step = 0, OsStatus.UPDATED, -1
+        self.update_window: list = [None, None]
+        self.repair_step = 0
+        self.repair_type = "unknown"
+        self._cond = threading.Condition()
+        self._hold = False
+        self._limit: int | None = None
+        self._next: tuple[Action, int] | None = None
+        self._main = "running"
+        self._main_ident = threading.main_thread().ident
+        self._progress_t: float | None = None
+        self._replies: collections.OrderedDict = collections.OrderedDict()
+        self._busy: set[int] = set()
+        self.link: Link | None = None
+        self.last_report: P.Report | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, addr: str, key: bytes) -> None:
+        self.link = Link(self.rank, key, [addr], self._hello, self._beat, self._on_message, curve=self.curve)
+        self.link.start()
+        budget = _knobs.get("TTP_RETRY_TIMES") * max(1.0, 2 * self.link.interval)
+        if not self.link.registered.wait(budget):
+            self.link.stop()
+            raise ConnectionError(f"rank {self.rank}: no controller answered at {addr} within {budget:.0f} s "
+                                  "(is tft_start_controller running there, with the same MINDIO_SECRET?)")
+        _log.info("processor registered with controller at %s", self.link.address)
+
+    def destroy(self, reason: str = "") -> None:
+        """Leave: BYE tells the controller this rank stopped on purpose (not a fault), unless exiting
+        after an incident (``reason`` empty), where the controller already knows."""
+        if self.link is not None:
+            if reason:
+                self.link.send(P.Envelope(P.MsgType.BYE, P.Bye(reason)))
+            self.link.stop()  # flushes what is queued (BYE, the last replies) before closing
+            self.link.join(timeout=2)
+            self.link = None
+
+    def _hello(self) -> P.Register:
+        return P.Register(world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
+                          step=self.step, data_status=int(self.data_status), replica=list(self.replica),
+                          dp_group=list(self.dp_group))
+
+    def _beat(self) -> P.Heartbeat:
+        frame = sys._current_frames().get(self._main_ident)
+        age = -1.0 if self._progress_t is None else time.monotonic() - self._progress_t
+        return P.Heartbeat(step=self.step, data_status=int(self.data_status),
+                           in_collective=_in_collective(frame), progress_age=age)
+
+    def send_info(self) -> None:
+        if self.link is not None:
+            self.link.send(P.Envelope(P.MsgType.INFO, P.Info(replica=list(self.replica), dp_group=list(self.dp_group))))
+
+    # ---------------------------------------------------------------- main-thread status calls
+    def _fence(self, next_step: int) -> None:
+        """Block while the controller holds the fence or ``next_step`` is beyond the limit step."""
+        with self._cond:
+            while self._next is None and (self._hold or (self._limit is not None and next_step > self._limit)):
+                self._main = "fenced"
+                self._cond.notify_all()
+                self._cond.wait(0.5)
+            self._main = "running"
+            if self._next is not None:
+                raise RuntimeError("FORCE STOP: the controller stopped training on this rank")
+
+    def start_updating_os(self, backup_step: int = -1) -> None:
+        self._fence(self.step + 1)
+        self.backup_step = backup_step
+        self.data_status = OsStatus.UPDATING
+
+    def start_copy_os(self) -> None:
+        self.data_status = OsStatus.COPYING
+
+    def end_updating_os(self, step: int) -> None:
+        self.step, self.data_status = step, OsStatus.UPDATED
+        self._progress_t = time.monotonic()
+        _logging.set_context(step=step)
+
+    def pause_train(self, cur_step: int) -> None:
+        self._progress_t = time.monotonic()
+        self._fence(cur_step + 1)
+
+    def reset_limit_step(self) -> None:
+        with self._cond:
+            self._limit = None
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- decorator side
+    def report(self, state: ReportState, message: str) -> None:
+        self.last_report = P.Report(state=int(state), message=message[:4000], step=self.step)
+        _log.warning("reporting %s: %s", ReportState(state).name, message[:300])
+        _logging.event("fault_seen", state=ReportState(state).name, message=message[:300], step=self.step)
+        if self.link is not None:
+            self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report))
+
+    def teardown(self, is_uce: bool) -> None:
+        """Release this rank's collectives: stop + clean callbacks (the framework destroys its process
+        groups and drops every reference to them), then collect garbage so gloo closes its sockets and
+        peers blocked in a collective with this rank fail at once (ARCHITECTURE §3)."""
+        for name, call in (("stop", lambda f, c: f(self.step_args, c)),
+                           ("clean", lambda f, c: f(is_uce, self.step_args, c))):
+            if name in self.callbacks:
+                func, ctx = self.callbacks[name]
+                try:
+                    call(func, ctx)
+                except Exception as exc:  # a failed teardown must not stop the report/park protocol
+                    _log.error("%s callback failed: %s", name, exc)
+        gc.collect()
+
+    def wait_next_action(self) -> tuple[Action, int]:
+        """Park the main thread until the controller says RETRY or EXIT; EXIT(fault) if the controller
+        stays unreachable for 30 s (a parked rank never waits forever)."""
+        lost_since = None
+        with self._cond:
+            self._main = "parked"
+            self._cond.notify_all()
+            while self._next is None:
+                self._cond.wait(0.2)
+                link_ok = self.link is not None and self.link.registered.is_set()
+                lost_since = None if link_ok else (lost_since or time.monotonic())
+                if lost_since is not None and time.monotonic() - lost_since > 30:
+                    _log.error("no controller reachable for 30 s; exiting")
+                    self._next = (Action.EXIT, EXIT_CODE_FAULT)
+            action, self._next = self._next, None
+            self._main = "running"
+            return action
+
+    # ---------------------------------------------------------------- controller actions (link thread)
+    def _on_message(self, env: P.Envelope) -> None:
+        if env.type is not P.MsgType.ACTION:
+            return
+        if env.sn in self._replies:
+            self.link.send(P.Envelope(P.MsgType.REPLY, self._replies[env.sn], sn=env.sn))
+            return
+        if env.sn in self._busy:
+            return
+        if env.body.name == "kill":
+            _log.error("controller ordered SIGKILL (hung rank): %s", env.body.params)
+            _logging.event("killed_as_hung", **env.body.params)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if env.body.name == "exit":  # reply before the main thread can leave, then hand it EXIT
+            self._replies[env.sn] = P.Reply(ok=True)
+            self.link.send(P.Envelope(P.MsgType.REPLY, self._replies[env.sn], sn=env.sn))
+            self._do_exit(**env.body.params)
+            return
+        self._busy.add(env.sn)
+        threading.Thread(target=self._run_action, args=(env,), name=f"mindio-action-{env.sn}", daemon=True).start()
+
+    def _run_action(self, env: P.Envelope) -> None:
+        name, params = env.body.name, env.body.params
+        t0 = time.monotonic()
+        handler = getattr(self, f"_do_{name}", None)
+        try:
+            if handler is None:
+                raise LookupError(f"unknown action {name!r}")
+            reply = P.Reply(ok=True, detail=handler(**params) or {})
+        except Exception as exc:
+            _log.exception("action %s failed", name)
+            reply = P.Reply(ok=False, code=1, detail={"error": f"{type(exc).__name__}: {exc}"[:2000]})
+        _logging.event("action_done", action=name, sn=env.sn, ok=reply.ok, duration_s=round(time.monotonic() - t0, 6))
+        self._replies[env.sn] = reply
+        while len(self._replies) > 256:
+            self._replies.popitem(last=False)
+        self._busy.discard(env.sn)
+        link = self.link
+        if link is not None:
+            link.send(P.Envelope(P.MsgType.REPLY, reply, sn=env.sn))
+
+    def _callback(self, name: str):
+        if name not in self.callbacks:
+            raise RuntimeError(f"no {name} callback registered (tft_register_{name}_handler)")
+        return self.callbacks[name]
+
+    def _do_stop(self, timeout: float = 60.0) -> dict:
+        with self._cond:
+            self._hold = True
+            end = time.monotonic() + timeout
+            while self._main == "running" and time.monotonic() < end:
+                self._cond.wait(0.05)
+            return {"step": self.step, "data_status": int(self.data_status), "main": self._main}
+
+    def _do_save(self, step: int, save_info: list) -> dict:
+        self.repair_type, self.repair_step = "dump", step
+        func, ctx = self._callback("save_ckpt")
+        func(step, save_info, self.step_args, ctx)
+        return {}
+
+    def _do_rename(self, step: int) -> dict:
+        func, ctx = self._callback("rename")
+        func(step, self.step_args, ctx)
+        return {}
+
+    def _do_exit(self, code: int) -> dict:
+        with self._cond:
+            self._next = (Action.EXIT, code)
+            self._cond.notify_all()
+        return {}
+
+    def _do_ping(self) -> dict:
+        return {"step": self.step}

@@ -1,0 +1,268 @@
+"""ZeroMQ plumbing of the control plane: sockets, the job secret, CURVE, and the processor's link.
+
+* The controller binds a ROUTER; each processor connects a DEALER whose identity is its rank.
+* :class:`Channel` signs/verifies every frame (protocol.encode/decode) and drops bad frames, counting
+  them; a frame whose envelope rank differs from the sender's identity is dropped as forged.
+* :class:`Link` is the processor's side: one I/O thread that registers, beats every ``interval``,
+  hands controller messages to a callback, and fails over -- in order -- to the backup controllers the
+  controller advertised when no frame came from the current one for ``misses * interval`` seconds.
+  Other threads send through :meth:`Link.send` (a queue plus a wake-up pipe: zmq sockets are not
+  thread-safe, so only the I/O thread touches the socket).
+* The per-job secret (:func:`job_secret`) comes from MINDIO_SECRET, or from the job's torch.distributed
+  store (published by the controller's rank under ``mindio/ttp/secret``), or is generated for a
+  controller and exported to MINDIO_SECRET for child processes. Users configure nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from .. import _knobs
+from ..errors import ConfigError, ProtocolError
+from . import protocol as P
+
+__all__ = ["job_secret", "curve_options", "Channel", "Waker", "Link"]
+
+_log = logging.getLogger(__name__)
+_STORE_KEY = "mindio/ttp/secret"
+
+
+def _default_store():
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except Exception:  # torch absent or a private API moved: fall back to the environment
+        return None
+    return None
+
+
+def job_secret(create: bool) -> bytes:
+    """The 32-byte key that signs control frames (see module docstring for where it comes from)."""
+    text = _knobs.get("MINDIO_SECRET")
+    store = _default_store()
+    if not text and store is not None:
+        if create:
+            text = secrets.token_hex(32)
+            store.set(_STORE_KEY, text)
+        else:
+            text = store.get(_STORE_KEY).decode()  # blocks until the controller's rank published it
+    if not text:
+        if not create:
+            raise ConfigError("no job secret: set MINDIO_SECRET (same value on every rank) or call "
+                              "torch.distributed.init_process_group before tft_init_processor")
+        text = secrets.token_hex(32)
+    os.environ["MINDIO_SECRET"] = text  # children (and later calls in this process) use the same secret
+    return hashlib.sha256(text.encode()).digest()
+
+
+def curve_options(enable_tls: bool, tls_info, server: bool) -> dict:
+    """ZeroMQ CURVE socket options from ``tls_info`` (dict or JSON text with z85 keys
+    ``server_public``, ``server_secret`` and optionally ``client_public``/``client_secret``).
+    Empty when TLS is off or no keys are supplied (frames are then signed but not encrypted)."""
+    if not enable_tls:
+        return {}
+    info = tls_info
+    if isinstance(info, str):
+        if not info.strip():
+            return {}
+        try:
+            info = json.loads(info)
+        except ValueError:
+            raise ConfigError("tls_info must be a dict or JSON with z85 CURVE keys server_public, "
+                              "server_secret[, client_public, client_secret]") from None
+    if not info:
+        return {}
+    try:
+        if server:
+            return {zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: info["server_secret"].encode()}
+        pub, sec = info.get("client_public"), info.get("client_secret")
+        if not pub:
+            pub, sec = (k.decode() for k in zmq.curve_keypair())
+        return {zmq.CURVE_SERVERKEY: info["server_public"].encode(), zmq.CURVE_PUBLICKEY: pub.encode(),
+                zmq.CURVE_SECRETKEY: sec.encode()}
+    except KeyError as exc:
+        raise ConfigError(f"tls_info lacks CURVE key {exc}; generate keys with zmq.curve_keypair()") from None
+
+
+class Waker:
+    """A pipe another thread writes to so that a zmq poll returns at once."""
+
+    def __init__(self) -> None:
+        self.rfd, self._wfd = os.pipe()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self._wfd, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wfd, b"x")
+        except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.rfd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.rfd)
+        os.close(self._wfd)
+
+
+class Channel:
+    """A socket plus the key: ``send`` signs, ``recv`` verifies and drops (counting) bad frames."""
+
+    def __init__(self, sock: zmq.Socket, key: bytes, drops: P.DropCounter | None = None):
+        self.sock, self.key = sock, key
+        self.drops = drops or P.DropCounter()
+
+    def send(self, env: P.Envelope, ident: bytes | None = None) -> None:
+        frame = P.encode(env, self.key)
+        try:
+            if ident is None:
+                self.sock.send(frame, zmq.NOBLOCK)
+            else:
+                self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            _log.warning("send queue full, dropped %s to %r", env.type.name, ident)
+
+    def recv(self):
+        """(identity or None, Envelope) for the next good frame, or None if it was dropped."""
+        parts = self.sock.recv_multipart(zmq.NOBLOCK)
+        ident = parts[0] if len(parts) == 2 else None
+        try:
+            if len(parts) not in (1, 2):
+                raise ProtocolError(f"{len(parts)}-part message")
+            env = P.decode(parts[-1], self.key)
+            if ident is not None and ident != str(env.rank).encode() and env.rank >= 0:
+                raise ProtocolError(f"envelope rank {env.rank} does not match socket identity {ident!r}")
+        except ProtocolError as exc:
+            self.drops.drop(exc, origin=repr(ident))
+            return None
+        return ident, env
+
+
+class Link(threading.Thread):
+    """The processor's connection to the active controller (see module docstring)."""
+
+    def __init__(self, rank: int, key: bytes, addrs: list[str], hello: Callable[[], P.Register],
+                 beat: Callable[[], P.Heartbeat], on_message: Callable[[P.Envelope], None],
+                 curve: dict | None = None, interval: float | None = None, misses: int | None = None):
+        super().__init__(name=f"mindio-link-{rank}", daemon=True)
+        self.rank, self.key, self.addrs = rank, key, list(addrs)
+        self.hello, self.beat, self.on_message, self.curve = hello, beat, on_message, curve or {}
+        self.interval = interval or _knobs.get("MINDIO_HEARTBEAT_INTERVAL")
+        self.misses = misses or _knobs.get("MINDIO_HEARTBEAT_MISSES")
+        self.gen = 0
+        self.registered = threading.Event()
+        self.failovers = 0
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._waker = Waker()
+        self._halt = threading.Event()
+        self._ctx = zmq.Context.instance()
+        self._target = 0
+        self.drops = P.DropCounter()
+
+    # -- any thread --
+    def send(self, env: P.Envelope) -> None:
+        self._out.put(env)
+        self._waker.wake()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._waker.wake()
+
+    @property
+    def address(self) -> str:
+        return self.addrs[self._target]
+
+    # -- the I/O thread --
+    def _connect(self) -> Channel:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        for opt, val in self.curve.items():
+            sock.setsockopt(opt, val)
+        sock.connect(self.address)
+        chan = Channel(sock, self.key, self.drops)
+        chan.send(P.Envelope(P.MsgType.REGISTER, self.hello(), rank=self.rank, gen=self.gen))
+        return chan
+
+    def run(self) -> None:
+        chan = self._connect()
+        poller = zmq.Poller()
+        poller.register(chan.sock, zmq.POLLIN)
+        poller.register(self._waker.rfd, zmq.POLLIN)
+        last_rx = next_beat = time.monotonic()
+        try:
+            while not self._halt.is_set():
+                now = time.monotonic()
+                events = dict(poller.poll(max(0.0, next_beat - now) * 1000))
+                if self._waker.rfd in events:
+                    self._waker.drain()
+                while True:
+                    try:
+                        env = self._out.get_nowait()
+                    except queue.Empty:
+                        break
+                    chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
+                if chan.sock in events:
+                    while True:
+                        try:
+                            got = chan.recv()
+                        except zmq.Again:
+                            break
+                        if got is not None:
+                            last_rx = time.monotonic()
+                            self._handle(chan, got[1])
+                now = time.monotonic()
+                if now >= next_beat:
+                    chan.send(P.Envelope(P.MsgType.HEARTBEAT, self.beat(), rank=self.rank, gen=self.gen))
+                    next_beat = now + self.interval
+                if now - last_rx > self.misses * self.interval + self.interval / 2:
+                    poller.unregister(chan.sock)
+                    chan.sock.close(0)
+                    self._target = (self._target + 1) % len(self.addrs)
+                    self.failovers += 1
+                    self.registered.clear()
+                    _log.warning("controller silent for %.1f s; connecting to %s", now - last_rx, self.address)
+                    chan = self._connect()
+                    poller.register(chan.sock, zmq.POLLIN)
+                    last_rx = now
+        finally:
+            while True:  # flush what other threads queued (a BYE, the reply to "exit") before closing
+                try:
+                    env = self._out.get_nowait()
+                except queue.Empty:
+                    break
+                chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
+            chan.sock.close(500)
+            self._waker.close()
+
+    def _handle(self, chan: Channel, env: P.Envelope) -> None:
+        if env.type is P.MsgType.REGISTER_ACK:
+            self.gen = env.body.gen
+            self.interval = env.body.interval
+            primary = self.addrs[0] if self._target == 0 else self.address
+            self.addrs = [primary] + [a for a in env.body.backups if a != primary]
+            self._target = 0
+            self.registered.set()
+        elif env.type is P.MsgType.HEARTBEAT_ACK:
+            current = self.address
+            self.addrs = [current] + [a for a in env.body.backups if a != current]
+            self._target = 0
+            if env.body.state == "UNKNOWN":  # the controller does not know us (it restarted): hello again
+                chan.send(P.Envelope(P.MsgType.REGISTER, self.hello(), rank=self.rank, gen=self.gen))
+        else:
+            self.on_message(env)

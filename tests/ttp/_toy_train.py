@@ -1,0 +1,207 @@
+"""A tiny gloo/CPU data-parallel training job wired to mindio.ttp, for the integration tests.
+
+One process per rank: ``python _toy_train.py --rank R --world 4 --store-port P --ctl-port C --out DIR``.
+Model: MLP 8-16-1, parameters kept as one flat fp32 vector. Optimizer: ZeRO-1-style Adam whose state is
+sharded over a *replica group* -- the DP group cut into 2 contiguous halves {0,1},{2,3}; shard i of the
+flat vector lives on ranks i and i+2 (shard index = position in the DP group mod d/R). Gradients are
+all-reduced over the DP group, each rank updates its shard, and the updated shards are all-gathered
+inside the replica group. Data of iteration ``it`` is derived from ``it`` only, so a resumed run sees
+exactly the batches the uninterrupted run saw.
+
+Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) and the iteration to
+``DIR/ckpt/iter_<step>.tmp/shard<k>.pt``; the rename callback renames the directory and writes
+``DIR/ckpt/latest``. ``--resume`` starts from ``latest``. ``--fault kind:rank:iteration`` injects
+raise-uce, raise-unknown, kill (SIGKILL) or hang (sleep outside any collective) on that rank.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import mindio.ttp as ttp
+
+R = 2                   # replica count
+STATE: dict = {}        # every reference to process groups lives here (dropped by the stop callback)
+
+
+def batch(it: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(1000 + it)
+    x = torch.randn(4 * world, 8, generator=g)
+    y = torch.sin(x.sum(1, keepdim=True))
+    per = x.shape[0] // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def forward(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    w1, b1, w2, b2 = flat[:128].view(16, 8), flat[128:144], flat[144:160].view(1, 16), flat[160:161]
+    return torch.tanh(x @ w1.t() + b1) @ w2.t() + b2
+
+
+NPARAM = 161
+SHARD = math.ceil(NPARAM / R)  # 81; the flat vector is padded to R * SHARD
+
+
+def init_params() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    flat = torch.zeros(R * SHARD)
+    flat[:NPARAM] = torch.randn(NPARAM, generator=g) * 0.3
+    return flat
+
+
+def shard_index(rank: int, world: int) -> int:
+    return sorted(range(world)).index(rank) % (world // R)
+
+
+class Trainer:
+    def __init__(self, args):
+        self.args, self.rank, self.world = args, args.rank, args.world
+        self.k = shard_index(self.rank, self.world)
+        self.flat = init_params()
+        lo = self.k * SHARD
+        self.master = self.flat[lo:lo + SHARD].clone()
+        self.m = torch.zeros(SHARD)
+        self.v = torch.zeros(SHARD)
+        self.it = 0
+        if args.resume:
+            self.load(args.resume)
+
+    def load(self, root: str) -> None:
+        with open(os.path.join(root, "latest")) as f:
+            step = int(f.read().strip())
+        d = os.path.join(root, f"iter_{step:07d}")
+        shards = [torch.load(os.path.join(d, f"shard{k}.pt")) for k in range(self.world // R)]
+        self.flat = torch.cat([s["master"] for s in shards])
+        mine = shards[self.k]
+        self.master, self.m, self.v, self.it = mine["master"].clone(), mine["m"].clone(), mine["v"].clone(), mine["it"]
+        assert all(s["it"] == step for s in shards)
+
+    def step(self) -> None:
+        it, rank, a = self.it, self.rank, self.args
+        x, y = batch(it, rank, self.world)
+        flat = self.flat.clone().requires_grad_(True)
+        if a.fault_rank == rank and a.fault_it == it:
+            self.inject(a.fault_kind)
+        loss = ((forward(flat, x) - y) ** 2).mean()
+        loss.backward()
+        grad = flat.grad.detach().clone()
+        dist.all_reduce(grad, group=STATE["dp"])
+        grad /= self.world
+        ttp.tft_start_updating_os(-1)
+        lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
+        t = it + 1
+        self.m.mul_(0.9).add_(g, alpha=0.1)
+        self.v.mul_(0.999).addcmul_(g, g, value=0.001)
+        mhat, vhat = self.m / (1 - 0.9 ** t), self.v / (1 - 0.999 ** t)
+        self.master.sub_(0.01 * mhat / (vhat.sqrt() + 1e-8))
+        self.it = it + 1
+        ttp.tft_end_updating_os(self.it)
+        parts = [torch.empty(SHARD) for _ in range(R)]
+        dist.all_gather(parts, self.master, group=STATE["replica"])
+        self.flat = torch.cat(parts)
+
+    def inject(self, kind: str) -> None:
+        with open(os.path.join(self.args.out, f"fault_t_rank{self.rank}"), "w") as f:
+            f.write(repr(time.time()))
+        if kind == "raise-uce":
+            raise RuntimeError("UCE ERROR: injected uncorrectable memory error")
+        if kind == "raise-unknown":
+            raise ValueError("injected unknown error")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "hang":
+            time.sleep(3600)
+
+    def save(self, step, save_info, args, ctx):
+        d = os.path.join(self.args.out, "ckpt", f"iter_{step:07d}.tmp")
+        os.makedirs(d, exist_ok=True)
+        assert self.it == step, (self.it, step)
+        path = os.path.join(d, f"shard{self.k}.pt")
+        torch.save({"master": self.master, "m": self.m, "v": self.v, "it": self.it, "save_info": save_info},
+                   path + ".part")
+        os.replace(path + ".part", path)
+
+    def rename(self, step, args, ctx):
+        root = os.path.join(self.args.out, "ckpt")
+        os.replace(os.path.join(root, f"iter_{step:07d}.tmp"), os.path.join(root, f"iter_{step:07d}"))
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(str(step))
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+
+
+def stop_groups(args, ctx):
+    """Tear down every process group and drop every reference to them (ARCHITECTURE §3)."""
+    STATE.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--store-port", type=int, required=True)
+    p.add_argument("--ctl-port", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--fault", default="")
+    p.add_argument("--resume", default="")
+    p.add_argument("--external-controller", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    a = p.parse_args()
+    a.fault_kind, a.fault_rank, a.fault_it = (a.fault.split(":")[0], int(a.fault.split(":")[1]),
+                                              int(a.fault.split(":")[2])) if a.fault else ("", -1, -1)
+    torch.manual_seed(0)
+    store = dist.TCPStore("127.0.0.1", a.store_port, a.world, is_master=a.rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timedelta(seconds=120))
+    STATE["dp"] = dist.new_group(list(range(a.world)))
+    half = a.rank // (a.world // R)
+    groups = [dist.new_group(list(range(h * (a.world // R), (h + 1) * (a.world // R)))) for h in range(R)]
+    STATE["replica"] = groups[half]
+    del groups
+
+    if a.rank == 0 and not a.external_controller:
+        ttp.tft_init_controller(0, a.world, enable_local_copy=False)
+        ttp.tft_start_controller("127.0.0.1", a.ctl_port, enable_tls=False)
+    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False)
+    trainer = Trainer(a)
+    ttp.tft_register_save_ckpt_handler(trainer.save)
+    ttp.tft_register_rename_handler(trainer.rename)
+    ttp.tft_register_stop_handler(stop_groups)
+    ttp.tft_start_processor("127.0.0.1", a.ctl_port)
+    ttp.tft_set_optimizer_replica(a.rank, [{"rank_list": list(range(a.world)), "replica_cnt": R, "replica_shift": 0}])
+
+    @ttp.tft_exception_handler
+    def train():
+        while trainer.it < a.steps:
+            trainer.step()
+            if a.step_sleep:
+                time.sleep(a.step_sleep)
+        return 0
+
+    train()
+    torch.save({"flat": trainer.flat, "master": trainer.master, "m": trainer.m, "v": trainer.v, "it": trainer.it},
+               os.path.join(a.out, f"final_rank{a.rank}.pt"))
+    # finish together so that no rank tears its groups down under a peer still in a collective
+    dist.barrier(group=STATE["dp"])
+    ttp.tft_destroy_processor()
+    if a.rank == 0:
+        dist.barrier(group=STATE["dp"])
+        ttp.tft_destroy_controller()
+    else:
+        dist.barrier(group=STATE["dp"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -111,6 +111,9 @@ _ALL = [
     Knob("MINDIO_ACP_UNSERVICEABLE_AFTER", int, 3,
          "Consecutive storage failures after which the daemon is unserviceable and clients fall back.",
          min=1, max=1000),
+    Knob("MINDIO_ACP_PERSIST_DELAY", float, 0.0,
+         "Seconds a daemon worker waits before persisting each file (tests and demos of crash windows).",
+         min=0, max=3600),
     Knob("MINDIO_AUTO_PATCH_MEGATRON", _bool, False,
          "1: route megatron-core checkpoint save/load through mindio.save/load."),
 ]

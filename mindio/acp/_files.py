@@ -67,11 +67,15 @@ class _WriteableFileWrapper:
     def drop(self) -> None:
         """Discard what was written and delete the file (from the pool and from storage)."""
         self._chunks = None
-        empty = _WriteableFileWrapper(self.path, self.mode)
-        empty._store()      # a newer empty version supersedes any pooled one ...
+        client = api._get_client()
+        if client is not None:
+            try:
+                client.request({"op": "delete", "path": self.path})
+            except ServerUnavailable:
+                pass
         for p in (self.path, _storage.marker_path(self.path)):
             try:
-                os.unlink(p)  # ... and the file itself goes away
+                os.unlink(p)
             except FileNotFoundError:
                 pass
 

@@ -27,7 +27,7 @@ import time
 from .. import _knobs, _logging
 from . import format as fmt
 from ._state import FAILED, PENDING, PERSISTED, PERSISTING, SUPERSEDED, Entry, Region
-from ._storage import atomic_write, remove_marker
+from ._storage import atomic_write, marker_path, remove_marker
 
 __all__ = ["Persister"]
 
@@ -42,6 +42,7 @@ class Persister:
         self.unserviceable = False
         self._consecutive = 0
         self._retries = _knobs.get("MINDIO_ACP_PERSIST_RETRIES")
+        self._delay = _knobs.get("MINDIO_ACP_PERSIST_DELAY")
         self._threshold = _knobs.get("MINDIO_ACP_UNSERVICEABLE_AFTER")
         self._path_locks: dict[str, threading.Lock] = {}
         self._stats = {"persisted": 0, "persist_failures": 0, "bytes_persisted": 0}
@@ -120,6 +121,8 @@ class Persister:
     # ---- one file -------------------------------------------------------------------------------
     def _write(self, entry: Entry):
         region = entry.region
+        if self._delay:
+            time.sleep(self._delay)
         try:
             if entry.kind == "acp":
                 header = fmt.checksummed_header(region.view, name=entry.path)
@@ -151,6 +154,12 @@ class Persister:
                     entry.state = SUPERSEDED
                     entry.region.refs -= 1
                     entry.region.maybe_free()
+                    if entry.deleted:
+                        for p in (entry.path, marker_path(entry.path)):
+                            try:
+                                os.unlink(p)
+                            except FileNotFoundError:
+                                pass
             else:
                 self._failed(entry, result)
             d.lock.notify_all()

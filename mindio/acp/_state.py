@@ -51,7 +51,7 @@ class Entry:
     error: str = ""
     stat: list | None = None   # [st_ino, st_mtime_ns, st_size] of the persisted file
     last_used: float = field(default_factory=time.monotonic)
-    reported: bool = False
+    deleted: bool = False      # dropped by the user while being written: unlink after the rename
 
     def wire(self) -> dict:
         return {"seq": self.seq, "path": self.path, "state": self.state, "error": self.error}

@@ -9,6 +9,7 @@ leases die with its connection):
     commit {alloc, paths, kind, mode, stat?} -> {seqs}  (journal fsynced, markers written, queued)
     lookup {path}                  -> {hit, file, offset, size, lease, persisted, stat}
     release {leases}               -> drops leases (the bytes may be reused afterwards)
+    delete {path}                  -> forgets the path's pooled versions (create_file(...).drop())
     wait {seqs, timeout}           -> {entries}  once each is persisted/failed/superseded or at timeout
     flush {timeout}                -> {failed: [paths], pending: n} once nothing is pending
     lost                           -> {lost: [{path, seq, reason}]}
@@ -258,6 +259,22 @@ class Daemon:
         if entry.state == PENDING:
             self.persist.enqueue(entry)
 
+    def op_delete(self, req, state):
+        """Forget every pooled version of a path; one still being written is removed after its rename."""
+        with self.lock:
+            entry = self.entries.pop(req["path"], None)
+            if entry is not None:
+                if entry.state == "persisting":
+                    entry.deleted = True
+                else:
+                    if entry.state != PERSISTED:
+                        entry.state = SUPERSEDED
+                        self.journal.append({"x": entry.seq}, sync=False)
+                    entry.region.refs -= 1
+                    entry.region.maybe_free()
+            self.lock.notify_all()
+        return {"ok": True}
+
     def op_lookup(self, req, state):
         with self.lock:
             entry = self.entries.get(req["path"])
@@ -352,6 +369,10 @@ class Daemon:
                     os.unlink(path)
                 except OSError:
                     pass
+            try:
+                os.rmdir(self.pool_dir)
+            except OSError:
+                pass
         log.info("mindio-acp-server stopped%s", " with unpersisted data left in the pool" if unpersisted else "")
         logging.shutdown()
         os._exit(0)

@@ -1,0 +1,204 @@
+"""The ACP API against a real daemon: return codes, memory hits, persistence, fallbacks, file access."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import mindio
+from mindio import acp
+from mindio.acp import _storage, api
+from mindio.acp import format as fmt
+from mindio.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _sd(scale=1.0, n=1000):
+    return {"w": torch.randn(n, 64) * scale, "b": torch.arange(10), "step": 7, "nested": {"m": torch.ones(3, 3)}}
+
+
+def _same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in ("w", "b")) and a["step"] == b["step"] and \
+        torch.equal(a["nested"]["m"], b["nested"]["m"])
+
+
+def test_save_load_memory_then_storage(acp_env):
+    path = os.path.join(acp_env["ck"], "model.pt")
+    assert acp.initialize() == 0
+    sd = _sd()
+    assert mindio.save(sd, path) == 1
+    assert _same(mindio.load(path), sd)                 # from the pool
+    assert acp.flush() == 0
+    assert os.path.exists(path) and not os.path.exists(_storage.marker_path(path))
+    with open(path, "rb") as f:
+        info = fmt.header_info(f.read(), path)
+    assert info["flags"] == fmt.FLAG_CHECKSUMS           # the daemon added the checksums
+    assert _same(acp.load(path, open_way="fopen"), sd)   # from storage, verified
+    stat = acp.server_stat()
+    assert stat["persisted"] >= 1 and stat["state"] == "ok"
+
+
+def test_loaded_tensors_are_private_copies(acp_env):
+    path = os.path.join(acp_env["ck"], "m.pt")
+    sd = _sd()
+    assert acp.save(sd, path) == 1
+    first = acp.load(path)
+    first["w"].add_(1.0)                                 # copy-on-write: the pooled version is unchanged
+    assert _same(acp.load(path), sd)
+
+
+def test_newest_version_wins(acp_env):
+    path = os.path.join(acp_env["ck"], "m.pt")
+    versions = [_sd(scale=i + 1) for i in range(5)]
+    for v in versions:
+        assert acp.save(v, path) == 1
+    assert _same(acp.load(path), versions[-1])
+    assert acp.flush() == 0
+    assert _same(acp.load(path, open_way="fopen"), versions[-1])
+
+
+def test_fopen_disable_and_torch_files(acp_env, monkeypatch):
+    p1, p2, p3 = (os.path.join(acp_env["ck"], n) for n in ("a.pt", "b.pt", "c.pt"))
+    sd = _sd()
+    assert acp.save(sd, p1, open_way="fopen") == 2
+    assert _same(acp.load(p1), sd)
+    torch.save(sd, p2)
+    assert _same(acp.load(p2), sd)                       # plain torch.save files load too
+    monkeypatch.setenv("MINDIO_ACP_DISABLE", "1")
+    api.reset()
+    assert acp.save(sd, p3) == 2 and api.fallback_counts() == {"direct write": 1}
+    assert _same(acp.load(p3), sd)
+    with pytest.raises(ConfigError):
+        acp.save(sd, p3, open_way="mmap")
+
+
+def test_unsupported_object_falls_back_to_torch_save(acp_env, caplog):
+    path = os.path.join(acp_env["ck"], "sparse.pt")
+    obj = {"s": torch.eye(4).to_sparse()}
+    assert acp.save(obj, path) == 0 and acp.save(obj, path) == 0
+    assert api.fallback_counts()["torch.save"] == 2
+    assert sum("fallback to torch.save" in r.message for r in caplog.records) == 1   # logged once
+    assert torch.equal(acp.load(path)["s"].to_dense(), torch.eye(4))
+
+
+def test_bad_paths_and_server_info(acp_env):
+    assert acp.save(_sd(), "/nonexistent-dir/x.pt") == -1
+    assert acp.multi_save(_sd(), ["/nonexistent-dir/x.pt"]) is None
+    with pytest.raises(ConfigError, match="unknown key"):
+        acp.initialize({"memfs.capacity": "1"})
+    with pytest.raises(ConfigError, match="out of range"):
+        acp.initialize({"memfs.write.parallel.slice_in_mb": "2048"})
+    with pytest.raises(FileNotFoundError):
+        acp.load(os.path.join(acp_env["ck"], "missing.pt"))
+
+
+def test_multi_save_convert_preload(acp_env):
+    paths = [os.path.join(acp_env["ck"], f"r{i}.pt") for i in range(3)]
+    sd = _sd()
+    assert acp.multi_save(sd, paths) == 1
+    assert all(_same(acp.load(p), sd) for p in paths)
+    assert acp.flush() == 0 and all(os.path.exists(p) for p in paths)
+    dst = os.path.join(acp_env["ck"], "plain.pt")
+    assert acp.convert(paths[0], dst) == 0
+    assert _same(torch.load(dst, weights_only=True), sd)          # a plain torch.save file
+    assert acp.convert(os.path.join(acp_env["ck"], "nope.pt"), dst) == -1
+    assert acp.preload(dst) == 0
+    before = acp.server_stat()["entries"]
+    assert _same(acp.load(dst), sd) and acp.server_stat()["entries"] == before
+    assert acp.preload(os.path.join(acp_env["ck"], "nope.pt")) == 1
+
+
+def test_stale_pool_entry_is_not_served(acp_env):
+    path = os.path.join(acp_env["ck"], "m.pt")
+    assert acp.save(_sd(1), path) == 1 and acp.flush() == 0
+    newer = _sd(2)
+    torch.save(newer, path)                               # someone replaced the file behind mindio
+    assert _same(acp.load(path), newer)
+
+
+def test_open_file_create_file_drop(acp_env):
+    path = os.path.join(acp_env["ck"], "blob.ckpt")
+    with acp.create_file(path, mode=0o640) as f:
+        assert f.write(b"0123456789") == 10
+    with acp.open_file(path) as f:
+        assert f.read() == b"0123456789" and f.read(2, 3) == b"234" and f.read(offset=9) == b"9"
+        with pytest.raises(ValueError):
+            f.read(5, 6)
+    assert acp.flush() == 0
+    assert open(path, "rb").read() == b"0123456789" and os.stat(path).st_mode & 0o777 == 0o640
+    w = acp.create_file(path)
+    w.write(b"x")
+    w.drop()
+    assert acp.flush() == 0 and not os.path.exists(path)
+    with pytest.raises(TypeError):
+        acp.create_file(path).write("not bytes")
+    with pytest.raises(ConfigError):
+        acp.create_file(path, mode=0o1777)
+
+
+def test_register_checker_success_and_timeout(acp_env):
+    d = os.path.join(acp_env["ck"], "iter_1")
+    os.mkdir(d)
+    results = []
+    done = threading.Event()
+
+    def cb(result, ctx):
+        results.append((result, ctx))
+        done.set()
+
+    assert acp.register_checker(cb, {d: 2}, "ctx", 30) == 1
+    for i in range(2):
+        assert acp.save(_sd(), os.path.join(d, f"rank{i}.pt")) == 1
+    assert done.wait(40) and results == [(0, "ctx")]
+    done.clear()
+    assert acp.register_checker(cb, {d: 5}, "ctx2", 1) == 1
+    assert done.wait(20) and results[-1] == (1, "ctx2")
+    assert acp.register_checker(cb, {d: 1}, None, 0) is None
+    assert acp.register_checker("nope", {d: 1}, None, 5) is None
+
+
+def test_async_handle(acp_env, monkeypatch):
+    path = os.path.join(acp_env["ck"], "a.pt")
+    handle = acp.async_save(_sd(), path)
+    assert handle.rc == 1
+    assert handle.wait(timeout=60) and handle.done() and os.path.exists(path)
+    monkeypatch.setenv("MINDIO_ACP_DISABLE", "1")
+    api.reset()
+    direct = acp.async_save(_sd(), path)
+    assert direct.rc == 2 and direct.done()
+
+
+def test_eviction_keeps_unpersisted_data(acp_env, monkeypatch):
+    big = {"w": torch.randn((20 << 20) // 4)}              # 20 MiB each, 256 MiB pool, 16 MiB blocks
+    paths = [os.path.join(acp_env["ck"], f"e{i}.pt") for i in range(20)]
+    rcs = [acp.save(big, p) for p in paths]
+    assert set(rcs) <= {1, 2} and rcs[0] == 1
+    assert acp.flush() == 0
+    for p in paths:                                       # everything reached storage, nothing lost
+        assert torch.equal(acp.load(p, open_way="fopen")["w"], big["w"])
+    # now fill the pool with data that cannot be persisted yet: saves must fall back, not drop data
+    api.reset()
+    from tests.acp.conftest import stop_daemon
+    stop_daemon(acp_env["run"])
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "5")
+    acp.initialize()
+    rcs = [acp.save(big, p) for p in paths[:14]]
+    assert rcs[:6] == [1] * 6 and 2 in rcs                # pool full of unpersisted data -> direct write
+    assert api.fallback_counts()["direct write"] >= 1
+    for p, rc in zip(paths[:14], rcs):
+        assert torch.equal(acp.load(p)["w"], big["w"])
+
+
+def test_daemon_exits_when_idle(acp_env, monkeypatch):
+    monkeypatch.setenv("MINDIO_ACP_IDLE_EXIT", "1")
+    assert acp.initialize() == 0
+    assert acp.save(_sd(), os.path.join(acp_env["ck"], "x.pt")) == 1
+    api.reset()                                           # disconnect: the daemon is now idle
+    sock = os.path.join(acp_env["run"], "acp.sock")
+    deadline = time.monotonic() + 30
+    while os.path.exists(sock) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(sock)
+    assert os.path.exists(os.path.join(acp_env["ck"], "x.pt"))   # persisted before exiting

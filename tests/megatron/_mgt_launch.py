@@ -1,0 +1,60 @@
+"""Launch a small torchrun job for the megatron tests: loopback, free port, hard timeout."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
+
+__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "digests", "have_megatron"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None) -> str:
+    """Run ``script`` under torch.distributed.run; return stdout; fail with the output on error."""
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(script), *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MINDIO_ACP_IDLE_EXIT": "20",
+                "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun timed out after {timeout}s:\n{out[-4000:]}")
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun exited {proc.returncode}:\n{out[-6000:]}")
+    return out
+
+
+def losses(out: str) -> dict:
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"iteration\s+(\d+)/\d+ \| lm loss ([0-9.eE+-]+)", out)}
+
+
+def digests(out: str) -> list:
+    return re.findall(r"state-digest: ([0-9a-f]{64})", out)
+
+
+def have_megatron() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False

@@ -114,6 +114,7 @@ class Controller:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * P.MAX_FRAME)  # zmq drops the connection of a flooding peer
         for opt, val in self.curve.items():
             sock.setsockopt(opt, val)
         sock.bind(f"tcp://{bind_ip}:{port}")

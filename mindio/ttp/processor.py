@@ -83,7 +83,8 @@ class Processor:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, addr: str, key: bytes) -> None:
-        self.link = Link(self.rank, key, [addr], self._hello, self._beat, self._on_message, curve=self.curve)
+        self.link = Link(self.rank, key, [addr], self._hello, self._beat, self._on_message, curve=self.curve,
+                         on_registered=self._on_registered)
         self.link.start()
         budget = _knobs.get("TTP_RETRY_TIMES") * max(1.0, 2 * self.link.interval)
         if not self.link.registered.wait(budget):
@@ -106,6 +107,12 @@ class Processor:
         return P.Register(world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
                           step=self.step, data_status=int(self.data_status), replica=list(self.replica),
                           dp_group=list(self.dp_group))
+
+    def _on_registered(self) -> None:
+        """(link thread) After a (re)registration -- e.g. failover to a backup controller -- a rank that
+        is parked re-sends its report, which the lost controller may never have acted on."""
+        if self._main == "parked" and self.last_report is not None and self.link is not None:
+            self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report))
 
     def _beat(self) -> P.Heartbeat:
         frame = sys._current_frames().get(self._main_ident)

@@ -105,7 +105,7 @@ class Waker:
     def wake(self) -> None:
         try:
             os.write(self._wfd, b"x")
-        except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
+        except (BlockingIOError, OSError):  # pipe full (a wake-up is pending) or already closed
             pass
 
     def drain(self) -> None:
@@ -116,8 +116,12 @@ class Waker:
             pass
 
     def close(self) -> None:
-        os.close(self.rfd)
-        os.close(self._wfd)
+        for fd in (self.rfd, self._wfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.rfd = self._wfd = -1
 
 
 class Channel:
@@ -158,10 +162,12 @@ class Link(threading.Thread):
 
     def __init__(self, rank: int, key: bytes, addrs: list[str], hello: Callable[[], P.Register],
                  beat: Callable[[], P.Heartbeat], on_message: Callable[[P.Envelope], None],
-                 curve: dict | None = None, interval: float | None = None, misses: int | None = None):
+                 curve: dict | None = None, interval: float | None = None, misses: int | None = None,
+                 on_registered: Callable[[], None] | None = None):
         super().__init__(name=f"mindio-link-{rank}", daemon=True)
         self.rank, self.key, self.addrs = rank, key, list(addrs)
         self.hello, self.beat, self.on_message, self.curve = hello, beat, on_message, curve or {}
+        self.on_registered = on_registered
         self.interval = interval or _knobs.get("MINDIO_HEARTBEAT_INTERVAL")
         self.misses = misses or _knobs.get("MINDIO_HEARTBEAT_MISSES")
         self.gen = 0
@@ -204,7 +210,7 @@ class Link(threading.Thread):
         poller = zmq.Poller()
         poller.register(chan.sock, zmq.POLLIN)
         poller.register(self._waker.rfd, zmq.POLLIN)
-        last_rx = next_beat = time.monotonic()
+        last_rx = next_beat = last_beat = time.monotonic()
         try:
             while not self._halt.is_set():
                 now = time.monotonic()
@@ -227,9 +233,10 @@ class Link(threading.Thread):
                             last_rx = time.monotonic()
                             self._handle(chan, got[1])
                 now = time.monotonic()
+                next_beat = min(next_beat, last_beat + self.interval)  # the controller may set a shorter interval
                 if now >= next_beat:
                     chan.send(P.Envelope(P.MsgType.HEARTBEAT, self.beat(), rank=self.rank, gen=self.gen))
-                    next_beat = now + self.interval
+                    last_beat, next_beat = now, now + self.interval
                 if now - last_rx > self.misses * self.interval + self.interval / 2:
                     poller.unregister(chan.sock)
                     chan.sock.close(0)
@@ -258,6 +265,8 @@ class Link(threading.Thread):
             self.addrs = [primary] + [a for a in env.body.backups if a != primary]
             self._target = 0
             self.registered.set()
+            if self.on_registered is not None:
+                self.on_registered()
         elif env.type is P.MsgType.HEARTBEAT_ACK:
             current = self.address
             self.addrs = [current] + [a for a in env.body.backups if a != current]

@@ -1,0 +1,130 @@
+"""Controller + processors in one process over real loopback sockets (fast; no torch.distributed)."""
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from mindio.ttp import protocol as P
+from mindio.ttp.controller import Controller
+from mindio.ttp.processor import Processor
+from mindio.ttp.states import State
+
+from ._harness import free_port
+
+KEY = b"s" * 32
+
+
+def _until(pred, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def plane():
+    port = free_port()
+    ctl = Controller(rank=0, world_size=2, enabled={"dump"}, key=KEY, interval=0.2, misses=3, hang_timeout=0)
+    ctl.action_limit = 2.0
+    ctl.start("127.0.0.1", port)
+    procs = [Processor(r, 2) for r in range(2)]
+    for p in procs:
+        p.start(f"tcp://127.0.0.1:{port}", KEY)
+    assert _until(lambda: ctl.sm.state is State.NORMAL)
+    yield ctl, procs, port
+    for p in procs:
+        p.destroy()
+    ctl.destroy()
+
+
+def _raw(port, ident=b"1"):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, ident)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+@pytest.mark.timeout(30)
+def test_bad_frames_and_forged_peer_are_dropped(plane):
+    ctl, procs, port = plane
+    forged = _raw(port, b"7")
+    report = P.Envelope(P.MsgType.REPORT, P.Report(state=2, message="UCE ERROR", step=1), rank=1)
+    forged.send(P.encode(report, b"wrong-secret"))                        # forged signature
+    forged.send(b"\x00garbage" * 10)                                      # malformed
+    forged.send(b"x" * (P.MAX_FRAME + 10))                                # oversize
+    forged.send(P.encode(report, KEY))                                    # right key, rank != identity
+    payload = msgpack.packb([9, 5, 0, 7, 0, {"state": 2, "message": "x", "step": 1}])
+    import hashlib, hmac
+    forged.send(payload + hmac.new(KEY, payload, hashlib.sha256).digest())  # wrong version
+    forged.send_multipart([b"a", b"b", b"c"])                              # wrong shape
+    assert _until(lambda: ctl.drops.total >= 6), ctl.drops.snapshot()
+    assert ctl.drops.snapshot() == {"auth": 2, "protocol": 4}  # garbage fails the MAC check first
+    time.sleep(0.5)
+    assert ctl.sm.state is State.NORMAL and ctl.last_decision == {}       # no effect
+    assert all(r.alive and not r.faulty for r in ctl.ranks.values())
+    forged.close()
+
+
+@pytest.mark.timeout(30)
+def test_actions_are_deduplicated_and_replies_replayed(plane):
+    ctl, procs, _ = plane
+    calls = []
+    procs[1].callbacks["rename"] = (lambda step, args, ctx: calls.append(step), None)
+    first = ctl._call("rename", {"step": 3}, [1], 5.0)
+    assert first[1].ok and calls == [3]
+    ctl._sn -= 1  # the same sn again, as after a controller failover or a resend
+    again = ctl._call("rename", {"step": 3}, [1], 5.0)
+    assert again[1].ok and calls == [3]  # not run twice; cached reply replayed
+    bad = ctl._call("no-such-action", {}, [0], 5.0)
+    assert not bad[0].ok and "unknown action" in bad[0].detail["error"]
+    failing = ctl._call("save", {"step": 1, "save_info": []}, [0], 5.0)
+    assert not failing[0].ok and "no save_ckpt callback" in failing[0].detail["error"]
+
+
+@pytest.mark.timeout(30)
+def test_silent_rank_declared_dead_within_misses(plane):
+    ctl, procs, _ = plane
+    procs[1].link.stop()  # the process "dies": no BYE, no more heartbeats
+    t0 = time.monotonic()
+    assert _until(lambda: not ctl.ranks[1].alive, 5.0)
+    dt = time.monotonic() - t0
+    assert dt < 3 * 0.2 + 0.5, dt  # 3 missed beats of 0.2 s + sweep granularity (margin for load)
+    assert _until(lambda: ctl.final.is_set(), 10.0)
+    # no replica info: rank 1's state exists nowhere else, so no dump is possible: exit
+    assert ctl.last_decision["strategy"] == "exit" and ctl.last_decision["faulty"] == [1]
+
+
+@pytest.mark.timeout(30)
+def test_bye_is_not_a_fault(plane):
+    ctl, procs, _ = plane
+    procs[1].destroy(reason="finished")
+    time.sleep(1.0)
+    assert ctl.sm.state is State.NORMAL and not ctl.ranks[1].faulty
+
+
+@pytest.mark.timeout(30)
+def test_fence_blocks_updates_until_exit(plane):
+    ctl, procs, _ = plane
+    import threading
+    p = procs[0]
+    p._main_ident = threading.get_ident()
+    done = {}
+
+    def stop_rank0():
+        done["stop"] = ctl._call("stop", {"timeout": 5.0}, [0], 5.0)
+
+    p.end_updating_os(5)
+    t = threading.Thread(target=stop_rank0)
+    t.start()
+    assert _until(lambda: p._hold)
+    with pytest.raises(RuntimeError, match="FORCE STOP"):
+        # blocks at the fence (answering "stop" with main=fenced), until the controller says exit
+        threading.Timer(1.0, lambda: ctl._call("exit", {"code": 75}, [0], 5.0)).start()
+        p.start_updating_os(-1)
+    t.join()
+    assert done["stop"][0].detail == {"step": 5, "data_status": 0, "main": "fenced"}
+    assert p.wait_next_action()[1] == 75

@@ -3,7 +3,7 @@
 import argparse
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _mgt_launch import have_megatron
@@ -11,6 +11,7 @@ from _mgt_launch import have_megatron
 pytestmark = pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed")
 
 
+@settings(deadline=None)
 @given(st.integers(1, 6), st.integers(1, 4), st.integers(0, 50))
 def test_every_shard_has_replica_cnt_holders(shards, r, offset):
     from mindio.megatron.replica import ReplicaLayout

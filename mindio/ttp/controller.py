@@ -126,7 +126,8 @@ class Controller:
             hello = lambda: P.Register(world_size=self.world_size, pid=0, host="", role="backup", addr=self.address)
             beat = lambda: P.Heartbeat(step=0, data_status=0)
             self._primary_link = Link(-1000 - max(self.rank, 0), self.key, [primary], hello, beat,
-                                      lambda env: None, curve=None, interval=self.interval, misses=self.misses)
+                                      lambda env: None, curve=None, interval=self.interval, misses=self.misses,
+                                      follow_backups=False)
             self._primary_link.start()
         for target, name in ((self._io_loop, "io"), (self._driver_loop, "driver")):
             t = threading.Thread(target=target, name=f"mindio-ctl-{name}", daemon=True)
@@ -218,7 +219,7 @@ class Controller:
 
     def _on_register(self, ident: bytes, rank: int, body: P.Register, now: float) -> None:
         if body.role == "backup":
-            if body.addr and body.addr not in self.backups and len(self.backups) < 2:
+            if body.addr and body.addr != self.address and body.addr not in self.backups and len(self.backups) < 2:
                 self.backups.append(body.addr)
                 _log.info("backup controller %s announced", body.addr)
         elif not 0 <= rank < self.world_size or body.world_size != self.world_size:

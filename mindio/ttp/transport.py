@@ -163,11 +163,12 @@ class Link(threading.Thread):
     def __init__(self, rank: int, key: bytes, addrs: list[str], hello: Callable[[], P.Register],
                  beat: Callable[[], P.Heartbeat], on_message: Callable[[P.Envelope], None],
                  curve: dict | None = None, interval: float | None = None, misses: int | None = None,
-                 on_registered: Callable[[], None] | None = None):
+                 on_registered: Callable[[], None] | None = None, follow_backups: bool = True):
         super().__init__(name=f"mindio-link-{rank}", daemon=True)
         self.rank, self.key, self.addrs = rank, key, list(addrs)
         self.hello, self.beat, self.on_message, self.curve = hello, beat, on_message, curve or {}
         self.on_registered = on_registered
+        self.follow_backups = follow_backups  # False for a backup controller's own link to the primary
         self.interval = interval or _knobs.get("MINDIO_HEARTBEAT_INTERVAL")
         self.misses = misses or _knobs.get("MINDIO_HEARTBEAT_MISSES")
         self.gen = 0
@@ -261,16 +262,18 @@ class Link(threading.Thread):
         if env.type is P.MsgType.REGISTER_ACK:
             self.gen = env.body.gen
             self.interval = env.body.interval
-            primary = self.addrs[0] if self._target == 0 else self.address
-            self.addrs = [primary] + [a for a in env.body.backups if a != primary]
-            self._target = 0
+            if self.follow_backups:
+                current = self.address
+                self.addrs = [current] + [a for a in env.body.backups if a != current]
+                self._target = 0
             self.registered.set()
             if self.on_registered is not None:
                 self.on_registered()
         elif env.type is P.MsgType.HEARTBEAT_ACK:
-            current = self.address
-            self.addrs = [current] + [a for a in env.body.backups if a != current]
-            self._target = 0
+            if self.follow_backups:
+                current = self.address
+                self.addrs = [current] + [a for a in env.body.backups if a != current]
+                self._target = 0
             if env.body.state == "UNKNOWN":  # the controller does not know us (it restarted): hello again
                 chan.send(P.Envelope(P.MsgType.REGISTER, self.hello(), rank=self.rank, gen=self.gen))
         else:

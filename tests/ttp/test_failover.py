@@ -1,0 +1,68 @@
+"""Controller death with a backup alive: the ranks fail over, training goes on, and the backup drives
+the dump of a later fault."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mindio.ttp import EXIT_CODE_DUMPED
+from mindio.ttp.controller import Controller
+from mindio.ttp.transport import job_secret
+
+from ._harness import ROOT, Job, free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(180)
+def test_backup_takes_over_and_dumps(tmp_path, monkeypatch):
+    secret = "failover-test-secret"
+    monkeypatch.setenv("MINDIO_SECRET", secret)
+    port, backup_port = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", MINDIO_SECRET=secret)
+    ctl_log = open(tmp_path / "primary.log", "w+")
+    primary = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_controller_proc.py"),
+                                "4", str(port)], env=env, stdout=ctl_log, stderr=subprocess.STDOUT, text=True)
+    backup = None
+    job = None
+    try:
+        end = time.monotonic() + 60
+        while "controller up" not in (tmp_path / "primary.log").read_text() and time.monotonic() < end:
+            time.sleep(0.1)
+        backup = Controller(rank=1, world_size=4, enabled={"dump"}, key=job_secret(create=False), backup=True)
+        backup.start("127.0.0.1", backup_port, primary=f"tcp://127.0.0.1:{port}")
+        out = str(tmp_path / "run")
+        job = Job(out, ctl_port=port, env={"MINDIO_SECRET": secret},
+                  args=["--external-controller", "--steps", "120", "--step-sleep", "0.1",
+                        "--fault", "raise-uce:2:100"])
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # every rank registered (with the primary) and training
+            logs = [open(os.path.join(out, f"rank{r}.log")).read() for r in range(4)]
+            if all("registered" in text for text in logs) and os.path.exists(out):
+                break
+            time.sleep(0.2)
+        time.sleep(1.5)  # a heartbeat ack has told every rank where the backup is
+        primary.kill()
+        primary.wait()
+        t_kill = time.monotonic()
+        codes = job.wait(120)
+        assert codes == [EXIT_CODE_DUMPED] * 4, job.tail()
+        assert backup.active and backup.final.is_set()
+        assert backup.last_decision["strategy"] == "dump" and backup.last_decision["lock_step"] == 100
+        assert backup.last_decision["faulty"] == [2]
+        with open(os.path.join(out, "ckpt", "latest")) as f:
+            assert int(f.read()) == 100
+        states = [(a.value, r.value, b.value) for a, r, b in backup.sm.history]
+        assert states[0] == ("INIT", "ALL_REGISTERED", "NORMAL")  # took over: training went on under it
+        assert states[-1] == ("EXIT", "OK", "FINAL")
+        assert time.monotonic() - t_kill > 5  # training ran on for a while after the primary died
+    finally:
+        if job is not None:
+            job.kill()
+        primary.kill()
+        primary.wait()
+        ctl_log.close()
+        if backup is not None:
+            backup.destroy()

@@ -1,0 +1,89 @@
+"""Worker for test_recovery_callbacks.py: drives MegatronAdapter's callbacks by hand, as mindio.ttp
+would, on a 4-rank gloo job (DP=4, two replicas of each optimizer shard).
+
+    _recovery_worker.py none   ITERS         train ITERS steps, print the digest
+    _recovery_worker.py repair ITERS STEP    at STEP rank 1's optimizer shard, params and counters
+                                             are destroyed; stop, clean, new world (generation 1),
+                                             rebuild groups, repair from rank 3, rollback; go on
+    _recovery_worker.py dump   ITERS STEP DIR  at STEP ranks 0 and 3 dump (one per shard), rank 0
+                                             renames; then exit (the test resumes with --load)
+"""
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "megatron"))
+import pretrain_gpt as pg  # noqa: E402
+
+from mindio import megatron as mio  # noqa: E402
+
+
+def new_world(generation: int) -> None:
+    """What mindio.ttp's rebuild does: a fresh default group on a generation-prefixed store."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"mindio/gen{generation}", store),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+
+def main():
+    scenario, iters = sys.argv[1], int(sys.argv[2])
+    step = int(sys.argv[3]) if len(sys.argv) > 3 else iters
+    extra = ["--save", sys.argv[4]] if len(sys.argv) > 4 else []
+    args = pg.parse_args(["--use-distributed-optimizer", "--replica-cnt", "2",
+                          "--train-iters", str(iters), "--exit-interval", str(step)] + extra)
+    pg.initialize(args)
+    dataset = pg.CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
+    args.padded_vocab_size = dataset.vocab_size
+    ctx = mio.TrainingContext(args, build=lambda: pg.setup_model_and_optimizer(args))
+    ctx.init_parallel()
+    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+    adapter = mio.MegatronAdapter(ctx)
+    pg.train(pg.forward_step, ctx, dataset)
+    rank = dist.get_rank()
+
+    if scenario == "repair":
+        if rank == 1:  # an uncorrectable memory error wiped this rank's state
+            with torch.no_grad():
+                for t in ctx.shard_tensors():
+                    t.fill_(float("nan"))
+                for p in ctx.model[0].parameters():
+                    p.fill_(123.0)
+            ctx.iteration, ctx.consumed_samples = 999, 0
+        adapter.stop()
+        assert adapter.clean(is_uce_error=(rank == 1)) == 0
+        assert ctx.model is None and ctx.optimizer is None
+        new_world(1)
+        adapter.rebuild_groups([1])
+        info = {"type": 0, "src": [3], "dst": [1], "rank_list": [1, 3]}
+        if rank == 3:
+            adapter.repair(step, False, [1], {**info, "repair_type": "RT_SEND"})
+        elif rank == 1:
+            adapter.repair(step, False, [1], {**info, "repair_type": "RT_UCE_LOWLEVEL"})
+        adapter.rollback(step)
+        assert ctx.iteration == step and not ctx.stop_requested.is_set()
+        print(f"rank {rank} repaired", flush=True)
+    elif scenario == "dump":
+        adapter.save(step, [{"type": 0, "ranks": [0, 3]}])
+        dist.barrier()
+        if rank == 0:
+            adapter.rename(step)
+        pg.print_rank_0(f"dumped step {step}")
+        dist.destroy_process_group()
+        return
+
+    args.exit_interval = None
+    pg.train(pg.forward_step, ctx, dataset)
+    pg.print_rank_0(f"state-digest: {mio.state_digest(ctx)}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -64,12 +64,23 @@ class Client:
         return s
 
     def connect(self) -> None:
-        """Reach (or start) the daemon and map its pool; raises ServerUnavailable on failure."""
-        try:
-            self._sock = self._dial()
-        except OSError:
-            self._start_daemon()
-        self.hello = self.request({"op": "hello"})
+        """Reach (or start) the daemon and map its pool; raises ServerUnavailable on failure.
+
+        A daemon that is exiting at this very moment (idle exit, shutdown) may accept and then drop
+        the connection: that is retried a few times with a fresh daemon.
+        """
+        for attempt in range(5):
+            try:
+                try:
+                    self._sock = self._dial()
+                except OSError:
+                    self._start_daemon()
+                self.hello = self.request({"op": "hello"})
+                break
+            except ServerUnavailable as exc:
+                if attempt == 4 or "cannot start" in str(exc):
+                    raise
+                time.sleep(0.2 * (attempt + 1))
         theirs = self.hello["config"]
         if theirs["pool_bytes"] != self.cfg.pool_bytes or theirs["block_bytes"] != self.cfg.block_bytes:
             log.warning("mindio-acp-server in %s already runs with a %d MiB pool of %d MiB blocks; "
@@ -86,6 +97,9 @@ class Client:
         try:
             subprocess.run(cmd, env=env, timeout=_START_TIMEOUT_S, check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        except subprocess.CalledProcessError as exc:
+            raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: "
+                                    f"{exc.stderr.decode(errors='replace').strip()}") from None
         except (subprocess.SubprocessError, OSError) as exc:
             raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: {exc}") from exc
         deadline = time.monotonic() + _START_TIMEOUT_S

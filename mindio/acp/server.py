@@ -335,7 +335,20 @@ class Daemon:
         return {"ok": True}
 
     def op_shutdown(self, req, state):
+        self._close_listener()      # before replying: no client may connect to a daemon that is leaving
         return {"ok": True}
+
+    def _close_listener(self) -> None:
+        with self.lock:
+            if getattr(self, "_listener_closed", False):
+                return
+            self._listener_closed = True
+        try:
+            os.unlink(self.sock_path)
+            self.server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.server.close()
 
     # ---- life cycle -----------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -355,11 +368,7 @@ class Daemon:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        try:
-            self.server.close()
-            os.unlink(self.sock_path)
-        except OSError:
-            pass
+        self._close_listener()
         self.persist.drain()
         with self.lock:
             unpersisted = self.busy()
@@ -387,9 +396,18 @@ def main(argv=None) -> int:
     run_dir = os.path.abspath(args.dir) if args.dir else _config.runtime_dir()
     cfg = _config.parse_server_info(json.loads(args.config))
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    ready_r = ready_w = None
     if args.detach:
-        if os.fork() > 0:
-            return 0
+        ready_r, ready_w = os.pipe()
+        if os.fork() > 0:           # the launcher: report the daemon's start-up result, then return
+            os.close(ready_w)
+            with os.fdopen(ready_r) as ready:
+                status = ready.read()
+            if status.startswith("ok"):
+                return 0
+            print(f"mindio-acp-server failed to start: {status or 'it died during start-up'}", file=sys.stderr)
+            return 1
+        os.close(ready_r)
         os.setsid()
         if os.fork() > 0:
             os._exit(0)
@@ -401,7 +419,17 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s mindio-acp-server[{os.getpid()}] %(levelname)s %(message)s")
     daemon = Daemon(run_dir, cfg, _knobs.get("MINDIO_ACP_IDLE_EXIT"))
-    if not daemon.start():
+    try:
+        started = daemon.start()
+    except Exception as exc:
+        log.exception("start-up failed")
+        if ready_w is not None:
+            os.write(ready_w, f"{type(exc).__name__}: {exc}".encode())
+        return 1
+    if ready_w is not None:
+        os.write(ready_w, b"ok")
+        os.close(ready_w)
+    if not started:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=daemon.shutdown).start())
     signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=daemon.shutdown).start())

@@ -67,5 +67,6 @@ def acp_env(monkeypatch):
     yield {"run": run_dir, "ck": ckpt_dir}
     api.reset()
     stop_daemon(run_dir)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if not os.environ.get("MINDIO_TEST_KEEP"):
+        shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(ckpt_dir, ignore_errors=True)

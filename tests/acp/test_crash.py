@@ -1,0 +1,191 @@
+"""Crash guarantees with real processes, real kill -9, real files (see docs/acp.md, "Guarantees")."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mindio import acp
+from mindio.acp import _config, _storage, api
+from mindio.errors import CorruptCheckpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _spawn(cmd, path, env=None):
+    return subprocess.Popen([sys.executable, "-m", "tests.acp._child", cmd, path], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **(env or {})))
+
+
+def _wait_line(proc, word, timeout=90):
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(word):
+            return line
+    proc.kill()
+    raise AssertionError(f"child never printed {word}: {lines} {proc.stderr.read()}")
+
+
+def _kill9(proc):
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def _poll(predicate, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_kill_trainer_mid_save_keeps_previous_version(acp_env):
+    path = os.path.join(acp_env["ck"], "model.pt")
+    proc = _spawn("mid_save", path)
+    _wait_line(proc, "COPYING")
+    free_during = None
+    assert acp.initialize() == 0
+    free_during = acp.server_stat()["free"]
+    _kill9(proc)
+    assert acp.load(path)["step"] == 1                           # newest committed version: v1
+    assert acp.load(path, open_way="fopen")["step"] == 1         # storage: v1, never a torn v2
+    assert _poll(lambda: acp.server_stat()["free"] > free_during, 10)   # the dead save's blocks came back
+    assert acp.flush() == 0 and acp.load(path, open_way="fopen")["step"] == 1
+
+
+def test_kill_trainer_mid_direct_write_keeps_previous_version(acp_env):
+    path = os.path.join(acp_env["ck"], "model.pt")
+    proc = _spawn("mid_direct", path, {"MINDIO_ACP_DISABLE": "1"})
+    _wait_line(proc, "WRITING")
+    _kill9(proc)
+    assert acp.load(path, open_way="fopen")["step"] == 1
+    leftovers = [n for n in os.listdir(acp_env["ck"]) if _storage.is_internal_name(n)]
+    assert all(".mindio-tmp." in n for n in leftovers)           # only an ignorable temp file remains
+
+
+def test_kill_trainer_after_save_still_persists(acp_env):
+    path = os.path.join(acp_env["ck"], "model.pt")
+    proc = _spawn("after_save", path, {"MINDIO_ACP_PERSIST_DELAY": "2"})
+    _wait_line(proc, "SAVED")
+    _kill9(proc)
+    assert not os.path.exists(path) and os.path.exists(_storage.marker_path(path))   # memory only, marked
+    assert _poll(lambda: os.path.exists(path) and not os.path.exists(_storage.marker_path(path)), 90)
+    out = acp.load(path, open_way="fopen")
+    assert out["step"] == 3 and bool((out["w"] == 3.0).all()) and out["w"].numel() == (64 << 20) // 4
+
+
+def _save_versions(paths, value):
+    for p in paths:
+        assert acp.save({"w": torch.full((1 << 20,), float(value)), "v": value}, p) == 1
+
+
+def _kill_daemon():
+    pid = api._client.hello["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert _poll(lambda: not os.path.exists(f"/proc/{pid}") or
+                 open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z", 10)
+    api.reset()
+
+
+@pytest.mark.parametrize("pool_survives", [True, False], ids=["pool-survives", "pool-lost"])
+def test_kill_daemon_during_persistence(acp_env, monkeypatch, pool_survives):
+    paths = [os.path.join(acp_env["ck"], f"rank{i}.pt") for i in range(4)]
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "0")
+    assert acp.initialize() == 0
+    _save_versions(paths, 1)
+    assert acp.flush() == 0
+    _kill_daemon()
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "3")          # the next daemon persists slowly
+    assert acp.initialize() == 0
+    _save_versions(paths, 2)                                     # acknowledged, still only in memory
+    _kill_daemon()
+    if not pool_survives:                                        # e.g. a reboot emptied /dev/shm
+        import shutil
+        shutil.rmtree(_config.pool_dir(acp_env["run"]))
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "0")
+    assert acp.initialize() == 0                                 # a new daemon replays the journal
+    lost = {rec["path"] for rec in acp.lost_checkpoints()}
+    if pool_survives:
+        assert lost == set() and acp.flush() == 0
+        assert all(acp.load(p, open_way="fopen")["v"] == 2 for p in paths)
+    else:
+        assert lost == set(paths)                                # every one reported lost, by name
+        assert all(acp.load(p, open_way="fopen")["v"] == 1 for p in paths)   # previous versions intact
+        assert all(os.path.exists(_storage.marker_path(p)) for p in paths)
+
+
+def test_storage_size_limit_falls_back_without_crash(acp_env):
+    proc = subprocess.run([sys.executable, "-m", "tests.acp._child", "fsize_limit", acp_env["ck"]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=150,
+                          env=dict(os.environ, MINDIO_ACP_UNSERVICEABLE_AFTER="1"))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "RC 1 FLUSH 1" in out                   # kept in memory; flush reports the failure
+    assert "AFTER -1" in out                       # unserviceable -> direct write -> torch.save -> clear -1
+    assert "('direct write', 1)" in out and "('torch.save', 1)" in out
+    assert "SMALL 1 BIG 2" in out                  # small file persisted; big one still served from memory
+    assert proc.stderr.count("fallback to direct write") == 1 and "File too large" in proc.stderr
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root); the RLIMIT_FSIZE test covers storage limits")
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("failure", ["full", "read-only"])
+def test_full_or_read_only_storage(acp_env, small_fs, monkeypatch, failure, caplog):
+    monkeypatch.setenv("MINDIO_ACP_UNSERVICEABLE_AFTER", "1")
+    assert acp.initialize() == 0
+    first = os.path.join(small_fs, "first.pt")
+    assert acp.save({"w": torch.ones(1 << 20)}, first) == 1 and acp.flush() == 0
+    if failure == "full":
+        big = {"w": torch.ones(8 << 20)}                         # 32 MiB never fits 24 MiB
+    else:
+        assert subprocess.run(["mount", "-o", "remount,ro", small_fs]).returncode == 0
+        big = {"w": torch.ones(2 << 20)}
+    target = os.path.join(small_fs, "big.pt")
+    assert acp.save(big, target) == 1                            # in memory
+    assert acp.flush(timeout=30) == 1                            # persistence failed, reported
+    assert acp.server_stat()["state"] == "unserviceable"
+    assert acp.save(big, os.path.join(small_fs, "again.pt")) == -1   # every fallback failed: clear -1
+    assert torch.equal(acp.load(target)["w"], big["w"])         # the data is still served from memory
+    assert acp.load(first, open_way="fopen")["w"].sum() == 1 << 20
+    assert sum("fallback to direct write" in r.message for r in caplog.records) == 1
+
+
+def test_corrupted_files_name_the_file(acp_env):
+    path = os.path.join(acp_env["ck"], "model.pt")
+    assert acp.save({"w": torch.randn(1 << 16)}, path) == 1 and acp.flush() == 0
+    acp.shutdown_server()
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpoint, match="truncated") as err:
+        acp.load(path, open_way="fopen")
+    assert err.value.path == path and path in str(err.value)
+    flipped = bytearray(data)
+    flipped[-100] ^= 1
+    with open(path, "wb") as f:
+        f.write(flipped)
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch") as err:
+        acp.load(path)
+    assert path in str(err.value)

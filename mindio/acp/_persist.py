@@ -27,7 +27,7 @@ import time
 from .. import _knobs, _logging
 from . import format as fmt
 from ._state import FAILED, PENDING, PERSISTED, PERSISTING, SUPERSEDED, Entry, Region
-from ._storage import atomic_write, marker_path, remove_marker
+from ._storage import atomic_write_direct, marker_path, remove_marker
 
 __all__ = ["Persister"]
 
@@ -126,10 +126,12 @@ class Persister:
         try:
             if entry.kind == "acp":
                 header = fmt.checksummed_header(region.view, name=entry.path)
-                chunks = [header, region.view[len(header):]]
+                aligned = mmap.mmap(-1, len(header))        # page aligned, as O_DIRECT needs
+                aligned[:] = header
+                parts = [aligned, region.padded[len(header):]]
             else:
-                chunks = [region.view]
-            st = atomic_write(entry.path, chunks, mode=entry.mode, tag=str(entry.seq))
+                parts = [region.padded]
+            st = atomic_write_direct(entry.path, parts, region.size, mode=entry.mode, tag=str(entry.seq))
             return [st.st_ino, st.st_mtime_ns, st.st_size]
         except Exception as exc:  # storage errors of every kind are handled by the retry policy
             return exc
@@ -195,13 +197,14 @@ class Persister:
         kept = []
         for rec in sorted(newest.values(), key=lambda r: r["c"]):
             try:
-                view = self._recovered_view(rec, maps)
+                padded = self._recovered_view(rec, maps)
+                view = padded[: rec["size"]]
                 if rec["kind"] == "acp":
                     fmt.header_info(view, name=rec["path"])
             except Exception as exc:
                 self._lost(rec, f"{type(exc).__name__}: {exc}")
                 continue
-            region = Region(rec["file"], rec["off"], rec["size"], view, self._release_recovered(maps))
+            region = Region(rec["file"], rec["off"], rec["size"], view, padded, self._release_recovered(maps))
             entry = Entry(rec["c"], rec["path"], region, rec["kind"], rec.get("mode", 0o644))
             region.refs += 1
             self.d.entries[entry.path] = entry
@@ -225,7 +228,8 @@ class Persister:
         if rec["off"] + rec["size"] > len(mm):
             raise ValueError(f"pool file {path} is shorter than the recorded region")
         maps[path][1] += 1
-        return memoryview(mm)[rec["off"]: rec["off"] + rec["size"]]
+        end = min(len(mm), rec["off"] + -(-rec["size"] // mmap.PAGESIZE) * mmap.PAGESIZE)
+        return memoryview(mm)[rec["off"]: end]
 
     @staticmethod
     def _release_recovered(maps: dict):

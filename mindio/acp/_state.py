@@ -26,6 +26,7 @@ class Region:
     offset: int
     size: int
     view: memoryview     # the daemon's view of exactly these bytes
+    padded: memoryview   # the same bytes rounded up to whole pages (O_DIRECT writes; the slack is ours)
     release: object      # callable(region) returning the bytes to their allocator
     refs: int = 0
     leases: int = 0

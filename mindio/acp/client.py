@@ -31,6 +31,7 @@ __all__ = ["Client", "PoolFull"]
 
 log = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23
+_MADV_POPULATE_READ = 22
 _START_TIMEOUT_S = 60.0
 
 
@@ -206,4 +207,8 @@ class Client:
             self._releases.append(reply["lease"])
             raise
         weakref.finalize(mm, self._releases.append, reply["lease"])
+        try:
+            mm.madvise(_MADV_POPULATE_READ)   # map the shared pages in one go (no copy: still copy-on-write)
+        except OSError:
+            pass
         return mm, reply

@@ -199,7 +199,8 @@ class Daemon:
                 return {"ok": False, "full": True, "error":
                         f"pool full: {size} bytes needed, {self.alloc.largest_free()} free in one run, "
                         f"{live} bytes not yet persisted"}
-            region = Region(self.pool_file, offset, size, self.pool_view[offset: offset + size], self._free_region)
+            padded = self.pool_view[offset: offset + -(-size // mmap.PAGESIZE) * mmap.PAGESIZE]
+            region = Region(self.pool_file, offset, size, padded[:size], padded, self._free_region)
             alloc_id = self._next_id()
             state["allocs"][alloc_id] = region
             self.last_active = time.monotonic()

@@ -69,9 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--save", default=None)
     a("--load", default=None)
     a("--save-interval", type=int, default=None)
+    a("--acp-pool-gb", type=int, default=1,
+      help="memory pool of the mindio checkpoint store started at launch when --save is given")
     a("--log-interval", type=int, default=1)
     a("--data-path", default=str(HERE / "data" / "corpus.txt"))
     a("--tokenizer-file", default=str(HERE / "data" / "tokenizer.json"))
+    a("--inject", default=None, metavar="KIND:rank=R,step=S",
+      help="fault injection for drills: raise|uce|kill|hang on rank R during step S (once)")
     a("--check-replicas", action="store_true",
       help="after every step, check that all replicas of every optimizer shard are bit-identical")
     mio.add_high_availability_args(p)  # mindio: --enable-high-availability & co.
@@ -183,10 +187,35 @@ def setup_model_and_optimizer(args):
 
 
 # --------------------------------------------------------------------------------- train loop
+_injected = set()
+
+
+def maybe_inject(spec: str, iteration: int) -> None:
+    """``--inject raise:rank=1,step=7``: fail once, on that rank, while computing that step."""
+    kind, _, rest = spec.partition(":")
+    where = dict(kv.split("=") for kv in rest.split(",") if kv)
+    if (dist.get_rank() != int(where.get("rank", 0)) or iteration != int(where.get("step", 1))
+            or spec in _injected):
+        return
+    _injected.add(spec)
+    print(f"[rank {dist.get_rank()}] injecting {kind} at step {iteration}", flush=True)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault at step {iteration}")
+    if kind == "uce":
+        raise RuntimeError(f"UCE ERROR: injected at step {iteration}")
+    if kind == "kill":
+        os.kill(os.getpid(), 9)
+    if kind == "hang":
+        time.sleep(3600)
+    raise SystemExit(f"--inject: unknown kind {kind!r} (raise, uce, kill, hang)")
+
+
 def forward_step(ctx, data_iterator, model):
     """One micro-batch: tokens -> per-token losses; the loss function averages them."""
     if ctx.stop_requested.is_set():  # mindio: the stop callback parks training here
         raise RuntimeError("FORCE STOP")
+    if ctx.args.inject:
+        maybe_inject(ctx.args.inject, ctx.iteration + 1)
     batch = next(data_iterator)
     tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     position_ids = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
@@ -332,6 +361,8 @@ def pretrain(args) -> str:
     ctx = mio.TrainingContext(args, build=lambda: setup_model_and_optimizer(args))
     ctx.init_parallel()  # mindio: DP replica groups (num_distributed_optimizer_instances)
     ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+    if args.save:  # mindio: start the checkpoint store now, not on the first (or a dump) save
+        mio.checkpoint.initialize_store({"memfs.data_block_pool_capacity_in_gb": args.acp_pool_gb})
     if args.load:
         it = mio.checkpoint.load_checkpoint(ctx)
         print_rank_0(f"loaded checkpoint iteration {it}: state-digest: {mio.state_digest(ctx)}")

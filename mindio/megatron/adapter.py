@@ -42,7 +42,8 @@ class TrainingContext:
     iteration: int = 0
     consumed_samples: int = 0
     stop_requested: threading.Event = field(default_factory=threading.Event)
-    _kept: Optional[Dict[str, Any]] = None  # state saved by clean() for rebuild_groups()
+    layout: Dict[str, int] = field(default_factory=dict)  # tp, pp, dp_pos, dp_size
+    _kept: Optional[Dict[str, Any]] = None  # state saved by clean() for rebuild_groups() and dump
 
     # -- layout -------------------------------------------------------------------------------
     @property
@@ -50,10 +51,8 @@ class TrainingContext:
         return replica_count(self.args)
 
     def _dp(self):
-        from megatron.core import parallel_state as ps
-
-        return (ps.get_data_parallel_rank(with_context_parallel=True),
-                ps.get_data_parallel_world_size(with_context_parallel=True))
+        """(position in the DP-CP group, its size): cached by init_parallel, valid after clean."""
+        return self.layout["dp_pos"], self.layout["dp_size"]
 
     def shard_index(self) -> int:
         pos, d = self._dp()
@@ -64,13 +63,37 @@ class TrainingContext:
         return pos // (d // self.replica_cnt)
 
     def init_parallel(self) -> None:
+        """megatron parallel state with the DP replica groups; caches this rank's coordinates."""
+        from megatron.core import parallel_state as ps
+
         a = self.args
         replica.initialize_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                                     replica_cnt=self.replica_cnt)
+        self.layout = {
+            "tp": ps.get_tensor_model_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp_pos": ps.get_data_parallel_rank(with_context_parallel=True),
+            "dp_size": ps.get_data_parallel_world_size(with_context_parallel=True),
+        }
 
     # -- state --------------------------------------------------------------------------------
     def shard_tensors(self) -> List[torch.Tensor]:
+        """This rank's optimizer shard(s), flat; after clean(), the copy clean() kept."""
+        if self.optimizer is None and self._kept is not None:
+            return self._kept["shards"]
         return [t for o in distributed_optimizers(self.optimizer) for t in o.shard_state()]
+
+    def optimizer_state_dicts(self) -> List[Dict[str, Any]]:
+        """megatron's non-param optimizer state_dict per distributed optimizer (kept after clean)."""
+        if self.optimizer is None and self._kept is not None:
+            return self._kept["optimizer"]
+        return [o.state_dict() for o in distributed_optimizers(self.optimizer)]
+
+    def shard_groups(self) -> List[List[torch.Tensor]]:
+        """Shard tensors grouped per distributed optimizer (dense first, then expert)."""
+        if self.optimizer is None and self._kept is not None:
+            return self._kept["shard_groups"]
+        return [o.shard_state() for o in distributed_optimizers(self.optimizer)]
 
     def rng_state(self) -> Dict[str, Any]:
         from megatron.core import tensor_parallel
@@ -85,6 +108,9 @@ class TrainingContext:
             tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
 
     def scalar_state(self, with_rng: bool = True) -> Dict[str, Any]:
+        if self.optimizer is None and self._kept is not None:
+            kept = dict(self._kept["scalars"])
+            return kept if with_rng else {k: v for k, v in kept.items() if k != "rng"}
         out = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
         scaler = getattr(distributed_optimizers(self.optimizer)[0], "grad_scaler", None)
@@ -110,17 +136,39 @@ class TrainingContext:
             self.load_rng_state(state["rng"])
 
 
-def _megatron_groups() -> List[Any]:
-    """Every process group object megatron's parallel state holds (deduplicated)."""
+def _is_group_holder(value: Any) -> bool:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(g, dist.ProcessGroup) for g in items)
+
+
+def _drop_megatron_groups() -> int:
+    """Destroy every process group megatron's parallel state holds and clear those globals.
+
+    ``destroy_model_parallel`` resets most globals but not all of them in 0.16.1 (some
+    partial-DP groups survive); a surviving reference keeps gloo connections open and leaves
+    peers blocked (ARCHITECTURE section 3), so every ProcessGroup-valued global is cleared here.
+    """
     from megatron.core import parallel_state as ps
 
     found, seen = [], set()
-    for value in vars(ps).values():
-        for g in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(g, dist.ProcessGroup) and id(g) not in seen:
-                seen.add(id(g))
-                found.append(g)
-    return found
+    for name, value in list(vars(ps).items()):
+        if name.startswith("_") and _is_group_holder(value):
+            for g in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(g, dist.ProcessGroup) and id(g) not in seen:
+                    seen.add(id(g))
+                    found.append(g)
+    ps.destroy_model_parallel()
+    for name, value in list(vars(ps).items()):
+        if name.startswith("_") and _is_group_holder(value):
+            setattr(ps, name, None)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    for g in found:
+        if g is not world:
+            try:
+                dist.destroy_process_group(g)
+            except (ValueError, RuntimeError):
+                pass  # already destroyed together with the world
+    return len(found)
 
 
 class MegatronAdapter(FrameworkAdapter):
@@ -134,25 +182,27 @@ class MegatronAdapter(FrameworkAdapter):
 
     def clean(self, is_uce_error: bool) -> int:
         """Keep this rank's shard and counters, drop model/optimizer and megatron's groups."""
-        from megatron.core import parallel_state as ps
-
         ctx = self.ctx
         try:
             if ctx.optimizer is not None:
-                ctx._kept = {"shards": [t.detach().clone() for t in ctx.shard_tensors()],
-                             "scalars": ctx.scalar_state()}
-            groups = _megatron_groups()
+                try:
+                    groups_ = [[t.detach().clone() for t in g] for g in ctx.shard_groups()]
+                    ctx._kept = {"shard_groups": groups_,
+                                 "shards": [t for g in groups_ for t in g],
+                                 "optimizer": ctx.optimizer_state_dicts(),
+                                 "scalars": ctx.scalar_state()}
+                except Exception as exc:  # corrupted state (e.g. after a UCE): repair restores it
+                    ctx._kept = None
+                    _log.warning("clean: this rank's optimizer state could not be kept (%s: %s); "
+                                 "it needs a repair from a replica or a checkpoint",
+                                 type(exc).__name__, exc)
             ctx.model = ctx.optimizer = ctx.scheduler = None
-            ps.destroy_model_parallel()
-            world = dist.group.WORLD if dist.is_initialized() else None
-            for g in groups:
-                if g is not world:
-                    try:
-                        dist.destroy_process_group(g)
-                    except (ValueError, RuntimeError):
-                        pass  # already destroyed together with the world
-            del groups
+            dropped = _drop_megatron_groups()
             gc.collect()
+            alive = [o for o in gc.get_objects() if isinstance(o, dist.ProcessGroup)
+                     and o is not (dist.group.WORLD if dist.is_initialized() else None)]
+            _log.info("clean: %d megatron groups destroyed, %d process groups still referenced",
+                      dropped, len(alive))
             return 0
         except Exception:  # reported to the controller as "clean failed"
             _log.exception("clean failed")

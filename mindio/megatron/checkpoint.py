@@ -36,6 +36,7 @@ from .optimizer import distributed_optimizers
 __all__ = [
     "FORMAT",
     "TRACKER",
+    "initialize_store",
     "write_object",
     "read_object",
     "shard_path",
@@ -60,6 +61,24 @@ def _acp():
     except ImportError:
         pass
     return None
+
+
+def initialize_store(server_info: Optional[Dict[str, Any]] = None) -> bool:
+    """Start/reach the mindio checkpoint store (ACP daemon) ahead of the first save.
+
+    Returns whether saves will go through it. Starting it lazily would put its start-up (pool
+    pre-faulting) on the path of the first periodic save or, worse, of a dump after a fault.
+    """
+    acp = _acp()
+    if acp is None:
+        return False
+    from mindio import acp as acp_api
+
+    rc = acp_api.initialize(server_info)
+    if rc != 0:
+        _log.warning("mindio checkpoint store unavailable (initialize returned %s): "
+                     "checkpoints are written to storage directly", rc)
+    return rc == 0
 
 
 def write_object(obj: Any, path: Path) -> None:
@@ -98,20 +117,14 @@ def shard_path(root: Path, iteration: int, tp: int, pp: int, shard: int) -> Path
     return _iter_dir(root, iteration) / f"shard_tp{tp:02d}_pp{pp:03d}_dp{shard:03d}.pt"
 
 
-def _coords():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-
-
 def _shard_object(ctx) -> Dict[str, Any]:
-    opts = distributed_optimizers(ctx.optimizer)
+    """This rank's shard file content; works on live objects and on the copy clean() kept."""
     return {
         "format": FORMAT,
         "iteration": ctx.iteration,
-        "shards": [[t.detach().clone() for t in o.shard_state()] for o in opts],
-        "optimizer": [o.state_dict() for o in opts],
-        "rng": ctx.rng_state(),
+        "shards": [[t.detach().clone() for t in g] for g in ctx.shard_groups()],
+        "optimizer": ctx.optimizer_state_dicts(),
+        "rng": ctx.scalar_state()["rng"],
     }
 
 
@@ -135,7 +148,7 @@ def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bo
         raise RuntimeError(
             f"dump for step {step} asked, but this rank's state is at iteration {ctx.iteration}"
         )
-    tp, pp = _coords()
+    tp, pp = ctx.layout["tp"], ctx.layout["pp"]
     write_object(_shard_object(ctx), shard_path(root, step, tp, pp, ctx.shard_index()))
     if rank == ranks[0]:
         write_object(_common_object(ctx), _iter_dir(root, step) / "common.pt")
@@ -177,7 +190,7 @@ def save_checkpoint(ctx, root: Optional[Path] = None) -> float:
     rank 0 writes common.pt and then the tracker. Returns seconds spent."""
     t0 = time.perf_counter()
     root = Path(root or ctx.args.save)
-    tp, pp = _coords()
+    tp, pp = ctx.layout["tp"], ctx.layout["pp"]
     if ctx.replica_instance() == 0:
         write_object(_shard_object(ctx), shard_path(root, ctx.iteration, tp, pp, ctx.shard_index()))
     if dist.get_rank() == 0:
@@ -200,7 +213,7 @@ def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] =
         iteration = read_tracker(root)
         if iteration is None:
             raise FileNotFoundError(f"no {TRACKER} in {root}: nothing to load")
-    tp, pp = _coords()
+    tp, pp = ctx.layout["tp"], ctx.layout["pp"]
     shard = read_object(shard_path(root, iteration, tp, pp, ctx.shard_index()))
     common = read_object(_iter_dir(root, iteration) / "common.pt")
     for obj, name in ((shard, "shard"), (common, "common.pt")):

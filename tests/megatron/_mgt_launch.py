@@ -22,12 +22,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None) -> str:
-    """Run ``script`` under torch.distributed.run; return stdout; fail with the output on error."""
+def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check=True):
+    """Run ``script`` under torch.distributed.run; return stdout; fail with the output on error.
+
+    ``check=False``: return ``(returncode, output)`` instead of failing on a non-zero exit.
+    """
     cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MINDIO_ACP_IDLE_EXIT": "20",
+                "TTP_PORT": str(free_port()),  # the controller's port (else MASTER_PORT+1)
                 "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, start_new_session=True)
@@ -37,6 +41,8 @@ def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None) -> st
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"torchrun timed out after {timeout}s:\n{out[-4000:]}")
+    if not check:
+        return proc.returncode, out
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}:\n{out[-6000:]}")
     return out

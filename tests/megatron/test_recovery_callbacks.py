@@ -4,6 +4,9 @@ DP=4, two replicas per shard). Every scenario must end bit-identical to an unint
 - repair: rank 1's optimizer shard, params and counters are destroyed at step 6; stop, clean (all
   groups dropped), a new generation-1 world, rebuild groups, repair (rank 3 sends its replica of
   the shard + scalar state to rank 1), rollback to step 6, train on to 12.
+- high availability end to end (when mindio.ttp is available): a fault injected on rank 1 at step 7
+  makes mindio's controller order a dump at lock step 6 (our save + rename callbacks), the job
+  exits with code 75, and ``--load`` continues from that dump bit for bit.
 - dump: at step 6 ranks 0 and 3 write one copy of each shard without collectives, rank 0 renames;
   ``pretrain_gpt.py --load`` continues from it to 12.
 """
@@ -44,5 +47,28 @@ def test_dump_then_load_is_bitwise(reference_digest, tmp_path):
         "common.pt", "shard_tp00_pp000_dp000.pt", "shard_tp00_pp000_dp001.pt"]
     resumed = torchrun(PRETRAIN, ["--use-distributed-optimizer", "--replica-cnt", 2,
                                   "--train-iters", 12, "--load", ckpt], timeout=150)
+    assert "loaded checkpoint iteration 6" in resumed
+    assert digests(resumed)[-1] == reference_digest
+
+
+def _ttp_available() -> bool:
+    try:
+        from mindio import ttp
+
+        return hasattr(ttp, "tft_init_processor")
+    except ImportError:
+        return False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _ttp_available(), reason="mindio.ttp is not available")
+def test_controller_dump_after_fault_loads_bitwise(reference_digest, tmp_path):
+    ckpt = tmp_path / "ha"
+    common = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", 12]
+    rc, out = torchrun(PRETRAIN, common + ["--save", ckpt, "--inject", "raise:rank=1,step=7"],
+                       timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
+    assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    resumed = torchrun(PRETRAIN, common + ["--load", ckpt], timeout=150)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest

@@ -257,6 +257,9 @@ class Daemon:
             old.region.maybe_free()
         self.entries[entry.path] = entry
         self.by_seq[entry.seq] = entry
+        if len(self.by_seq) > 8192:            # forget the outcome of old, finished saves
+            for seq in [s for s, e in self.by_seq.items() if e.state in (PERSISTED, SUPERSEDED)][:4096]:
+                del self.by_seq[seq]
         if entry.state == PENDING:
             self.persist.enqueue(entry)
 

@@ -25,6 +25,7 @@ the ranks registered with it; then it drives the job.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -71,6 +72,7 @@ class _Pending:
     params: dict
     targets: set
     replies: dict = field(default_factory=dict)
+    outstanding: int = 0     # replies still expected; the I/O thread wakes the driver only at zero
 
 
 class Controller:
@@ -106,6 +108,12 @@ class Controller:
         self._chosen: str | None = None
         self._primary_link: Link | None = None
         self._threads: list[threading.Thread] = []
+        self._ack_cache: dict[int, bytes] = {}
+        self._registered = 0
+        # live ranks, least recently heard first: a heartbeat moves its rank to the end, so the sweep
+        # looks only at the front (O(expired) per sweep instead of O(world))
+        self._seen: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._ack_version: tuple = ()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
@@ -115,6 +123,7 @@ class Controller:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * P.MAX_FRAME)  # zmq drops the connection of a flooding peer
+        sock.setsockopt(zmq.BACKLOG, 4096)  # thousands of ranks connect at once; a short accept queue drops SYNs
         for opt, val in self.curve.items():
             sock.setsockopt(opt, val)
         sock.bind(f"tcp://{bind_ip}:{port}")
@@ -147,7 +156,20 @@ class Controller:
 
     # ------------------------------------------------------------------ I/O thread
     def _send(self, rank: int, body, mtype=P.MsgType.ACTION, sn: int = 0) -> None:
-        self._out.put((str(rank).encode(), P.Envelope(mtype, body, rank=-1, sn=sn)))
+        """(any thread) Queue a message for ``rank``; the envelope's rank names the rank it concerns
+        (the recipient here), so a relaying agent can deliver it."""
+        r = self.ranks.get(rank)
+        ident = r.ident if r is not None else str(rank).encode()
+        self._out.put((ident, P.Envelope(mtype, body, rank=rank, sn=sn)))
+        self._waker.wake()
+
+    def _send_many(self, ranks, body, sn: int) -> None:
+        """(any thread) Queue the same ACTION for many ranks with a single wake-up of the I/O thread."""
+        get = self.ranks.get
+        for rank in ranks:
+            r = get(rank)
+            self._out.put((r.ident if r is not None else str(rank).encode(), P.Envelope(P.MsgType.ACTION, body,
+                                                                                        rank=rank, sn=sn)))
         self._waker.wake()
 
     def _io_loop(self) -> None:
@@ -188,9 +210,12 @@ class Controller:
             r = self.ranks.get(env.rank)
             if r is not None and r.registered:
                 r.last_seen, r.step, r.data_status = now, body.step, body.data_status
+                if r.alive:
+                    self._seen[env.rank] = None
+                    self._seen.move_to_end(env.rank)
                 r.in_collective, r.progress_age = body.in_collective, body.progress_age
             state = "UNKNOWN" if (r is None or not r.registered) and env.rank >= 0 else self.sm.state.value
-            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups))), ident)
+            self._chan.send_raw(self._ack(env.rank, state), ident)
         elif env.type is P.MsgType.REGISTER:
             self._on_register(ident, env.rank, body, now)
         elif env.type is P.MsgType.REPORT and env.rank in self.ranks:
@@ -199,6 +224,9 @@ class Controller:
             with self._lock:
                 r = self.ranks[env.rank]
                 r.last_seen, r.step = now, body.step
+                if r.alive:
+                    self._seen[env.rank] = None
+                    self._seen.move_to_end(env.rank)
                 if policy.is_primary(state):
                     r.faulty = True
             self._open_incident(env.rank, state)
@@ -209,13 +237,29 @@ class Controller:
             with self._cond:
                 self.ranks[env.rank].alive = False
                 self.ranks[env.rank].registered = False
+                self._registered -= 1
                 self._cond.notify_all()
         elif env.type is P.MsgType.REPLY:
             with self._cond:
                 p = self._pending
-                if p is not None and p.sn == env.sn and env.rank in p.targets:
+                if p is not None and p.sn == env.sn and env.rank in p.targets and env.rank not in p.replies:
                     p.replies[env.rank] = body
-                    self._cond.notify_all()
+                    p.outstanding -= 1
+                    if p.outstanding <= 0:
+                        self._cond.notify_all()
+
+    def _ack(self, rank: int, state: str) -> bytes:
+        """The signed HEARTBEAT_ACK for ``rank``, cached: the hot path of a large job is one beat and one
+        ack per rank per interval, and the ack only changes with the state or the backup list."""
+        version = (state, tuple(self.backups))
+        if self._ack_version != version:
+            self._ack_cache.clear()
+            self._ack_version = version
+        frame = self._ack_cache.get(rank)
+        if frame is None:
+            frame = self._ack_cache[rank] = P.encode(
+                P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups)), rank=rank), self.key)
+        return frame
 
     def _on_register(self, ident: bytes, rank: int, body: P.Register, now: float) -> None:
         if body.role == "backup":
@@ -231,32 +275,39 @@ class Controller:
                 old = self.ranks.get(rank)
                 r = _Rank(rank, ident, body.pid, body.host, now, body.step, body.data_status,
                           replica=body.replica, dp_group=body.dp_group)
-                if old is not None and old.faulty:
-                    r.faulty = True
+                r.faulty = old is not None and old.faulty
                 self.ranks[rank] = r
+                self._seen[rank] = None
+                self._seen.move_to_end(rank)
+                if old is None or not old.registered:
+                    self._registered += 1  # a counter, not a scan: 100k registrations stay O(n)
         self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=0, interval=self.interval,
-                                                                         backups=list(self.backups))), ident)
-        n = sum(1 for r in self.ranks.values() if r.registered)
-        if self.active and n == self.world_size and self.sm.state is State.INIT:
-            self.sm.fire(Result.ALL_REGISTERED, ranks=n)
+                                                                         backups=list(self.backups)),
+                                   rank=rank), ident)
+        if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
+            self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
 
     def _sweep(self, now: float, check_hang: bool) -> None:
         if not self.active:
             link = self._primary_link
-            n = sum(1 for r in self.ranks.values() if r.registered)
+            n = self._registered
             if link is not None and link.failovers and not link.registered.is_set() and 2 * n > self.world_size:
                 self._take_over(now, n)
             return
         limit = self.misses * self.interval
-        for r in list(self.ranks.values()):
-            if r.alive and now - r.last_seen > limit:
+        while self._seen:
+            r = self.ranks[next(iter(self._seen))]
+            if r.alive and now - r.last_seen <= limit:
+                break
+            self._seen.popitem(last=False)
+            if r.alive:
                 _log.error("rank %d missed %d heartbeats (%.2f s): declared dead", r.rank, self.misses, now - r.last_seen)
                 _logging.event("rank_dead", dead_rank=r.rank, silent_s=round(now - r.last_seen, 3))
                 with self._cond:
                     r.alive, r.faulty = False, True
                     self._cond.notify_all()
                 self._open_incident(r.rank, None)
-        if check_hang and self.sm.state is State.NORMAL:
+        if check_hang and self.hang_timeout > 0 and self.sm.state is State.NORMAL:
             views = [(r.rank, r.progress_age, r.in_collective, r.step) for r in self.ranks.values() if r.alive]
             for rank in policy.find_hung_ranks(views, self.hang_timeout):
                 _log.error("rank %d hung (no progress for %.0f s outside a collective): ordering SIGKILL",
@@ -273,7 +324,9 @@ class Controller:
         _logging.event("backup_takeover", address=self.address, ranks=n)
         with self._lock:
             for rank in range(self.world_size):  # ranks that never come are declared dead by the sweep
-                self.ranks.setdefault(rank, _Rank(rank, str(rank).encode(), last_seen=now))
+                if rank not in self.ranks:
+                    self.ranks[rank] = _Rank(rank, str(rank).encode(), last_seen=now, registered=False)
+                    self._seen[rank] = None
             self.active = True
         self.sm.fire(Result.ALL_REGISTERED, ranks=n, takeover=True)
 
@@ -349,10 +402,11 @@ class Controller:
         strategy = self._negotiate(usable_now)
         latency = time.monotonic() - inc["t0"]
         self.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
+                              "decided_at": time.time(),
                               "faulty": faulty, "missing_shards": [list(map(str, m)) for m in plan.missing],
                               "feasible": feasible, "latency_s": latency}
         _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, feasible %s)",
-                     latency, strategy, lock, faulty, feasible)
+                     latency, strategy, lock, faulty[:16], feasible)
         _logging.event("decision", **self.last_decision)
         if strategy == "dump":
             if not graceful:
@@ -379,11 +433,13 @@ class Controller:
         return strategies[0]
 
     def _dump(self, lock: int, plan: policy.DumpPlan) -> bool:
-        _log.warning("dump at step %d by ranks %s", lock, list(plan.ranks))
+        _log.warning("dump at step %d by %d ranks %s%s", lock, len(plan.ranks), list(plan.ranks[:16]),
+                     " ..." if len(plan.ranks) > 16 else "")
         saved = self._call("save", {"step": lock, "save_info": plan.save_info}, plan.ranks, self.action_limit)
         bad = [r for r in plan.ranks if r not in saved or not saved[r].ok]
         if bad:
-            _log.error("dump failed on ranks %s: %s", bad, {r: saved[r].detail for r in bad if r in saved})
+            _log.error("dump failed on %d ranks %s: %s", len(bad), bad[:16],
+                       {r: saved[r].detail for r in bad[:16] if r in saved})
             return False
         renamed = self._call("rename", {"step": lock}, [plan.ranks[0]], self.action_limit)
         return plan.ranks[0] in renamed and renamed[plan.ranks[0]].ok
@@ -404,7 +460,7 @@ class Controller:
         t0 = time.monotonic()
         with self._cond:
             self._sn += 1
-            pend = self._pending = _Pending(self._sn, name, params, set(ranks))
+            pend = self._pending = _Pending(self._sn, name, params, set(ranks), outstanding=len(set(ranks)))
         body = P.Action(name, params)
         resend = 2 * self.interval
         waiting = set(ranks)
@@ -412,8 +468,7 @@ class Controller:
         while True:
             now = time.monotonic()
             if now - last_send >= resend:
-                for rank in waiting:
-                    self._send(rank, body, sn=pend.sn)
+                self._send_many(waiting, body, pend.sn)
                 last_send = now
             with self._cond:
                 waiting = {r for r in pend.targets if r not in pend.replies and self.ranks[r].alive}

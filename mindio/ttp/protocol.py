@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import hashlib
 import hmac
 import logging
 import threading
@@ -136,33 +135,38 @@ class Envelope:
     v: int = VERSION
 
 
+# per payload type: (field name, accepted python types, type name, required), computed once
+_SPECS = {cls: tuple((f.name, _PY_TYPES[f.type], f.type,
+                      f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                     for f in dataclasses.fields(cls)) for cls in BODY_TYPES.values()}
+
+
 def _body_from(mtype: MsgType, raw: Any):
     cls = BODY_TYPES[mtype]
     if not isinstance(raw, dict):
         raise ProtocolError(f"{mtype.name} body must be a map, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(raw) - set(fields)
-    if unknown:
+    spec = _SPECS[cls]
+    if len(raw) > len(spec) or not raw.keys() <= {name for name, *_ in spec}:
+        unknown = set(raw) - {name for name, *_ in spec}
         raise ProtocolError(f"{mtype.name} body has unknown fields {sorted(map(str, unknown))}")
-    for name, f in fields.items():
+    for name, ok, tname, required in spec:
         if name not in raw:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if required:
                 raise ProtocolError(f"{mtype.name} body lacks field {name!r}")
             continue
-        ok = _PY_TYPES[f.type]
         value = raw[name]
-        if not isinstance(value, ok) or (f.type == "int" and isinstance(value, bool)):
-            raise ProtocolError(f"{mtype.name}.{name} must be {f.type}, got {type(value).__name__}")
+        if not isinstance(value, ok) or (tname == "int" and value.__class__ is bool):
+            raise ProtocolError(f"{mtype.name}.{name} must be {tname}, got {type(value).__name__}")
     return cls(**raw)
 
 
 def encode(env: Envelope, key: bytes) -> bytes:
     """Serialize and sign one envelope. Raises ProtocolError if the result would be oversize."""
-    body = dataclasses.asdict(env.body)
+    body = {name: getattr(env.body, name) for name, *_ in _SPECS[type(env.body)]}
     payload = msgpack.packb([env.v, int(env.type), env.sn, env.rank, env.gen, body], use_bin_type=True)
     if len(payload) + _MAC_LEN > MAX_FRAME:
         raise ProtocolError(f"oversize {env.type.name} frame ({len(payload)} bytes > {MAX_FRAME})")
-    return payload + hmac.new(key, payload, hashlib.sha256).digest()
+    return payload + hmac.digest(key, payload, "sha256")
 
 
 def decode(frame: bytes, key: bytes) -> Envelope:
@@ -172,7 +176,7 @@ def decode(frame: bytes, key: bytes) -> Envelope:
     if len(frame) <= _MAC_LEN:
         raise ProtocolError(f"short frame ({len(frame)} bytes)")
     payload, mac = frame[:-_MAC_LEN], frame[-_MAC_LEN:]
-    if not hmac.compare_digest(mac, hmac.new(key, payload, hashlib.sha256).digest()):
+    if not hmac.compare_digest(mac, hmac.digest(key, payload, "sha256")):
         raise AuthError("frame failed HMAC verification (wrong secret or forged sender)")
     try:
         items = msgpack.unpackb(payload, raw=False, strict_map_key=True)

@@ -30,9 +30,12 @@ from .. import _knobs
 from ..errors import ConfigError, ProtocolError
 from . import protocol as P
 
-__all__ = ["job_secret", "curve_options", "Channel", "Waker", "Link"]
+__all__ = ["job_secret", "curve_options", "Channel", "Waker", "Link", "RELAY_PREFIX"]
 
 _log = logging.getLogger(__name__)
+# A connection whose identity starts with this prefix relays for several ranks (a node agent, or the
+# scale benchmark's multiplexer): its envelopes may carry any rank, and replies are routed back to it.
+RELAY_PREFIX = b"agent-"
 _STORE_KEY = "mindio/ttp/secret"
 
 
@@ -141,6 +144,13 @@ class Channel:
         except zmq.Again:
             _log.warning("send queue full, dropped %s to %r", env.type.name, ident)
 
+    def send_raw(self, frame: bytes, ident: bytes) -> None:
+        """Send an already signed frame (see Controller._ack)."""
+        try:
+            self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            _log.warning("send queue full, dropped a frame to %r", ident)
+
     def recv(self):
         """(identity or None, Envelope) for the next good frame, or None if it was dropped."""
         parts = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -149,7 +159,8 @@ class Channel:
             if len(parts) not in (1, 2):
                 raise ProtocolError(f"{len(parts)}-part message")
             env = P.decode(parts[-1], self.key)
-            if ident is not None and ident != str(env.rank).encode() and env.rank >= 0:
+            if (ident is not None and env.rank >= 0 and ident != str(env.rank).encode()
+                    and not ident.startswith(RELAY_PREFIX)):
                 raise ProtocolError(f"envelope rank {env.rank} does not match socket identity {ident!r}")
         except ProtocolError as exc:
             self.drops.drop(exc, origin=repr(ident))

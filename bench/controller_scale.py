@@ -1,0 +1,169 @@
+"""How far one controller scales: N simulated processors against one real Controller.
+
+    python bench/controller_scale.py                 # N = 1,000 and 10,000
+    python bench/controller_scale.py --n 100000      # 100k (multiplexed connections, see below)
+
+The controller runs in this process (its two threads, exactly as in a job). The processors are
+simulated by a few child processes, each holding many DEALER sockets: one socket per rank (identity =
+rank, as in a job without a launcher) up to 2,000 ranks; above, one socket per 8 ranks with a relay
+identity ``agent-<k>`` (as a node agent relays for its ranks) -- every rank still registers, beats and
+answers on its own, so the controller handles exactly N ranks' messages; only the simulators' poll()
+over thousands of sockets (O(sockets) per call, on 2 shared cores) and this machine's 20,000-descriptor
+limit per process are avoided. Simulated ranks answer every action at once, so the figures are the
+controller's own cost.
+
+Reported: registration time (first REGISTER sent -> every rank registered, state NORMAL), controller
+CPU per heartbeat round (process CPU time over R rounds / R; one round = every rank beats once), and
+fault -> decision (a rank sends a UCE report -> the controller has stopped every rank, chosen the lock
+step, the strategy and the dump ranks). Targets (issue 3): 10k register < 10 s, fault -> decision < 1 s.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KEY = b"bench-secret-0123456789abcdef0123"
+DP = 16  # contiguous DP groups of 16 ranks, 2 replicas: a realistic replica layout
+
+
+def _sim(ranks: list, n: int, port: int, per_conn: int, go, report_evt, report_t, halt, ready) -> None:
+    import zmq
+
+    from mindio.ttp import protocol as P
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 60000)
+    conns = []
+    for i in range(0, len(ranks), per_conn):
+        chunk = ranks[i:i + per_conn]
+        sock = ctx.socket(zmq.DEALER)
+        ident = str(chunk[0]) if per_conn == 1 else f"agent-{chunk[0]}"
+        sock.setsockopt(zmq.IDENTITY, ident.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        conns.append((sock, chunk))
+    beats = {r: P.encode(P.Envelope(P.MsgType.HEARTBEAT, P.Heartbeat(step=5, data_status=0), rank=r), KEY)
+             for r in ranks}
+    ready.put(len(conns))
+    go.wait()
+    for sock, chunk in conns:
+        for r in chunk:
+            g = DP * (r // DP)
+            hello = P.Register(world_size=n, pid=os.getpid(), host="sim", step=5,
+                               replica=[{"rank_list": list(range(g, g + DP)), "replica_cnt": 2, "replica_shift": 0}])
+            sock.send(P.encode(P.Envelope(P.MsgType.REGISTER, hello, rank=r), KEY))
+    poller = zmq.Poller()
+    for sock, _ in conns:
+        poller.register(sock, zmq.POLLIN)
+    interval, next_beat, reported = 1.0, time.monotonic(), False
+    by_sock = {sock: chunk for sock, chunk in conns}
+    while not halt.is_set():
+        # poll() costs O(sockets) here: batch the work (at most one pass per 10 ms), as N separate
+        # processes would not pay this at all
+        t_pass = time.monotonic()
+        for sock, _ in poller.poll(max(0, min(0.05, next_beat - time.monotonic())) * 1000):
+            while True:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                env = P.decode(frame, KEY)
+                if env.type is P.MsgType.REGISTER_ACK:
+                    interval = env.body.interval
+                elif env.type is P.MsgType.ACTION:
+                    detail = {"step": 5, "data_status": 0, "main": "parked"} if env.body.name == "stop" else {}
+                    sock.send(P.encode(P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail=detail), rank=env.rank,
+                                                  sn=env.sn), KEY))
+        if time.monotonic() >= next_beat:
+            next_beat += interval
+            for sock, chunk in conns:
+                for r in chunk:
+                    sock.send(beats[r])
+        if report_evt.is_set() and not reported and 1 in ranks:
+            reported = True
+            sock = next(s for s, c in by_sock.items() if 1 in c)
+            report_t.value = time.time()
+            sock.send(P.encode(P.Envelope(P.MsgType.REPORT, P.Report(state=2, message="UCE ERROR", step=5), rank=1), KEY))
+        time.sleep(max(0.0, 0.01 - (time.monotonic() - t_pass)))
+    for sock, _ in conns:
+        sock.close(0)
+    ctx.term()
+
+
+def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None = None) -> dict:
+    from mindio.ttp.controller import Controller
+    from mindio.ttp.states import State
+    from tests.ttp._harness import free_port  # noqa: E402  (a free loopback port)
+
+    port = free_port()
+    per_conn = per_conn or (1 if n <= 2000 else 8)
+    fork = mp.get_context("spawn")  # the controller's zmq context exists already: never fork it
+    go, report_evt, halt = fork.Event(), fork.Event(), fork.Event()
+    report_t, ready = fork.Value("d", 0.0), fork.Queue()
+    ranks = list(range(n))
+    children = [fork.Process(target=_sim, args=(ranks[i::procs], n, port, per_conn, go, report_evt, report_t, halt,
+                                                ready), daemon=True) for i in range(procs)]
+    ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=interval, misses=3, hang_timeout=0)
+    try:
+        ctl.start("127.0.0.1", port)
+        for c in children:
+            c.start()
+        conns = sum(ready.get(timeout=600) for _ in children)
+        t0 = time.monotonic()
+        go.set()
+        while ctl.sm.state is not State.NORMAL:
+            if time.monotonic() - t0 > 600:
+                raise RuntimeError(f"only {len(ctl.ranks)} of {n} registered in 600 s")
+            time.sleep(0.01)
+        t_reg = time.monotonic() - t0
+        time.sleep(2 * interval)  # steady state
+        c0, w0 = time.process_time(), time.monotonic()
+        time.sleep(rounds * interval)
+        cpu = (time.process_time() - c0) / ((time.monotonic() - w0) / interval)
+        dead = [r.rank for r in ctl.ranks.values() if not r.alive]
+        report_evt.set()
+        while not ctl.last_decision:
+            time.sleep(0.001)
+        decision = ctl.last_decision["decided_at"] - report_t.value
+        ctl.final.wait(60)
+        return {"n": n, "connections": conns, "register_s": t_reg, "cpu_per_round_ms": cpu * 1000,
+                "cpu_share": cpu / interval, "fault_to_decision_s": decision, "dead_during_steady": len(dead),
+                "strategy": ctl.last_decision["strategy"], "dump_ranks": sum(len(s["ranks"]) for s in
+                                                                             ctl.last_decision["save_info"]),
+                "drops": ctl.drops.total}
+    finally:
+        halt.set()
+        for c in children:
+            c.join(10)
+            if c.is_alive():
+                c.kill()
+        ctl.destroy()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, action="append", help="simulated ranks (repeatable); default 1000 and 10000")
+    p.add_argument("--procs", type=int, default=4, help="simulator processes")
+    p.add_argument("--rounds", type=int, default=5, help="heartbeat rounds for the CPU measurement")
+    p.add_argument("--interval", type=float, default=1.0, help="heartbeat interval, s")
+    p.add_argument("--per-conn", type=int, default=0,
+                   help="ranks per simulated connection (default: 1 up to 2,000 ranks, else 8)")
+    a = p.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores "
+          "(the simulators share these cores with the controller)")
+    print(f"{'N':>7} {'conns':>6} {'register s':>10} {'ctl CPU/round ms':>16} {'CPU share':>9} "
+          f"{'fault->decision s':>17} {'dead':>4} {'strategy':>8} {'savers':>6} {'drops':>5}")
+    for n in a.n or [1000, 10000]:
+        r = run(n, a.procs, a.rounds, a.interval, a.per_conn or None)
+        print(f"{r['n']:>7} {r['connections']:>6} {r['register_s']:>10.3f} {r['cpu_per_round_ms']:>16.1f} "
+              f"{r['cpu_share']:>9.1%} {r['fault_to_decision_s']:>17.3f} {r['dead_during_steady']:>4} "
+              f"{r['strategy']:>8} {r['dump_ranks']:>6} {r['drops']:>5}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

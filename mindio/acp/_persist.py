@@ -147,6 +147,8 @@ class Persister:
                     log.warning("storage works again (%s persisted): daemon serviceable", entry.path)
                 self.unserviceable, self._consecutive = False, 0
                 d.journal.append({"d": entry.seq}, sync=False)
+                if not d.busy() and os.path.getsize(d.journal_path) > (1 << 20):
+                    d.journal.rewrite([])          # nothing unfinished: start a fresh journal
                 newest = d.entries.get(entry.path) is entry
                 if newest:
                     entry.state = PERSISTED

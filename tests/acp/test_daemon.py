@@ -1,0 +1,87 @@
+"""Daemon-level behaviour: allocator invariants, protocol robustness, configuration hand-over."""
+import os
+import socket
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from mindio import acp
+from mindio.acp import _wire, api
+from mindio.acp._pool import BlockAllocator
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 5 * 4096)), max_size=60))
+def test_allocator_never_overlaps_and_frees_exactly(ops):
+    alloc = BlockAllocator(16 * 4096, 4096)
+    live = []
+    for do_alloc, size in ops:
+        if do_alloc or not live:
+            off = alloc.allocate(size)
+            if off is None:
+                assert alloc.largest_free() < alloc.blocks_for(size) * 4096
+                continue
+            span = (off, off + alloc.blocks_for(size) * 4096)
+            assert all(span[1] <= a or b <= span[0] for a, b, _ in live)
+            assert off % 4096 == 0 and span[1] <= 16 * 4096
+            live.append((*span, size))
+        else:
+            a, _, size = live.pop(0)
+            alloc.free(a, size)
+    used = sum(alloc.blocks_for(s) for _, _, s in live) * 4096
+    assert alloc.free_bytes() == 16 * 4096 - used
+    with pytest.raises(ValueError):
+        alloc.free(15 * 4096 + 1, 10)
+
+
+def test_malformed_frames_do_not_hurt_the_daemon(acp_env):
+    assert acp.initialize() == 0
+    sock_path = os.path.join(acp_env["run"], "acp.sock")
+    for junk in (b"\xff\xff\xff\xff", struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1", b"\x00"):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(sock_path)
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            try:
+                s.recv(100)
+            except OSError:
+                pass
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(sock_path)
+        _wire.send(s, {"op": "no-such-op"})
+        assert "unknown op" in _wire.recv(s)["error"]
+        _wire.send(s, {"op": "alloc"})                     # missing field: an error reply, not a crash
+        assert not _wire.recv(s)["ok"]
+    path = os.path.join(acp_env["ck"], "after.pt")
+    assert acp.save({"w": torch.ones(3)}, path) == 1 and acp.flush() == 0
+
+
+def test_server_info_reaches_the_daemon_and_mismatch_warns(acp_env, monkeypatch, caplog):
+    monkeypatch.delenv("MINDIO_ACP_POOL_MB")
+    assert acp.initialize({"memfs.data_block_pool_capacity_in_gb": "1", "memfs.data_block_size_in_mb": "4",
+                           "background.backup.thread_num": "2"}) == 0
+    config = api._client.hello["config"]
+    assert config["pool_bytes"] == 1 << 30 and config["block_bytes"] == 4 << 20 and config["backup_threads"] == 2
+    api.reset()
+    assert acp.initialize({"memfs.data_block_size_in_mb": "8", "memfs.data_block_pool_capacity_in_gb": "1"}) == 0
+    assert any("not applied" in r.message for r in caplog.records)
+    assert api._client.hello["config"]["block_bytes"] == 4 << 20      # the running daemon's pool stays
+
+
+def test_disk_file_and_pool_image_load_identically(acp_env):
+    path = os.path.join(acp_env["ck"], "m.pt")
+    obj = {"a": torch.randn(100, 3), "b": [torch.arange(4), {"c": torch.tensor(1.5)}]}
+    assert acp.save(obj, path) == 1
+    pooled = acp.load(path)
+    assert acp.flush() == 0
+    stored = acp.load(path, open_way="fopen")
+    assert torch.equal(pooled["a"], stored["a"]) and torch.equal(pooled["b"][0], stored["b"][0])
+    with acp.open_file(path) as f:
+        head = f.read(0, 8)
+    assert head == b"MINDIOCK"

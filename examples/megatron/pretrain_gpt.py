@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -339,6 +340,19 @@ def setup_high_availability(ctx) -> None:
 
 
 # ------------------------------------------------------------------------------------ pretrain
+def report_memory(ctx) -> None:
+    """Optimizer-state bytes on rank 0 (fp32 main params + 2 Adam moments) vs 12*P*R/d."""
+    from megatron.core import parallel_state as ps
+
+    if not ctx.args.use_distributed_optimizer:
+        return
+    state = sum(t.numel() * t.element_size() for i, t in enumerate(ctx.shard_tensors()) if i % 4 != 3)
+    params = sum(p.numel() for c in ctx.model for p in c.parameters())
+    d = ps.get_data_parallel_world_size(with_context_parallel=True)
+    print_rank_0(f"optimizer-state-bytes: {state} on rank 0 (P={params}, R={ctx.replica_cnt}, "
+                 f"d={d}, 12*P*R/d={12 * params * ctx.replica_cnt / d:.0f})")
+
+
 def initialize(args) -> None:
     dist.init_process_group("gloo")
     mio.setup_cpu()  # mindio: megatron-core CPU patches (only when there is no CUDA)
@@ -366,6 +380,7 @@ def pretrain(args) -> str:
     if args.load:
         it = mio.checkpoint.load_checkpoint(ctx)
         print_rank_0(f"loaded checkpoint iteration {it}: state-digest: {mio.state_digest(ctx)}")
+    report_memory(ctx)
     train_fn = train
     if args.enable_high_availability:
         setup_high_availability(ctx)
@@ -375,6 +390,7 @@ def pretrain(args) -> str:
         save(ctx)
     digest = mio.state_digest(ctx)
     print_rank_0(f"state-digest: {digest}")
+    print_rank_0(f"max-rss-MiB: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
     if args.enable_high_availability:
         ttp.tft_destroy_processor()
         if dist.get_rank() == 0 and not os.environ.get("MINDIO_CONTROLLER_EXTERNAL"):

@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 
-__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "digests", "have_megatron"]
+__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "grad_norms", "digests", "have_megatron"]
 
 
 def free_port() -> int:
@@ -51,6 +51,11 @@ def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check
 def losses(out: str) -> dict:
     return {int(m.group(1)): float(m.group(2))
             for m in re.finditer(r"iteration\s+(\d+)/\d+ \| lm loss ([0-9.eE+-]+)", out)}
+
+
+def grad_norms(out: str) -> dict:
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"iteration\s+(\d+)/\d+ \| .*grad norm ([0-9.eE+-]+)", out)}
 
 
 def digests(out: str) -> list:

@@ -10,7 +10,7 @@
 
 import pytest
 
-from _mgt_launch import PRETRAIN, digests, have_megatron, losses, torchrun
+from _mgt_launch import PRETRAIN, digests, grad_norms, have_megatron, losses, torchrun
 
 pytestmark = [
     pytest.mark.megatron,
@@ -62,11 +62,15 @@ def test_same_seed_same_digest(replica_run):
 
 @pytest.mark.timeout(300)
 def test_high_availability_on_off_same_loss_curve(replica_run):
-    off = losses(torchrun(PRETRAIN, BASE, timeout=240))
-    on = losses(replica_run)
-    assert sorted(off) == sorted(on)
+    off_out = torchrun(PRETRAIN, BASE, timeout=240)
+    off, on = losses(off_out), losses(replica_run)
+    assert sorted(off) == sorted(on) == list(range(1, ITERS + 1))
     worst = max(abs(on[i] - off[i]) / abs(off[i]) for i in on)
     assert worst < 1e-4, f"HA on/off loss curves differ by {worst:.3e} (relative) at some step"
+    # the grad norm (clipping!) is computed over the instance's shards: must match too
+    gn_off, gn_on = grad_norms(off_out), grad_norms(replica_run)
+    worst_gn = max(abs(gn_on[i] - gn_off[i]) / abs(gn_off[i]) for i in gn_on)
+    assert worst_gn < 1e-4, f"HA on/off grad norms differ by {worst_gn:.3e} (relative)"
 
 
 @pytest.mark.timeout(300)

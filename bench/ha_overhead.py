@@ -1,0 +1,103 @@
+"""Overhead of --enable-high-availability for examples/megatron/pretrain_gpt.py, on this machine.
+
+Runs the example at the same DP size in three configurations, alternating them for several
+rounds so that machine noise hits all alike, and prints ratios against the baseline:
+
+    off       no high availability: one copy of each optimizer shard (ZeRO-1 over DP)
+    replicas  --replica-cnt 2 without mindio.ttp: the replica optimizer alone
+    on        --enable-high-availability: replicas (R=2) + controller, processors, update reports
+
+Step time = median of the per-step times printed by rank 0, warm-up steps excluded.
+Memory: optimizer-state bytes per rank (fp32 main params + Adam moments) measured from the live
+shards, against the formula 12*P*(R-1)/d for the extra bytes of the replicas.
+
+    python bench/ha_overhead.py                  # DP=4, 60 steps, 3 rounds
+    python bench/ha_overhead.py --nproc 2 --iters 100 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
+CONFIGS = {
+    "off": [],
+    "replicas": ["--replica-cnt", "2"],
+    "on": ["--enable-high-availability"],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(nproc: int, iters: int, extra, timeout: float = 600) -> str:
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
+           str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           str(PRETRAIN), "--use-distributed-optimizer", "--train-iters", str(iters), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TTP_PORT": str(_free_port()),
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise SystemExit(f"run {extra} timed out")
+    if proc.returncode:
+        raise SystemExit(f"run {extra} failed ({proc.returncode}):\n{out[-3000:]}")
+    return out
+
+
+def parse(out: str, warmup: int):
+    steps = [float(m.group(2)) for m in re.finditer(r"iteration\s+(\d+)/\d+ .*\| step ([0-9.]+) ms", out)
+             if int(m.group(1)) > warmup]
+    mem = re.search(r"optimizer-state-bytes: (\d+) on rank 0 \(P=(\d+), R=(\d+), d=(\d+)", out)
+    rss = re.search(r"max-rss-MiB: ([0-9.]+)", out)
+    return steps, tuple(int(x) for x in mem.groups()), float(rss.group(1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=4, help="DP size (TP=1)")
+    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    steps = {k: [] for k in CONFIGS}
+    mem, rss = {}, {}
+    for r in range(args.rounds):
+        for name, extra in CONFIGS.items():
+            s, m, x = parse(run(args.nproc, args.iters, extra), args.warmup)
+            steps[name] += s
+            mem[name], rss[name] = m, x
+            print(f"round {r + 1}: {name:8s} median step {statistics.median(s):7.2f} ms", flush=True)
+
+    base = statistics.median(steps["off"])
+    print(f"\nDP={args.nproc}, {args.iters} steps x {args.rounds} rounds, warm-up {args.warmup} "
+          f"excluded; median step time (ms) and ratio to 'off':")
+    for name in CONFIGS:
+        med = statistics.median(steps[name])
+        print(f"  {name:8s} {med:8.2f} ms   x{med / base:.3f}")
+    (b_off, p, _, d), (b_on, _, r_on, _) = mem["off"], mem["on"]
+    formula = 12 * p * (r_on - 1) / d
+    print(f"\noptimizer state per rank: off {b_off} B, on {b_on} B; extra {b_on - b_off} B vs "
+          f"12*P*(R-1)/d = {formula:.0f} B (P={p}, R={r_on}, d={d}): "
+          f"ratio {(b_on - b_off) / formula:.4f}")
+    print("rank-0 peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -375,7 +375,10 @@ class Controller:
         self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc["first"], cause=inc["cause"])
         self._mindx_call("report_fault_ranks", self._error_rank_dict())
         live = [r.rank for r in self.ranks.values() if r.alive]
-        replies = self._call("stop", {"timeout": self.action_limit}, live, self.action_limit)
+        # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
+        # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
+        params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
+        replies = self._call("stop", params, live, self.action_limit)
         with self._lock:
             for rank, rep in replies.items():
                 if rep.ok:

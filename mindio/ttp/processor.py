@@ -12,7 +12,8 @@ since the last step progress); the controller uses the last two to find hung ran
 Actions (ACTION name -> what this rank does; every reply is cached by sn, a repeated sn replays it):
 
 * ``stop``   hold the fence (no new optimizer update starts), wait until the main thread is quiet
-             (parked in the decorator or blocked at the fence), reply {step, data_status, main}.
+             (parked in the decorator or blocked at the fence) or ``timeout``, reply {step, data_status,
+             main}; with ``stop_clean`` (TTP_STOP_CLEAN_BEFORE_DUMP) a fenced rank runs stop+clean too.
 * ``save``   run the save-ckpt callback ``func(step, save_info, args, ctx)``.
 * ``rename`` run the rename callback ``func(step, args, ctx)``.
 * ``exit``   hand EXIT(code) to the main thread (a fenced main thread gets ``RuntimeError("FORCE STOP")``).
@@ -245,13 +246,16 @@ class Processor:
             raise RuntimeError(f"no {name} callback registered (tft_register_{name}_handler)")
         return self.callbacks[name]
 
-    def _do_stop(self, timeout: float = 60.0) -> dict:
+    def _do_stop(self, timeout: float = 60.0, stop_clean: bool = False) -> dict:
         with self._cond:
             self._hold = True
             end = time.monotonic() + timeout
             while self._main == "running" and time.monotonic() < end:
                 self._cond.wait(0.05)
-            return {"step": self.step, "data_status": int(self.data_status), "main": self._main}
+            main = self._main
+        if stop_clean and main == "fenced":  # TTP_STOP_CLEAN_BEFORE_DUMP: fenced ranks tear down too
+            self.teardown(is_uce=False)
+        return {"step": self.step, "data_status": int(self.data_status), "main": main}
 
     def _do_save(self, step: int, save_info: list) -> dict:
         self.repair_type, self.repair_step = "dump", step

@@ -7,6 +7,7 @@ import zmq
 
 from mindio.ttp import protocol as P
 from mindio.ttp.controller import Controller
+from mindio.ttp._enums import ReportState
 from mindio.ttp.processor import Processor
 from mindio.ttp.states import State
 
@@ -128,3 +129,36 @@ def test_fence_blocks_updates_until_exit(plane):
     t.join()
     assert done["stop"][0].detail == {"step": 5, "data_status": 0, "main": "fenced"}
     assert p.wait_next_action()[1] == 75
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("choice", ["dump", "exit"])
+def test_cluster_brain_negotiation(plane, choice):
+    """report_fault_ranks -> report_stop_complete -> report_strategies -> change_strategy -> report_result."""
+    ctl, procs, _ = plane
+    ctl.action_limit = 1.0  # the in-process "main thread" (pytest) never parks; stop waits this long
+    for p in procs:
+        p.replica = [{"rank_list": [0, 1], "replica_cnt": 2, "replica_shift": 0}]
+        p.send_info()
+        p.end_updating_os(3)
+    saved = []
+    procs[0].callbacks["save_ckpt"] = (lambda step, info, args, ctx: saved.append((step, info)), None)
+    procs[0].callbacks["rename"] = (lambda step, args, ctx: None, None)
+    seen = []
+    ctl.mindx["report_fault_ranks"] = lambda ranks: seen.append(("fault", ranks))
+    ctl.mindx["report_stop_complete"] = lambda code, msg, ranks: seen.append(("stopped", code))
+
+    def strategies(ranks, options):
+        seen.append(("strategies", options))
+        ctl.change_strategy(choice)
+    ctl.mindx["report_strategies"] = strategies
+    ctl.mindx["report_result"] = lambda code, msg, ranks, strategy: seen.append(("result", code, strategy))
+    time.sleep(0.5)  # INFO and heartbeats carrying step 3 reach the controller
+    procs[1].report(ReportState.RS_UCE, "RuntimeError: UCE ERROR")
+    assert _until(lambda: ctl.final.is_set(), 30)
+    assert seen[:3] == [("fault", {1: 0}), ("stopped", 0), ("strategies", ["dump", "exit"])]
+    assert ctl.last_decision["strategy"] == choice
+    if choice == "dump":
+        assert saved == [(3, [{"type": 0, "ranks": [0]}])] and seen[3] == ("result", 0, "dump")
+    else:
+        assert saved == [] and len(seen) == 3

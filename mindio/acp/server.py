@@ -21,6 +21,7 @@ to lookup or persisted before commit; a client killed before commit leaves no tr
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
 import logging
@@ -39,10 +40,35 @@ from ._pool import BlockAllocator
 from ._state import FAILED, LIVE, PENDING, PERSISTED, SUPERSEDED, Entry, Region
 from ._storage import Journal, write_marker
 
-__all__ = ["Daemon", "main"]
+__all__ = ["Daemon", "main", "check_pool_fits"]
 
 log = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23
+
+
+def check_pool_fits(pool_dir: str, pool_bytes: int) -> None:
+    """Refuse, before allocating anything, a pool its file system (e.g. a small /dev/shm) cannot hold."""
+    st = os.statvfs(pool_dir)
+    free = st.f_bavail * st.f_frsize
+    if pool_bytes > free:
+        raise OSError(errno.ENOSPC, f"a {pool_bytes >> 20} MiB pool does not fit {pool_dir} ({free >> 20} MiB free "
+                      "there): lower memfs.data_block_pool_capacity_in_gb or set MINDIO_ACP_POOL_MB")
+    available = _mem_available()
+    if available is not None and pool_bytes > available * 0.8:
+        raise OSError(errno.ENOMEM, f"a {pool_bytes >> 20} MiB pool would take more than 80% of the "
+                      f"{available >> 20} MiB of memory available now: lower "
+                      "memfs.data_block_pool_capacity_in_gb or set MINDIO_ACP_POOL_MB")
+
+
+def _mem_available():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class Daemon:
@@ -98,8 +124,17 @@ class Daemon:
             path = os.path.join(self.pool_dir, name)
             if path not in live:
                 os.unlink(path)  # a pool of a daemon that died with nothing left to persist
+        check_pool_fits(self.pool_dir, self.cfg.pool_bytes)
         fd = os.open(self.pool_file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, self.cfg.pool_bytes)
+        try:
+            # reserve every page now: a pool its file system cannot hold must fail here, clearly,
+            # not with SIGBUS in a trainer's copy later
+            os.posix_fallocate(fd, 0, self.cfg.pool_bytes)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(self.pool_file)
+            raise OSError(exc.errno, f"cannot reserve a {self.cfg.pool_bytes >> 20} MiB pool in "
+                          f"{self.pool_dir}: {exc.strerror}") from None
         self.pool_map = mmap.mmap(fd, self.cfg.pool_bytes, flags=mmap.MAP_SHARED)
         os.close(fd)
         self.pool_view = memoryview(self.pool_map)

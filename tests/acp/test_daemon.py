@@ -85,3 +85,12 @@ def test_disk_file_and_pool_image_load_identically(acp_env):
     with acp.open_file(path) as f:
         head = f.read(0, 8)
     assert head == b"MINDIOCK"
+
+
+def test_pool_larger_than_shared_memory_is_refused_before_allocating(tmp_path):
+    from mindio.acp.server import check_pool_fits
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    check_pool_fits(str(tmp_path), min(free, 1 << 20))
+    with pytest.raises(OSError, match="does not fit|memory available"):
+        check_pool_fits(str(tmp_path), free + (1 << 30))      # checked with statvfs: nothing is allocated

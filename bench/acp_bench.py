@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="256,1024", help="comma list of state-dict sizes in MiB")
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir on local disk)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     work = tempfile.mkdtemp(prefix="mindio-bench-", dir=args.dir or "/var/tmp")

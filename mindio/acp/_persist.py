@@ -199,6 +199,15 @@ class Persister:
         kept = []
         for rec in sorted(newest.values(), key=lambda r: r["c"]):
             try:
+                if os.stat(rec["path"]).st_mtime_ns // 1000 > rec["c"]:
+                    # written directly (fallback) after this commit: the file is newer, keep it
+                    log.warning("not recovering %s: the file on storage is newer than the unpersisted "
+                                "version (seq %d)", rec["path"], rec["c"])
+                    remove_marker(rec["path"])
+                    continue
+            except FileNotFoundError:
+                pass
+            try:
                 padded = self._recovered_view(rec, maps)
                 view = padded[: rec["size"]]
                 if rec["kind"] == "acp":

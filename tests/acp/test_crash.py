@@ -189,3 +189,16 @@ def test_corrupted_files_name_the_file(acp_env):
     with pytest.raises(CorruptCheckpoint, match="checksum mismatch") as err:
         acp.load(path)
     assert path in str(err.value)
+
+
+def test_recovery_never_overwrites_a_newer_direct_write(acp_env, monkeypatch):
+    path = os.path.join(acp_env["ck"], "model.pt")
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "5")
+    assert acp.initialize() == 0
+    assert acp.save({"v": 1}, path) == 1                         # acknowledged, only in memory
+    _kill_daemon()
+    assert acp.save({"v": 2}, path, open_way="fopen") == 2       # the trainer moves on without a daemon
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "0")
+    assert acp.initialize() == 0 and acp.flush() == 0
+    assert acp.load(path)["v"] == 2 and acp.load(path, open_way="fopen")["v"] == 2
+    assert not os.path.exists(_storage.marker_path(path))

@@ -173,9 +173,13 @@ def test_async_handle(acp_env, monkeypatch):
 def test_eviction_keeps_unpersisted_data(acp_env, monkeypatch):
     big = {"w": torch.randn((20 << 20) // 4)}              # 20 MiB each, 256 MiB pool, 16 MiB blocks
     paths = [os.path.join(acp_env["ck"], f"e{i}.pt") for i in range(20)]
-    rcs = [acp.save(big, p) for p in paths]
-    assert set(rcs) <= {1, 2} and rcs[0] == 1
-    assert acp.flush() == 0
+    rcs = []
+    for p in paths:                                       # each persisted before the next: LRU eviction
+        rcs.append(acp.save(big, p))
+        assert acp.flush() == 0
+    assert rcs == [1] * len(paths)
+    assert sum(acp.server_stat()["entries"].values()) < len(paths)      # older ones were evicted
+    assert torch.equal(acp.load(paths[-1])["w"], big["w"])
     for p in paths:                                       # everything reached storage, nothing lost
         assert torch.equal(acp.load(p, open_way="fopen")["w"], big["w"])
     # now fill the pool with data that cannot be persisted yet: saves must fall back, not drop data

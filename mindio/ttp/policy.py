@@ -106,9 +106,28 @@ def shard_key(rank: int, opt_type: int, entry: Mapping | None) -> tuple:
     return (opt_type, group, group.index(rank) % (len(group) // r))
 
 
-def shards_of(view: RankView) -> list[tuple]:
+def shards_of(view: RankView, memo: dict | None = None) -> list[tuple]:
+    """Shard keys of ``view.rank`` per optimizer type. ``memo`` (a dict the caller keeps for one
+    decision) caches each DP group's layout, so 100k ranks in groups cost one sort per group."""
     entries = view.replica or ({},)
-    return [shard_key(view.rank, t, e) for t, e in enumerate(entries)]
+    if memo is None:
+        return [shard_key(view.rank, t, e) for t, e in enumerate(entries)]
+    out = []
+    for t, e in enumerate(entries):
+        if not e or not e.get("rank_list"):
+            out.append((t, (view.rank,), 0))
+            continue
+        key = (t, tuple(e["rank_list"]), e.get("replica_cnt", 1))
+        layout = memo.get(key)
+        if layout is None:
+            group = shard_key(view.rank, t, e)[1]
+            per = len(group) // max(1, int(e.get("replica_cnt", 1)))
+            layout = memo[key] = (group, {r: i % per for i, r in enumerate(group)})
+        group, index = layout
+        if view.rank not in index:
+            raise ValueError(f"rank {view.rank} is not in its own DP group {list(group)}")
+        out.append((t, group, index[view.rank]))
+    return out
 
 
 def usable(view: RankView, lock_step: int) -> bool:
@@ -130,8 +149,9 @@ def select_dump_ranks(views: Iterable[RankView], lock_step: int) -> DumpPlan:
     """For every optimizer shard, the lowest usable rank that holds it."""
     views = list(views)
     members: dict[tuple, list[int]] = {}
+    memo: dict = {}
     for v in views:
-        for key in shards_of(v):
+        for key in shards_of(v, memo):
             members.setdefault(key, [])
             if usable(v, lock_step):
                 members[key].append(v.rank)
@@ -153,13 +173,14 @@ def select_repair_sources(views: Iterable[RankView], lock_step: int, targets: It
     raises ValueError naming the shard when a target has none."""
     views = {v.rank: v for v in views}
     holders: dict[tuple, list[int]] = {}
+    memo: dict = {}
     for v in views.values():
         if usable(v, lock_step):
-            for key in shards_of(v):
+            for key in shards_of(v, memo):
                 holders.setdefault(key, []).append(v.rank)
     plan = {}
     for dst in sorted(set(targets)):
-        for t, key in enumerate(shards_of(views[dst])):
+        for t, key in enumerate(shards_of(views[dst], memo)):
             srcs = sorted(r for r in holders.get(key, ()) if r != dst)
             if not srcs:
                 raise ValueError(f"no usable replica of shard {key} for rank {dst} at step {lock_step}")

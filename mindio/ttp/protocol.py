@@ -23,7 +23,7 @@ import hmac
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -125,8 +125,9 @@ BODY_TYPES: dict[MsgType, type] = {
 _PY_TYPES = {"int": (int,), "str": (str,), "float": (float, int), "bool": (bool,), "list": (list,), "dict": (dict,)}
 
 
-@dataclass(frozen=True)
-class Envelope:
+class Envelope(NamedTuple):
+    """One message (immutable). A NamedTuple rather than a frozen dataclass: the controller builds one
+    per heartbeat, and this is ~3x cheaper to construct."""
     type: MsgType
     body: Any
     rank: int = -1
@@ -135,6 +136,7 @@ class Envelope:
     v: int = VERSION
 
 
+_TYPES = {int(t): t for t in MsgType}
 # per payload type: (field name, accepted python types, type name, required), computed once
 _SPECS = {cls: tuple((f.name, _PY_TYPES[f.type], f.type,
                       f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
@@ -175,7 +177,8 @@ def decode(frame: bytes, key: bytes) -> Envelope:
         raise ProtocolError(f"oversize frame ({len(frame)} > {MAX_FRAME} bytes)")
     if len(frame) <= _MAC_LEN:
         raise ProtocolError(f"short frame ({len(frame)} bytes)")
-    payload, mac = frame[:-_MAC_LEN], frame[-_MAC_LEN:]
+    view = memoryview(frame)
+    payload, mac = view[:-_MAC_LEN], view[-_MAC_LEN:]
     if not hmac.compare_digest(mac, hmac.digest(key, payload, "sha256")):
         raise AuthError("frame failed HMAC verification (wrong secret or forged sender)")
     try:
@@ -189,10 +192,9 @@ def decode(frame: bytes, key: bytes) -> Envelope:
         raise ProtocolError(f"protocol version {v!r} is not supported (this side speaks {VERSION})")
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (mtype, sn, rank, gen)):
         raise ProtocolError("envelope type/sn/rank/gen must be integers")
-    try:
-        mtype = MsgType(mtype)
-    except ValueError:
-        raise ProtocolError(f"unknown message type {mtype}") from None
+    mtype = _TYPES.get(mtype)
+    if mtype is None:
+        raise ProtocolError(f"unknown message type {items[1]}")
     return Envelope(type=mtype, body=_body_from(mtype, body), rank=rank, sn=sn, gen=gen, v=v)
 
 

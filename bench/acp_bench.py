@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -68,24 +69,20 @@ def compute_rate(seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def persisting(acp) -> bool:
-    entries = acp.server_stat()["entries"]
-    return bool(entries.get("pending") or entries.get("persisting"))
-
-
 def compute_during_persistence(acp, sd, path) -> tuple:
     """Loop throughput from the moment save returns until the daemon has persisted the file,
     relative to the mean of idle windows just before and after."""
     assert acp.flush() == 0
     idle_before = compute_rate(1.0)
-    assert acp.save(sd, path) == 1
+    handle = acp.async_save(sd, path)
+    assert handle.rc == 1
+    done = threading.Event()
+    threading.Thread(target=lambda: (handle.wait(600), done.set()), daemon=True).start()   # blocks in recv
     a = torch.randn(384, 384)
     n, t0 = 0, time.perf_counter()
-    while True:
+    while not done.is_set() or time.perf_counter() - t0 < 0.3:
         a = torch.tanh(a @ a * 0.01)
         n += 1
-        if n % 10 == 0 and time.perf_counter() - t0 > 0.3 and not persisting(acp):
-            break
     window = time.perf_counter() - t0
     idle_after = compute_rate(1.0)
     return (n / window) / ((idle_before + idle_after) / 2), window

@@ -204,8 +204,7 @@ def tft_report_error(error_type, error_code=''):
 
 def tft_wait_next_action() -> int:
     """Park until the controller decides: 0 = RETRY (train again), 1 = EXIT (see decorator)."""
-    action, code = _proc().wait_next_action()
-    _proc().exit_code = code
+    action, _code = _proc().wait_next_action()
     return int(action)
 
 

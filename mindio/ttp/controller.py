@@ -3,7 +3,7 @@
 Two threads. The *I/O thread* owns the ROUTER socket: it registers processors, answers heartbeats,
 records reports, marks a rank dead after ``misses * interval`` s of silence, finds hung ranks (and
 orders them SIGKILLed), and hands action replies to the *driver thread*, which runs one incident at a
-time with one action in flight (:meth:`Controller._call`: sequence number, resend every 2 heartbeat
+time with one action in flight (actions.ActionEngine: sequence number, resend every 2 heartbeat
 intervals to ranks that have not answered, deadline TTP_NORMAL_ACTION_TIME_LIMIT; processors replay
 cached replies for a repeated sn).
 
@@ -39,6 +39,7 @@ from . import policy
 from . import protocol as P
 from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
 from .states import Result, State, StateMachine
+from .actions import ActionEngine
 from .transport import Channel, Link, Waker
 
 __all__ = ["Controller"]
@@ -63,16 +64,6 @@ class _Rank:
     alive: bool = True
     faulty: bool = False
     registered: bool = True
-
-
-@dataclass
-class _Pending:
-    sn: int
-    name: str
-    params: dict
-    targets: set
-    replies: dict = field(default_factory=dict)
-    outstanding: int = 0     # replies still expected; the I/O thread wakes the driver only at zero
 
 
 class Controller:
@@ -100,8 +91,6 @@ class Controller:
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
         self._stop = threading.Event()
-        self._sn = 0
-        self._pending: _Pending | None = None
         self._incident: dict | None = None
         self._incident_evt = threading.Event()
         self._strategy_evt = threading.Event()
@@ -110,6 +99,8 @@ class Controller:
         self._threads: list[threading.Thread] = []
         self._ack_cache: dict[int, bytes] = {}
         self._registered = 0
+        self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval)
+        self._call = self.actions.call
         # live ranks, least recently heard first: a heartbeat moves its rank to the end, so the sweep
         # looks only at the front (O(expired) per sweep instead of O(world))
         self._seen: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -240,13 +231,7 @@ class Controller:
                 self._registered -= 1
                 self._cond.notify_all()
         elif env.type is P.MsgType.REPLY:
-            with self._cond:
-                p = self._pending
-                if p is not None and p.sn == env.sn and env.rank in p.targets and env.rank not in p.replies:
-                    p.replies[env.rank] = body
-                    p.outstanding -= 1
-                    if p.outstanding <= 0:
-                        self._cond.notify_all()
+            self.actions.on_reply(env.rank, env.sn, body)
 
     def _ack(self, rank: int, state: str) -> bytes:
         """The signed HEARTBEAT_ACK for ``rank``, cached: the hot path of a large job is one beat and one
@@ -374,7 +359,8 @@ class Controller:
         graceful = inc["cause"] == "dump_request"
         self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc["first"], cause=inc["cause"])
         self._mindx_call("report_fault_ranks", self._error_rank_dict())
-        live = [r.rank for r in self.ranks.values() if r.alive]
+        with self._lock:
+            live = [r.rank for r in self.ranks.values() if r.alive]
         # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
         params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
@@ -451,42 +437,12 @@ class Controller:
         if self.sm.state is not State.EXIT:
             self.sm.fire(Result.EXIT if self.sm.can(Result.EXIT) else Result.SHUTDOWN, code=code)
         self.exit_code = code
-        live = [r.rank for r in self.ranks.values() if r.alive]
+        with self._lock:
+            live = [r.rank for r in self.ranks.values() if r.alive]
         self._call("exit", {"code": code}, live, 10.0)
         if self.sm.state is State.EXIT:
             self.sm.fire(Result.OK)
         self.final.set()
-
-    # ------------------------------------------------------------------ the action engine
-    def _call(self, name: str, params: dict, ranks, timeout: float) -> dict:
-        """Send ACTION ``name`` to ``ranks`` and wait for their replies (see module docstring)."""
-        t0 = time.monotonic()
-        with self._cond:
-            self._sn += 1
-            pend = self._pending = _Pending(self._sn, name, params, set(ranks), outstanding=len(set(ranks)))
-        body = P.Action(name, params)
-        resend = 2 * self.interval
-        waiting = set(ranks)
-        last_send = -1e9
-        while True:
-            now = time.monotonic()
-            if now - last_send >= resend:
-                self._send_many(waiting, body, pend.sn)
-                last_send = now
-            with self._cond:
-                waiting = {r for r in pend.targets if r not in pend.replies and self.ranks[r].alive}
-                if not waiting or now - t0 >= timeout:
-                    break
-                self._cond.wait(min(resend - (now - last_send), t0 + timeout - now, 0.5))
-        with self._cond:
-            self._pending = None
-        dt = time.monotonic() - t0
-        failed = sorted(r for r, rep in pend.replies.items() if not rep.ok)
-        _log.info("action %s sn=%d: %d/%d replies in %.3f s%s", name, pend.sn, len(pend.replies), len(ranks), dt,
-                  f", failed {failed}" if failed else "")
-        _logging.event("action", action=name, sn=pend.sn, ranks=len(ranks), replies=len(pend.replies),
-                       failed=failed, missing=sorted(waiting), duration_s=round(dt, 6))
-        return pend.replies
 
     # ------------------------------------------------------------------ cluster brain
     def notify_dump(self) -> int:

@@ -63,7 +63,8 @@ def exit_process(proc, code: int):
         ctl.final.wait(30)  # its exit action must reach every rank before this process goes
     proc.destroy()
     _log.warning("exiting with code %d", code)
-    logging.getLogger("mindio").handlers and [h.flush() for h in logging.getLogger("mindio").handlers]
+    for handler in logging.getLogger("mindio").handlers:
+        handler.flush()
     raise SystemExit(code)
 
 

@@ -77,7 +77,7 @@ def test_actions_are_deduplicated_and_replies_replayed(plane):
     procs[1].callbacks["rename"] = (lambda step, args, ctx: calls.append(step), None)
     first = ctl._call("rename", {"step": 3}, [1], 5.0)
     assert first[1].ok and calls == [3]
-    ctl._sn -= 1  # the same sn again, as after a controller failover or a resend
+    ctl.actions.sn -= 1  # the same sn again, as after a controller failover or a resend
     again = ctl._call("rename", {"step": 3}, [1], 5.0)
     assert again[1].ok and calls == [3]  # not run twice; cached reply replayed
     bad = ctl._call("no-such-action", {}, [0], 5.0)

@@ -1,0 +1,87 @@
+"""The reliable action engine: one controller action in flight, to many ranks, with a deadline.
+
+Protocol (controller side; the processor side is in processor.py):
+
+1. :meth:`ActionEngine.call` numbers the action (``sn``), queues ACTION(name, params) for every target
+   rank and waits on the controller's condition variable.
+2. The controller's I/O thread hands each REPLY to :meth:`on_reply`; the engine counts the replies it
+   still expects and wakes the caller only when none is left (or when the I/O thread reports a death),
+   so 100k replies do not cost 100k wake-ups.
+3. Every 2 heartbeat intervals the action is sent again to the live ranks that have not answered (a
+   frame lost across a reconnect or a failover); processors replay their cached reply for a known sn
+   and ignore a sn they are still running, so an action never runs twice on a rank.
+4. ``call`` returns {rank: Reply} when every live target answered, or at the deadline
+   (TTP_NORMAL_ACTION_TIME_LIMIT for recovery actions); ranks that died meanwhile are simply absent.
+   One log line and one ``action`` event (with its duration, the failed and the missing ranks) per call.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .. import _logging
+from . import protocol as P
+
+__all__ = ["ActionEngine"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    sn: int
+    name: str
+    targets: set
+    replies: dict = field(default_factory=dict)
+    outstanding: int = 0
+
+
+class ActionEngine:
+    def __init__(self, cond: threading.Condition, send_many: Callable[[set, P.Action, int], None],
+                 alive: Callable[[int], bool], interval: float):
+        self._cond, self._send_many, self._alive = cond, send_many, alive
+        self.resend = 2 * interval
+        self.sn = 0
+        self._pending: _Pending | None = None
+
+    def on_reply(self, rank: int, sn: int, body: P.Reply) -> None:
+        """(I/O thread) Record one reply."""
+        with self._cond:
+            p = self._pending
+            if p is not None and p.sn == sn and rank in p.targets and rank not in p.replies:
+                p.replies[rank] = body
+                p.outstanding -= 1
+                if p.outstanding <= 0:
+                    self._cond.notify_all()
+
+    def call(self, name: str, params: dict, ranks, timeout: float) -> dict:
+        """Run ACTION ``name`` on ``ranks``; see the module docstring."""
+        t0 = time.monotonic()
+        targets = set(ranks)
+        with self._cond:
+            self.sn += 1
+            pend = self._pending = _Pending(self.sn, name, targets, outstanding=len(targets))
+        body = P.Action(name, params)
+        waiting, last_send = targets, -1e9
+        while True:
+            now = time.monotonic()
+            if now - last_send >= self.resend:
+                self._send_many(waiting, body, pend.sn)
+                last_send = now
+            with self._cond:
+                waiting = {r for r in targets if r not in pend.replies and self._alive(r)}
+                if not waiting or now - t0 >= timeout:
+                    break
+                self._cond.wait(min(self.resend - (now - last_send), t0 + timeout - now, 0.5))
+        with self._cond:
+            self._pending = None
+        dt = time.monotonic() - t0
+        failed = sorted(r for r, rep in pend.replies.items() if not rep.ok)
+        _log.info("action %s sn=%d: %d/%d replies in %.3f s%s", name, pend.sn, len(pend.replies), len(targets), dt,
+                  f", failed {failed[:16]}" if failed else "")
+        _logging.event("action", action=name, sn=pend.sn, ranks=len(targets), replies=len(pend.replies),
+                       failed=failed, missing=sorted(waiting), duration_s=round(dt, 6))
+        return pend.replies

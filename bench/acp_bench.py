@@ -69,11 +69,20 @@ def compute_rate(seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def compute_during_persistence(acp, sd, path) -> tuple:
     """Loop throughput from the moment save returns until the daemon has persisted the file,
     relative to the mean of idle windows just before and after."""
     assert acp.flush() == 0
     idle_before = compute_rate(1.0)
+    from mindio.acp import api
+    daemon = api._client.hello["pid"]
+    cpu0 = cpu_seconds(daemon)
     handle = acp.async_save(sd, path)
     assert handle.rc == 1
     done = threading.Event()
@@ -84,8 +93,9 @@ def compute_during_persistence(acp, sd, path) -> tuple:
         a = torch.tanh(a @ a * 0.01)
         n += 1
     window = time.perf_counter() - t0
+    daemon_cpu = cpu_seconds(daemon) - cpu0
     idle_after = compute_rate(1.0)
-    return (n / window) / ((idle_before + idle_after) / 2), window
+    return (n / window) / ((idle_before + idle_after) / 2), window, daemon_cpu
 
 
 def median(xs):
@@ -145,6 +155,7 @@ def bench_size(mib: int, work: str, repeat: int, acp) -> dict:
     runs = [compute_during_persistence(acp, sd, mpath) for _ in range(3)]
     r["compute_ratio"] = median([x[0] for x in runs])
     r["persist_window"] = median([x[1] for x in runs])
+    r["daemon_cpu"] = median([x[2] for x in runs])
     for p in (mpath, tpath):
         os.unlink(p)
     shutil.rmtree(os.path.join(work, f"dcp_{mib}"), ignore_errors=True)
@@ -176,6 +187,10 @@ def report(mib: int, r: dict) -> None:
     print(f"  compute loop ({torch.get_num_threads()} threads) keeps {100 * r['compute_ratio']:.1f}% of its idle "
           f"throughput while the daemon persists the file ({r['persist_window']:.2f} s from save to persisted; "
           "median of 3)")
+    share = r["daemon_cpu"] / (r["persist_window"] * (os.cpu_count() or 1))
+    print(f"  the daemon used {r['daemon_cpu']:.2f} CPU-s to checksum and persist {mib} MiB: {100 * share:.1f}% of "
+          f"this machine's CPU over that window, so at most {100 * share:.1f}% can be taken from the trainer "
+          "(a figure the machine's other load does not distort)")
 
 
 def main(argv=None) -> int:

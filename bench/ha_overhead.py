@@ -42,7 +42,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(nproc: int, iters: int, extra, timeout: float = 600) -> str:
+def run(nproc: int, iters: int, extra, timeout: float = 600, attempts: int = 2) -> str:
+    """One job; retried once if it dies (the machine is shared: e.g. an OOM kill elsewhere)."""
+    for attempt in range(attempts):
+        try:
+            return _run_once(nproc, iters, extra, timeout)
+        except RuntimeError as exc:
+            if attempt == attempts - 1:
+                raise SystemExit(str(exc))
+            print(f"  (retrying: {str(exc).splitlines()[0]})", flush=True)
+
+
+def _run_once(nproc: int, iters: int, extra, timeout: float) -> str:
     cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
            str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            str(PRETRAIN), "--use-distributed-optimizer", "--train-iters", str(iters), *extra]
@@ -54,9 +65,10 @@ def run(nproc: int, iters: int, extra, timeout: float = 600) -> str:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise SystemExit(f"run {extra} timed out")
+        proc.communicate()
+        raise RuntimeError(f"run {extra} timed out")
     if proc.returncode:
-        raise SystemExit(f"run {extra} failed ({proc.returncode}):\n{out[-3000:]}")
+        raise RuntimeError(f"run {extra} failed ({proc.returncode}):\n{out[-3000:]}")
     return out
 
 

@@ -231,6 +231,10 @@ class Controller:
                 self._registered -= 1
                 self._cond.notify_all()
         elif env.type is P.MsgType.REPLY:
+            r = self.ranks.get(env.rank)
+            if r is not None and r.alive and env.rank in self._seen:  # any frame proves life, not only a beat
+                r.last_seen = now
+                self._seen.move_to_end(env.rank)
             self.actions.on_reply(env.rank, env.sn, body)
 
     def _ack(self, rank: int, state: str) -> bytes:
@@ -280,17 +284,23 @@ class Controller:
                 self._take_over(now, n)
             return
         limit = self.misses * self.interval
+        dead = []
         while self._seen:
             r = self.ranks[next(iter(self._seen))]
             if r.alive and now - r.last_seen <= limit:
                 break
             self._seen.popitem(last=False)
             if r.alive:
-                _log.error("rank %d missed %d heartbeats (%.2f s): declared dead", r.rank, self.misses, now - r.last_seen)
-                _logging.event("rank_dead", dead_rank=r.rank, silent_s=round(now - r.last_seen, 3))
-                with self._cond:
+                dead.append(r)
+        if dead:  # one log line for a mass death (a lost node or switch), one event per rank
+            _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.misses,
+                       now - dead[0].last_seen, [r.rank for r in dead[:16]], " ..." if len(dead) > 16 else "")
+            with self._cond:
+                for r in dead:
                     r.alive, r.faulty = False, True
-                    self._cond.notify_all()
+                self._cond.notify_all()
+            for r in dead:
+                _logging.event("rank_dead", dead_rank=r.rank, silent_s=round(now - r.last_seen, 3))
                 self._open_incident(r.rank, None)
         if check_hang and self.hang_timeout > 0 and self.sm.state is State.NORMAL:
             views = [(r.rank, r.progress_age, r.in_collective, r.step) for r in self.ranks.values() if r.alive]

@@ -44,6 +44,7 @@ class TrainingContext:
     stop_requested: threading.Event = field(default_factory=threading.Event)
     layout: Dict[str, int] = field(default_factory=dict)  # tp, pp, dp_pos, dp_size
     _kept: Optional[Dict[str, Any]] = None  # state saved by clean() for rebuild_groups() and dump
+    _loaded_iteration: Optional[int] = None  # set when repair fell back to the periodic checkpoint
 
     # -- layout -------------------------------------------------------------------------------
     @property
@@ -199,10 +200,12 @@ class MegatronAdapter(FrameworkAdapter):
             ctx.model = ctx.optimizer = ctx.scheduler = None
             dropped = _drop_megatron_groups()
             gc.collect()
-            alive = [o for o in gc.get_objects() if isinstance(o, dist.ProcessGroup)
-                     and o is not (dist.group.WORLD if dist.is_initialized() else None)]
-            _log.info("clean: %d megatron groups destroyed, %d process groups still referenced",
-                      dropped, len(alive))
+            if _log.isEnabledFor(logging.DEBUG):  # a heap scan: only when asked for
+                world = dist.group.WORLD if dist.is_initialized() else None
+                alive = [o for o in gc.get_objects()
+                         if isinstance(o, dist.ProcessGroup) and o is not world]
+                _log.debug("clean: %d process groups still referenced", len(alive))
+            _log.info("clean: %d megatron process groups destroyed", dropped)
             return 0
         except Exception:  # reported to the controller as "clean failed"
             _log.exception("clean failed")
@@ -228,7 +231,7 @@ class MegatronAdapter(FrameworkAdapter):
             role = pair["role"]
             opts = distributed_optimizers(ctx.optimizer) if ctx.optimizer is not None else []
             if role == RepairRole.SEND and me in pair["src"]:
-                tensors = opts[pair["type"]].shard_state()
+                tensors = ctx.shard_groups()[pair["type"]]  # live, or kept by clean()
                 for src, dst in zip(pair["src"], pair["dst"]):
                     if src == me:
                         sent = send_state(tensors, ctx.scalar_state(), dst)
@@ -246,14 +249,21 @@ class MegatronAdapter(FrameworkAdapter):
                 if ctx.optimizer is None or role == RepairRole.LOAD_REBUILD:
                     ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
                 root = ctx.args.load or ctx.args.save
-                it = checkpoint.load_checkpoint(ctx, root)
+                it = checkpoint.load_checkpoint(ctx, root, gather=False)
+                ctx._loaded_iteration = it
                 _log.warning("repair: no usable replica; loaded periodic checkpoint of "
                              "iteration %d from %s", it, root)
+                _report_load_step(it)
 
     def rollback(self, step: int) -> None:
         """Counters, scheduler and model params back to the end of ``step``."""
         ctx = self.ctx
         gbs = ctx.args.global_batch_size
+        loaded, ctx._loaded_iteration = ctx._loaded_iteration, None
+        if loaded is not None and loaded != step:
+            _log.warning("rollback to step %d asked, but this rank loaded the checkpoint of "
+                         "iteration %d: rolling back to %d", step, loaded, loaded)
+            step = loaded
         if ctx.iteration != step:
             _log.info("rollback: iteration %d -> %d", ctx.iteration, step)
         ctx.iteration = step
@@ -277,6 +287,17 @@ class MegatronAdapter(FrameworkAdapter):
     def stream_sync(self) -> None:
         if torch.cuda.is_available() and not _cpu_patched():
             torch.cuda.synchronize()
+
+
+def _report_load_step(iteration: int) -> None:
+    try:
+        from mindio import ttp
+
+        report = getattr(ttp, "tft_report_load_ckpt_step", None)
+        if report is not None:
+            report(iteration)
+    except Exception as exc:  # reporting is advisory; the rollback uses the loaded iteration
+        _log.warning("tft_report_load_ckpt_step(%d) failed: %s", iteration, exc)
 
 
 def _cpu_patched() -> bool:

@@ -202,11 +202,14 @@ def save_checkpoint(ctx, root: Optional[Path] = None) -> float:
     return time.perf_counter() - t0
 
 
-def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] = None) -> int:
+def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] = None,
+                    gather: bool = True) -> int:
     """Load the latest (or given) checkpoint into ctx's model, optimizer, scheduler, counters.
 
-    Every rank reads its shard file (written by any replica) and common.pt, then rebuilds the
-    model params from the fp32 main shard with an all-gather. Returns the iteration loaded.
+    Every rank reads its shard file (written by any replica) and common.pt, then (``gather``,
+    collective) rebuilds the model params from the fp32 main shard with an all-gather; a repair
+    callback passes ``gather=False`` and leaves that to the rollback that follows on every rank.
+    Returns the iteration loaded.
     """
     root = Path(root or ctx.args.load)
     if iteration is None:
@@ -226,7 +229,8 @@ def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] =
     for opt, sd, tensors in zip(opts, shard["optimizer"], shard["shards"]):
         opt.load_state_dict(sd)
         opt.load_shard_state(tensors)
-        opt.params_from_main()
+        if gather:
+            opt.params_from_main()
     ctx.load_scalar_state(common)
     ctx.load_rng_state(shard["rng"])
     _log.info("loaded checkpoint iteration %d from %s", iteration, root)

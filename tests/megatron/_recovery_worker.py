@@ -7,6 +7,10 @@ would, on a 4-rank gloo job (DP=4, two replicas of each optimizer shard).
                                              rebuild groups, repair from rank 3, rollback; go on
     _recovery_worker.py dump   ITERS STEP DIR  at STEP ranks 0 and 3 dump (one per shard), rank 0
                                              renames; then exit (the test resumes with --load)
+    _recovery_worker.py loadckpt ITERS STEP DIR  no replicas (R=1); periodic checkpoint every 4
+                                             steps; at STEP rank 1's state is destroyed and every
+                                             rank falls back to the checkpoint (RT_LOAD_CKPT)
+REPLICAS=1 in the environment runs ``none`` without replicas (the loadckpt reference).
 """
 
 import os
@@ -37,7 +41,10 @@ def main():
     scenario, iters = sys.argv[1], int(sys.argv[2])
     step = int(sys.argv[3]) if len(sys.argv) > 3 else iters
     extra = ["--save", sys.argv[4]] if len(sys.argv) > 4 else []
-    args = pg.parse_args(["--use-distributed-optimizer", "--replica-cnt", "2",
+    if scenario == "loadckpt":
+        extra += ["--save-interval", "4"]
+    replicas = "1" if scenario == "loadckpt" else os.environ.get("REPLICAS", "2")
+    args = pg.parse_args(["--use-distributed-optimizer", "--replica-cnt", replicas,
                           "--train-iters", str(iters), "--exit-interval", str(step)] + extra)
     pg.initialize(args)
     dataset = pg.CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
@@ -70,6 +77,19 @@ def main():
         adapter.rollback(step)
         assert ctx.iteration == step and not ctx.stop_requested.is_set()
         print(f"rank {rank} repaired", flush=True)
+    elif scenario == "loadckpt":
+        if rank == 1:
+            with torch.no_grad():
+                for t in ctx.shard_tensors():
+                    t.fill_(float("nan"))
+        adapter.stop()
+        assert adapter.clean(is_uce_error=(rank == 1)) == 0
+        new_world(1)
+        adapter.rebuild_groups([1])
+        adapter.repair(step, False, [1], {"type": 0, "repair_type": "RT_LOAD_CKPT", "src": [],
+                                          "dst": [], "rank_list": [0, 1, 2, 3]})
+        adapter.rollback(step)
+        print(f"rank {rank} reloaded at iteration {ctx.iteration}", flush=True)
     elif scenario == "dump":
         adapter.save(step, [{"type": 0, "ranks": [0, 3]}])
         dist.barrier()

@@ -72,3 +72,12 @@ def test_controller_dump_after_fault_loads_bitwise(reference_digest, tmp_path):
     resumed = torchrun(PRETRAIN, common + ["--load", ckpt], timeout=150)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest
+
+
+@pytest.mark.timeout(300)
+def test_no_replica_falls_back_to_periodic_checkpoint(tmp_path):
+    """R=1: nothing to repair from; every rank loads the step-4 checkpoint and rolls back to it."""
+    reference = digests(torchrun(WORKER, ["none", 12], timeout=150, env={"REPLICAS": "1"}))[-1]
+    out = torchrun(WORKER, ["loadckpt", 12, 6, tmp_path / "ckpt"], timeout=150)
+    assert out.count("reloaded at iteration 4") == 4
+    assert digests(out)[-1] == reference

@@ -22,12 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check=True):
+def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check=True,
+             launcher: str = "torch.distributed.run"):
     """Run ``script`` under torch.distributed.run; return stdout; fail with the output on error.
 
     ``check=False``: return ``(returncode, output)`` instead of failing on a non-zero exit.
+    ``launcher="mindio.launch.cli"`` runs it under mindio-run instead.
     """
-    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run",
+    cmd = [sys.executable, "-W", "ignore", "-m", launcher,
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MINDIO_ACP_IDLE_EXIT": "20",

@@ -6,6 +6,7 @@
   curves agree to a relative 1e-4 at each of 50 steps.
 - TP=2 x DP=2 with replicas: loss decreases, replicas identical.
 - --save/--exit-interval then --load continues to the same digest as an uninterrupted run.
+- under mindio-run (2 ranks, high availability on) it ends with the torchrun run's digest.
 """
 
 import pytest
@@ -90,3 +91,13 @@ def test_save_load_continues_bitwise(replica_run, tmp_path):
     resumed = torchrun(PRETRAIN, BASE + HA + ["--load", ckpt], timeout=240)
     assert "loaded checkpoint iteration 20" in resumed
     assert digests(resumed)[-1] == digests(replica_run)[-1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _ttp_available(), reason="mindio.ttp is not available")
+def test_runs_under_mindio_run():
+    args = ["--use-distributed-optimizer", "--train-iters", 10]
+    under_mindio = torchrun(PRETRAIN, args + ["--enable-high-availability"], nproc=2,
+                            timeout=200, launcher="mindio.launch.cli")
+    under_torchrun = torchrun(PRETRAIN, args + ["--replica-cnt", 2], nproc=2, timeout=200)
+    assert digests(under_mindio)[-1] == digests(under_torchrun)[-1]

@@ -416,7 +416,8 @@ class Controller:
                              "dump done" if ok else "dump failed", self._error_rank_dict(), "dump")
             self._exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
         else:
-            self.sm.fire(Result.EXIT, reason="no dump possible" if plan.missing else "exit chosen")
+            self.sm.fire(Result.FAIL if self.sm.state is State.DUMP else Result.EXIT,
+                         reason="no dump possible" if plan.missing else "exit chosen")
             self._exit(EXIT_CODE_FAULT)
 
     def _negotiate(self, strategies: list[str]) -> str:

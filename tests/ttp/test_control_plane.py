@@ -7,7 +7,7 @@ import zmq
 
 from mindio.ttp import protocol as P
 from mindio.ttp.controller import Controller
-from mindio.ttp._enums import ReportState
+from mindio.ttp._enums import Action, ReportState
 from mindio.ttp.processor import Processor
 from mindio.ttp.states import State
 
@@ -162,3 +162,25 @@ def test_cluster_brain_negotiation(plane, choice):
         assert saved == [(3, [{"type": 0, "ranks": [0]}])] and seen[3] == ("result", 0, "dump")
     else:
         assert saved == [] and len(seen) == 3
+
+
+@pytest.mark.timeout(60)
+def test_graceful_dump_on_request(plane):
+    """tft_notify_controller_dump: NORMAL -DUMP-> DUMP, every shard saved once, then EXIT(75)."""
+    ctl, procs, _ = plane
+    ctl.action_limit = 1.0
+    saved = []
+    for p in procs:
+        p.replica = [{"rank_list": [0, 1], "replica_cnt": 1, "replica_shift": 0}]  # two shards, no replica
+        p.send_info()
+        p.end_updating_os(7)
+        p.callbacks["save_ckpt"] = (lambda step, info, args, ctx, r=p.rank: saved.append((r, step)), None)
+        p.callbacks["rename"] = (lambda step, args, ctx: saved.append(("rename", step)), None)
+    time.sleep(0.5)
+    assert ctl.notify_dump() == 0
+    assert _until(lambda: ctl.final.is_set(), 30)
+    assert sorted(saved[:2]) == [(0, 7), (1, 7)] and saved[2] == ("rename", 7)
+    assert ctl.exit_code == 75
+    assert [(a.value, b.value) for a, _r, b in ctl.sm.history][-3:] == [("NORMAL", "DUMP"), ("DUMP", "EXIT"),
+                                                                       ("EXIT", "FINAL")]
+    assert all(p._next == (Action.EXIT, 75) for p in procs)  # handed to each main thread

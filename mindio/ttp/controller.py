@@ -99,6 +99,8 @@ class Controller:
         self._threads: list[threading.Thread] = []
         self._ack_cache: dict[int, bytes] = {}
         self._registered = 0
+        self._drained_at = time.monotonic()
+        self._lagging = False
         self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval)
         self._call = self.actions.call
         # live ranks, least recently heard first: a heartbeat moves its rank to the end, so the sweep
@@ -184,9 +186,12 @@ class Controller:
                     try:
                         got = self._chan.recv()
                     except zmq.Again:
+                        self._drained_at = time.monotonic()
                         break
                     if got is not None:
                         self._on_frame(*got)
+            else:
+                self._drained_at = time.monotonic()
             now = time.monotonic()
             if now >= next_sweep:
                 next_sweep = now + period
@@ -284,6 +289,15 @@ class Controller:
                 self._take_over(now, n)
             return
         limit = self.misses * self.interval
+        if now - self._drained_at > self.interval:
+            # our own inbound queue is behind: the missing heartbeats may be sitting in it. Never blame
+            # ranks for the controller's backlog; declare deaths once we have caught up.
+            if not self._lagging:
+                _log.warning("controller is %.1f s behind its inbound queue; liveness checks paused",
+                             now - self._drained_at)
+            self._lagging = True
+            return
+        self._lagging = False
         dead = []
         while self._seen:
             r = self.ranks[next(iter(self._seen))]
@@ -340,9 +354,9 @@ class Controller:
                 inc["primary"][rank] = state if state is not None else ReportState.RS_UNKNOWN
 
     def _error_rank_dict(self) -> dict:
-        inc = self._incident or {"primary": {}}
-        return {r: 0 if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED) else 1
-                for r, s in inc["primary"].items()}
+        with self._lock:  # the I/O thread adds ranks to the incident while the driver reads it
+            primary = dict((self._incident or {"primary": {}})["primary"])
+        return {r: 0 if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED) else 1 for r, s in primary.items()}
 
     def _mindx_call(self, action: str, *args) -> None:
         func = self.mindx.get(action)
@@ -394,7 +408,9 @@ class Controller:
             repairable = bool(faulty)
         except ValueError:
             repairable = False
-        incident = policy.Incident(states=dict(inc["primary"]), dead=frozenset(v.rank for v in views if not v.alive),
+        with self._lock:
+            primary = dict(inc["primary"])
+        incident = policy.Incident(states=primary, dead=frozenset(v.rank for v in views if not v.alive),
                                    repair_possible=repairable, dump_possible=plan.possible)
         feasible = policy.feasible_strategies(self.enabled | ({"dump"} if graceful else set()), incident)
         usable_now = [s for s in feasible if s in ("dump", "exit")]  # retry/recover/downgrade: later issues

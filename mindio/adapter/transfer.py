@@ -3,16 +3,20 @@
 Protocol (one repair pair, both sides agree on the tensor list from their identical layouts):
 
 1. sender: ``send_state(tensors, scalars, dst)``; receiver: ``recv_state(tensors, src)``.
-2. First a fixed 16-byte header (magic, version, tensor count, scalar-blob length) so a layout
-   mismatch fails loudly instead of corrupting memory; then the JSON scalar blob (iteration,
-   consumed samples, scheduler, loss scale, RNG states: no pickle); then every tensor in order,
-   received in place into the receiver's own (live) tensors.
+2. sender -> receiver: a fixed 28-byte header (magic, version, scalar-blob length, tensor count,
+   8 bytes of sha256 over every tensor's dtype and shape).
+3. receiver -> sender: a one-byte verdict (1 = same layout). On 0 both sides raise
+   :class:`StateMismatch` and nothing else is sent: a non-replica never overwrites memory.
+4. sender -> receiver: the JSON scalar blob (iteration, consumed samples, scheduler, loss scale,
+   RNG states: no pickle), then every tensor in order, received in place into the receiver's
+   own (live) tensors.
 
 Uses ``torch.distributed.send/recv`` on ``group`` (the world by default), with global ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import struct
@@ -32,17 +36,35 @@ class StateMismatch(RuntimeError):
     """The sender's and receiver's shard layouts differ: repair cannot be done from this source."""
 
 
-def _header(n_tensors: int, blob_len: int) -> torch.Tensor:
-    raw = _MAGIC + struct.pack("<HHQ", _VERSION, 0, blob_len) + struct.pack("<I", n_tensors)
+_HEADER_LEN = 28
+
+
+def _layout(tensors: List[torch.Tensor]) -> bytes:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+    return h.digest()[:8]
+
+
+def _header(n_tensors: int, blob_len: int, layout: bytes) -> torch.Tensor:
+    raw = _MAGIC + struct.pack("<HHQI", _VERSION, 0, blob_len, n_tensors) + layout
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
 
 
 def send_state(
     tensors: List[torch.Tensor], scalars: Dict[str, Any], dst: int, group=None
 ) -> int:
-    """Send ``scalars`` (JSON-able) and ``tensors`` to global rank ``dst``. Returns bytes sent."""
+    """Send ``scalars`` (JSON-able) and ``tensors`` to global rank ``dst``. Returns bytes sent.
+
+    Raises :class:`StateMismatch` when the receiver's layout differs (nothing is sent then).
+    """
     blob = json.dumps(scalars, sort_keys=True).encode()
-    dist.send(_header(len(tensors), len(blob)), dst, group=group)
+    dist.send(_header(len(tensors), len(blob), _layout(tensors)), dst, group=group)
+    verdict = torch.zeros(1, dtype=torch.uint8)
+    dist.recv(verdict, dst, group=group)
+    if verdict.item() != 1:
+        raise StateMismatch(f"rank {dst} refused the repair stream: its optimizer-state layout "
+                            f"differs from this rank's ({len(tensors)} tensors)")
     if blob:
         dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, group=group)
     total = len(blob)
@@ -53,29 +75,32 @@ def send_state(
 
 
 def recv_state(tensors: List[torch.Tensor], src: int, group=None) -> Dict[str, Any]:
-    """Receive into ``tensors`` (in place, same order and shapes as the sender's) from ``src``.
+    """Receive into ``tensors`` (in place, same order, dtypes and shapes as the sender's).
 
-    Returns the scalar state. Raises :class:`StateMismatch` when the sender's tensor count differs.
+    Returns the scalar state. Raises :class:`StateMismatch` (after telling the sender) when the
+    sender's tensor count, dtypes or shapes differ, or the stream is not a repair stream.
     """
-    header = torch.empty(20, dtype=torch.uint8)
+    header = torch.empty(_HEADER_LEN, dtype=torch.uint8)
     dist.recv(header, src, group=group)
     raw = bytes(header.tolist())
+    version, _, blob_len, n_tensors = struct.unpack("<HHQI", raw[4:20])
+    problem = None
     if raw[:4] != _MAGIC:
-        raise StateMismatch(f"repair stream from rank {src} has a bad magic {raw[:4]!r}")
-    version, _, blob_len = struct.unpack("<HHQ", raw[4:16])
-    (n_tensors,) = struct.unpack("<I", raw[16:20])
-    if version != _VERSION:
-        raise StateMismatch(f"repair stream version {version} from rank {src}, expected {_VERSION}")
+        problem = f"repair stream from rank {src} has a bad magic {raw[:4]!r}"
+    elif version != _VERSION:
+        problem = f"repair stream version {version} from rank {src}, expected {_VERSION}"
+    elif n_tensors != len(tensors) or raw[20:28] != _layout(tensors):
+        problem = (f"rank {src} sends {n_tensors} state tensors, this rank expects "
+                   f"{len(tensors)} (or their dtypes/shapes differ): the sender is not a "
+                   "replica of this rank (layout or model differ)")
+    dist.send(torch.tensor([0 if problem else 1], dtype=torch.uint8), src, group=group)
+    if problem:
+        raise StateMismatch(problem)
     scalars: Dict[str, Any] = {}
     if blob_len:
         buf = torch.empty(blob_len, dtype=torch.uint8)
         dist.recv(buf, src, group=group)
         scalars = json.loads(bytes(buf.tolist()).decode())
-    if n_tensors != len(tensors):
-        raise StateMismatch(
-            f"rank {src} sends {n_tensors} state tensors, this rank expects {len(tensors)}: "
-            "the sender is not a replica of this rank (layout or model differ)"
-        )
     for t in tensors:
         if t.is_contiguous():
             dist.recv(t, src, group=group)

@@ -10,7 +10,7 @@ import torch
 
 from mindio import acp
 from mindio.acp import _config, _storage, api
-from mindio.errors import CorruptCheckpoint
+from mindio.errors import CheckpointError, CorruptCheckpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -202,3 +202,14 @@ def test_recovery_never_overwrites_a_newer_direct_write(acp_env, monkeypatch):
     assert acp.initialize() == 0 and acp.flush() == 0
     assert acp.load(path)["v"] == 2 and acp.load(path, open_way="fopen")["v"] == 2
     assert not os.path.exists(_storage.marker_path(path))
+
+
+def test_async_handle_reraises_persistence_failure(acp_env, small_fs, monkeypatch):
+    assert subprocess.run(["mount", "-o", "remount,ro", small_fs]).returncode == 0
+    assert acp.initialize() == 0
+    target = os.path.join(small_fs, "ro.pt")
+    handle = acp.async_save({"w": torch.ones(1000)}, target)
+    assert handle.rc == 1                                        # in memory; storage refuses it later
+    with pytest.raises(CheckpointError, match="ro.pt"):
+        handle.wait(timeout=60)
+    assert torch.equal(acp.load(target)["w"], torch.ones(1000))  # still served from memory

@@ -212,7 +212,13 @@ class MegatronAdapter(FrameworkAdapter):
             return 1
 
     def rebuild_groups(self, fault_ranks: Sequence[int]) -> None:
-        """Megatron groups + model/optimizer/scheduler on the new world; put kept state back."""
+        """Megatron groups + model/optimizer/scheduler on the new world; put kept state back.
+
+        Collective over the new world (group creation, and get_megatron_optimizer all-gathers
+        param-group keys), so every rank, including a replacement process at its start-up, must
+        run the same sequence: init_parallel, then build. Models are always rebuilt here, so a
+        repair with ``need_rebuild`` (RT_UCE_HIGHLEVEL, RT_LOAD_REBUILD) finds fresh objects.
+        """
         ctx = self.ctx
         ctx.init_parallel()
         ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
@@ -237,17 +243,14 @@ class MegatronAdapter(FrameworkAdapter):
                         sent = send_state(tensors, ctx.scalar_state(), dst)
                         _log.info("repair: sent %d bytes of shard state to rank %d", sent, dst)
             elif role in RepairRole.RECEIVERS and me in pair["dst"]:
-                if ctx.optimizer is None or (need_rebuild and role == RepairRole.UCE_HIGHLEVEL):
-                    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
-                    opts = distributed_optimizers(ctx.optimizer)
+                _require_built(ctx, role)
                 src = pair["src"][pair["dst"].index(me)]
                 scalars = recv_state(opts[pair["type"]].shard_state(), src)
                 ctx.load_scalar_state(scalars)
                 _log.info("repair: received shard state of step %s from rank %d",
                           scalars.get("iteration"), src)
             elif role in RepairRole.LOADERS and (not pair["dst"] or me in pair["dst"]):
-                if ctx.optimizer is None or role == RepairRole.LOAD_REBUILD:
-                    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+                _require_built(ctx, role)
                 root = ctx.args.load or ctx.args.save
                 it = checkpoint.load_checkpoint(ctx, root, gather=False)
                 ctx._loaded_iteration = it
@@ -287,6 +290,14 @@ class MegatronAdapter(FrameworkAdapter):
     def stream_sync(self) -> None:
         if torch.cuda.is_available() and not _cpu_patched():
             torch.cuda.synchronize()
+
+
+def _require_built(ctx: TrainingContext, role: str) -> None:
+    if ctx.optimizer is None:
+        raise RuntimeError(
+            f"repair {role}: this rank has no model/optimizer; rebuild_groups must run on every "
+            "rank before repair (building them is collective: get_megatron_optimizer all-gathers "
+            "over the world, so a single rank cannot build alone)")
 
 
 def _report_load_step(iteration: int) -> None:

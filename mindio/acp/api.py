@@ -33,6 +33,7 @@ _server_info: dict | None = None
 _retry_after = 0.0
 _counts: dict = {}
 _lost: list = []
+_RETRY_S = 60.0          # after a failed start, saves write storage directly for this long
 
 
 def _note_fallback(kind: str, why: str) -> None:
@@ -56,7 +57,7 @@ def initialize(server_info: dict | None = None) -> int:
 
     Raises ConfigError for unknown keys or out-of-range values.
     """
-    global _client, _cfg, _server_info
+    global _client, _cfg, _server_info, _retry_after
     cfg = _config.parse_server_info(server_info)
     with _lock:
         _cfg, _server_info = cfg, dict(server_info or {})
@@ -69,8 +70,10 @@ def initialize(server_info: dict | None = None) -> int:
             _client = Client(cfg, _config.runtime_dir(), server_info)
             _client.connect()
         except (ServerUnavailable, OSError) as exc:
-            log.error("mindio.acp.initialize failed: %s; saves will write storage directly", exc)
+            log.error("mindio.acp.initialize failed: %s; saves will write storage directly (next attempt "
+                      "in %.0f s at the earliest)", exc, _RETRY_S)
             _client = None
+            _retry_after = time.monotonic() + _RETRY_S
             return -1
         for rec in _client.request({"op": "lost"})["lost"]:
             if rec not in _lost:
@@ -91,7 +94,6 @@ def _get_client() -> Client | None:
         if _client is not None and _client.pid != os.getpid():
             _client = None            # forked child: never share the parent's socket
         if initialize(_server_info) != 0:
-            _retry_after = time.monotonic() + 10.0
             return None
         return _client
 

@@ -70,6 +70,8 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, go, report_evt, report_t
         # processes would not pay this at all
         t_pass = time.monotonic()
         for sock, _ in poller.poll(max(0, min(0.05, next_beat - time.monotonic())) * 1000):
+            if halt.is_set():
+                break
             while True:
                 try:
                     frame = sock.recv(zmq.NOBLOCK)
@@ -149,9 +151,10 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
     finally:
         halt.set()
         for c in children:
-            c.join(10)
+            c.join(3)
             if c.is_alive():
                 c.kill()
+                c.join(3)
         ctl.destroy()
 
 

@@ -1,0 +1,22 @@
+"""Session-wide isolation: every checkpoint-store daemon started by any test (directly, or inside a
+training subprocess through mindio.save) uses a private runtime directory and a small pool, and is
+stopped when the session ends. Without this, each would reserve the default pool (a quarter of RAM)
+under /tmp/mindio-acp-<uid> and linger until its idle timeout. Logs go to a temporary directory."""
+import os
+import shutil
+import tempfile
+
+_SESSION_ACP_DIR = tempfile.mkdtemp(prefix="mindio-test-acp-", dir="/tmp")
+_SESSION_LOG_DIR = tempfile.mkdtemp(prefix="mindio-test-logs-", dir="/tmp")
+os.environ.setdefault("MINDIO_ACP_DIR", _SESSION_ACP_DIR)
+os.environ.setdefault("MINDIO_ACP_POOL_MB", "512")
+os.environ.setdefault("MINDIO_ACP_IDLE_EXIT", "30")
+os.environ.setdefault("TTP_LOG_PATH", _SESSION_LOG_DIR)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.acp.conftest import stop_daemon
+
+    stop_daemon(_SESSION_ACP_DIR)
+    shutil.rmtree(_SESSION_ACP_DIR, ignore_errors=True)
+    shutil.rmtree(_SESSION_LOG_DIR, ignore_errors=True)

@@ -1,0 +1,207 @@
+"""Stop and clean collectives on each backend, behind one small interface.
+
+Recovery needs two device-side operations on a rank, in this order (ARCHITECTURE section 3):
+
+1. ``stop()``  -- make pending and future collectives on this rank fail instead of waiting,
+   so that peers blocked in a collective with this rank are released;
+2. ``clean(drop_references)`` -- destroy every process group of this rank, let the framework drop
+   its own references to them (``drop_references()``), collect garbage, and free device memory
+   caches, so that a new generation of groups can be created in the same process.
+
+``teardown(drop_references)`` runs both. A hung rank is not cleaned: ``kill_hung(pid)`` turns the
+hang into a process death (SIGKILL), which its peers see at once.
+
+What each backend does:
+
+==========  ==========================================================  ===========================
+backend     stop                                                        clean
+==========  ==========================================================  ===========================
+gloo (CPU)  nothing: a gloo pair is released when its last reference    destroy all groups, drop
+            goes away; ``_abort_process_group`` SIGABRTs the process    references, gc (peers fail
+            on gloo in torch 2.13 and ``ProcessGroup.abort()`` does     with "Connection closed by
+            not release a pending collective, so neither is called     peer" within milliseconds)
+nccl        ``_abort_process_group`` on every group (the communicator   destroy, drop, gc,
+            abort: blocked kernels return, watchdogs stop)             ``torch.cuda.empty_cache``
+hccl        ``torch_npu.npu.stop_device(device)`` (must return 0)       destroy, drop, gc,
+                                                                        ``restart_device(device)``
+==========  ==========================================================  ===========================
+
+``backend_for(group)`` picks the implementation from the process group's backend (or, before
+``init_process_group``, from the devices present). ``reinit()`` is where a backend may re-create
+device resources after a rebuild (HCCL: ``torch_npu.distributed.reinit_process_group``).
+"""
+from __future__ import annotations
+
+import gc
+import importlib.util
+import logging
+import os
+import signal
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _logging
+
+__all__ = ["DeviceBackend", "GlooBackend", "NcclBackend", "HcclBackend", "backend_for",
+           "teardown", "kill_hung", "all_groups"]
+
+_log = logging.getLogger(__name__)
+
+
+def all_groups() -> list:
+    """Every process group this process created (the default group last), empty if none."""
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    world = dist.group.WORLD
+    groups = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not world]
+    return groups + [world]
+
+
+class DeviceBackend:
+    """Base: what every backend does. Subclasses add the device-specific calls."""
+
+    name = "base"
+
+    def stop(self) -> None:
+        """Make collectives of this rank fail instead of wait (see the module table)."""
+
+    def clean(self, drop_references: Optional[Callable[[], object]] = None) -> int:
+        """Destroy every process group, let the caller drop its references, collect garbage.
+
+        Returns the number of groups destroyed. Peers in a collective with this rank are released
+        only once *no* reference to a group remains, hence ``drop_references`` (it must clear every
+        framework global, model/optimizer handle that holds a group) before ``gc.collect()``.
+        """
+        groups = all_groups()
+        if groups:
+            try:
+                dist.destroy_process_group()  # every group, the default one included
+            except (RuntimeError, ValueError) as exc:  # partly destroyed already: do the rest one by one
+                _log.info("destroy_process_group: %s; destroying groups one by one", exc)
+                for g in groups:
+                    try:
+                        dist.destroy_process_group(g)
+                    except (RuntimeError, ValueError):
+                        pass
+        if drop_references is not None:
+            drop_references()
+        count = len(groups)
+        del groups
+        gc.collect()
+        self._free_device_memory()
+        return count
+
+    def reinit(self) -> None:
+        """Re-create device resources after the groups were rebuilt (HCCL only)."""
+
+    def _free_device_memory(self) -> None:
+        pass
+
+
+class GlooBackend(DeviceBackend):
+    """CPU / gloo: no abort exists that is safe; destroying and dropping every group releases peers."""
+
+    name = "gloo"
+
+
+class NcclBackend(DeviceBackend):
+    """CUDA / NCCL: abort the communicators, then clean and free the caching allocator."""
+
+    name = "nccl"
+
+    def stop(self) -> None:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        for g in all_groups():
+            try:
+                if abort is not None:
+                    abort(g)  # communicator abort (ncclCommAbort), non-blocking for peers
+                else:  # older torch: ProcessGroup.abort on the NCCL backend object
+                    g._get_backend(torch.device("cuda")).abort()
+            except Exception as exc:  # an already aborted/destroyed group: nothing left to stop
+                _log.info("nccl abort of %s: %s", g, exc)
+
+    def _free_device_memory(self) -> None:
+        if torch.cuda.is_available():
+            try:
+                torch.cuda.synchronize()  # kernels of the aborted communicators have returned
+            except RuntimeError as exc:  # a sticky CUDA error: the process must be replaced
+                _log.warning("torch.cuda.synchronize after abort failed: %s", exc)
+            torch.cuda.empty_cache()
+
+
+class HcclBackend(DeviceBackend):
+    """Ascend / HCCL through torch_npu's stop_device, restart_device, reinit_process_group."""
+
+    name = "hccl"
+
+    def __init__(self):
+        import torch_npu  # noqa: F401  (only constructed when importable)
+
+        self._npu = torch_npu
+
+    def _device(self) -> int:
+        return int(torch.npu.current_device())
+
+    def stop(self) -> None:
+        ret = self._npu.npu.stop_device(self._device())
+        if ret not in (None, 0):
+            raise RuntimeError(f"torch_npu.npu.stop_device({self._device()}) returned {ret}; "
+                               "the device could not be stopped (replace this process)")
+
+    def _free_device_memory(self) -> None:
+        self._npu.npu.restart_device(self._device())
+
+    def reinit(self) -> None:
+        self._npu.distributed.reinit_process_group(group=None, rebuild_link=True)
+
+
+def _npu_importable() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+def backend_for(group=None) -> DeviceBackend:
+    """The backend of ``group`` (default: the default group); before init, from the devices."""
+    name = None
+    if dist.is_available() and dist.is_initialized():
+        name = str(dist.get_backend(group)).lower()
+    elif _npu_importable():
+        name = "hccl"
+    elif torch.cuda.is_available():
+        name = "nccl"
+    if name is None or "gloo" in name and "nccl" not in name:
+        return GlooBackend()
+    if "nccl" in name:  # also "cpu:gloo,cuda:nccl": the device collectives need the abort
+        return NcclBackend()
+    if "hccl" in name:
+        if not _npu_importable():
+            raise RuntimeError("process group backend is hccl but torch_npu is not importable")
+        return HcclBackend()
+    _log.warning("unknown process-group backend %r: using the gloo (destroy + gc) teardown", name)
+    return GlooBackend()
+
+
+def teardown(drop_references: Optional[Callable[[], object]] = None, group=None) -> str:
+    """stop + clean on this rank with the right backend; returns the backend's name.
+
+    Call it from a rank that caught an exception (or from the stop/clean callbacks) *after* the
+    framework stopped issuing collectives. Logs and records ``device_teardown`` with its duration.
+    """
+    t0 = time.monotonic()
+    backend = backend_for(group)
+    backend.stop()
+    backend.clean(drop_references)
+    ms = (time.monotonic() - t0) * 1000
+    _log.info("%s teardown: groups destroyed and released in %.1f ms", backend.name, ms)
+    _logging.event("device_teardown", backend=backend.name, ms=round(ms, 2))
+    return backend.name
+
+
+def kill_hung(pid: Optional[int] = None) -> None:
+    """SIGKILL a hung rank (default: this process): its peers then fail at once."""
+    pid = os.getpid() if pid is None else pid
+    _log.warning("killing hung rank process %d with SIGKILL", pid)
+    _logging.event("killed_as_hung", pid=pid)
+    os.kill(pid, signal.SIGKILL)

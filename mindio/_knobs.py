@@ -116,6 +116,10 @@ _ALL = [
          min=0, max=3600),
     Knob("MINDIO_AUTO_PATCH_MEGATRON", _bool, False,
          "1: route megatron-core checkpoint save/load through mindio.save/load."),
+    # --- drills (mindio.drill) ---
+    Knob("MINDIO_DRILL_DIR", str, "",
+         "Directory shared by a job's processes where --inject records fired faults (once per job, "
+         "also across replaced processes); unset: once per process and first launch only."),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _ALL}

@@ -203,6 +203,7 @@ class Agent:
             "TORCHELASTIC_RESTART_COUNT": rnd, "TORCHELASTIC_MAX_RESTARTS": cfg.max_restarts,
             "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
             "MINDIO_AGENT_STORE": f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
+            "MINDIO_AGENT_PID": os.getpid(),  # the node's agent: mindio.drill's kill-node target
         }
 
     def _start_workers(self, rnd: int, port: int) -> None:

@@ -33,6 +33,8 @@ except RuntimeError as exc:
         result["t_teardown"] = time.time()
         result["backend_used"] = device.teardown(drop_references=model.clear)
         result["initialized_after"] = dist.is_initialized()
+    else:  # the released peer cleans too (a secondary failure), as the recovery flows do
+        device.teardown(drop_references=model.clear)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
 if rank == 1:

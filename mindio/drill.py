@@ -1,0 +1,193 @@
+"""Fault injection for drills and tests: ``--inject "kill:rank=3,step=7; uce:rank=1,step=9"``.
+
+A spec is one or more faults separated by ``;`` or ``,`` (a token with a ``:`` starts a new fault)::
+
+    KIND:rank=R,step=S[,seconds=T]      KIND in raise, uce, net, hang, kill
+    kill-node:node=N,step=S             (or kill-node:rank=R,step=S: the node that hosts rank R)
+
+=========  =====================================================================================
+kind       what rank R does while computing step S
+=========  =====================================================================================
+raise      ``RuntimeError("injected fault ...")``: an unknown error (dump / recover)
+uce        ``RuntimeError("UCE ERROR ...")``: an uncorrectable memory error (retry with repair)
+net        ``RuntimeError("HCCL OP RETRY FAILED ...")``: a network-class error (retry, no repair)
+hang       sleeps ``seconds`` (default 3600) without progress, outside any collective
+kill       SIGKILL of its own process (recover-in-place)
+kill-node  SIGKILL of its node's launcher agent (mindio-run: every worker of the node dies with
+           it through PR_SET_PDEATHSIG), then of itself; fired by local rank 0 of node N
+=========  =====================================================================================
+
+**Once per job.** A fault fires at most once: not again when ``train()`` is re-entered in the same
+process (retry), not in a relaunched job (``TORCHELASTIC_RESTART_COUNT`` > 0), and -- when
+``MINDIO_DRILL_DIR`` names a directory shared by the job's processes -- not in a replacement
+process either: the firing rank creates ``<dir>/fired-<i>-<kind>`` (O_EXCL) *before* firing.
+Set MINDIO_DRILL_DIR for strategies that replace processes (recover-in-place, recover).
+
+Each firing prints ``[rank R] injecting KIND at step S`` and records a ``fault_injected`` event
+(MINDIO_EVENT_LOG) just before the fault, so tools can time the recovery from it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from . import _knobs, _logging
+from .errors import ConfigError
+
+__all__ = ["Fault", "parse", "Drill", "inject", "MESSAGES"]
+
+KINDS = ("raise", "uce", "net", "hang", "kill", "kill-node")
+MESSAGES = {
+    "raise": "injected fault at step {step}",
+    "uce": "UCE ERROR: injected uncorrectable memory error at step {step}",
+    "net": "HCCL OP RETRY FAILED: injected network error at step {step}",
+}
+_KEYS = {"rank", "step", "node", "seconds"}
+_USAGE = ("use KIND:rank=R,step=S (KIND: raise, uce, net, hang, kill) or kill-node:node=N,step=S; "
+          "separate several faults with ';'")
+
+
+@dataclass(frozen=True)
+class Fault:
+    index: int  # position in the spec: names the once-per-job marker
+    kind: str
+    step: int
+    rank: Optional[int] = None
+    node: Optional[int] = None
+    seconds: float = 3600.0
+
+    def targets(self, rank: int, node: Optional[int], local_rank: int) -> bool:
+        if self.kind == "kill-node" and self.node is not None:
+            return node == self.node and local_rank == 0
+        return rank == self.rank
+
+
+def parse(spec: str) -> List[Fault]:
+    """Parse a spec; raise :class:`ConfigError` saying what is wrong and the accepted syntax."""
+    if not spec or not spec.strip():
+        raise ConfigError(f"--inject: empty fault spec; {_USAGE}")
+    groups: List[List[str]] = []
+    for token in (t.strip() for t in re.split(r"[;,]", spec)):
+        if not token:
+            continue
+        if ":" in token:
+            groups.append([token])
+        elif not groups:
+            raise ConfigError(f"--inject {spec!r}: {token!r} comes before any KIND:; {_USAGE}")
+        else:
+            groups[-1].append(token)
+    faults = []
+    for index, (head, *rest) in enumerate(groups):
+        kind, _, first = head.partition(":")
+        kind = kind.strip().lower()
+        if kind not in KINDS:
+            raise ConfigError(f"--inject {spec!r}: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+        fields: Dict[str, str] = {}
+        for kv in ([first] if first.strip() else []) + rest:
+            key, eq, value = (s.strip() for s in kv.partition("="))
+            if not eq or key not in _KEYS:
+                raise ConfigError(f"--inject {spec!r}: bad field {kv!r} in {kind}; "
+                                  f"fields: rank=, step=, node= (kill-node), seconds= (hang)")
+            if key in fields:
+                raise ConfigError(f"--inject {spec!r}: {key}= given twice for {kind}")
+            fields[key] = value
+        try:
+            values = {k: (float(v) if k == "seconds" else int(v)) for k, v in fields.items()}
+        except ValueError:
+            raise ConfigError(f"--inject {spec!r}: {fields} has a non-number value; {_USAGE}") from None
+        if "step" not in values or values["step"] < 1:
+            raise ConfigError(f"--inject {spec!r}: {kind} needs step=S with S >= 1 (the step "
+                              f"being computed when the fault fires)")
+        if kind == "kill-node":
+            if ("node" in values) == ("rank" in values):
+                raise ConfigError(f"--inject {spec!r}: kill-node needs exactly one of node=N or rank=R")
+        elif "node" in values:
+            raise ConfigError(f"--inject {spec!r}: node= is only for kill-node; use rank=R for {kind}")
+        elif "rank" not in values:
+            raise ConfigError(f"--inject {spec!r}: {kind} needs rank=R")
+        if values.get("rank", 0) < 0 or values.get("node", 0) < 0 or values.get("seconds", 1) <= 0:
+            raise ConfigError(f"--inject {spec!r}: rank, node must be >= 0 and seconds > 0")
+        if "seconds" in values and kind != "hang":
+            raise ConfigError(f"--inject {spec!r}: seconds= is only for hang")
+        faults.append(Fault(index=index, kind=kind, **{k: values[k] for k in values}))
+    return faults
+
+
+class Drill:
+    """The faults of one spec for this process; call :meth:`maybe_fire` once per step."""
+
+    def __init__(self, spec: str, environ=None):
+        env = os.environ if environ is None else environ
+        self.faults = parse(spec)
+        self._fired: set = set()
+        self._restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self._dir = _knobs.get("MINDIO_DRILL_DIR", env) or None
+        node = env.get("MINDIO_NODE_RANK", env.get("GROUP_RANK"))
+        self._node = int(node) if node not in (None, "") else None
+        self._local_rank = int(env.get("LOCAL_RANK", "0") or 0)
+        agent = env.get("MINDIO_AGENT_PID")
+        self._agent_pid = int(agent) if agent else None
+        if self._dir is not None and not os.path.isdir(self._dir):
+            raise ConfigError(f"MINDIO_DRILL_DIR={self._dir!r} is not a directory; create it first")
+
+    def maybe_fire(self, step: int, rank: int) -> None:
+        """Fire every fault aimed at ``rank`` and ``step`` that has not fired in this job."""
+        if self._restart > 0:
+            return
+        for f in self.faults:
+            if f.step == step and f.index not in self._fired and f.targets(rank, self._node, self._local_rank):
+                self._fired.add(f.index)
+                if self._claim(f):
+                    self._fire(f, step, rank)
+
+    def _claim(self, f: Fault) -> bool:
+        if self._dir is None:
+            return True
+        path = os.path.join(self._dir, f"fired-{f.index}-{f.kind}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        os.write(fd, f"{os.getpid()} {time.time()}\n".encode())
+        os.fsync(fd)
+        os.close(fd)
+        return True
+
+    def _fire(self, f: Fault, step: int, rank: int) -> None:
+        print(f"[rank {rank}] injecting {f.kind} at step {step}", flush=True)
+        _logging.event("fault_injected", fault=f.kind, step=step, target_rank=rank, node=self._node)
+        if f.kind in MESSAGES:
+            raise RuntimeError(MESSAGES[f.kind].format(step=step))
+        if f.kind == "hang":
+            deadline = time.monotonic() + f.seconds
+            while time.monotonic() < deadline:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            return
+        if f.kind == "kill-node":
+            agent = self._agent_pid
+            if agent is None:
+                sys.stderr.write("--inject kill-node: MINDIO_AGENT_PID is not set (not under "
+                                 "mindio-run); killing the parent process as the node's agent\n")
+                agent = os.getppid()
+            sys.stderr.flush()
+            os.kill(agent, signal.SIGKILL)
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_drills: Dict[str, Drill] = {}
+
+
+def inject(spec: Optional[str], step: int, rank: int) -> None:
+    """One-line use from a training loop: ``inject(args.inject, iteration + 1, dist.get_rank())``."""
+    if not spec:
+        return
+    drill = _drills.get(spec)
+    if drill is None:
+        drill = _drills[spec] = Drill(spec)
+    drill.maybe_fire(step, rank)

@@ -272,22 +272,25 @@ class Link(threading.Thread):
             chan.sock.close(500)
             self._waker.close()
 
+    def _adopt_backups(self, backups: list) -> None:
+        if not self.follow_backups:
+            return
+        current = self.address
+        addrs = [current] + [a for a in backups if a != current]
+        if addrs != self.addrs:
+            _log.info("controller %s; fail-over order %s", current, addrs[1:])
+        self.addrs, self._target = addrs, 0
+
     def _handle(self, chan: Channel, env: P.Envelope) -> None:
         if env.type is P.MsgType.REGISTER_ACK:
             self.gen = env.body.gen
             self.interval = env.body.interval
-            if self.follow_backups:
-                current = self.address
-                self.addrs = [current] + [a for a in env.body.backups if a != current]
-                self._target = 0
+            self._adopt_backups(env.body.backups)
             self.registered.set()
             if self.on_registered is not None:
                 self.on_registered()
         elif env.type is P.MsgType.HEARTBEAT_ACK:
-            if self.follow_backups:
-                current = self.address
-                self.addrs = [current] + [a for a in env.body.backups if a != current]
-                self._target = 0
+            self._adopt_backups(env.body.backups)
             if env.body.state == "UNKNOWN":  # the controller does not know us (it restarted): hello again
                 chan.send(P.Envelope(P.MsgType.REGISTER, self.hello(), rank=self.rank, gen=self.gen))
         else:

@@ -64,8 +64,16 @@ def _run_once(nproc: int, iters: int, extra, timeout: float) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        import psutil  # installed with the megatron extra
+
+        victims = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        for v in victims:  # torchrun's workers live in their own sessions
+            try:
+                v.kill()
+            except psutil.Error:
+                pass
+        proc.communicate(timeout=30)
         raise RuntimeError(f"run {extra} timed out")
     if proc.returncode:
         raise RuntimeError(f"run {extra} failed ({proc.returncode}):\n{out[-3000:]}")

@@ -97,6 +97,8 @@ _ALL = [
     Knob("MINDIO_SECRET", str, "", "Per-job secret that signs control messages (hex); generated if empty."),
     Knob("HIGH_AVAILABILITY", _ha_list, (),
          "Comma list of strategies to enable: dump, retry, recover, recover-in-place, elastic-training."),
+    Knob("MINDIO_CONTROLLER_EXTERNAL", _bool, False,
+         "1: the launcher hosts the controller; the example training scripts start none in rank 0."),
     # --- checkpoint store ---
     Knob("MINDIO_ACP_DIR", str, "",
          "Runtime directory of the per-user acp daemon (socket, lock, journal); default /tmp/mindio-acp-<uid>."),

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mindio import _knobs
 from mindio import megatron as mio  # mindio: the Megatron adapter (imports megatron-core)
 from mindio.adapter import local_digest
 
@@ -318,8 +319,10 @@ def setup_high_availability(ctx) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     args = ctx.args
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("TTP_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
-    if rank == 0 and not os.environ.get("MINDIO_CONTROLLER_EXTERNAL"):
+    # TTP_PORT when set; else next to the job's store port (a fixed default collides between jobs)
+    port = (_knobs.get("TTP_PORT") if os.environ.get("TTP_PORT")
+            else int(os.environ.get("MASTER_PORT", 29500)) + 1)
+    if rank == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
         ttp.tft_init_controller(rank, world, False, enable_arf=args.enable_worker_reboot,
                                 enable_zit=args.enable_elastic_training)
         ttp.tft_start_controller(addr, port, enable_tls=False)
@@ -393,7 +396,7 @@ def pretrain(args) -> str:
     print_rank_0(f"max-rss-MiB: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
     if args.enable_high_availability:
         ttp.tft_destroy_processor()
-        if dist.get_rank() == 0 and not os.environ.get("MINDIO_CONTROLLER_EXTERNAL"):
+        if dist.get_rank() == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
             ttp.tft_destroy_controller()
     dist.destroy_process_group()
     return digest

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mindio import _knobs
 from mindio.adapter import (FrameworkAdapter, RepairRole, global_digest, local_digest,
                             recv_state, repair_pairs, send_state)
 from mindio.adapter.transfer import capture_rng, restore_rng
@@ -234,9 +235,10 @@ def main():
 
     drilled = []
     if args.enable_high_availability:  # mindio: controller on rank 0, processors, callbacks
-        port = int(os.environ.get("TTP_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 1))
+        port = (_knobs.get("TTP_PORT") if os.environ.get("TTP_PORT")
+                else int(os.environ.get("MASTER_PORT", 29500)) + 1)
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        if rank == 0:
+        if rank == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
             ttp.tft_init_controller(rank, world, False)
             ttp.tft_start_controller(addr, port, enable_tls=False)
         ttp.tft_init_processor(rank, world, False, enable_tls=False)
@@ -255,7 +257,7 @@ def main():
         print(f"state-digest: {digest}", flush=True)
     if args.enable_high_availability:
         ttp.tft_destroy_processor()
-        if rank == 0:
+        if rank == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
             ttp.tft_destroy_controller()
     dist.destroy_process_group()
 

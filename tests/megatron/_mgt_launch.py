@@ -16,6 +16,26 @@ PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 __all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "grad_norms", "digests", "have_megatron"]
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every descendant: torchrun starts its workers in their own
+    sessions, so killing the launcher's process group alone would leave them running."""
+    try:
+        import psutil
+
+        victims = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # psutil missing or the launcher already gone
+        victims = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for v in victims:
+        try:
+            v.kill()
+        except Exception:
+            pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,9 +60,12 @@ def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun timed out after {timeout}s:\n{out[-4000:]}")
+        _kill_tree(proc)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out = "(no output: a process still holds the pipe)"
+        raise AssertionError(f"torchrun timed out after {timeout}s:\n{out[-8000:]}")
     if not check:
         return proc.returncode, out
     if proc.returncode != 0:

@@ -81,3 +81,20 @@ def test_no_replica_falls_back_to_periodic_checkpoint(tmp_path):
     out = torchrun(WORKER, ["loadckpt", 12, 6, tmp_path / "ckpt"], timeout=150)
     assert out.count("reloaded at iteration 4") == 4
     assert digests(out)[-1] == reference
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not _ttp_available(), reason="mindio.ttp is not available")
+def test_controller_dump_tp2_dp2_loads_bitwise(tmp_path):
+    """TP=2 x DP=2: the dump holds one file per (TP rank, shard) and resumes bit for bit."""
+    ckpt = tmp_path / "tp"
+    common = ["--use-distributed-optimizer", "--enable-high-availability",
+              "--tensor-model-parallel-size", 2, "--train-iters", 10]
+    reference = digests(torchrun(PRETRAIN, common, timeout=150))[-1]
+    rc, out = torchrun(PRETRAIN, common + ["--save", ckpt, "--inject", "raise:rank=1,step=6"],
+                       timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
+    assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
+    assert sorted(p.name for p in (ckpt / "iter_0000005").iterdir()) == [
+        "common.pt", "shard_tp00_pp000_dp000.pt", "shard_tp01_pp000_dp000.pt"]
+    resumed = torchrun(PRETRAIN, common + ["--load", ckpt], timeout=150)
+    assert digests(resumed)[-1] == reference

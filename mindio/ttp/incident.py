@@ -1,0 +1,186 @@
+"""What the controller does once something went wrong: the incident flow (driver thread).
+
+An incident (the dump flow; retry/recover/elastic belong to later issues):
+
+1. a REPORT, a dead rank, a hung rank, or the cluster brain opens it: NORMAL -FAULT-> ABNORMAL;
+2. ``stop`` to every live rank: each holds its fence and answers once its main thread is quiet
+   (parked in the decorator or blocked before its next optimizer update); a rank that dies meanwhile
+   is dropped from the wait by the liveness sweep -- so every rank is accounted for;
+3. lock step = max step over healthy ranks; policy picks the feasible strategies (and the cluster
+   brain, if registered, chooses among them within MINDIO_WAIT_MINDX_TIME);
+4. dump: ``save(step, save_info)`` on one usable rank per optimizer shard, then ``rename(step)`` on one
+   of them -- only after every save succeeded, so the checkpoint becomes "latest" only when complete;
+5. ``exit(code)`` to every live rank: EXIT_CODE_DUMPED after a complete dump, EXIT_CODE_FAULT otherwise.
+
+The cluster brain (tft_notify_controller_* / tft_register_mindx_callback) enters here too.
+:class:`IncidentFlow` is mixed into :class:`mindio.ttp.controller.Controller` and uses its rank table,
+lock, state machine and action engine.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import _knobs, _logging
+from . import policy
+from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
+from .states import Result, State
+
+__all__ = ["IncidentFlow", "OPEN_STATES"]
+
+_log = logging.getLogger(__name__)
+OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
+
+
+class IncidentFlow:
+    # ------------------------------------------------------------------ incidents
+    def _open_incident(self, rank: int | None, state: ReportState | None, cause: str = "fault") -> None:
+        if not self.active:
+            return
+        with self._lock:
+            inc = self._incident
+            if inc is None:
+                if self.sm.state not in OPEN_STATES:
+                    return
+                inc = self._incident = {"t0": time.monotonic(), "primary": {}, "cause": cause, "first": rank}
+                self._incident_evt.set()
+            if rank is not None and (state is None or policy.is_primary(state)):
+                inc["primary"][rank] = state if state is not None else ReportState.RS_UNKNOWN
+
+    def _error_rank_dict(self) -> dict:
+        with self._lock:  # the I/O thread adds ranks to the incident while the driver reads it
+            primary = dict((self._incident or {"primary": {}})["primary"])
+        return {r: 0 if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED) else 1 for r, s in primary.items()}
+
+    def _mindx_call(self, action: str, *args) -> None:
+        func = self.mindx.get(action)
+        if func is not None:
+            try:
+                func(*args)
+            except Exception:
+                _log.exception("cluster-brain callback %s failed", action)
+
+    def _driver_loop(self) -> None:
+        while not self._stop.is_set():
+            self._incident_evt.wait()
+            if self._stop.is_set():
+                return
+            try:
+                self._run_incident()
+            except Exception:
+                _log.exception("incident handling failed; stopping the job without a dump")
+                self._exit(EXIT_CODE_FAULT)
+            return  # after an incident of this issue's strategies the job ends (FINAL)
+
+    def _run_incident(self) -> None:
+        inc = self._incident
+        graceful = inc["cause"] == "dump_request"
+        self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc["first"], cause=inc["cause"])
+        self._mindx_call("report_fault_ranks", self._error_rank_dict())
+        with self._lock:
+            live = [r.rank for r in self.ranks.values() if r.alive]
+        # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
+        # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
+        params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
+        replies = self._call("stop", params, live, self.action_limit)
+        with self._lock:
+            for rank, rep in replies.items():
+                if rep.ok:
+                    self.ranks[rank].step = rep.detail.get("step", self.ranks[rank].step)
+                    self.ranks[rank].data_status = rep.detail.get("data_status", 0)
+            views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
+                                     tuple(r.replica)) for r in self.ranks.values()]
+        missing = sorted(set(range(self.world_size)) - set(self.ranks))
+        views += [policy.RankView(r, alive=False, faulty=True) for r in missing]
+        self._mindx_call("report_stop_complete", int(ResultCode.OK), "training stopped", self._error_rank_dict())
+        healthy = [v.step for v in views if v.alive and not v.faulty] or [v.step for v in views if v.alive] or [0]
+        lock = max(healthy)
+        plan = policy.select_dump_ranks(views, lock)
+        faulty = [v.rank for v in views if v.faulty]
+        try:
+            policy.select_repair_sources(views, lock, faulty)
+            repairable = bool(faulty)
+        except ValueError:
+            repairable = False
+        with self._lock:
+            primary = dict(inc["primary"])
+        incident = policy.Incident(states=primary, dead=frozenset(v.rank for v in views if not v.alive),
+                                   repair_possible=repairable, dump_possible=plan.possible)
+        feasible = policy.feasible_strategies(self.enabled | ({"dump"} if graceful else set()), incident)
+        usable_now = [s for s in feasible if s in ("dump", "exit")]  # retry/recover/downgrade: later issues
+        strategy = self._negotiate(usable_now)
+        latency = time.monotonic() - inc["t0"]
+        self.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
+                              "decided_at": time.time(),
+                              "faulty": faulty, "missing_shards": [list(map(str, m)) for m in plan.missing],
+                              "feasible": feasible, "latency_s": latency}
+        _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, feasible %s)",
+                     latency, strategy, lock, faulty[:16], feasible)
+        _logging.event("decision", **self.last_decision)
+        if strategy == "dump":
+            if not graceful:
+                self.sm.fire(Result.DUMP, lock_step=lock)
+            ok = self._dump(lock, plan)
+            self.sm.fire(Result.OK if ok else Result.FAIL)
+            self._mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
+                             "dump done" if ok else "dump failed", self._error_rank_dict(), "dump")
+            self._exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
+        else:
+            self.sm.fire(Result.FAIL if self.sm.state is State.DUMP else Result.EXIT,
+                         reason="no dump possible" if plan.missing else "exit chosen")
+            self._exit(EXIT_CODE_FAULT)
+
+    def _negotiate(self, strategies: list[str]) -> str:
+        if "report_strategies" not in self.mindx:
+            return strategies[0]
+        self._chosen = None
+        self._strategy_evt.clear()
+        self._mindx_call("report_strategies", self._error_rank_dict(), list(strategies))
+        if self._strategy_evt.wait(_knobs.get("MINDIO_WAIT_MINDX_TIME")) and self._chosen in strategies:
+            return self._chosen
+        _log.warning("cluster brain chose %r (allowed %s) or did not answer; using %s", self._chosen,
+                     strategies, strategies[0])
+        return strategies[0]
+
+    def _dump(self, lock: int, plan: policy.DumpPlan) -> bool:
+        _log.warning("dump at step %d by %d ranks %s%s", lock, len(plan.ranks), list(plan.ranks[:16]),
+                     " ..." if len(plan.ranks) > 16 else "")
+        saved = self._call("save", {"step": lock, "save_info": plan.save_info}, plan.ranks, self.action_limit)
+        bad = [r for r in plan.ranks if r not in saved or not saved[r].ok]
+        if bad:
+            _log.error("dump failed on %d ranks %s: %s", len(bad), bad[:16],
+                       {r: saved[r].detail for r in bad[:16] if r in saved})
+            return False
+        renamed = self._call("rename", {"step": lock}, [plan.ranks[0]], self.action_limit)
+        return plan.ranks[0] in renamed and renamed[plan.ranks[0]].ok
+
+    def _exit(self, code: int) -> None:
+        if self.sm.state is not State.EXIT:
+            self.sm.fire(Result.EXIT if self.sm.can(Result.EXIT) else Result.SHUTDOWN, code=code)
+        self.exit_code = code
+        with self._lock:
+            live = [r.rank for r in self.ranks.values() if r.alive]
+        self._call("exit", {"code": code}, live, 10.0)
+        if self.sm.state is State.EXIT:
+            self.sm.fire(Result.OK)
+        self.final.set()
+
+    # ------------------------------------------------------------------ cluster brain
+    def notify_dump(self) -> int:
+        if self.sm.state is not State.NORMAL:
+            return 1
+        self._open_incident(None, None, cause="dump_request")
+        return 0
+
+    def notify_stop_train(self, fault_ranks: dict) -> int:
+        for rank, kind in fault_ranks.items():
+            if int(rank) in self.ranks:
+                self.ranks[int(rank)].faulty = True
+            self._open_incident(int(rank), ReportState.RS_UCE if int(kind) == 0 else ReportState.RS_UNKNOWN,
+                                cause="cluster_brain")
+        return 0
+
+    def change_strategy(self, strategy: str) -> int:
+        self._chosen = strategy
+        self._strategy_evt.set()
+        return 0

@@ -1,0 +1,63 @@
+"""The job recovery_bench.py launches: examples/megatron/pretrain_gpt.py, plus two things a
+relaunch needs that the example leaves to its launcher script.
+
+* ``BENCH_RESUME_DIR``: when it holds a checkpoint (the last periodic one, or a dump), ``--load`` it,
+  as a resubmitted job's script would; the first launch starts from scratch.
+* ``BENCH_TORCH_SAVE=1``: periodic checkpoints are written with plain ``torch.save`` (no mindio
+  checkpoint store), the baseline everyone uses today.
+* ``--inject`` goes through :mod:`mindio.drill` (fires once per job, also across relaunches).
+
+It prints ``bench-job: start`` before and ``bench-job: imports`` after its heavy imports (rank 0),
+so the benchmark can tell process start-up from initialisation. The imports are at top level so
+that mindio-run's warm interpreters pre-import them (mindio.launch._bootstrap).
+"""
+import os
+import sys
+import time
+
+_T0 = time.time()
+
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy  # noqa: E402,F401
+import torch  # noqa: E402,F401
+import torch.distributed  # noqa: E402,F401
+import megatron.core  # noqa: E402,F401
+import mindio.megatron  # noqa: E402,F401
+import mindio.ttp  # noqa: E402,F401
+import torch.distributed as dist  # noqa: E402
+from mindio import drill  # noqa: E402
+from mindio.megatron import checkpoint  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatron" / "pretrain_gpt.py"
+
+
+def main() -> None:
+    rank = os.environ.get("RANK", "0")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if rank == "0":
+        print(f"bench-job: start restart={restart} t={_T0:.6f}", flush=True)
+        print(f"bench-job: imports restart={restart} t={time.time():.6f}", flush=True)
+    argv = sys.argv[1:]
+    resume = os.environ.get("BENCH_RESUME_DIR")
+    if resume and checkpoint.read_tracker(Path(resume)) is not None:
+        argv += ["--load", resume]
+    if os.environ.get("BENCH_TORCH_SAVE") == "1":
+        checkpoint._acp = lambda: None  # write_object/read_object fall back to torch.save/torch.load
+        checkpoint.initialize_store = lambda *a, **k: False
+    sys.argv = [str(EXAMPLE), *argv]
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules["pretrain_gpt"] = example
+    spec.loader.exec_module(example)  # defines everything; its __main__ block does not run
+    if hasattr(example, "maybe_inject"):  # an example with its own injector: use mindio.drill's
+        example.maybe_inject = lambda spec_, step: drill.inject(spec_, step, dist.get_rank())
+    args = example.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    example.pretrain(args)
+
+
+if __name__ == "__main__":
+    main()

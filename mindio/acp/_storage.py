@@ -57,13 +57,7 @@ def atomic_write(path: str, chunks, mode: int = 0o644, tag: str = "") -> os.stat
     tmp = os.path.join(head, f".{tail}.mindio-tmp.{tag or os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            for start in range(0, len(view), _CHUNK):
-                part = view[start: start + _CHUNK]
-                done = 0
-                while done < len(part):
-                    done += os.write(fd, part[done:])
+        _write_all(fd, chunks)
         os.fsync(fd)
         os.fchmod(fd, mode)
     except BaseException:
@@ -77,6 +71,17 @@ def atomic_write(path: str, chunks, mode: int = 0o644, tag: str = "") -> os.stat
     os.rename(tmp, path)
     fsync_dir(head)
     return os.stat(path)
+
+
+def _write_all(fd: int, chunks) -> None:
+    """Write every byte of every chunk, in pieces of at most _CHUNK bytes (short writes retried)."""
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        for start in range(0, len(view), _CHUNK):
+            piece = view[start: start + _CHUNK]
+            done = 0
+            while done < len(piece):
+                done += os.write(fd, piece[done:])
 
 
 def atomic_write_direct(path: str, parts: list, size: int, mode: int = 0o644, tag: str = "") -> os.stat_result:
@@ -94,13 +99,7 @@ def atomic_write_direct(path: str, parts: list, size: int, mode: int = 0o644, ta
             raise
         return _buffered_fallback(path, parts, size, mode, tag)
     try:
-        for part in parts:
-            view = memoryview(part).cast("B")
-            for start in range(0, len(view), _CHUNK):
-                piece = view[start: start + _CHUNK]
-                done = 0
-                while done < len(piece):
-                    done += os.write(fd, piece[done:])
+        _write_all(fd, parts)
         os.ftruncate(fd, size)
         os.fsync(fd)
         os.fchmod(fd, mode)

@@ -30,8 +30,8 @@ reported with what actually happened, never as the strategy asked for.
 
 Timeline points (wall clock, all processes on this machine): the ``fault_injected`` event; the
 controller hearing of it (``report_received`` / ``rank_dead``); the ``stop`` and ``rename``
-actions finishing (events with durations); the launcher's own lines (torchrun's "closing signal",
-mindio-run's "round 0 failed"); ``bench-job: start`` / ``imports`` of the relaunched rank 0;
+actions finishing (events with durations); mindio-run's ``round_failed`` event (it saw a worker
+exit non-zero) and torchrun's "closing signal" line; ``bench-job: start`` / ``imports`` of the relaunched rank 0;
 the example's ``loaded checkpoint`` line; and the first ``iteration N`` line after the fault.
 Lines are time-stamped when the benchmark reads them (a few ms after they are written).
 """
@@ -243,6 +243,7 @@ def analyse(run: Run, fault_step: int) -> dict:
     _, imports_line = first_line(r"^bench-job: imports ")
     loaded_t, loaded = first_line(r"^loaded checkpoint iteration (\d+)")
     launcher_detect, _ = first_line(r"closing signal|round \d+ failed")
+    failed_round = first_event(("round_failed",))  # mindio-run saw a worker exit non-zero
     workers_gone, _ = first_line(r"^mindio-run: round \d+ failed")  # printed after its workers stopped
     digests = [s.split()[-1] for _, s in lines if s.startswith("state-digest:")]
     points = {
@@ -250,7 +251,7 @@ def analyse(run: Run, fault_step: int) -> dict:
         "detected": detect["t"] if detect else launcher_detect,
         "stopped": stop["t"] if stop else None,
         "dumped": rename["t"] if rename else None,
-        "exited": workers_gone if rename else None,
+        "exited": (failed_round["t"] if failed_round else workers_gone) if rename else None,
         "restarted": float(_T.search(start_line).group(1)) if start_line else None,
         "imported": float(_T.search(imports_line).group(1)) if imports_line else None,
         "loaded": loaded_t,

@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .. import _logging
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -260,6 +261,7 @@ class Agent:
             bad = {r: c for r, c in codes.items() if c not in (None, 0)}
             if bad:
                 reason = "; ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(bad.items()))
+                _logging.event("round_failed", round=rnd, node=self.cfg.node_rank, reason=reason)
                 self._store.compare_set(failed_key, "", f"node {self.cfg.node_rank}: {reason}")
                 return self._store.get(failed_key).decode()
             lost = self._lost_nodes()
@@ -314,12 +316,14 @@ class Agent:
                 self._join(rnd)
                 port = self._new_worker_store(rnd)
                 log.info("round %d: starting %d workers (world size %d)", rnd, self.cfg.nproc_per_node, self.cfg.world_size)
+                _logging.event("round_start", round=rnd, node=self.cfg.node_rank)
                 self._start_workers(rnd, port)
                 reason = self._monitor(rnd)
                 if reason is None:
                     log.info("round %d: all workers finished", rnd)
                     return 0
                 self._stop_workers()
+                _logging.event("workers_stopped", round=rnd, node=self.cfg.node_rank, reason=reason)
                 if self._stopping or rnd >= self.cfg.max_restarts:
                     print(f"mindio-run: job failed: {reason} (restarts used: {rnd} of {self.cfg.max_restarts})", file=sys.stderr)
                     return 1

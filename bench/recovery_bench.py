@@ -66,12 +66,18 @@ def _free_port() -> int:
 
 
 def implemented() -> tuple:
-    """Strategies the controller carries out (a later issue extends the tuple it exports)."""
+    """Strategies the controller carries out: ``controller.IMPLEMENTED_STRATEGIES`` when it exports
+    one; else dump, plus retry once its flow (mindio.ttp.retry) exists."""
+    import importlib.util
+
     try:
         from mindio.ttp import controller
     except ImportError:
-        return ()
-    return ("baseline",) + tuple(getattr(controller, "IMPLEMENTED_STRATEGIES", ("dump",)))
+        return ("baseline",)
+    declared = getattr(controller, "IMPLEMENTED_STRATEGIES", None)
+    if declared is None:
+        declared = ("dump",) + (("retry",) if importlib.util.find_spec("mindio.ttp.retry") else ())
+    return ("baseline",) + tuple(declared)
 
 
 @dataclass
@@ -91,7 +97,8 @@ def scenario(name: str, a, work: Path) -> Scenario:
     ha = ["--enable-high-availability"]
     env = {"BENCH_RESUME_DIR": str(ck)}
     run = [sys.executable, "-m", "mindio.launch.cli", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--max-restarts", "1", "--warm-spares", "4"]  # relaunch (dump, or a fallback to it) into warm ranks
     if name == "baseline":
         own = a.baseline_torchrun_restart
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
@@ -100,20 +107,20 @@ def scenario(name: str, a, work: Path) -> Scenario:
                *common, "--save-interval", str(a.save_interval)]
         return Scenario(name, [cmd], {**env, "BENCH_TORCH_SAVE": "1"}, f"{a.fault}:rank=1,step={F}",
                         resubmit=0 if own else 1)
-    if name == "dump":  # every rank is relaunched: one warm interpreter per rank
-        cmd = run + ["--max-restarts", "1", "--warm-spares", "4", str(JOB), *common, *ha]
+    if name == "dump":
+        cmd = run + [str(JOB), *common, *ha]
         return Scenario(name, [cmd], {**env, "HIGH_AVAILABILITY": "dump"}, f"{a.fault}:rank=1,step={F}")
     if name == "retry":
-        cmd = run + ["--max-restarts", "0", str(JOB), *common, *ha, "--enable-hbmfault-repair"]
+        cmd = run + [str(JOB), *common, *ha, "--enable-hbmfault-repair"]
         return Scenario(name, [cmd], {**env, "HIGH_AVAILABILITY": "retry,dump"}, f"uce:rank=1,step={F}")
     if name == "recover-in-place":
-        cmd = run + ["--max-restarts", "0", str(JOB), *common, *ha, "--enable-worker-reboot"]
+        cmd = run + [str(JOB), *common, *ha, "--enable-worker-reboot"]
         return Scenario(name, [cmd], {**env, "HIGH_AVAILABILITY": "recover-in-place,dump"},
                         f"kill:rank=1,step={F}")
     if name == "recover":  # two nodes of 2 ranks, plus a standby node
         port = str(_free_port())
         base = [sys.executable, "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", port, "--max-restarts", "0"]
+                "--master-addr", "127.0.0.1", "--master-port", port, "--max-restarts", "1"]
         tail = [str(JOB), *common, *ha, "--enable-worker-reboot"]
         cmds = [base + ["--node-rank", "0"] + tail, base + ["--node-rank", "1"] + tail,
                 base + ["--standby"] + tail]
@@ -294,8 +301,7 @@ def report(results: Dict[str, dict], a) -> str:
                         f"{r.get('wall_s')} s{', timed out' if r.get('timed_out') else ''})")
             continue
         ratio = f"{base / r['recovery_s']:.2f}x" if base and name != "baseline" else "1.00x"
-        label = name if r.get("decision") in (None, name, "dump" if name == "dump" else name) \
-            else f"{name}->{r['decision']}"
+        label = name if r.get("decision") in (None, name) else f"{name}->{r['decision']}"
         rows.append(f"{label:18} {r['recovery_s']:>16.2f} s {ratio:>12} {r['steps_lost']:>10}  "
                     + "  ".join(f"{r['phases'][p]:>9.2f}s" if p in r["phases"] else f"{'-':>10}"
                                 for p in PHASES))

@@ -56,7 +56,11 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "_job.py"
 STRATEGIES = ("baseline", "dump", "retry", "recover-in-place", "recover")
-PHASES = ("detect", "stop", "dump", "exit", "restart", "imports", "init+load", "first step")
+PHASES = ("detect", "stop", "dump", "clean", "rebuild", "repair", "rollback", "resume", "exit",
+          "restart", "imports", "init+load", "first step")
+# controller actions (``action`` events, logged when every reply is in) -> phase they end
+_ACTION_PHASE = {"stop": "stop", "save": "dump", "rename": "dump", "clean": "clean",
+                 "rebuild": "rebuild", "repair": "repair", "rollback": "rollback", "retry": "resume"}
 
 
 def _free_port() -> int:
@@ -264,12 +268,17 @@ def analyse(run: Run, fault_step: int) -> dict:
         "loaded": loaded_t,
         "first_step": first[0] if first else None,
     }
+    end = points["first_step"] or float("inf")
+    steps = [("detect", points["detected"])]
+    steps += [(_ACTION_PHASE[e["action"]], e["t"]) for e in ev if e["kind"] == "action"
+              and e.get("action") in _ACTION_PHASE and fault <= e["t"] <= end]
+    steps += [("exit", points["exited"]), ("restart", points["restarted"]),
+              ("imports", points["imported"]), ("init+load", points["loaded"]),
+              ("first step", points["first_step"])]
     phases, prev = {}, fault
-    for phase, key in zip(PHASES, ("detected", "stopped", "dumped", "exited", "restarted", "imported",
-                                   "loaded", "first_step")):
-        t = points[key]
+    for phase, t in steps:
         if t is not None and t >= prev:
-            phases[phase] = round(t - prev, 3)
+            phases[phase] = round(phases.get(phase, 0.0) + t - prev, 3)
             prev = t
     out.update(points={k: v for k, v in points.items() if v is not None}, phases=phases,
                decision=decision.get("strategy") if decision else None,
@@ -290,8 +299,9 @@ def report(results: Dict[str, dict], a) -> str:
             f"{a.save_interval} (baseline); load average {os.getloadavg()[0]:.1f} on "
             f"{os.cpu_count()} CPUs at the end"]
     base = results.get("baseline", {}).get("recovery_s")
+    shown = [p for p in PHASES if any(p in r.get("phases", {}) for r in results.values())]
     rows.append(f"{'strategy':18} {'fault->first step':>18} {'vs baseline':>12} {'steps lost':>10}  "
-                + "  ".join(f"{p:>10}" for p in PHASES))
+                + "  ".join(f"{p:>10}" for p in shown))
     for name, r in results.items():
         if r.get("na"):
             rows.append(f"{name:18} {r['na']}")
@@ -300,11 +310,11 @@ def report(results: Dict[str, dict], a) -> str:
             rows.append(f"{name:18} FAILED: {r.get('error')} (exit codes {r.get('exit_codes')}, "
                         f"{r.get('wall_s')} s{', timed out' if r.get('timed_out') else ''})")
             continue
-        ratio = f"{base / r['recovery_s']:.2f}x" if base and name != "baseline" else "1.00x"
+        ratio = "1.00x" if name == "baseline" else f"{base / r['recovery_s']:.2f}x" if base else "-"
         label = name if r.get("decision") in (None, name) else f"{name}->{r['decision']}"
         rows.append(f"{label:18} {r['recovery_s']:>16.2f} s {ratio:>12} {r['steps_lost']:>10}  "
                     + "  ".join(f"{r['phases'][p]:>9.2f}s" if p in r["phases"] else f"{'-':>10}"
-                                for p in PHASES))
+                                for p in shown))
     finals = {n: r.get("final_digest") for n, r in results.items() if r.get("final_digest")}
     if len(finals) > 1:
         same = len(set(finals.values())) == 1

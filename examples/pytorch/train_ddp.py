@@ -259,6 +259,8 @@ def main():
         ttp.tft_destroy_processor()
         if rank == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
             ttp.tft_destroy_controller()
+    trainer.model = trainer.optimizer = None  # DDP holds the group: release it before destroying
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -53,7 +53,14 @@ def main() -> None:
     sys.modules["pretrain_gpt"] = example
     spec.loader.exec_module(example)  # defines everything; its __main__ block does not run
     if hasattr(example, "maybe_inject"):  # an example with its own injector: use mindio.drill's
-        example.maybe_inject = lambda spec_, step: drill.inject(spec_, step, dist.get_rank())
+        def routed(spec_, step, ctx=None):
+            def corrupt():  # a UCE destroyed this rank's optimizer shard (as the example does)
+                if ctx is not None and ctx.optimizer is not None:
+                    with torch.no_grad():
+                        for t in ctx.shard_tensors():
+                            t.fill_(float("nan"))
+            drill.inject(spec_, step, dist.get_rank(), corrupt=corrupt)
+        example.maybe_inject = routed
     args = example.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     example.pretrain(args)

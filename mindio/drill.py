@@ -9,7 +9,8 @@ A spec is one or more faults separated by ``;`` or ``,`` (a token with a ``:`` s
 kind       what rank R does while computing step S
 =========  =====================================================================================
 raise      ``RuntimeError("injected fault ...")``: an unknown error (dump / recover)
-uce        ``RuntimeError("UCE ERROR ...")``: an uncorrectable memory error (retry with repair)
+uce        ``corrupt()`` if given (destroy this rank's optimizer shard, as the memory error did),
+           then ``RuntimeError("UCE ERROR ...")``: an uncorrectable memory error (retry + repair)
 net        ``RuntimeError("HCCL OP RETRY FAILED ...")``: a network-class error (retry, no repair)
 hang       sleeps ``seconds`` (default 3600) without progress, outside any collective
 kill       SIGKILL of its own process (recover-in-place)
@@ -34,7 +35,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from . import _knobs, _logging
 from .errors import ConfigError
@@ -135,15 +136,16 @@ class Drill:
         if self._dir is not None and not os.path.isdir(self._dir):
             raise ConfigError(f"MINDIO_DRILL_DIR={self._dir!r} is not a directory; create it first")
 
-    def maybe_fire(self, step: int, rank: int) -> None:
-        """Fire every fault aimed at ``rank`` and ``step`` that has not fired in this job."""
+    def maybe_fire(self, step: int, rank: int, corrupt: Optional[Callable[[], object]] = None) -> None:
+        """Fire every fault aimed at ``rank`` and ``step`` that has not fired in this job.
+        ``corrupt`` (framework-specific) destroys this rank's state before a ``uce`` error."""
         if self._restart > 0:
             return
         for f in self.faults:
             if f.step == step and f.index not in self._fired and f.targets(rank, self._node, self._local_rank):
                 self._fired.add(f.index)
                 if self._claim(f):
-                    self._fire(f, step, rank)
+                    self._fire(f, step, rank, corrupt)
 
     def _claim(self, f: Fault) -> bool:
         if self._dir is None:
@@ -158,9 +160,11 @@ class Drill:
         os.close(fd)
         return True
 
-    def _fire(self, f: Fault, step: int, rank: int) -> None:
+    def _fire(self, f: Fault, step: int, rank: int, corrupt=None) -> None:
         print(f"[rank {rank}] injecting {f.kind} at step {step}", flush=True)
         _logging.event("fault_injected", fault=f.kind, step=step, target_rank=rank, node=self._node)
+        if f.kind == "uce" and corrupt is not None:
+            corrupt()
         if f.kind in MESSAGES:
             raise RuntimeError(MESSAGES[f.kind].format(step=step))
         if f.kind == "hang":
@@ -183,11 +187,12 @@ class Drill:
 _drills: Dict[str, Drill] = {}
 
 
-def inject(spec: Optional[str], step: int, rank: int) -> None:
-    """One-line use from a training loop: ``inject(args.inject, iteration + 1, dist.get_rank())``."""
+def inject(spec: Optional[str], step: int, rank: int, corrupt: Optional[Callable[[], object]] = None) -> None:
+    """One-line use from a training loop: ``inject(args.inject, iteration + 1, dist.get_rank())``;
+    ``corrupt``: see :meth:`Drill.maybe_fire`."""
     if not spec:
         return
     drill = _drills.get(spec)
     if drill is None:
         drill = _drills[spec] = Drill(spec)
-    drill.maybe_fire(step, rank)
+    drill.maybe_fire(step, rank, corrupt)

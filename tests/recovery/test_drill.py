@@ -131,3 +131,15 @@ def test_kill_node_sigkills_the_agent_and_the_rank(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"worker {pid} still alive after killing its node")
+
+
+def test_uce_corrupts_state_first_then_raises():
+    state = {"shard": [1.0, 2.0]}
+    d = drill.Drill("uce:rank=0,step=2", environ={})
+    d.maybe_fire(step=1, rank=0, corrupt=lambda: state.update(shard=None))
+    assert state["shard"] == [1.0, 2.0]
+    with pytest.raises(RuntimeError, match="UCE ERROR"):
+        d.maybe_fire(step=2, rank=0, corrupt=lambda: state.update(shard=None))
+    assert state["shard"] is None
+    with pytest.raises(RuntimeError, match="injected fault"):  # corrupt is only for uce
+        drill.Drill("raise:rank=0,step=2", environ={}).maybe_fire(2, 0, corrupt=lambda: 1 / 0)

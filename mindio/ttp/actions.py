@@ -37,6 +37,8 @@ class _Pending:
     targets: set
     replies: dict = field(default_factory=dict)
     outstanding: int = 0
+    fail_fast: bool = False
+    failed: bool = False
 
 
 class ActionEngine:
@@ -54,16 +56,19 @@ class ActionEngine:
             if p is not None and p.sn == sn and rank in p.targets and rank not in p.replies:
                 p.replies[rank] = body
                 p.outstanding -= 1
-                if p.outstanding <= 0:
+                if not body.ok and p.fail_fast:
+                    p.failed = True
+                if p.outstanding <= 0 or p.failed:
                     self._cond.notify_all()
 
-    def call(self, name: str, params: dict, ranks, timeout: float) -> dict:
-        """Run ACTION ``name`` on ``ranks``; see the module docstring."""
+    def call(self, name: str, params: dict, ranks, timeout: float, fail_fast: bool = False) -> dict:
+        """Run ACTION ``name`` on ``ranks``; see the module docstring. ``fail_fast``: return as soon as
+        one rank replies with a failure (a recovery step that failed anywhere has failed)."""
         t0 = time.monotonic()
         targets = set(ranks)
         with self._cond:
             self.sn += 1
-            pend = self._pending = _Pending(self.sn, name, targets, outstanding=len(targets))
+            pend = self._pending = _Pending(self.sn, name, targets, outstanding=len(targets), fail_fast=fail_fast)
         body = P.Action(name, params)
         waiting, last_send = targets, -1e9
         while True:
@@ -73,7 +78,7 @@ class ActionEngine:
                 last_send = now
             with self._cond:
                 waiting = {r for r in targets if r not in pend.replies and self._alive(r)}
-                if not waiting or now - t0 >= timeout:
+                if not waiting or now - t0 >= timeout or pend.failed:
                     break
                 self._cond.wait(min(self.resend - (now - last_send), t0 + timeout - now, 0.5))
         with self._cond:

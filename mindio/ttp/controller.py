@@ -31,6 +31,7 @@ from ._enums import ReportState
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import IncidentFlow
+from .retry import RetryFlow
 from .transport import Channel, Link, Waker
 
 __all__ = ["Controller"]
@@ -56,7 +57,7 @@ class _Rank:
     registered: bool = True
 
 
-class Controller(IncidentFlow):
+class Controller(IncidentFlow, RetryFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     def __init__(self, rank: int, world_size: int, enabled, key: bytes, backup: bool = False,
@@ -267,7 +268,7 @@ class Controller(IncidentFlow):
                 self._seen.move_to_end(rank)
                 if old is None or not old.registered:
                     self._registered += 1  # a counter, not a scan: 100k registrations stay O(n)
-        self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=0, interval=self.interval,
+        self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
                                                                          backups=list(self.backups)),
                                    rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:

@@ -10,9 +10,9 @@ Protocol (main thread of every rank):
    and drop every reference to them; the traceback's frames are cleared and garbage is collected, so
    peers blocked in a collective with this rank are released within milliseconds (gloo closes its
    sockets only when the last reference goes; never abort a gloo group: it SIGABRTs the process).
-4. Park in ``wait_next_action``. RETRY: call ``train()`` again (a later issue's rollback has reset the
-   iteration). EXIT(code): run the exit callback, wait for an in-process controller to finish, then
-   ``SystemExit(code)`` -- EXIT_CODE_DUMPED after a complete dump, EXIT_CODE_FAULT otherwise.
+4. Park in ``wait_next_action``. RETRY: call ``train()`` again (the controller's retry flow has rebuilt
+   the groups, repaired and rolled back the state to the lock step; retry.py). EXIT(code): run the
+   exit callback, wait for an in-process controller to finish, then ``SystemExit(code)`` -- EXIT_CODE_DUMPED after a complete dump, EXIT_CODE_FAULT otherwise.
 
 Without a started processor the decorator is transparent: the exception propagates unchanged.
 ``KeyboardInterrupt``, ``SystemExit`` and :class:`mindio.errors.AbortTraining` are never caught.
@@ -24,6 +24,7 @@ import logging
 import time
 import traceback
 
+from .. import _logging
 from . import policy
 from ._enums import Action, OsStatus, ReportState
 from ._runtime import state as _rt
@@ -89,6 +90,7 @@ def tft_exception_handler(func):
             action, code = proc.wait_next_action()
             if action is Action.RETRY:
                 _log.warning("RETRY: re-entering %s", getattr(func, "__name__", "train"))
+                _logging.event("train_resumed", step=proc.step, gen=proc.gen)
                 continue
             exit_process(proc, code)
 

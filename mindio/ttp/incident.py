@@ -1,6 +1,6 @@
 """What the controller does once something went wrong: the incident flow (driver thread).
 
-An incident (the dump flow; retry/recover/elastic belong to later issues):
+An incident (the dump flow; the retry strategy is in retry.py; recover/elastic belong to later issues):
 
 1. a REPORT, a dead rank, a hung rank, or the cluster brain opens it: NORMAL -FAULT-> ABNORMAL;
 2. ``stop`` to every live rank: each holds its fence and answers once its main thread is quiet
@@ -11,6 +11,9 @@ An incident (the dump flow; retry/recover/elastic belong to later issues):
 4. dump: ``save(step, save_info)`` on one usable rank per optimizer shard, then ``rename(step)`` on one
    of them -- only after every save succeeded, so the checkpoint becomes "latest" only when complete;
 5. ``exit(code)`` to every live rank: EXIT_CODE_DUMPED after a complete dump, EXIT_CODE_FAULT otherwise.
+
+When "retry" is enabled and possible it is tried first (retry.py); if it succeeds the driver waits for
+the next incident, if any step of it fails the flow falls back to dump (then exit) as above.
 
 The cluster brain (tft_notify_controller_* / tft_register_mindx_callback) enters here too.
 :class:`IncidentFlow` is mixed into :class:`mindio.ttp.controller.Controller` and uses its rank table,
@@ -66,13 +69,15 @@ class IncidentFlow:
             if self._stop.is_set():
                 return
             try:
-                self._run_incident()
+                if self._run_incident():
+                    continue  # retried: every rank trains again; wait for the next incident
             except Exception:
                 _log.exception("incident handling failed; stopping the job without a dump")
                 self._exit(EXIT_CODE_FAULT)
-            return  # after an incident of this issue's strategies the job ends (FINAL)
+            return  # after a dump or an exit the job ends (FINAL)
 
-    def _run_incident(self) -> None:
+    def _run_incident(self) -> bool:
+        """One incident; True when the job goes on (retry succeeded), False when it ends."""
         inc = self._incident
         graceful = inc["cause"] == "dump_request"
         self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc["first"], cause=inc["cause"])
@@ -107,7 +112,7 @@ class IncidentFlow:
         incident = policy.Incident(states=primary, dead=frozenset(v.rank for v in views if not v.alive),
                                    repair_possible=repairable, dump_possible=plan.possible)
         feasible = policy.feasible_strategies(self.enabled | ({"dump"} if graceful else set()), incident)
-        usable_now = [s for s in feasible if s in ("dump", "exit")]  # retry/recover/downgrade: later issues
+        usable_now = [s for s in feasible if s in ("retry", "dump", "exit")]  # recover/downgrade: later issues
         strategy = self._negotiate(usable_now)
         latency = time.monotonic() - inc["t0"]
         self.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
@@ -117,6 +122,20 @@ class IncidentFlow:
         _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, feasible %s)",
                      latency, strategy, lock, faulty[:16], feasible)
         _logging.event("decision", **self.last_decision)
+        if "retry" in self.enabled and not graceful and "retry" not in feasible:
+            _log.warning("retry is enabled but not possible for this incident (reports %s, dead %s, every "
+                         "shard of a UCE rank has a usable replica: %s); using %s",
+                         {r: s.name for r, s in list(primary.items())[:16]}, sorted(incident.dead)[:16],
+                         repairable, strategy)
+        if strategy == "retry":
+            if self._retry(lock, views, primary, inc["t0"]):
+                return True
+            rest = [s for s in usable_now if s != "retry"]
+            strategy = rest[0]
+            _log.error("retry failed; falling back to %s (remaining %s)", strategy, rest)
+            self._mindx_call("report_result", int(ResultCode.RETRY_FAILED), "retry failed",
+                             self._error_rank_dict(), "retry")
+            _logging.event("fallback", src="retry", dst=strategy)
         if strategy == "dump":
             if not graceful:
                 self.sm.fire(Result.DUMP, lock_step=lock)
@@ -129,6 +148,7 @@ class IncidentFlow:
             self.sm.fire(Result.FAIL if self.sm.state is State.DUMP else Result.EXIT,
                          reason="no dump possible" if plan.missing else "exit chosen")
             self._exit(EXIT_CODE_FAULT)
+        return False
 
     def _negotiate(self, strategies: list[str]) -> str:
         if "report_strategies" not in self.mindx:

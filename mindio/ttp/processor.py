@@ -18,6 +18,7 @@ Actions (ACTION name -> what this rank does; every reply is cached by sn, a repe
 * ``rename`` run the rename callback ``func(step, args, ctx)``.
 * ``exit``   hand EXIT(code) to the main thread (a fenced main thread gets ``RuntimeError("FORCE STOP")``).
 * ``kill``   SIGKILL this process: the controller found it hung; a hang becomes a process death.
+* ``clean``, ``rebuild``, ``repair``, ``rollback``, ``retry``: the retry strategy (inplace.py).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from .. import _knobs, _logging
 from ..errors import ConfigError
 from . import protocol as P
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
+from .inplace import InPlaceActions
 from .transport import Link
 
 __all__ = ["Processor", "CALLBACK_NAMES"]
@@ -54,7 +56,7 @@ def _in_collective(frame) -> bool:
     return False
 
 
-class Processor:
+class Processor(InPlaceActions):
     def __init__(self, rank: int, world_size: int, enable_uce: bool = True, enable_arf: bool = False,
                  enable_zit: bool = False, curve: dict | None = None):
         if not 0 <= rank < world_size <= 100000:
@@ -86,6 +88,7 @@ class Processor:
     def start(self, addr: str, key: bytes) -> None:
         self.link = Link(self.rank, key, [addr], self._hello, self._beat, self._on_message, curve=self.curve,
                          on_registered=self._on_registered)
+        self.remember_world()
         self.link.start()
         budget = _knobs.get("TTP_RETRY_TIMES") * max(1.0, 2 * self.link.interval)
         if not self.link.registered.wait(budget):
@@ -129,11 +132,13 @@ class Processor:
     def _fence(self, next_step: int) -> None:
         """Block while the controller holds the fence or ``next_step`` is beyond the limit step."""
         with self._cond:
-            while self._next is None and (self._hold or (self._limit is not None and next_step > self._limit)):
+            while self._next is None and not self._force and (
+                    self._hold or (self._limit is not None and next_step > self._limit)):
                 self._main = "fenced"
                 self._cond.notify_all()
                 self._cond.wait(0.5)
             self._main = "running"
+            self._check_force_stop()
             if self._next is not None:
                 raise RuntimeError("FORCE STOP: the controller stopped training on this rank")
 

@@ -10,8 +10,11 @@ exactly the batches the uninterrupted run saw.
 
 Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) and the iteration to
 ``DIR/ckpt/iter_<step>.tmp/shard<k>.pt``; the rename callback renames the directory and writes
-``DIR/ckpt/latest``. ``--resume`` starts from ``latest``. ``--fault kind:rank:iteration`` injects
-raise-uce, raise-unknown, kill (SIGKILL) or hang (sleep outside any collective) on that rank.
+``DIR/ckpt/latest``. ``--resume`` starts from ``latest``. ``--fault kind:rank:iteration[,...]`` injects
+raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
+raise-unknown, kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process.
+Retry (HIGH_AVAILABILITY=retry): rebuild re-creates the groups, repair sends/receives one shard,
+rollback sets the iteration and re-gathers the parameters from the master shards.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ class Trainer:
         self.m = torch.zeros(SHARD)
         self.v = torch.zeros(SHARD)
         self.it = 0
+        self.injected = False
         if args.resume:
             self.load(args.resume)
 
@@ -88,8 +92,10 @@ class Trainer:
         it, rank, a = self.it, self.rank, self.args
         x, y = batch(it, rank, self.world)
         flat = self.flat.clone().requires_grad_(True)
-        if a.fault_rank == rank and a.fault_it == it:
-            self.inject(a.fault_kind)
+        for kind, frank, fit in a.faults:
+            if frank == rank and fit == it and not self.injected:
+                self.injected = True  # once per process: a retried step must not fault again
+                self.inject(kind)
         loss = ((forward(flat, x) - y) ** 2).mean()
         loss.backward()
         grad = flat.grad.detach().clone()
@@ -111,8 +117,14 @@ class Trainer:
     def inject(self, kind: str) -> None:
         with open(os.path.join(self.args.out, f"fault_t_rank{self.rank}"), "w") as f:
             f.write(repr(time.time()))
-        if kind == "raise-uce":
+        if kind == "raise-uce":  # the memory error destroyed this rank's optimizer shard
+            self.master.fill_(float("nan"))
+            self.m.fill_(float("nan"))
+            self.v.fill_(float("nan"))
+            self.flat.fill_(float("nan"))
             raise RuntimeError("UCE ERROR: injected uncorrectable memory error")
+        if kind == "raise-net":
+            raise RuntimeError("HCCL OP RETRY FAILED: injected network error")
         if kind == "raise-unknown":
             raise ValueError("injected unknown error")
         if kind == "kill":
@@ -137,6 +149,38 @@ class Trainer:
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
 
 
+    # ---- retry (in-place recovery) callbacks: mindio.ttp has re-created the default group already
+    def rebuild(self, fault_ranks, args, ctx):
+        build_groups(self.rank, self.world)
+
+    def repair(self, step, need_rebuild, error_ranks, info, args, ctx):
+        """RT_SEND: this rank's shard (master, m, v) and iteration to info["dst"]; RT_UCE_*: receive."""
+        buf = torch.empty(3 * SHARD + 1)
+        if info["repair_type"] == "RT_SEND":
+            if os.environ.get("TOY_FAIL_REPAIR"):
+                raise RuntimeError("TOY_FAIL_REPAIR: injected repair failure")
+            torch.cat([self.master, self.m, self.v, torch.tensor([float(self.it)])], out=buf)
+            dist.send(buf, info["dst"][0])
+        else:
+            dist.recv(buf, info["src"][0])
+            self.master, self.m, self.v = (buf[i * SHARD:(i + 1) * SHARD].clone() for i in range(3))
+            self.it = int(buf[-1])
+
+    def rollback(self, step, args, ctx):
+        """Iteration back to ``step``; params from the fp32 master shards (all-gather in the replica group)."""
+        self.it = step
+        parts = [torch.empty(SHARD) for _ in range(R)]
+        dist.all_gather(parts, self.master, group=STATE["replica"])
+        self.flat = torch.cat(parts)
+
+
+def build_groups(rank: int, world: int) -> None:
+    """The DP group and this rank's replica half; collective: every rank creates every group."""
+    STATE["dp"] = dist.new_group(list(range(world)))
+    groups = [dist.new_group(list(range(h * (world // R), (h + 1) * (world // R)))) for h in range(R)]
+    STATE["replica"] = groups[rank // (world // R)]
+
+
 def stop_groups(args, ctx):
     """Tear down every process group and drop every reference to them (ARCHITECTURE §3)."""
     STATE.clear()
@@ -158,16 +202,11 @@ def main() -> int:
     p.add_argument("--external-controller", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
-    a.fault_kind, a.fault_rank, a.fault_it = (a.fault.split(":")[0], int(a.fault.split(":")[1]),
-                                              int(a.fault.split(":")[2])) if a.fault else ("", -1, -1)
+    a.faults = [(f.split(":")[0], int(f.split(":")[1]), int(f.split(":")[2])) for f in a.fault.split(",") if f]
     torch.manual_seed(0)
     store = dist.TCPStore("127.0.0.1", a.store_port, a.world, is_master=a.rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timedelta(seconds=120))
-    STATE["dp"] = dist.new_group(list(range(a.world)))
-    half = a.rank // (a.world // R)
-    groups = [dist.new_group(list(range(h * (a.world // R), (h + 1) * (a.world // R)))) for h in range(R)]
-    STATE["replica"] = groups[half]
-    del groups
+    build_groups(a.rank, a.world)
 
     if a.rank == 0 and not a.external_controller:
         ttp.tft_init_controller(0, a.world, enable_local_copy=False)
@@ -177,6 +216,9 @@ def main() -> int:
     ttp.tft_register_save_ckpt_handler(trainer.save)
     ttp.tft_register_rename_handler(trainer.rename)
     ttp.tft_register_stop_handler(stop_groups)
+    ttp.tft_register_rebuild_group_handler(trainer.rebuild)
+    ttp.tft_register_repair_handler(trainer.repair)
+    ttp.tft_register_rollback_handler(trainer.rollback)
     ttp.tft_start_processor("127.0.0.1", a.ctl_port)
     ttp.tft_set_optimizer_replica(a.rank, [{"rank_list": list(range(a.world)), "replica_cnt": R, "replica_shift": 0}])
 

@@ -1,0 +1,124 @@
+"""Processor side of the in-process recovery actions (the retry strategy: processes stay alive).
+
+Mixed into :class:`mindio.ttp.processor.Processor`; each ``_do_<name>`` runs on the action's own
+thread while the training main thread is parked in the decorator. The controller (retry.py) sends them
+in this order, one action in flight, each to every live rank unless said otherwise:
+
+1. ``clean(timeout)``: a rank whose main thread is blocked at the fence (``tft_start_updating_os`` /
+   ``tft_pause_train``) gets ``RuntimeError("FORCE STOP")``, so the decorator reports it (RS_NORMAL),
+   runs the stop + clean callbacks and parks; the action waits until the main thread is parked, then
+   destroys any process group still left (``device.backend_for().clean()``).
+2. ``rebuild(gen, fault_ranks)``: a new default process group on the job's store under the prefix
+   ``mindio/gen<gen>/`` (keys of an older generation can never meet this one), device re-init, then the
+   framework's ``rebuild_group(fault_ranks, args, ctx)`` callback re-creates its subgroups.
+3. ``repair(step, error_ranks, pairs)`` (only the ranks named in ``pairs``): for each pair
+   ``{"type", "src", "dst"}`` in the given order, the source calls ``repair(step, False, error_ranks,
+   {"type", "repair_type": "RT_SEND", "src", "dst", "rank_list"}, args, ctx)`` and the destination the
+   same with ``RT_UCE_LOWLEVEL`` (receive into the rebuilt objects) -- a point-to-point transfer.
+4. ``rollback(step)``: ``rollback(step, args, ctx)`` (iteration, scheduler, data iterator, params from
+   the fp32 master + all-gather); this rank's step becomes ``step``, its optimizer state UPDATED.
+5. ``retry``: release the fence and hand RETRY to the parked main thread: ``train()`` is re-entered.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .. import _logging
+from . import device
+from ._enums import Action, OsStatus
+
+__all__ = ["InPlaceActions"]
+
+_log = logging.getLogger(__name__)
+
+
+class InPlaceActions:
+    """See the module docstring. Uses the processor's ``_cond``, ``_main``, ``_next``, ``callbacks``."""
+
+    gen = 0
+    _base_store = None
+    _pg_backend = "gloo"
+    _pg_timeout = timedelta(seconds=120)
+    _force = False
+
+    def remember_world(self) -> None:
+        """(start-up) Keep the job's store and backend: a rebuild re-creates the world on them."""
+        if dist.is_available() and dist.is_initialized():
+            self._base_store = dist.distributed_c10d._get_default_store()
+            self._pg_backend = str(dist.get_backend())
+
+    def _check_force_stop(self) -> None:
+        """(main thread, under ``_cond``) Raise FORCE STOP when the clean action asked for it."""
+        if self._force:
+            self._force = False
+            raise RuntimeError("FORCE STOP: the controller stopped training on this rank for a retry")
+
+    def _do_clean(self, timeout: float = 60.0) -> dict:
+        end = time.monotonic() + timeout
+        with self._cond:
+            if self._main == "fenced":
+                self._force = True
+                self._cond.notify_all()
+            while self._main != "parked" and time.monotonic() < end:
+                self._cond.wait(0.01)
+            main = self._main
+        if main != "parked":
+            raise TimeoutError(f"main thread still {main} after {timeout:.0f} s; cannot clean this rank")
+        destroyed = device.backend_for().clean() if dist.is_initialized() else 0
+        return {"main": main, "destroyed": destroyed}
+
+    def _do_rebuild(self, gen: int, fault_ranks: list) -> dict:
+        if self._base_store is None:
+            raise RuntimeError("no job store remembered (init_process_group must run before "
+                               "tft_start_processor); cannot rebuild the process groups in place")
+        t0 = time.monotonic()
+        if dist.is_initialized():  # a rank that never tore down (should not happen after clean)
+            device.backend_for().clean()
+        store = dist.PrefixStore(f"mindio/gen{gen}/", self._base_store)
+        dist.init_process_group(self._pg_backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=self._pg_timeout)
+        device.backend_for().reinit()
+        self.gen = gen
+        if "rebuild_group" in self.callbacks:
+            func, ctx = self.callbacks["rebuild_group"]
+            func(list(fault_ranks), self.step_args, ctx)
+        ms = (time.monotonic() - t0) * 1000
+        _log.info("process groups rebuilt in place: generation %d in %.1f ms", gen, ms)
+        return {"gen": gen, "ms": round(ms, 2)}
+
+    def _do_repair(self, step: int, error_ranks: list, pairs: list) -> dict:
+        func, ctx = self._callback("repair")
+        done = []
+        for pair in pairs:
+            if self.rank == pair["src"]:
+                kind = "RT_SEND"
+            elif self.rank == pair["dst"]:
+                kind = "RT_UCE_LOWLEVEL"
+            else:
+                continue
+            info = {"type": pair["type"], "repair_type": kind, "src": [pair["src"]], "dst": [pair["dst"]],
+                    "rank_list": sorted({pair["src"], pair["dst"]})}
+            func(step, False, list(error_ranks), info, self.step_args, ctx)
+            done.append(kind)
+        return {"done": done}
+
+    def _do_rollback(self, step: int) -> dict:
+        func, ctx = self._callback("rollback")
+        func(step, self.step_args, ctx)
+        self.step, self.data_status = step, OsStatus.UPDATED
+        self.repair_type, self.repair_step = "retry", step
+        _logging.set_context(step=step)
+        return {"step": step}
+
+    def _do_retry(self) -> dict:
+        with self._cond:
+            if self._main != "parked":
+                raise RuntimeError(f"main thread is {self._main}, not parked: cannot re-enter train()")
+            self._hold, self._limit = False, None
+            self._next = (Action.RETRY, 0)
+            self._cond.notify_all()
+        return {}

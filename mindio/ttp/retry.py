@@ -1,0 +1,127 @@
+"""Controller side of the retry strategy (MindIO UCE step-level online recovery; processes stay alive).
+
+Chosen by incident.py when "retry" is enabled (HIGH_AVAILABILITY) and possible (policy: only RS_UCE /
+RS_HCCL_FAILED reports, no dead rank, every shard of a UCE rank has a usable replica at the lock step).
+Every rank is already stopped (fenced or parked) when this starts. Sequence, one action in flight,
+each bounded by TTP_NORMAL_ACTION_TIME_LIMIT (processor side: inplace.py):
+
+    ABNORMAL -RETRY-> ENV_CLEAR
+      clean     every rank parked in the decorator, its groups destroyed and references dropped
+      rebuild   generation g+1: new default group on store prefix mindio/gen<g+1>/, framework subgroups
+    ENV_CLEAR -OK-> REPAIR
+      repair    for each RS_UCE rank and optimizer type: replica source RT_SEND -> rank RT_UCE_LOWLEVEL
+                (skipped for network-class errors: no state was lost)
+      rollback  every rank: iteration, scheduler, data iterator, params back to the lock step
+    REPAIR -OK-> NORMAL
+      retry     every rank re-enters train()
+
+A failed or late reply at any step -FAIL-> ABNORMAL and :meth:`_retry` returns False; the caller falls
+back to the next strategy (dump, then exit) with a log line naming the step that failed. The time from
+the incident to every rank released is logged and recorded as the ``retry_done`` event with the
+breakdown (decide, clean, rebuild, repair, rollback, resume).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import _logging
+from . import policy
+from ._enums import ReportState
+from .states import Result
+
+__all__ = ["RetryFlow"]
+
+_log = logging.getLogger(__name__)
+
+
+class RetryFlow:
+    """Mixed into the controller next to IncidentFlow; uses its rank table, state machine, ``_call``."""
+
+    gen = 0
+
+    def _step_ok(self, name: str, params: dict, ranks: list) -> bool:
+        replies = self._call(name, params, ranks, self.action_limit, fail_fast=True)
+        bad = {r: (replies[r].detail if r in replies else "no reply (dead or past the deadline)")
+               for r in ranks if r not in replies or not replies[r].ok}
+        if bad:
+            _log.error("retry failed at %s on ranks %s: %s; falling back", name, sorted(bad)[:16],
+                       {r: bad[r] for r in sorted(bad)[:4]})
+            _logging.event("retry_failed", step_name=name, ranks=sorted(bad)[:64])
+        return not bad
+
+    def _abandon(self, live: list, failed: str) -> bool:
+        """A step after the rebuild failed: destroy the new generation's groups on every rank (a rank
+        blocked in a transfer with a failed peer is released), then REPAIR -FAIL-> ABNORMAL."""
+        self._call("clean", {"timeout": 5.0}, live, 10.0)
+        self.sm.fire(Result.FAIL, failed=failed)
+        return False
+
+    def _retry(self, lock: int, views: list, primary: dict, t_incident: float) -> bool:
+        """Run the retry sequence (module docstring); True when every rank trains again."""
+        marks = {"decide": time.monotonic()}
+        self.sm.fire(Result.RETRY, lock_step=lock)
+        with self._lock:
+            live = sorted(r.rank for r in self.ranks.values() if r.alive)
+        uce = sorted(r for r, s in primary.items() if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED))
+        if len(live) != self.world_size:
+            _log.error("retry needs every rank alive; live %d of %d", len(live), self.world_size)
+            self.sm.fire(Result.FAIL, failed="alive")
+            return False
+        stale = [v.rank for v in views if v.rank not in uce and not (
+            v.alive and v.step == lock and v.data_status == 0)]
+        if stale:
+            _log.error("retry: ranks %s are not at the lock step %d with complete optimizer state; "
+                       "they cannot simply roll back", stale[:16], lock)
+            self.sm.fire(Result.FAIL, failed="lock step")
+            return False
+        limit = self.action_limit
+        if not self._step_ok("clean", {"timeout": limit}, live):
+            self.sm.fire(Result.FAIL, failed="clean")
+            return False
+        marks["clean"] = time.monotonic()
+        self.gen += 1
+        if not self._step_ok("rebuild", {"gen": self.gen, "fault_ranks": sorted(primary)}, live):
+            self.sm.fire(Result.FAIL, failed="rebuild")
+            return False
+        marks["rebuild"] = time.monotonic()
+        self.sm.fire(Result.OK, gen=self.gen)
+        if uce:
+            try:
+                sources = policy.select_repair_sources(views, lock, uce)
+            except ValueError as exc:
+                _log.error("retry: %s", exc)
+                self.sm.fire(Result.FAIL, failed="repair plan")
+                return False
+            pairs = [{"type": t, "src": src, "dst": dst} for (dst, t), src in sorted(sources.items())]
+            involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
+            _log.warning("retry: repairing %s from replicas %s", uce, {f"{p['dst']}/{p['type']}": p["src"]
+                                                                       for p in pairs[:16]})
+            if not self._step_ok("repair", {"step": lock, "error_ranks": uce, "pairs": pairs}, involved):
+                return self._abandon(live, "repair")
+        marks["repair"] = time.monotonic()
+        if not self._step_ok("rollback", {"step": lock}, live):
+            return self._abandon(live, "rollback")
+        marks["rollback"] = time.monotonic()
+        with self._lock:
+            self.sm.fire(Result.OK, lock_step=lock)
+            self._incident = None
+            self._incident_evt.clear()
+            for r in self.ranks.values():
+                if r.alive:
+                    r.faulty = False
+                    r.step = lock
+        self._call("retry", {}, live, self.action_limit)
+        marks["resume"] = time.monotonic()
+        order = ["decide", "clean", "rebuild", "repair", "rollback", "resume"]
+        prev, parts = t_incident, {}
+        for k in order:
+            parts[k] = round(marks[k] - prev, 6)
+            prev = marks[k]
+        total = marks["resume"] - t_incident
+        _log.warning("retry done: every rank trains again %.3f s after the fault report (%s), generation %d, "
+                     "lock step %d, repaired %s", total, parts, self.gen, lock, uce)
+        _logging.event("retry_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, repaired=uce,
+                       **{f"{k}_s": v for k, v in parts.items()})
+        self._mindx_call("report_result", 0, "retry done", {r: 0 if r in uce else 1 for r in primary}, "retry")
+        return True

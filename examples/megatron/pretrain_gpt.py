@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--data-path", default=str(HERE / "data" / "corpus.txt"))
     a("--tokenizer-file", default=str(HERE / "data" / "tokenizer.json"))
     a("--inject", default=None, metavar="KIND:rank=R,step=S",
-      help="fault injection for drills: raise|uce|kill|hang on rank R during step S (once)")
+      help="fault injection for drills: raise|uce|net|kill|hang on rank R during step S (once)")
     a("--check-replicas", action="store_true",
       help="after every step, check that all replicas of every optimizer shard are bit-identical")
     mio.add_high_availability_args(p)  # mindio: --enable-high-availability & co.
@@ -192,8 +192,10 @@ def setup_model_and_optimizer(args):
 _injected = set()
 
 
-def maybe_inject(spec: str, iteration: int) -> None:
-    """``--inject raise:rank=1,step=7``: fail once, on that rank, while computing that step."""
+def maybe_inject(spec: str, iteration: int, ctx=None) -> None:
+    """``--inject raise:rank=1,step=7``: fail once, on that rank, while computing that step.
+    ``uce`` first overwrites this rank's optimizer shard with NaN (the memory error destroyed it:
+    only a repair from a replica brings it back); ``net`` is a network-class error (no state lost)."""
     kind, _, rest = spec.partition(":")
     where = dict(kv.split("=") for kv in rest.split(",") if kv)
     if (dist.get_rank() != int(where.get("rank", 0)) or iteration != int(where.get("step", 1))
@@ -204,12 +206,18 @@ def maybe_inject(spec: str, iteration: int) -> None:
     if kind == "raise":
         raise RuntimeError(f"injected fault at step {iteration}")
     if kind == "uce":
+        if ctx is not None and ctx.optimizer is not None:
+            with torch.no_grad():
+                for t in ctx.shard_tensors():
+                    t.fill_(float("nan"))
         raise RuntimeError(f"UCE ERROR: injected at step {iteration}")
+    if kind == "net":
+        raise RuntimeError(f"HCCL OP RETRY FAILED: injected network error at step {iteration}")
     if kind == "kill":
         os.kill(os.getpid(), 9)
     if kind == "hang":
         time.sleep(3600)
-    raise SystemExit(f"--inject: unknown kind {kind!r} (raise, uce, kill, hang)")
+    raise SystemExit(f"--inject: unknown kind {kind!r} (raise, uce, net, kill, hang)")
 
 
 def forward_step(ctx, data_iterator, model):
@@ -217,7 +225,7 @@ def forward_step(ctx, data_iterator, model):
     if ctx.stop_requested.is_set():  # mindio: the stop callback parks training here
         raise RuntimeError("FORCE STOP")
     if ctx.args.inject:
-        maybe_inject(ctx.args.inject, ctx.iteration + 1)
+        maybe_inject(ctx.args.inject, ctx.iteration + 1, ctx)
     batch = next(data_iterator)
     tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     position_ids = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
@@ -323,6 +331,9 @@ def setup_high_availability(ctx) -> None:
     port = (_knobs.get("TTP_PORT") if os.environ.get("TTP_PORT")
             else int(os.environ.get("MASTER_PORT", 29500)) + 1)
     if rank == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
+        if args.enable_hbmfault_repair and not os.environ.get("HIGH_AVAILABILITY"):
+            # --enable-hbmfault-repair: the controller may retry (UCE / network errors), else dump
+            os.environ["HIGH_AVAILABILITY"] = "dump,retry" + (",recover" if args.enable_worker_reboot else "")
         ttp.tft_init_controller(rank, world, False, enable_arf=args.enable_worker_reboot,
                                 enable_zit=args.enable_elastic_training)
         ttp.tft_start_controller(addr, port, enable_tls=False)

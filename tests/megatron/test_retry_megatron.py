@@ -5,7 +5,8 @@ uce:rank=1,step=7``: rank 1's optimizer shard is destroyed (NaN) and it raises "
 controller in rank 0 cleans, rebuilds the groups in the same processes (generation 1), repairs rank 1
 from its replica (rank 3), rolls every rank back to step 6 and re-enters train(). The job exits 0 with
 the digest of the uninterrupted run: no process restarted (torchrun's restart count stays 0), no step
-lost. ``net:`` (a network-class error) retries without a repair, same check.
+lost. ``net:`` (a network-class error) retries without a repair, same check; TP=2 x DP=2 with
+replicas repairs rank 1 from its DP replica, same check.
 """
 import json
 import os
@@ -49,3 +50,18 @@ def test_retry_in_place_is_bitwise(reference, tmp_path, kind, repaired):
     print(f"\nmegatron {kind}: error -> every rank training again {took:.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
     assert digests(out)[-1] == reference
+
+
+@pytest.mark.timeout(500)
+def test_retry_tp2_dp2_is_bitwise(tmp_path):
+    """TP=2 x DP=2 with replicas: a UCE on rank 1 is repaired from its DP replica in place."""
+    tp = ["--tensor-model-parallel-size", 2, "--replica-cnt", 2]
+    ref = digests(torchrun(PRETRAIN, BASE + tp, timeout=240))[-1]
+    events = tmp_path / "events.jsonl"
+    out = torchrun(PRETRAIN, BASE + tp + ["--inject", "uce:rank=1,step=7"], timeout=300,
+                   env={"HIGH_AVAILABILITY": "dump,retry", "MINDIO_EVENT_LOG": str(events),
+                        "TTP_LOG_PATH": str(tmp_path / "logs")})
+    evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    done = [e for e in evs if e["kind"] == "retry_done"]
+    assert len(done) == 1 and done[0]["repaired"] == [1], out[-4000:]
+    assert digests(out)[-1] == ref

@@ -130,7 +130,12 @@ class IncidentFlow:
         if strategy == "retry":
             if self._retry(lock, views, primary, inc["t0"]):
                 return True
-            rest = [s for s in usable_now if s != "retry"]
+            with self._lock:  # a rank may have died during the retry: plan the dump again
+                dead_now = {r.rank for r in self.ranks.values() if not r.alive}
+            views = [v if v.rank not in dead_now else policy.RankView(v.rank, False, True, v.step, v.data_status,
+                                                                      v.replica) for v in views]
+            plan = policy.select_dump_ranks(views, lock)
+            rest = [s for s in usable_now if s != "retry" and (s != "dump" or plan.possible)]
             strategy = rest[0]
             _log.error("retry failed; falling back to %s (remaining %s)", strategy, rest)
             self._mindx_call("report_result", int(ResultCode.RETRY_FAILED), "retry failed",

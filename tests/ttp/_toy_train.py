@@ -157,8 +157,10 @@ class Trainer:
         """RT_SEND: this rank's shard (master, m, v) and iteration to info["dst"]; RT_UCE_*: receive."""
         buf = torch.empty(3 * SHARD + 1)
         if info["repair_type"] == "RT_SEND":
-            if os.environ.get("TOY_FAIL_REPAIR"):
+            if os.environ.get("TOY_FAIL_REPAIR") == "raise":
                 raise RuntimeError("TOY_FAIL_REPAIR: injected repair failure")
+            if os.environ.get("TOY_FAIL_REPAIR") == "kill":  # a second fault during the recovery
+                os.kill(os.getpid(), signal.SIGKILL)
             torch.cat([self.master, self.m, self.v, torch.tensor([float(self.it)])], out=buf)
             dist.send(buf, info["dst"][0])
         else:

@@ -59,7 +59,7 @@ def test_retry_keeps_processes_and_is_bitwise(baseline, tmp_path, kind, rank, re
 def test_failed_repair_falls_back_to_dump(tmp_path):
     out = str(tmp_path / "run")
     job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],
-              env=dict(HA, TOY_FAIL_REPAIR="1"))
+              env=dict(HA, TOY_FAIL_REPAIR="raise"))
     assert job.wait(150) == [EXIT_CODE_DUMPED] * 4, job.tail()
     with open(os.path.join(out, "ckpt", "latest")) as f:
         assert int(f.read()) == FAULT_IT
@@ -79,3 +79,17 @@ def test_both_copies_lost_cannot_retry(tmp_path):
     assert decision["strategy"] == "exit" and sorted(decision["faulty"]) == [1, 3]
     assert decision["feasible"] == ["exit"]
     assert "retry is enabled but not possible" in job.tail(100000)
+
+
+@pytest.mark.timeout(200)
+def test_replica_killed_during_repair_falls_back_to_exit(tmp_path):
+    """Cascading: the replica source dies while sending; the only other copy is the faulty rank's, so
+    neither retry nor dump is possible any more: every surviving rank exits with EXIT_CODE_FAULT."""
+    out = str(tmp_path / "run")
+    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],
+              env=dict(HA, TOY_FAIL_REPAIR="kill"))
+    assert job.wait(150) == [EXIT_CODE_FAULT, EXIT_CODE_FAULT, EXIT_CODE_FAULT, -9], job.tail()
+    events = job.events()
+    assert _kind(events, "retry_failed")[0]["step_name"] == "repair"
+    assert _kind(events, "fallback")[0]["dst"] == "exit"
+    assert not os.path.exists(os.path.join(out, "ckpt", "latest"))

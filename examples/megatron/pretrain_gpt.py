@@ -391,7 +391,9 @@ def pretrain(args) -> str:
     ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
     if args.save:  # mindio: start the checkpoint store now, not on the first (or a dump) save
         mio.checkpoint.initialize_store({"memfs.data_block_pool_capacity_in_gb": args.acp_pool_gb})
-    if args.load:
+    if args.load and mio.checkpoint.read_tracker(Path(args.load)) is None:
+        print_rank_0(f"no checkpoint in {args.load}: training from scratch")  # as Megatron does
+    elif args.load:
         it = mio.checkpoint.load_checkpoint(ctx)
         print_rank_0(f"loaded checkpoint iteration {it}: state-digest: {mio.state_digest(ctx)}")
     report_memory(ctx)

@@ -56,6 +56,7 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "_job.py"
 STRATEGIES = ("baseline", "dump", "retry", "recover-in-place", "recover")
+EXIT_GRACE_S = 15.0
 PHASES = ("detect", "stop", "dump", "clean", "rebuild", "repair", "rollback", "resume", "exit",
           "restart", "imports", "init+load", "first step")
 # controller actions (``action`` events, logged when every reply is in) -> phase they end
@@ -140,6 +141,7 @@ class Run:
     codes: List[Optional[int]] = field(default_factory=list)
     wall_s: float = 0.0
     timed_out: bool = False
+    exit_hang: bool = False  # the job finished training but had not exited EXIT_GRACE_S later
 
 
 def execute(sc: Scenario, work: Path, timeout: float) -> Run:
@@ -189,11 +191,20 @@ def _launch(sc: Scenario, env: dict, run: Run, lock, deadline: float) -> list:
         if i == 0 and len(sc.commands) > 1:
             time.sleep(1.0)  # node 0 hosts the agents' store
     main = procs[:2] if len(procs) > 2 else procs  # a standby that never took over just waits
+    first_line = len(run.lines)
+    finished_at = None
     try:
-        for p in main:
-            p.wait(max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        run.timed_out = True
+        while any(p.poll() is None for p in main):
+            now = time.monotonic()
+            if now > deadline:
+                run.timed_out = True
+                break
+            if finished_at is None and any(s.startswith("max-rss-MiB:") for _, s in run.lines[first_line:]):
+                finished_at = now  # rank 0 printed its last line: the job should exit now
+            if finished_at is not None and now - finished_at > EXIT_GRACE_S:
+                run.exit_hang = True  # reported; the figures are complete, do not wait any longer
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -315,6 +326,10 @@ def report(results: Dict[str, dict], a) -> str:
         rows.append(f"{label:18} {r['recovery_s']:>16.2f} s {ratio:>12} {r['steps_lost']:>10}  "
                     + "  ".join(f"{r['phases'][p]:>9.2f}s" if p in r["phases"] else f"{'-':>10}"
                                 for p in shown))
+    hung = [n for n, r in results.items() if r.get("exit_hang")]
+    if hung:
+        rows.append(f"NOTE: {', '.join(hung)}: training finished but the job had not exited "
+                    f"{EXIT_GRACE_S:.0f} s later (killed by the bench; an exit-path hang to fix)")
     finals = {n: r.get("final_digest") for n, r in results.items() if r.get("final_digest")}
     if len(finals) > 1:
         same = len(set(finals.values())) == 1
@@ -361,6 +376,7 @@ def main(argv=None) -> int:
             run = execute(sc, work, a.timeout)
             r = analyse(run, a.fault_step)
             r["timed_out"] = run.timed_out
+            r["exit_hang"] = run.exit_hang
             results[name] = r
             print(f"[bench] {name}: {json.dumps({k: r.get(k) for k in ('ok', 'recovery_s', 'steps_lost', 'phases', 'exit_codes', 'error')})}",
                   flush=True)

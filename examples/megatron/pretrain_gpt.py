@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mindio import _knobs
+from mindio import drill  # mindio: fault injection for drills (--inject, docs/recovery.md)
 from mindio import megatron as mio  # mindio: the Megatron adapter (imports megatron-core)
 from mindio.adapter import local_digest
 
@@ -77,11 +78,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--data-path", default=str(HERE / "data" / "corpus.txt"))
     a("--tokenizer-file", default=str(HERE / "data" / "tokenizer.json"))
     a("--inject", default=None, metavar="KIND:rank=R,step=S",
-      help="fault injection for drills: raise|uce|net|kill|hang on rank R during step S (once)")
+      help="fault injection for drills (mindio.drill): raise|uce|net|hang|kill on rank R, or "
+           "kill-node:node=N, while computing step S; once per job; ';' separates faults")
     a("--check-replicas", action="store_true",
       help="after every step, check that all replicas of every optimizer shard are bit-identical")
     mio.add_high_availability_args(p)  # mindio: --enable-high-availability & co.
     args = p.parse_args(argv)
+    if args.inject:
+        try:
+            drill.parse(args.inject)  # a bad spec fails now, not at step S
+        except ValueError as exc:
+            p.error(str(exc))
     return mio.resolve_high_availability(args)  # mindio: HIGH_AVAILABILITY env var
 
 
@@ -189,43 +196,22 @@ def setup_model_and_optimizer(args):
 
 
 # --------------------------------------------------------------------------------- train loop
-_injected = set()
-
-
-def maybe_inject(spec: str, iteration: int, ctx=None) -> None:
-    """``--inject raise:rank=1,step=7``: fail once, on that rank, while computing that step.
-    ``uce`` first overwrites this rank's optimizer shard with NaN (the memory error destroyed it:
-    only a repair from a replica brings it back); ``net`` is a network-class error (no state lost)."""
-    kind, _, rest = spec.partition(":")
-    where = dict(kv.split("=") for kv in rest.split(",") if kv)
-    if (dist.get_rank() != int(where.get("rank", 0)) or iteration != int(where.get("step", 1))
-            or spec in _injected):
-        return
-    _injected.add(spec)
-    print(f"[rank {dist.get_rank()}] injecting {kind} at step {iteration}", flush=True)
-    if kind == "raise":
-        raise RuntimeError(f"injected fault at step {iteration}")
-    if kind == "uce":
-        if ctx is not None and ctx.optimizer is not None:
-            with torch.no_grad():
-                for t in ctx.shard_tensors():
-                    t.fill_(float("nan"))
-        raise RuntimeError(f"UCE ERROR: injected at step {iteration}")
-    if kind == "net":
-        raise RuntimeError(f"HCCL OP RETRY FAILED: injected network error at step {iteration}")
-    if kind == "kill":
-        os.kill(os.getpid(), 9)
-    if kind == "hang":
-        time.sleep(3600)
-    raise SystemExit(f"--inject: unknown kind {kind!r} (raise, uce, net, kill, hang)")
+def poison_shard(ctx) -> None:
+    """``--inject uce:...``: the memory error destroyed this rank's optimizer shard (NaN); only a
+    repair from a replica brings it back."""
+    if ctx.optimizer is not None:
+        with torch.no_grad():
+            for t in ctx.shard_tensors():
+                t.fill_(float("nan"))
 
 
 def forward_step(ctx, data_iterator, model):
     """One micro-batch: tokens -> per-token losses; the loss function averages them."""
     if ctx.stop_requested.is_set():  # mindio: the stop callback parks training here
         raise RuntimeError("FORCE STOP")
-    if ctx.args.inject:
-        maybe_inject(ctx.args.inject, ctx.iteration + 1, ctx)
+    if ctx.args.inject:  # mindio: drills; each fault fires once per job
+        drill.inject(ctx.args.inject, ctx.iteration + 1, dist.get_rank(),
+                     corrupt=lambda: poison_shard(ctx))
     batch = next(data_iterator)
     tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     position_ids = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)

@@ -3,6 +3,8 @@
     torchrun --nproc-per-node 2 examples/pytorch/train_ddp.py --train-iters 30
     torchrun --nproc-per-node 2 examples/pytorch/train_ddp.py --drill-step 10   # in-process repair
     torchrun --nproc-per-node 2 examples/pytorch/train_ddp.py --enable-high-availability
+    torchrun --nproc-per-node 2 examples/pytorch/train_ddp.py --enable-high-availability \
+        --inject raise:rank=1,step=10                                             # a drill
 
 A small causal transformer (torch.nn only) learns the example corpus (examples/megatron/data) with
 DDP and Adam. With plain DDP every rank holds the whole optimizer state, so every rank is a
@@ -33,6 +35,7 @@ from mindio import _knobs
 from mindio.adapter import (FrameworkAdapter, RepairRole, global_digest, local_digest,
                             recv_state, repair_pairs, send_state)
 from mindio.adapter.transfer import capture_rng, restore_rng
+from mindio.drill import inject as inject_fault, parse as parse_faults  # mindio: --inject drills
 
 DATA = Path(__file__).resolve().parents[1] / "megatron" / "data"
 
@@ -208,8 +211,15 @@ def main():
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--save", default=".")
     p.add_argument("--drill-step", type=int, default=None)
+    p.add_argument("--inject", default=None, metavar="KIND:rank=R,step=S",
+                   help="fault injection (mindio.drill, docs/recovery.md), once per job")
     p.add_argument("--enable-high-availability", action="store_true")
     args = p.parse_args()
+    if args.inject:
+        try:
+            parse_faults(args.inject)  # a bad spec fails now, not at step S
+        except ValueError as exc:
+            p.error(str(exc))
 
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
@@ -226,6 +236,7 @@ def main():
 
     def train():
         while trainer.iteration < args.train_iters:
+            inject_fault(args.inject, trainer.iteration + 1, rank)  # mindio: --inject drills
             loss = trainer.train_step()
             if rank == 0:
                 print(f"iteration {trainer.iteration:4d} | loss {loss!r}", flush=True)

@@ -5,7 +5,8 @@ relaunch needs that the example leaves to its launcher script.
   as a resubmitted job's script would; the first launch starts from scratch.
 * ``BENCH_TORCH_SAVE=1``: periodic checkpoints are written with plain ``torch.save`` (no mindio
   checkpoint store), the baseline everyone uses today.
-* ``--inject`` goes through :mod:`mindio.drill` (fires once per job, also across relaunches).
+* ``--inject`` is the example's own flag (:mod:`mindio.drill`: fires once per job, also across
+  relaunches when MINDIO_DRILL_DIR is set, as the benchmark does).
 
 It prints ``bench-job: start`` before and ``bench-job: imports`` after its heavy imports (rank 0),
 so the benchmark can tell process start-up from initialisation. The imports are at top level so
@@ -27,8 +28,7 @@ import torch.distributed  # noqa: E402,F401
 import megatron.core  # noqa: E402,F401
 import mindio.megatron  # noqa: E402,F401
 import mindio.ttp  # noqa: E402,F401
-import torch.distributed as dist  # noqa: E402
-from mindio import drill  # noqa: E402
+import mindio.drill  # noqa: E402,F401
 from mindio.megatron import checkpoint  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatron" / "pretrain_gpt.py"
@@ -52,15 +52,6 @@ def main() -> None:
     example = importlib.util.module_from_spec(spec)
     sys.modules["pretrain_gpt"] = example
     spec.loader.exec_module(example)  # defines everything; its __main__ block does not run
-    if hasattr(example, "maybe_inject"):  # an example with its own injector: use mindio.drill's
-        def routed(spec_, step, ctx=None):
-            def corrupt():  # a UCE destroyed this rank's optimizer shard (as the example does)
-                if ctx is not None and ctx.optimizer is not None:
-                    with torch.no_grad():
-                        for t in ctx.shard_tensors():
-                            t.fill_(float("nan"))
-            drill.inject(spec_, step, dist.get_rank(), corrupt=corrupt)
-        example.maybe_inject = routed
     args = example.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     example.pretrain(args)

@@ -135,15 +135,23 @@ def _save(obj, paths: list, open_way: str):
         return _torch_save(obj, paths), []
 
 
+def _atomic_torch_save(torch, obj, path: str) -> None:
+    """torch.save to a temporary file, fsync, rename over ``path``, fsync the directory."""
+    head, tail = os.path.split(path)
+    tmp = os.path.join(head, f".{tail}.mindio-tmp.{os.getpid()}")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _storage.fsync_dir(head or ".")
+
+
 def _torch_save(obj, paths: list) -> int:
     import torch
 
     try:
         for path in paths:
-            head, tail = os.path.split(path)
-            tmp = os.path.join(head, f".{tail}.mindio-tmp.{os.getpid()}")
-            torch.save(obj, tmp)
-            os.replace(tmp, path)
+            _atomic_torch_save(torch, obj, path)
         return 0
     except Exception as exc:
         log.error("saving %s failed on every path (memory pool, direct write, torch.save): %s", paths, exc)
@@ -274,11 +282,7 @@ def convert(src, dst) -> int:
             if os.path.islink(p):
                 raise CheckpointError(f"{p} is a symbolic link; convert refuses links")
         obj = load(src, weights_only=False)
-        dst = os.path.abspath(os.fspath(dst))
-        head, tail = os.path.split(dst)
-        tmp = os.path.join(head, f".{tail}.mindio-tmp.{os.getpid()}")
-        torch.save(obj, tmp)
-        os.replace(tmp, dst)
+        _atomic_torch_save(torch, obj, os.path.abspath(os.fspath(dst)))
         return 0
     except Exception as exc:
         log.error("convert %s -> %s failed: %s", src, dst, exc)

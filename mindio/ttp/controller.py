@@ -302,13 +302,8 @@ class Controller(IncidentFlow, RetryFlow):
         if dead:  # one log line for a mass death (a lost node or switch), one event per rank
             _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.misses,
                        now - dead[0].last_seen, [r.rank for r in dead[:16]], " ..." if len(dead) > 16 else "")
-            with self._cond:
-                for r in dead:
-                    r.alive, r.faulty = False, True
-                self._cond.notify_all()
-            for r in dead:
-                _logging.event("rank_dead", dead_rank=r.rank, silent_s=round(now - r.last_seen, 3))
-                self._open_incident(r.rank, None)
+            self.declare_dead([r.rank for r in dead], "heartbeat", log=False,
+                              silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
         if check_hang and self.hang_timeout > 0 and self.sm.state is State.NORMAL:
             views = [(r.rank, r.progress_age, r.in_collective, r.step) for r in self.ranks.values() if r.alive]
             for rank in policy.find_hung_ranks(views, self.hang_timeout):
@@ -320,6 +315,31 @@ class Controller(IncidentFlow, RetryFlow):
                     self.ranks[rank].alive = False
                     self.ranks[rank].faulty = True
                 self._open_incident(rank, None)
+
+    def declare_dead(self, ranks, cause: str, log: bool = True, **detail) -> list[int]:
+        """(any thread) Ranks ``ranks`` are dead because of ``cause`` ("heartbeat": missed beats, "pid": the
+        same-host process probe saw the process exit, "agent": the launcher agent saw the worker exit, ...).
+        Marks each live one dead and faulty, wakes the action engine (so no action waits for it), writes one
+        ``rank_dead`` event per rank and opens (or joins) the incident. Returns the ranks newly declared;
+        ranks already dead or unknown are ignored, so several detectors may report the same death."""
+        newly = []
+        with self._cond:
+            for rank in ranks:
+                r = self.ranks.get(rank)
+                if r is not None and r.alive:
+                    r.alive, r.faulty = False, True
+                    newly.append(rank)
+            if newly:
+                self._cond.notify_all()
+        if newly and log:
+            _log.error("rank(s) %s%s declared dead (%s)", newly[:16], " ..." if len(newly) > 16 else "", cause)
+        per_rank = {k: v for k, v in detail.items() if isinstance(v, dict)}
+        common = {k: v for k, v in detail.items() if not isinstance(v, dict)}
+        for rank in newly:
+            _logging.event("rank_dead", dead_rank=rank, cause=cause, **common,
+                           **{k: v[rank] for k, v in per_rank.items() if rank in v})
+            self._open_incident(rank, None)
+        return newly
 
     def _take_over(self, now: float, n: int) -> None:
         _log.warning("primary controller lost; backup %s takes over with %d/%d ranks", self.address, n, self.world_size)

@@ -60,7 +60,7 @@ def _upper(text: str) -> str:
 
 
 def _ha_list(text: str) -> tuple:
-    allowed = {"dump", "retry", "recover", "recover-in-place", "elastic-training"}
+    allowed = {"dump", "retry", "recover", "recover-in-place", "elastic-training", "exit"}
     items = tuple(s.strip() for s in text.split(",") if s.strip())
     bad = [s for s in items if s not in allowed]
     if bad:
@@ -96,7 +96,11 @@ _ALL = [
          "(while its peers wait inside one) is declared hung and SIGKILLed; 0: off.", min=0, max=86400),
     Knob("MINDIO_SECRET", str, "", "Per-job secret that signs control messages (hex); generated if empty."),
     Knob("HIGH_AVAILABILITY", _ha_list, (),
-         "Comma list of strategies to enable: dump, retry, recover, recover-in-place, elastic-training."),
+         "Comma list of strategies to enable (the job's recover-strategy list): dump, retry, recover, "
+         "recover-in-place, elastic-training, exit."),
+    Knob("MINDIO_FAULT_TABLE", str, "",
+         "JSON file overlaying the built-in fault table (levels, faults, patterns, frequency, duration, "
+         "recover_strategy; docs/ttp.md); empty: the built-in table mindio/ttp/fault_table.json."),
     Knob("MINDIO_CONTROLLER_EXTERNAL", _bool, False,
          "1: the launcher hosts the controller; the example training scripts start none in rank 0."),
     # --- checkpoint store ---

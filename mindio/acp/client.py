@@ -5,9 +5,10 @@ directory, starting it if absent (``mindio-acp-server --detach``: double fork + 
 outlives the trainer; its lock file makes concurrent starts safe), maps the pool once and faults the
 mapping in, so that a save is a memcpy into warm pages.
 
-``save_image`` = alloc -> copy -> commit. ``open_region`` returns a private (copy-on-write) mapping
-of a committed region and holds a lease on it until the mapping is garbage collected, so the
-daemon cannot reuse those bytes while tensors view them. Every request has a deadline; a daemon that
+``save_image`` = alloc -> copy -> commit. ``open_region`` returns a copy-on-write view of a committed
+region (from the pre-faulted whole-pool view of mindio.acp._loadview, else a fresh private mapping)
+and holds a lease on it until the view is garbage collected, so the daemon cannot reuse those bytes
+while tensors view them. Every request has a deadline; a daemon that
 stops answering raises ServerUnavailable and the caller falls back to storage.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import weakref
 from .. import _native
 from ..errors import ServerUnavailable
 from . import _config, _wire
+from ._loadview import LoadView
 
 __all__ = ["Client", "PoolFull"]
 
@@ -47,6 +49,7 @@ class Client:
         self._sock = None
         self._releases: list[int] = []
         self.pool = None
+        self.loadview: LoadView | None = None
         self.hello: dict = {}
 
     # ---- connection -----------------------------------------------------------------------------
@@ -127,6 +130,10 @@ class Client:
         except OSError:
             _native.touch_pages(self.pool, write=False)
         self.view = memoryview(self.pool)
+        try:
+            self.loadview = LoadView(path, size)
+        except OSError as exc:
+            log.warning("no copy-on-write view of the pool (%s): each load maps its region afresh", exc)
 
     def close(self) -> None:
         with self._lock:
@@ -192,23 +199,34 @@ class Client:
         _native.copy_into(dst, offset, src, self.cfg.copy_threads(), self.cfg.slice_bytes)
 
     def open_region(self, path: str):
-        """(private mapping, lookup reply) of the newest pooled version of ``path``, or None."""
-        reply = self.request({"op": "lookup", "path": path})
-        if not reply["hit"]:
-            return None
-        try:
-            fd = os.open(reply["file"], os.O_RDONLY)
+        """(copy-on-write view, lookup reply) of the newest pooled version of ``path``, or None."""
+        with self._lock:
+            reply = self.request({"op": "lookup", "path": path})
+            if not reply["hit"]:
+                return None
+            view = None
             try:
-                mm = mmap.mmap(fd, reply["size"], flags=mmap.MAP_PRIVATE,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=reply["offset"])
-            finally:
-                os.close(fd)
-        except BaseException:
-            self._releases.append(reply["lease"])
-            raise
-        weakref.finalize(mm, self._releases.append, reply["lease"])
+                if self.loadview is not None and reply["file"] == self.hello.get("pool"):
+                    view = self.loadview.acquire(reply["offset"], reply["size"])
+                if view is None:
+                    view = self._private_map(reply)
+            except BaseException:
+                self._releases.append(reply["lease"])
+                raise
+            weakref.finalize(view, self._releases.append, reply["lease"])
+        return view, reply
+
+    @staticmethod
+    def _private_map(reply: dict):
+        """A fresh private mapping of the region (a recovered pool file, or a range already viewed)."""
+        fd = os.open(reply["file"], os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, reply["size"], flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=reply["offset"])
+        finally:
+            os.close(fd)
         try:
             mm.madvise(_MADV_POPULATE_READ)   # map the shared pages in one go (no copy: still copy-on-write)
         except OSError:
             pass
-        return mm, reply
+        return mm

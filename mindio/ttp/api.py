@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from . import transport
 from ._enums import ReportState
 from ._runtime import state as _rt
+from .brain import Brain, load_table
 from .controller import Controller
 from .processor import Processor
 
@@ -84,8 +85,10 @@ def _start(bind_ip, port, enable_tls, tls_info, primary=None):
     if not 1024 <= int(port) <= 65535 or bind_ip in ("", "0.0.0.0"):
         raise ConfigError(f"controller address {bind_ip}:{port}: need a concrete IP and a port in [1024, 65535]")
     curve = transport.curve_options(enable_tls, tls_info, server=True)
+    table = load_table()  # a bad MINDIO_FAULT_TABLE fails here, not at the first fault
     ctl = Controller(key=transport.job_secret(create=primary is None), curve=curve, backup=primary is not None,
                      **_rt.controller_init)
+    ctl.brain = Brain(table)
     ctl.start(bind_ip, int(port), primary=primary)
     _rt.controller = ctl
 
@@ -259,12 +262,28 @@ def tft_notify_controller_dump():
     return _ctl().notify_dump()
 
 
+def _fault_ranks(fault_ranks) -> dict:
+    if not isinstance(fault_ranks, dict):
+        raise ConfigError(f"fault_ranks must be a dict {{rank: errorType (0 UCE, 1 other)}}, got "
+                          f"{type(fault_ranks).__name__}")
+    for rank, kind in fault_ranks.items():
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= 100000 or kind not in (0, 1):
+            raise ConfigError(f"fault_ranks entry {rank!r}: {kind!r}: need rank in [0, 100000] and errorType "
+                              f"0 (UCE) or 1 (other)")
+    return fault_ranks
+
+
 def tft_notify_controller_stop_train(fault_ranks: dict, stop_type: str = "stop", timeout: int = None):
-    if stop_type == "pause":
-        _later("graceful pause", "pause/continue")
-    if stop_type != "stop":
+    """"stop": the ranks in ``fault_ranks`` failed (incident flow). "pause": every rank pauses at one step
+    inside tft_pause_train and waits up to ``timeout`` s (None/0: TTP_NORMAL_ACTION_TIME_LIMIT) for
+    change_strategy("continue" | "dump" | "exit"); without an answer training continues (pause.py)."""
+    if stop_type not in ("stop", "pause"):
         raise ConfigError(f"stop_type {stop_type!r}: use 'stop' or 'pause'")
-    return _ctl().notify_stop_train(fault_ranks)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+        raise ConfigError(f"timeout {timeout!r}: use a non-negative number of seconds or None")
+    if stop_type == "pause":
+        return _ctl().notify_pause(_fault_ranks(fault_ranks or {}), timeout)
+    return _ctl().notify_stop_train(_fault_ranks(fault_ranks))
 
 
 def tft_notify_controller_on_global_rank(fault_ranks: dict, time: int = 1):

@@ -218,7 +218,7 @@ class Controller(IncidentFlow, RetryFlow):
                     self._seen.move_to_end(env.rank)
                 if policy.is_primary(state):
                     r.faulty = True
-            self._open_incident(env.rank, state)
+            self._open_incident(env.rank, state, message=body.message)
         elif env.type is P.MsgType.INFO and env.rank in self.ranks:
             self.ranks[env.rank].replica, self.ranks[env.rank].dp_group = body.replica, body.dp_group
         elif env.type is P.MsgType.BYE and env.rank in self.ranks:

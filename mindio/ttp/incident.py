@@ -26,6 +26,8 @@ import time
 
 from .. import _knobs, _logging
 from . import policy
+from .brain import Brain, RankFault, fault_key, result_code
+from .pause import PauseFlow
 from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
 from .states import Result, State
 
@@ -35,9 +37,24 @@ _log = logging.getLogger(__name__)
 OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
 
 
-class IncidentFlow:
+class IncidentFlow(PauseFlow):
+    _brain: Brain | None = None
+
+    @property
+    def brain(self) -> Brain:
+        """The built-in cluster brain (brain.py): table from MINDIO_FAULT_TABLE or the default; assign a
+        :class:`mindio.ttp.brain.Brain` to use another table."""
+        if self._brain is None:
+            self._brain = Brain()
+        return self._brain
+
+    @brain.setter
+    def brain(self, value: Brain) -> None:
+        self._brain = value
+
     # ------------------------------------------------------------------ incidents
-    def _open_incident(self, rank: int | None, state: ReportState | None, cause: str = "fault") -> None:
+    def _open_incident(self, rank: int | None, state: ReportState | None, cause: str = "fault",
+                       message: str = "") -> None:
         if not self.active:
             return
         with self._lock:
@@ -45,10 +62,14 @@ class IncidentFlow:
             if inc is None:
                 if self.sm.state not in OPEN_STATES:
                     return
-                inc = self._incident = {"t0": time.monotonic(), "primary": {}, "cause": cause, "first": rank}
+                inc = self._incident = {"t0": time.monotonic(), "primary": {}, "cause": cause, "first": rank,
+                                        "seen": {}, "messages": {}}
                 self._incident_evt.set()
             if rank is not None and (state is None or policy.is_primary(state)):
                 inc["primary"][rank] = state if state is not None else ReportState.RS_UNKNOWN
+                inc["seen"].setdefault(rank, time.monotonic())
+                if message:
+                    inc["messages"][rank] = message
 
     def _error_rank_dict(self) -> dict:
         with self._lock:  # the I/O thread adds ranks to the incident while the driver reads it
@@ -77,8 +98,10 @@ class IncidentFlow:
             return  # after a dump or an exit the job ends (FINAL)
 
     def _run_incident(self) -> bool:
-        """One incident; True when the job goes on (retry succeeded), False when it ends."""
+        """One incident; True when the job goes on (retry succeeded, pause continued), False when it ends."""
         inc = self._incident
+        if inc["cause"] == "pause":
+            return self._run_pause(inc)
         graceful = inc["cause"] == "dump_request"
         self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc["first"], cause=inc["cause"])
         self._mindx_call("report_fault_ranks", self._error_rank_dict())
@@ -97,7 +120,10 @@ class IncidentFlow:
                                      tuple(r.replica)) for r in self.ranks.values()]
         missing = sorted(set(range(self.world_size)) - set(self.ranks))
         views += [policy.RankView(r, alive=False, faulty=True) for r in missing]
-        self._mindx_call("report_stop_complete", int(ResultCode.OK), "training stopped", self._error_rank_dict())
+        stopped = all(r in replies and replies[r].ok for r in live)
+        self._mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
+                         "training stopped" if stopped else "some ranks did not confirm the stop",
+                         self._error_rank_dict())
         healthy = [v.step for v in views if v.alive and not v.faulty] or [v.step for v in views if v.alive] or [0]
         lock = max(healthy)
         plan = policy.select_dump_ranks(views, lock)
@@ -109,50 +135,76 @@ class IncidentFlow:
             repairable = False
         with self._lock:
             primary = dict(inc["primary"])
+            seen, messages = dict(inc.get("seen", {})), dict(inc.get("messages", {}))
         incident = policy.Incident(states=primary, dead=frozenset(v.rank for v in views if not v.alive),
                                    repair_possible=repairable, dump_possible=plan.possible)
-        feasible = policy.feasible_strategies(self.enabled | ({"dump"} if graceful else set()), incident)
-        usable_now = [s for s in feasible if s in ("retry", "dump", "exit")]  # recover/downgrade: later issues
-        strategy = self._negotiate(usable_now)
+        enabled = self.brain.enabled(self.enabled) | ({"dump"} if graceful else set())
+        feasible = policy.feasible_strategies(enabled, incident)
+        alive = {v.rank: v.alive for v in views}
+        faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
+                                  seen.get(r, inc["t0"])) for r in sorted(set(primary) | set(faulty))]
+        order, verdict = self.brain.plan(faults, feasible, self.implemented_strategies())
+        strategy = self._negotiate(order)
         latency = time.monotonic() - inc["t0"]
         self.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
-                              "decided_at": time.time(),
-                              "faulty": faulty, "missing_shards": [list(map(str, m)) for m in plan.missing],
-                              "feasible": feasible, "latency_s": latency}
-        _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, feasible %s)",
-                     latency, strategy, lock, faulty[:16], feasible)
+                              "decided_at": time.time(), "faulty": faulty,
+                              "missing_shards": [list(map(str, m)) for m in plan.missing],
+                              "feasible": feasible, "order": order, "level": verdict.level,
+                              "why": {str(r): w for r, (_lv, w) in list(verdict.ranks.items())[:16]},
+                              "latency_s": latency}
+        _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, level %s, order %s, "
+                     "feasible %s)", latency, strategy, lock, faulty[:16], verdict.level, order, feasible)
         _logging.event("decision", **self.last_decision)
-        if "retry" in self.enabled and not graceful and "retry" not in feasible:
+        if "retry" in enabled and not graceful and "retry" not in feasible:
             _log.warning("retry is enabled but not possible for this incident (reports %s, dead %s, every "
                          "shard of a UCE rank has a usable replica: %s); using %s",
                          {r: s.name for r, s in list(primary.items())[:16]}, sorted(incident.dead)[:16],
                          repairable, strategy)
-        if strategy == "retry":
-            if self._retry(lock, views, primary, inc["t0"]):
-                return True
-            with self._lock:  # a rank may have died during the retry: plan the dump again
-                dead_now = {r.rank for r in self.ranks.values() if not r.alive}
-            views = [v if v.rank not in dead_now else policy.RankView(v.rank, False, True, v.step, v.data_status,
-                                                                      v.replica) for v in views]
-            plan = policy.select_dump_ranks(views, lock)
-            rest = [s for s in usable_now if s != "retry" and (s != "dump" or plan.possible)]
-            strategy = rest[0]
-            _log.error("retry failed; falling back to %s (remaining %s)", strategy, rest)
-            self._mindx_call("report_result", int(ResultCode.RETRY_FAILED), "retry failed",
-                             self._error_rank_dict(), "retry")
-            _logging.event("fallback", src="retry", dst=strategy)
-        if strategy == "dump":
-            if not graceful:
-                self.sm.fire(Result.DUMP, lock_step=lock)
-            ok = self._dump(lock, plan)
-            self.sm.fire(Result.OK if ok else Result.FAIL)
-            self._mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
-                             "dump done" if ok else "dump failed", self._error_rank_dict(), "dump")
-            self._exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
-        else:
-            self.sm.fire(Result.FAIL if self.sm.state is State.DUMP else Result.EXIT,
-                         reason="no dump possible" if plan.missing else "exit chosen")
-            self._exit(EXIT_CODE_FAULT)
+        ctx = {"lock": lock, "views": views, "primary": primary, "plan": plan, "t0": inc["t0"],
+               "graceful": graceful}
+        rest = order[order.index(strategy):] if strategy in order else order
+        for i, strategy in enumerate(rest):
+            if strategy == "exit":
+                break
+            if strategy != "dump" or ctx["plan"].possible:
+                done = getattr(self, "_run_" + strategy.replace("-", "_"))(ctx)
+                if done is not None:
+                    return done  # True: the job trains again; False: it ended (dump + exit)
+            left = [s for s in rest[i + 1:] if s != "dump" or ctx["plan"].possible]
+            _log.error("%s failed; falling back to %s (remaining %s)", strategy, left[0], left)
+            self._mindx_call("report_result", int(result_code(left)), f"{strategy} failed",
+                             self._error_rank_dict(), strategy)
+            _logging.event("fallback", src=strategy, dst=left[0])
+        self.sm.fire(Result.FAIL if self.sm.state is State.DUMP else Result.EXIT,
+                     reason="no dump possible" if ctx["plan"].missing else "exit chosen")
+        self._exit(EXIT_CODE_FAULT)
+        return False
+
+    # ------------------------------------------------------------------ strategies
+    def implemented_strategies(self) -> tuple:
+        """Strategies (policy names) this controller can run: those with a ``_run_<name>`` method,
+        which returns True (the job trains again), False (the job ended) or None (failed: fall back)."""
+        return tuple(s for s in policy.STRATEGY_ORDER if hasattr(self, "_run_" + s.replace("-", "_")))
+
+    def _run_retry(self, ctx: dict):
+        if self._retry(ctx["lock"], ctx["views"], ctx["primary"], ctx["t0"]):
+            return True
+        with self._lock:  # a rank may have died during the retry: plan the dump again
+            dead_now = {r.rank for r in self.ranks.values() if not r.alive}
+        ctx["views"] = [v if v.rank not in dead_now else policy.RankView(v.rank, False, True, v.step,
+                                                                         v.data_status, v.replica)
+                        for v in ctx["views"]]
+        ctx["plan"] = policy.select_dump_ranks(ctx["views"], ctx["lock"])
+        return None
+
+    def _run_dump(self, ctx: dict):
+        if not ctx["graceful"] and self.sm.state is not State.DUMP:
+            self.sm.fire(Result.DUMP, lock_step=ctx["lock"])
+        ok = self._dump(ctx["lock"], ctx["plan"])
+        self.sm.fire(Result.OK if ok else Result.FAIL)
+        self._mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
+                         "dump done" if ok else "dump failed", self._error_rank_dict(), "dump")
+        self._exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
         return False
 
     def _negotiate(self, strategies: list[str]) -> str:
@@ -206,6 +258,7 @@ class IncidentFlow:
         return 0
 
     def change_strategy(self, strategy: str) -> int:
+        """The cluster brain's choice: answers report_strategies, or ends a pause (pause.py)."""
         self._chosen = strategy
         self._strategy_evt.set()
         return 0

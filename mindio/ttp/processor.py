@@ -19,6 +19,7 @@ Actions (ACTION name -> what this rank does; every reply is cached by sn, a repe
 * ``exit``   hand EXIT(code) to the main thread (a fenced main thread gets ``RuntimeError("FORCE STOP")``).
 * ``kill``   SIGKILL this process: the controller found it hung; a hang becomes a process death.
 * ``clean``, ``rebuild``, ``repair``, ``rollback``, ``retry``: the retry strategy (inplace.py).
+* ``pause_query``, ``pause_at``, ``pause_resume``: graceful pause at one step (controller side: pause.py).
 """
 from __future__ import annotations
 
@@ -276,6 +277,41 @@ class Processor(InPlaceActions):
     def _do_exit(self, code: int) -> dict:
         with self._cond:
             self._next = (Action.EXIT, code)
+            self._cond.notify_all()
+        return {}
+
+    # ---------------------------------------------------------------- graceful pause (controller: pause.py)
+    def _do_pause_query(self) -> dict:
+        """Cap the limit step at step + 1 at once (no rank can run past the pause target), answer it."""
+        with self._cond:
+            if self._limit is None or self._limit > self.step + 1:
+                self._limit = self.step + 1
+            self._cond.notify_all()
+            return {"step": self.step, "limit": self._limit}
+
+    def _do_pause_at(self, step: int, timeout: float) -> dict:
+        """Train up to ``step``, wait until the main thread is parked at the fence there (inside
+        tft_pause_train), then run the stream-sync callback."""
+        with self._cond:
+            self._limit = step
+            self._cond.notify_all()
+            end = time.monotonic() + timeout
+            while not (self._main == "fenced" and self.step == step):
+                left = end - time.monotonic()
+                if self._main == "parked" or self.step > step or left <= 0:
+                    raise TimeoutError(f"rank {self.rank} did not pause at step {step} within {timeout:.0f} s "
+                                       f"(step {self.step}, main thread {self._main})")
+                self._cond.wait(min(0.05, left))
+        if "stream_sync" in self.callbacks:
+            func, _ctx = self.callbacks["stream_sync"]
+            func()
+        _logging.event("paused_at", step=step)
+        return {"step": self.step}
+
+    def _do_pause_resume(self) -> dict:
+        with self._cond:
+            self._limit = None
+            self._progress_t = time.monotonic()  # the pause is no hang
             self._cond.notify_all()
         return {}
 

@@ -16,7 +16,8 @@ Flows (later issues fill in the ones marked *):
   exit          ABNORMAL -EXIT-> EXIT
   A failed step of a strategy goes back to ABNORMAL (-FAIL->) where the next strategy of the fallback
   order is chosen.
-* pause*:       NORMAL -PAUSE-> PAUSE -CONTINUE-> NORMAL; PAUSE -MIGRATE-> MIGRATION (hot switch)
+* pause:        NORMAL -PAUSE-> PAUSE -CONTINUE-> NORMAL (pause.py); PAUSE -DUMP-> DUMP, PAUSE -EXIT-> EXIT,
+                PAUSE -FAULT-> ABNORMAL; PAUSE -MIGRATE-> MIGRATION (hot switch*)
 * step finish*: NORMAL -STEP_FINISH-> STEP_FINISH -OK-> NORMAL
 * shutdown:     any state but FINAL -SHUTDOWN-> FINAL
 """
@@ -84,6 +85,7 @@ TRANSITIONS: dict[tuple[State, Result], State] = {
     (S.PAUSE, R.MIGRATE): S.MIGRATION,
     (S.PAUSE, R.FAULT): S.ABNORMAL,
     (S.PAUSE, R.DUMP): S.DUMP,
+    (S.PAUSE, R.EXIT): S.EXIT,             # the cluster brain ends a paused job
     (S.MIGRATION, R.OK): S.NORMAL,
     (S.MIGRATION, R.FAIL): S.ABNORMAL,
     (S.ABNORMAL, R.RETRY): S.ENV_CLEAR,

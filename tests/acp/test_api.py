@@ -49,6 +49,40 @@ def test_loaded_tensors_are_private_copies(acp_env):
     assert _same(acp.load(path), sd)
 
 
+@pytest.mark.parametrize("pagemap", [True, False])
+def test_load_view_survives_writes_to_loaded_tensors(acp_env, pagemap):
+    """Loads view the client's pre-faulted copy-on-write pool view; writes to loaded tensors must
+    reach neither the pool, nor the persisted file, nor a later load of the same bytes."""
+    import gc
+
+    path = os.path.join(acp_env["ck"], "m.pt")
+    sd = _sd()
+    assert acp.save(sd, path) == 1
+    view = api._client.loadview
+    assert view is not None
+    if not pagemap:                                       # no /proc/self/pagemap: reset every time
+        os.close(view._pagemap)
+        view._pagemap = None
+    first = acp.load(path)
+    assert len([x for x in view._live if x[2]() is not None]) == 1   # served from the shared view
+    first["w"].add_(1.0)
+    first["nested"]["m"].zero_()
+    second = acp.load(path)                               # first still alive: a fresh mapping
+    assert _same(second, sd) and torch.equal(first["w"], sd["w"] + 1.0)
+    assert acp.flush() == 0
+    assert _same(acp.load(path, open_way="fopen"), sd)    # the daemon persisted the saved bytes
+    del first, second
+    gc.collect()
+    third = acp.load(path)                                # same range again: private pages dropped
+    assert _same(third, sd)
+    third["w"].mul_(-3.0)
+    del third
+    gc.collect()
+    newer = _sd(scale=5.0)
+    assert acp.save(newer, path) == 1                     # may reuse the blocks just released
+    assert _same(acp.load(path), newer)
+
+
 def test_newest_version_wins(acp_env):
     path = os.path.join(acp_env["ck"], "m.pt")
     versions = [_sd(scale=i + 1) for i in range(5)]

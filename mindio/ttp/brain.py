@@ -214,7 +214,7 @@ class RankFault:
     rank: int
     key: str                 # fault_key()
     message: str = ""
-    first_seen: float = 0.0  # clock of the Brain (time.monotonic by default)
+    first_seen: float | None = None  # clock of the Brain (time.monotonic by default); None: now
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ class Brain:
                     level = rule.level
                     reasons.append(f"{n} faults within {rule.time_window:g} s -> {rule.level}")
             for rule in self.table.duration:
-                lasted = now - f.first_seen
+                lasted = 0.0 if f.first_seen is None else now - f.first_seen
                 if rule.covers(f.key) and lasted >= rule.timeout and sev[rule.level] > sev[level]:
                     level = rule.level
                     reasons.append(f"lasted {lasted:.1f} s >= {rule.timeout:g} s -> {rule.level}")

@@ -2,8 +2,9 @@
 
 A worker takes the oldest ready pending entry, computes its checksums (format.checksummed_header),
 writes it atomically next to its target (mindio.acp._storage.atomic_write), removes the in-progress
-marker when no newer version is waiting, and journals the completion. Workers run at nice 19 and the
-lowest best-effort I/O priority so the trainer keeps its CPU.
+marker when no newer version is waiting, and journals the completion. Workers run at nice 19 and
+the lowest best-effort I/O priority, and as SCHED_IDLE while they checksum and write, so the trainer
+keeps its CPU.
 
 Failures: each entry gets MINDIO_ACP_PERSIST_RETRIES attempts with exponential back-off; then it is
 FAILED (its bytes stay in the pool, retried every 5 s) and counts as one storage failure. After
@@ -47,9 +48,11 @@ class Persister:
         self._path_locks: dict[str, threading.Lock] = {}
         self._stats = {"persisted": 0, "persist_failures": 0, "bytes_persisted": 0}
         self._workers: list[threading.Thread] = []
+        self.idle_policy = False
 
     # ---- scheduling -----------------------------------------------------------------------------
     def start(self, n: int) -> None:
+        self.idle_policy = self._probe_idle_policy()
         for i in range(n):
             t = threading.Thread(target=self._work, name=f"persist-{i}", daemon=True)
             t.start()
@@ -62,10 +65,11 @@ class Persister:
         return "unserviceable" if self.unserviceable else "ok"
 
     def counters(self) -> dict:
-        return dict(self._stats, queued=len(self.queue))
+        return dict(self._stats, queued=len(self.queue), sched_idle=self.idle_policy)
 
     @staticmethod
     def lower_priority() -> None:
+        """nice 19 and the lowest best-effort I/O priority for the calling thread."""
         tid = threading.get_native_id()
         try:
             os.setpriority(os.PRIO_PROCESS, tid, 19)
@@ -73,6 +77,39 @@ class Persister:
             libc.syscall(251, 1, tid, (2 << 13) | 7)   # ioprio_set(WHO_PROCESS, tid, BE class, level 7)
         except (OSError, AttributeError):
             pass
+
+    def _cpu_idle(self, on: bool) -> None:
+        """SCHED_IDLE for the byte work (checksums, writes): any waking trainer thread preempts it at
+        once, which nice 19 alone does not guarantee. Switched off around the daemon lock, so a
+        starved worker never holds up a save (no priority inversion); hence used only where the
+        switch back is allowed (CAP_SYS_NICE or RLIMIT_NICE, probed once at start)."""
+        if not self.idle_policy:
+            return
+        try:
+            policy = os.SCHED_IDLE if on else os.SCHED_OTHER
+            os.sched_setscheduler(threading.get_native_id(), policy, os.sched_param(0))
+        except OSError:
+            pass
+
+    @staticmethod
+    def _probe_idle_policy() -> bool:
+        """True when a thread may enter SCHED_IDLE and leave it again (tried on a throwaway thread)."""
+        result = []
+
+        def probe():
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                result.append(True)
+            except (OSError, AttributeError):
+                pass
+
+        t = threading.Thread(target=probe, daemon=True)
+        t.start()
+        t.join(5.0)
+        return bool(result)
 
     def _take(self):
         lock = self.d.lock
@@ -103,9 +140,11 @@ class Persister:
             entry = self._take()
             if entry is None:
                 return
+            self._cpu_idle(True)
             try:
                 result = self._write(entry)
             finally:
+                self._cpu_idle(False)
                 self._path_lock(entry.path).release()
             self._finish(entry, result)
 

@@ -33,6 +33,7 @@ from mindio import _knobs
 from mindio import drill  # mindio: fault injection for drills (--inject, docs/recovery.md)
 from mindio import megatron as mio  # mindio: the Megatron adapter (imports megatron-core)
 from mindio.adapter import local_digest
+from mindio.megatron.elastic import register_elastic  # mindio: elastic training (zit handlers)
 
 try:  # mindio: the fault-tolerance API (tft_*); only needed with --enable-high-availability
     from mindio import ttp
@@ -40,6 +41,7 @@ except ImportError:  # pragma: no cover
     ttp = None
 
 HERE = Path(__file__).resolve().parent
+STANDBY = os.environ.get("MINDIO_STANDBY", "") == "1"  # mindio: a standby process for the elastic scale-out
 log = logging.getLogger("pretrain_gpt")
 
 
@@ -219,7 +221,9 @@ def forward_step(ctx, data_iterator, model):
 
     def loss_func(output_tensor):
         loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach()}
+        # clone: megatron divides the returned loss in place by num_microbatches (a detached view
+        # would report loss / num_microbatches as soon as there is gradient accumulation)
+        return loss, {"lm loss": loss.detach().clone()}
 
     return output, loss_func
 
@@ -330,7 +334,10 @@ def setup_high_availability(ctx) -> None:
     ttp.tft_start_processor(addr, port)
     ttp.tft_set_optimizer_replica(rank, mio.replica.replica_info(ctx.replica_cnt))
     ttp.tft_set_dp_group_info(rank, mio.replica.dp_rank_list())
-    mio.register(mio.MegatronAdapter(ctx), step_args=ctx)
+    adapter = mio.MegatronAdapter(ctx)
+    mio.register(adapter, step_args=ctx)
+    if args.enable_elastic_training:
+        register_elastic(adapter)  # mindio: downgrade / upgrade handlers (zit)
     params = sum(p.numel() for c in ctx.model for p in c.parameters())
     d = ps.get_data_parallel_world_size(with_context_parallel=True)
     extra = mio.replica.memory_overhead_bytes(params, ctx.replica_cnt, d)
@@ -354,11 +361,13 @@ def report_memory(ctx) -> None:
 
 
 def initialize(args) -> None:
-    dist.init_process_group("gloo")
+    if not STANDBY:  # mindio: a standby joins the world only when the controller scales out
+        dist.init_process_group("gloo")
     mio.setup_cpu()  # mindio: megatron-core CPU patches (only when there is no CUDA)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    dp = dist.get_world_size() // (args.tensor_model_parallel_size
+    world = int(os.environ["WORLD_SIZE"]) if STANDBY else dist.get_world_size()
+    dp = world // (args.tensor_model_parallel_size
                                    * args.pipeline_model_parallel_size)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
@@ -373,6 +382,8 @@ def pretrain(args) -> str:
     dataset = CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
     args.padded_vocab_size = dataset.vocab_size
     ctx = mio.TrainingContext(args, build=lambda: setup_model_and_optimizer(args))
+    if STANDBY:
+        return pretrain_standby(args, ctx, dataset)
     ctx.init_parallel()  # mindio: DP replica groups (num_distributed_optimizer_instances)
     ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
     if args.save:  # mindio: start the checkpoint store now, not on the first (or a dump) save
@@ -388,6 +399,37 @@ def pretrain(args) -> str:
         setup_high_availability(ctx)
         train_fn = ttp.tft_exception_handler(train)  # mindio: recovery re-enters train()
     train_fn(forward_step, ctx, dataset)
+    return finish(ctx)
+
+
+def pretrain_standby(args, ctx, dataset) -> str:
+    """mindio: a standby process (MINDIO_STANDBY=1, RANK = a rank a downgrade removed): register with the
+    controller, wait until the scale-out rebuilt the world and repaired this rank from a replica, train."""
+    from mindio.ttp import elastic
+
+    if not args.enable_elastic_training:
+        raise SystemExit("MINDIO_STANDBY=1 needs --enable-elastic-training (HIGH_AVAILABILITY=elastic-training)")
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = (_knobs.get("TTP_PORT") if os.environ.get("TTP_PORT")
+            else int(os.environ.get("MASTER_PORT", 29500)) + 1)
+
+    def register():
+        if args.save:
+            mio.checkpoint.initialize_store({"memfs.data_block_pool_capacity_in_gb": args.acp_pool_gb})
+        adapter = mio.MegatronAdapter(ctx)
+        mio.register(adapter, step_args=ctx)
+        register_elastic(adapter)
+
+    elastic.start_standby(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), addr, port, addr,
+                          int(os.environ["MASTER_PORT"]), register=register)
+    if ttp.tft_wait_next_action() != 0:  # parked until the upgrade: 0 = train
+        raise SystemExit(1)
+    ttp.tft_exception_handler(train)(forward_step, ctx, dataset)
+    return finish(ctx)
+
+
+def finish(ctx) -> str:
+    args = ctx.args
     if args.save and not (args.save_interval and ctx.iteration % args.save_interval == 0):
         save(ctx)
     digest = mio.state_digest(ctx)

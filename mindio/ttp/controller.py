@@ -32,6 +32,7 @@ from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import IncidentFlow
 from .retry import RetryFlow
+from .elastic import ElasticFlow
 from .transport import Channel, Link, Waker
 
 __all__ = ["Controller"]
@@ -57,7 +58,7 @@ class _Rank:
     registered: bool = True
 
 
-class Controller(IncidentFlow, RetryFlow):
+class Controller(IncidentFlow, RetryFlow, ElasticFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     def __init__(self, rank: int, world_size: int, enabled, key: bytes, backup: bool = False,
@@ -253,6 +254,9 @@ class Controller(IncidentFlow, RetryFlow):
             if body.addr and body.addr != self.address and body.addr not in self.backups and len(self.backups) < 2:
                 self.backups.append(body.addr)
                 _log.info("backup controller %s announced", body.addr)
+        elif rank in self.removed and body.world_size == self.world_size:
+            self._on_standby(ident, rank, body, now)  # elastic.py: a standby offers a removed rank back
+            return
         elif not 0 <= rank < self.world_size or body.world_size != self.world_size:
             _log.error("refused registration of rank %d with world size %d (job: %d)", rank, body.world_size,
                        self.world_size)

@@ -90,6 +90,10 @@ class IncidentFlow(PauseFlow):
             if self._stop.is_set():
                 return
             try:
+                if self.upgrade_due():  # elastic.py: standbys offer every removed rank back
+                    if self._run_upgrade():
+                        continue
+                    return
                 if self._run_incident():
                     continue  # retried: every rank trains again; wait for the next incident
             except Exception:
@@ -118,7 +122,7 @@ class IncidentFlow(PauseFlow):
                     self.ranks[rank].data_status = rep.detail.get("data_status", 0)
             views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
                                      tuple(r.replica)) for r in self.ranks.values()]
-        missing = sorted(set(range(self.world_size)) - set(self.ranks))
+        missing = sorted(set(self.job_ranks()) - set(self.ranks))  # job_ranks: elastic.py (removed ranks)
         views += [policy.RankView(r, alive=False, faulty=True) for r in missing]
         stopped = all(r in replies and replies[r].ok for r in live)
         self._mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),

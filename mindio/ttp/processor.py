@@ -39,6 +39,7 @@ from ..errors import ConfigError
 from . import protocol as P
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
 from .inplace import InPlaceActions
+from .elastic import ElasticActions
 from .transport import Link
 
 __all__ = ["Processor", "CALLBACK_NAMES"]
@@ -57,7 +58,7 @@ def _in_collective(frame) -> bool:
     return False
 
 
-class Processor(InPlaceActions):
+class Processor(InPlaceActions, ElasticActions):
     def __init__(self, rank: int, world_size: int, enable_uce: bool = True, enable_arf: bool = False,
                  enable_zit: bool = False, curve: dict | None = None):
         if not 0 <= rank < world_size <= 100000:

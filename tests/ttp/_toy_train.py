@@ -149,6 +149,11 @@ class Trainer:
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
 
 
+    def stream_sync(self):
+        """Graceful pause: nothing is queued on a CPU; record the step at which this rank paused."""
+        with open(os.path.join(self.args.out, f"stream_sync_rank{self.rank}"), "a") as f:
+            f.write(f"{self.it}\n")
+
     # ---- retry (in-place recovery) callbacks: mindio.ttp has re-created the default group already
     def rebuild(self, fault_ranks, args, ctx):
         build_groups(self.rank, self.world)
@@ -221,6 +226,7 @@ def main() -> int:
     ttp.tft_register_rebuild_group_handler(trainer.rebuild)
     ttp.tft_register_repair_handler(trainer.repair)
     ttp.tft_register_rollback_handler(trainer.rollback)
+    ttp.tft_register_stream_sync_handler(trainer.stream_sync)
     ttp.tft_start_processor("127.0.0.1", a.ctl_port)
     ttp.tft_set_optimizer_replica(a.rank, [{"rank_list": list(range(a.world)), "replica_cnt": R, "replica_shift": 0}])
 
@@ -230,6 +236,7 @@ def main() -> int:
             trainer.step()
             if a.step_sleep:
                 time.sleep(a.step_sleep)
+            ttp.tft_pause_train(trainer.it)  # end of the iteration: where a graceful pause parks
         return 0
 
     train()

@@ -9,8 +9,9 @@ from libc.string cimport memcpy
 from libc.stdint cimport uint8_t, uint32_t
 cimport openmp
 
-cdef extern from "zlib.h" nogil:
-    unsigned long zlib_crc32 "crc32"(unsigned long crc, const unsigned char *buf, unsigned int len)
+cdef extern from "_crc_simd.h" nogil:
+    # zlib's crc32(), with a PCLMULQDQ folding path on x86-64 CPUs that have it (4-5x faster)
+    unsigned long mindio_crc32(unsigned long crc, const unsigned char *buf, size_t len)
 
 cdef extern from "unistd.h" nogil:
     long sysconf(int name)
@@ -53,17 +54,12 @@ def crc32(buf, unsigned long value=0):
     """zlib-compatible CRC-32 of ``buf`` continuing from ``value`` (same result as zlib.crc32)."""
     cdef const uint8_t[::1] b = memoryview(buf).cast("B")
     cdef Py_ssize_t n = b.shape[0]
-    cdef Py_ssize_t pos = 0
-    cdef unsigned int step
-    cdef unsigned long crc = value
+    cdef unsigned long crc = value & 0xFFFFFFFF
     if n == 0:
-        return value & 0xFFFFFFFF
+        return crc
     cdef const uint8_t *p = &b[0]
     with nogil:
-        while pos < n:
-            step = <unsigned int>(n - pos if n - pos < (1 << 30) else (1 << 30))
-            crc = zlib_crc32(crc, p + pos, step)
-            pos += step
+        crc = mindio_crc32(crc, p, <size_t>n)
     return crc & 0xFFFFFFFF
 
 

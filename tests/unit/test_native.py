@@ -68,3 +68,15 @@ def test_touch_pages_counts_pages_and_keeps_data(impl):
     assert impl.touch_pages(buf, True) == 4
     assert bytes(buf) == before
     assert impl.touch_pages(bytearray()) == 0
+
+
+@pytest.mark.parametrize("impl", BACKENDS, ids=lambda m: m.__name__)
+def test_crc32_every_length_and_alignment_near_the_simd_block(impl):
+    """The native CRC folds 64-byte blocks with PCLMULQDQ and finishes the tail with zlib: every
+    length around those boundaries, at every misalignment, must give zlib's answer."""
+    data = np.random.default_rng(3).integers(0, 256, size=400, dtype=np.uint8).tobytes()
+    for start in range(17):
+        for n in list(range(0, 200)) + [255, 256, 257, 383]:
+            chunk = data[start: start + n]
+            assert impl.crc32(chunk, 0xDEADBEEF) == zlib.crc32(chunk, 0xDEADBEEF), (start, n)
+            assert impl.crc32(chunk) == zlib.crc32(chunk), (start, n)

@@ -33,7 +33,7 @@ KEY = b"bench-secret-0123456789abcdef0123"
 DP = 16  # contiguous DP groups of 16 ranks, 2 replicas: a realistic replica layout
 
 
-def _sim(ranks: list, n: int, port: int, per_conn: int, go, report_evt, report_t, halt, ready) -> None:
+def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_evt, report_t, halt, ready) -> None:
     import zmq
 
     from mindio.ttp import protocol as P
@@ -50,16 +50,29 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, go, report_evt, report_t
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.connect(f"tcp://127.0.0.1:{port}")
         conns.append((sock, chunk))
-    beats = {r: P.encode(P.Envelope(P.MsgType.HEARTBEAT, P.Heartbeat(step=5, data_status=0), rank=r), KEY)
-             for r in ranks}
+    relay_batch = batch and per_conn > 1  # a relay sends one frame for all its ranks (protocol v2)
+    if relay_batch:
+        beats = {sock: P.encode(P.Envelope(P.MsgType.BEATS, P.Beats(ranks=chunk, steps=[5] * len(chunk),
+                                                                    status=[0] * len(chunk), coll=[False] * len(chunk),
+                                                                    age=[0.0] * len(chunk))), KEY)
+                 for sock, chunk in conns}
+    else:
+        beats = {sock: [P.encode(P.Envelope(P.MsgType.HEARTBEAT, P.Heartbeat(step=5, data_status=0), rank=r), KEY)
+                        for r in chunk] for sock, chunk in conns}
     ready.put(len(conns))
     go.wait()
     for sock, chunk in conns:
+        hellos = []
         for r in chunk:
             g = DP * (r // DP)
-            hello = P.Register(world_size=n, pid=os.getpid(), host="sim", step=5,
-                               replica=[{"rank_list": list(range(g, g + DP)), "replica_cnt": 2, "replica_shift": 0}])
-            sock.send(P.encode(P.Envelope(P.MsgType.REGISTER, hello, rank=r), KEY))
+            hellos.append(P.Envelope(P.MsgType.REGISTER, P.Register(
+                world_size=n, pid=os.getpid(), host="sim", step=5,
+                replica=[{"rank_list": list(range(g, g + DP)), "replica_cnt": 2, "replica_shift": 0}]), rank=r))
+        if relay_batch:
+            sock.send(P.encode(P.Envelope(P.MsgType.BATCH, P.Batch(hellos)), KEY))
+        else:
+            for env in hellos:
+                sock.send(P.encode(env, KEY))
     poller = zmq.Poller()
     for sock, _ in conns:
         poller.register(sock, zmq.POLLIN)
@@ -81,18 +94,28 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, go, report_evt, report_t
                     continue
                 env = P.decode(frame, KEY)
                 if env.type is P.MsgType.HEARTBEAT_ACK:
-                    acks.add(frame)
+                    if not env.body.unknown:
+                        acks.add(frame)
                 elif env.type is P.MsgType.REGISTER_ACK:
                     interval = env.body.interval
                 elif env.type is P.MsgType.ACTION:
                     detail = {"step": 5, "data_status": 0, "main": "parked"} if env.body.name == "stop" else {}
-                    sock.send(P.encode(P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail=detail), rank=env.rank,
-                                                  sn=env.sn), KEY))
+                    to = env.body.ranks or by_sock[sock][:1]
+                    replies = [P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail=detail), rank=r, sn=env.sn)
+                               for r in to]
+                    if relay_batch:
+                        sock.send(P.encode(P.Envelope(P.MsgType.BATCH, P.Batch(replies)), KEY))
+                    else:
+                        for rep in replies:
+                            sock.send(P.encode(rep, KEY))
         if time.monotonic() >= next_beat:
             next_beat += interval
-            for sock, chunk in conns:
-                for r in chunk:
-                    sock.send(beats[r])
+            for sock, _ in conns:
+                if relay_batch:
+                    sock.send(beats[sock])
+                else:
+                    for frame in beats[sock]:
+                        sock.send(frame)
         if report_evt.is_set() and not reported and 1 in ranks:
             reported = True
             sock = next(s for s, c in by_sock.items() if 1 in c)
@@ -104,7 +127,7 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, go, report_evt, report_t
     ctx.term()
 
 
-def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None = None) -> dict:
+def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None = None, batch: bool = True) -> dict:
     from mindio.ttp.controller import Controller
     from mindio.ttp.states import State
     from tests.ttp._harness import free_port  # noqa: E402  (a free loopback port)
@@ -115,7 +138,7 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
     go, report_evt, halt = fork.Event(), fork.Event(), fork.Event()
     report_t, ready = fork.Value("d", 0.0), fork.Queue()
     ranks = list(range(n))
-    children = [fork.Process(target=_sim, args=(ranks[i::procs], n, port, per_conn, go, report_evt, report_t, halt,
+    children = [fork.Process(target=_sim, args=(ranks[i::procs], n, port, per_conn, batch, go, report_evt, report_t, halt,
                                                 ready), daemon=True) for i in range(procs)]
     ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=interval, misses=3, hang_timeout=0)
     try:
@@ -166,13 +189,15 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=1.0, help="heartbeat interval, s")
     p.add_argument("--per-conn", type=int, default=0,
                    help="ranks per simulated connection (default: 1 up to 2,000 ranks, else 8)")
+    p.add_argument("--no-batch", action="store_true",
+                   help="relays send one frame per rank (protocol v1 style) instead of BEATS/BATCH frames")
     a = p.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores "
           "(the simulators share these cores with the controller)")
     print(f"{'N':>7} {'conns':>6} {'register s':>10} {'ctl CPU/round ms':>16} {'CPU share':>9} "
           f"{'fault->decision s':>17} {'(ctl CPU s)':>11} {'dead':>4} {'strategy':>8} {'savers':>6} {'drops':>5}")
     for n in a.n or [1000, 10000]:
-        r = run(n, a.procs, a.rounds, a.interval, a.per_conn or None)
+        r = run(n, a.procs, a.rounds, a.interval, a.per_conn or None, not a.no_batch)
         print(f"{r['n']:>7} {r['connections']:>6} {r['register_s']:>10.3f} {r['cpu_per_round_ms']:>16.1f} "
               f"{r['cpu_share']:>9.1%} {r['fault_to_decision_s']:>17.3f} {r['decision_cpu_s']:>11.3f} "
               f"{r['dead_during_steady']:>4} "

@@ -86,7 +86,14 @@ def _start(bind_ip, port, enable_tls, tls_info, primary=None):
         raise ConfigError(f"controller address {bind_ip}:{port}: need a concrete IP and a port in [1024, 65535]")
     curve = transport.curve_options(enable_tls, tls_info, server=True)
     table = load_table()  # a bad MINDIO_FAULT_TABLE fails here, not at the first fault
+    client = None
+    if primary and curve:  # the backup's link to the primary is a CURVE client
+        try:
+            client = transport.curve_options(enable_tls, tls_info, server=False)
+        except ConfigError:  # no server_public given: the controller derives it from the shared keypair
+            client = None
     ctl = Controller(key=transport.job_secret(create=primary is None), curve=curve, backup=primary is not None,
+                     curve_client=client,
                      **_rt.controller_init)
     ctl.brain = Brain(table)
     ctl.start(bind_ip, int(port), primary=primary)

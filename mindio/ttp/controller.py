@@ -33,7 +33,8 @@ from .actions import ActionEngine
 from .incident import IncidentFlow
 from .retry import RetryFlow
 from .elastic import ElasticFlow
-from .transport import Channel, Link, Waker
+from .pidprobe import PidProbe
+from .transport import RELAY_PREFIX, Channel, Link, Waker
 
 __all__ = ["Controller"]
 
@@ -63,8 +64,16 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
 
     def __init__(self, rank: int, world_size: int, enabled, key: bytes, backup: bool = False,
                  curve: dict | None = None, interval: float | None = None, misses: int | None = None,
+                 curve_client: dict | None = None,
                  hang_timeout: float | None = None):
         self.rank, self.world_size, self.key, self.curve = rank, world_size, key, curve or {}
+        # a backup's link to the primary is a CURVE client too: its keys, or the server keypair shared
+        # with the primary (the client then authenticates the primary by that public key)
+        if curve_client is None and self.curve.get(zmq.CURVE_SECRETKEY):
+            pub, sec = zmq.curve_keypair()
+            curve_client = {zmq.CURVE_SERVERKEY: zmq.curve_public(self.curve[zmq.CURVE_SECRETKEY]),
+                            zmq.CURVE_PUBLICKEY: pub, zmq.CURVE_SECRETKEY: sec}
+        self.curve_client = curve_client or {}
         self.enabled = set(enabled)
         self.interval = interval or _knobs.get("MINDIO_HEARTBEAT_INTERVAL")
         self.misses = misses or _knobs.get("MINDIO_HEARTBEAT_MISSES")
@@ -101,6 +110,8 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
         # looks only at the front (O(expired) per sweep instead of O(world))
         self._seen: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ack_version: tuple = ()
+        self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
+        self._poller: zmq.Poller | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
@@ -122,7 +133,7 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
             hello = lambda: P.Register(world_size=self.world_size, pid=0, host="", role="backup", addr=self.address)
             beat = lambda: P.Heartbeat(step=0, data_status=0)
             self._primary_link = Link(-1000 - max(self.rank, 0), self.key, [primary], hello, beat,
-                                      lambda env: None, curve=None, interval=self.interval, misses=self.misses,
+                                      lambda env: None, curve=self.curve_client, interval=self.interval, misses=self.misses,
                                       follow_backups=False)
             self._primary_link.start()
         for target, name in ((self._io_loop, "io"), (self._driver_loop, "driver")):
@@ -143,38 +154,55 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
 
     # ------------------------------------------------------------------ I/O thread
     def _send(self, rank: int, body, mtype=P.MsgType.ACTION, sn: int = 0) -> None:
-        """(any thread) Queue a message for ``rank``; the envelope's rank names the rank it concerns
-        (the recipient here), so a relaying agent can deliver it."""
+        """(any thread) Sign and queue a message for ``rank``; the envelope's rank names the rank it
+        concerns (the recipient here), so a relaying agent can deliver it."""
         r = self.ranks.get(rank)
         ident = r.ident if r is not None else str(rank).encode()
-        self._out.put((ident, P.Envelope(mtype, body, rank=rank, sn=sn)))
+        if mtype is P.MsgType.ACTION and ident.startswith(RELAY_PREFIX):
+            body = P.Action(body.name, body.params, [rank])
+        self._out.put(((ident,), P.encode(P.Envelope(mtype, body, rank=rank, sn=sn), self.key)))
         self._waker.wake()
 
-    def _send_many(self, ranks, body, sn: int) -> None:
-        """(any thread) Queue the same ACTION for many ranks with a single wake-up of the I/O thread."""
+    def _send_many(self, ranks, body: P.Action, sn: int) -> None:
+        """(any thread) Broadcast one ACTION to many ranks: one signed frame (envelope rank -1) for all
+        ranks with a connection of their own, and one frame per relay listing its ranks; a single
+        wake-up of the I/O thread. Signing per rank was most of a 10k-rank stop round."""
         get = self.ranks.get
+        direct, relays = [], {}
         for rank in ranks:
             r = get(rank)
-            self._out.put((r.ident if r is not None else str(rank).encode(), P.Envelope(P.MsgType.ACTION, body,
-                                                                                        rank=rank, sn=sn)))
+            ident = r.ident if r is not None else str(rank).encode()
+            if ident.startswith(RELAY_PREFIX):
+                relays.setdefault(ident, []).append(rank)
+            else:
+                direct.append(ident)
+        if direct:
+            self._out.put((direct, P.encode(P.Envelope(P.MsgType.ACTION, body, rank=-1, sn=sn), self.key)))
+        for ident, rs in relays.items():
+            self._out.put(((ident,), P.encode(P.Envelope(P.MsgType.ACTION, P.Action(body.name, body.params, rs),
+                                                         rank=-1, sn=sn), self.key)))
         self._waker.wake()
 
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._chan.sock, zmq.POLLIN)
         poller.register(self._waker.rfd, zmq.POLLIN)
         period = min(0.1, self.interval / 4)
         next_sweep = next_hang = time.monotonic()
+        probe = self._probe
         while not self._stop.is_set():
-            events = dict(poller.poll(max(0.0, next_sweep - time.monotonic()) * 1000))
+            wake_at = probe.next_due() or next_sweep
+            events = dict(poller.poll(max(0.0, min(next_sweep, wake_at) - time.monotonic()) * 1000))
             if self._waker.rfd in events:
                 self._waker.drain()
+            send_raw = self._chan.send_raw
             while True:
                 try:
-                    ident, env = self._out.get_nowait()
+                    idents, frame = self._out.get_nowait()
                 except queue.Empty:
                     break
-                self._chan.send(env, ident)
+                for ident in idents:
+                    send_raw(frame, ident)
             if self._chan.sock in events:
                 for _ in range(100000):
                     try:
@@ -187,11 +215,18 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
             else:
                 self._drained_at = time.monotonic()
             now = time.monotonic()
+            if probe.watched or probe.next_due() is not None:
+                probe.on_events(events, now, poller)
+                for rank, pid in probe.due(now):
+                    r = self.ranks.get(rank)
+                    if self.active and r is not None and r.registered and r.pid == pid:
+                        self.declare_dead([rank], "pid", pid=pid)
             if now >= next_sweep:
                 next_sweep = now + period
                 self._sweep(now, check_hang=now >= next_hang)
                 if now >= next_hang:
                     next_hang = now + self.interval
+        probe.close(poller)
         self._chan.sock.close(0)
 
     def _on_frame(self, ident: bytes, env: P.Envelope) -> None:
@@ -235,6 +270,33 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
                 r.last_seen = now
                 self._seen.move_to_end(env.rank)
             self.actions.on_reply(env.rank, env.sn, body)
+        elif env.type is P.MsgType.BEATS:
+            self._on_beats(ident, env, now)
+        elif env.type is P.MsgType.BATCH:
+            for item in body.items:
+                self._on_frame(ident, item)
+
+    def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
+        """A relay's heartbeats for many ranks: the same per-rank bookkeeping as HEARTBEAT, one ack."""
+        b, get, seen, unknown = env.body, self.ranks.get, self._seen, []
+        replaced = getattr(self, "_replaced", None)  # ranks replaced by a recovery (recover.py)
+        for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
+            r = get(rank)
+            if r is None or not r.registered:
+                unknown.append(rank)
+                continue
+            if replaced and replaced.get(rank, -1) > env.gen:
+                continue  # a replaced rank's old process: refused (recover.py counts per-rank frames)
+            r.last_seen, r.step, r.data_status, r.in_collective, r.progress_age = now, step, status, coll, age
+            if r.alive:
+                seen[rank] = None
+                seen.move_to_end(rank)
+        state = self.sm.state.value
+        if unknown:
+            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups), unknown)),
+                            ident)
+        else:
+            self._chan.send_raw(self._ack(-1, state), ident)
 
     def _ack(self, rank: int, state: str) -> bytes:
         """The signed HEARTBEAT_ACK for ``rank``, cached: the hot path of a large job is one beat and one
@@ -272,6 +334,8 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
                 self._seen.move_to_end(rank)
                 if old is None or not old.registered:
                     self._registered += 1  # a counter, not a scan: 100k registrations stay O(n)
+            if self._poller is not None:
+                self._probe.watch(rank, body.pid, body.pidns, self._poller)
         self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
                                                                          backups=list(self.backups)),
                                    rank=rank), ident)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from .. import _knobs, _logging
 from ..errors import ConfigError
 from . import protocol as P
+from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
 from .inplace import InPlaceActions
 from .elastic import ElasticActions
@@ -112,7 +113,7 @@ class Processor(InPlaceActions, ElasticActions):
     def _hello(self) -> P.Register:
         return P.Register(world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
                           step=self.step, data_status=int(self.data_status), replica=list(self.replica),
-                          dp_group=list(self.dp_group))
+                          dp_group=list(self.dp_group), pidns=host_token())
 
     def _on_registered(self) -> None:
         """(link thread) After a (re)registration -- e.g. failover to a backup controller -- a rank that

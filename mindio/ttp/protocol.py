@@ -5,8 +5,19 @@ A frame is ``msgpack([v, type, sn, rank, gen, body]) + HMAC-SHA256(secret, msgpa
 * ``v``    protocol version (:data:`VERSION`); any other version is rejected.
 * ``type`` a :class:`MsgType`; ``body`` is the payload dataclass for that type, as a dict.
 * ``sn``   the action sequence number for ACTION / REPLY (0 for other messages).
-* ``rank`` the sender's rank (-1 for a controller, -2 for a backup controller's hello).
+* ``rank`` the sender's rank (-1 for a controller, -2 for a backup controller's hello); on a controller's
+           ACTION, -1 means "every rank this frame is delivered to" (one signed frame per broadcast).
 * ``gen``  the job generation; a processor of an older generation is refused by a later issue's rebuild.
+
+Version 2 added batching, so that one frame carries the traffic of many ranks (a node agent relaying for
+its ranks, or the scale benchmark's multiplexer; see transport.RELAY_PREFIX):
+
+* BEATS: the heartbeats of many ranks, in columns (``ranks``, ``steps``, ``status``, ``coll``, ``age``);
+  liveness stays per rank -- a relay lists only the ranks it heard from in the last interval. The
+  controller answers with one HEARTBEAT_ACK whose ``unknown`` lists the ranks it does not know.
+* BATCH: ``items`` = ``[[type, sn, rank, body], ...]``, each item validated exactly like a frame of its
+  own (a bad item drops the whole frame); used for many REPLY / REGISTER / REPORT at once.
+* ACTION.ranks: a relay delivers the action to these ranks (empty: to the recipient itself).
 
 Authentication is always on: every frame carries an HMAC over its bytes with the per-job secret, and
 the MAC is checked *before* anything is unpacked. A frame that is oversize, unauthenticated, not valid
@@ -31,10 +42,10 @@ from ..errors import AuthError, ProtocolError
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
-    "Report", "Info", "Action", "Reply", "Bye", "encode", "decode", "DropCounter", "BODY_TYPES",
+    "Report", "Info", "Action", "Reply", "Bye", "Beats", "Batch", "encode", "decode", "DropCounter", "BODY_TYPES",
 ]
 
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 1 << 20  # 1 MiB: control messages are small; anything bigger is an attack or a bug
 _MAC_LEN = 32
 _log = logging.getLogger(__name__)
@@ -50,6 +61,8 @@ class MsgType(enum.IntEnum):
     ACTION = 7         # controller -> processor: do something (sn identifies it)
     REPLY = 8          # processor -> controller: result of ACTION sn
     BYE = 9            # processor -> controller: leaving normally (training finished); not a fault
+    BEATS = 10         # relay -> controller: heartbeats of many ranks in one frame (v2)
+    BATCH = 11         # relay <-> controller: many messages of other types in one frame (v2)
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class Register:
     dp_group: list = field(default_factory=list)  # tft_set_dp_group_info's dp_rank_list
     role: str = "processor"                       # "processor" | "backup"
     addr: str = ""                                # a backup controller's tcp://host:port
+    pidns: str = ""                               # pidprobe.host_token(): same host + pid namespace (v2)
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,7 @@ class Heartbeat:
 class HeartbeatAck:
     state: str = ""                               # "UNKNOWN": the controller does not know this rank
     backups: list = field(default_factory=list)   # current backup controller addresses
+    unknown: list = field(default_factory=list)   # answer to BEATS: ranks the controller does not know
 
 
 @dataclass(frozen=True)
@@ -103,6 +118,7 @@ class Info:
 class Action:
     name: str
     params: dict = field(default_factory=dict)
+    ranks: list = field(default_factory=list)     # for a relay: deliver to these ranks (empty: recipient)
 
 
 @dataclass(frozen=True)
@@ -117,10 +133,25 @@ class Bye:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class Beats:
+    """Heartbeats of ``len(ranks)`` ranks; column i of every list belongs to ``ranks[i]``."""
+    ranks: list
+    steps: list
+    status: list
+    coll: list
+    age: list
+
+
+@dataclass(frozen=True)
+class Batch:
+    items: list   # after decode: a list of Envelope (gen and v of the outer frame)
+
+
 BODY_TYPES: dict[MsgType, type] = {
     MsgType.REGISTER: Register, MsgType.REGISTER_ACK: RegisterAck, MsgType.HEARTBEAT: Heartbeat,
     MsgType.HEARTBEAT_ACK: HeartbeatAck, MsgType.REPORT: Report, MsgType.INFO: Info,
-    MsgType.ACTION: Action, MsgType.REPLY: Reply, MsgType.BYE: Bye,
+    MsgType.ACTION: Action, MsgType.REPLY: Reply, MsgType.BYE: Bye, MsgType.BEATS: Beats, MsgType.BATCH: Batch,
 }
 _PY_TYPES = {"int": (int,), "str": (str,), "float": (float, int), "bool": (bool,), "list": (list,), "dict": (dict,)}
 
@@ -143,13 +174,18 @@ _SPECS = {cls: tuple((f.name, _PY_TYPES[f.type], f.type,
                      for f in dataclasses.fields(cls)) for cls in BODY_TYPES.values()}
 
 
+_NAMES = {cls: frozenset(name for name, *_ in spec) for cls, spec in _SPECS.items()}
+_ITEM_TYPES = {int(t): t for t in MsgType if t not in (MsgType.BEATS, MsgType.BATCH)}
+_BEAT_COLS = (("steps", int), ("status", int), ("coll", bool), ("age", (float, int)))
+
+
 def _body_from(mtype: MsgType, raw: Any):
     cls = BODY_TYPES[mtype]
-    if not isinstance(raw, dict):
+    if raw.__class__ is not dict:
         raise ProtocolError(f"{mtype.name} body must be a map, got {type(raw).__name__}")
     spec = _SPECS[cls]
-    if len(raw) > len(spec) or not raw.keys() <= {name for name, *_ in spec}:
-        unknown = set(raw) - {name for name, *_ in spec}
+    if not raw.keys() <= _NAMES[cls]:
+        unknown = set(raw) - _NAMES[cls]
         raise ProtocolError(f"{mtype.name} body has unknown fields {sorted(map(str, unknown))}")
     for name, ok, tname, required in spec:
         if name not in raw:
@@ -159,12 +195,47 @@ def _body_from(mtype: MsgType, raw: Any):
         value = raw[name]
         if not isinstance(value, ok) or (tname == "int" and value.__class__ is bool):
             raise ProtocolError(f"{mtype.name}.{name} must be {tname}, got {type(value).__name__}")
+    if cls is Beats:
+        _check_beats(raw)
+    elif cls is Batch:
+        return Batch(items=[_item(x) for x in raw["items"]])
     return cls(**raw)
+
+
+def _check_beats(raw: dict) -> None:
+    ranks = raw["ranks"]
+    if not all(x.__class__ is int for x in ranks):
+        raise ProtocolError("BEATS.ranks must be integers")
+    for name, ok in _BEAT_COLS:
+        col = raw[name]
+        if len(col) != len(ranks):
+            raise ProtocolError(f"BEATS.{name} has {len(col)} entries for {len(ranks)} ranks")
+        if not all(isinstance(x, ok) and (ok is bool or x.__class__ is not bool) for x in col):
+            raise ProtocolError(f"BEATS.{name} entries must be {getattr(ok, '__name__', 'float')}")
+
+
+def _item(x: Any) -> Envelope:
+    if x.__class__ is not list or len(x) != 4:
+        raise ProtocolError("BATCH item must be a 4-element array [type, sn, rank, body]")
+    mtype, sn, rank, body = x
+    if not (mtype.__class__ is int and sn.__class__ is int and rank.__class__ is int):
+        raise ProtocolError("BATCH item type/sn/rank must be integers")
+    t = _ITEM_TYPES.get(mtype)
+    if t is None:
+        raise ProtocolError(f"BATCH item of unknown or nested type {mtype}")
+    return Envelope(type=t, body=_body_from(t, body), rank=rank, sn=sn)
+
+
+def _raw_body(body) -> dict:
+    return {name: getattr(body, name) for name, *_ in _SPECS[type(body)]}
 
 
 def encode(env: Envelope, key: bytes) -> bytes:
     """Serialize and sign one envelope. Raises ProtocolError if the result would be oversize."""
-    body = {name: getattr(env.body, name) for name, *_ in _SPECS[type(env.body)]}
+    if env.type is MsgType.BATCH:
+        body = {"items": [[int(e.type), e.sn, e.rank, _raw_body(e.body)] for e in env.body.items]}
+    else:
+        body = _raw_body(env.body)
     payload = msgpack.packb([env.v, int(env.type), env.sn, env.rank, env.gen, body], use_bin_type=True)
     if len(payload) + _MAC_LEN > MAX_FRAME:
         raise ProtocolError(f"oversize {env.type.name} frame ({len(payload)} bytes > {MAX_FRAME})")
@@ -195,7 +266,10 @@ def decode(frame: bytes, key: bytes) -> Envelope:
     mtype = _TYPES.get(mtype)
     if mtype is None:
         raise ProtocolError(f"unknown message type {items[1]}")
-    return Envelope(type=mtype, body=_body_from(mtype, body), rank=rank, sn=sn, gen=gen, v=v)
+    body = _body_from(mtype, body)
+    if mtype is MsgType.BATCH:
+        body = Batch(items=[e._replace(gen=gen) for e in body.items])
+    return Envelope(type=mtype, body=body, rank=rank, sn=sn, gen=gen, v=v)
 
 
 class DropCounter:

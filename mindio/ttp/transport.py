@@ -70,33 +70,75 @@ def job_secret(create: bool) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
-def curve_options(enable_tls: bool, tls_info, server: bool) -> dict:
-    """ZeroMQ CURVE socket options from ``tls_info`` (dict or JSON text with z85 keys
-    ``server_public``, ``server_secret`` and optionally ``client_public``/``client_secret``).
-    Empty when TLS is off or no keys are supplied (frames are then signed but not encrypted)."""
-    if not enable_tls:
-        return {}
+_CURVE_FIELDS = ("server_public", "server_secret", "client_public", "client_secret")
+
+
+def _parse_tls_info(tls_info) -> dict:
+    """tls_info as a dict: a dict, JSON text, or the reference's ``"field: value; field: value"`` text
+    (optionally wrapped in parentheses). A value may be a z85 key (40 characters) or a file holding one."""
     info = tls_info
     if isinstance(info, str):
-        if not info.strip():
+        text = info.strip()
+        if text.startswith("("):
+            text = text.strip("()").strip()
+        if not text:
             return {}
-        try:
-            info = json.loads(info)
-        except ValueError:
-            raise ConfigError("tls_info must be a dict or JSON with z85 CURVE keys server_public, "
-                              "server_secret[, client_public, client_secret]") from None
+        if text.startswith("{"):
+            try:
+                info = json.loads(text)
+            except ValueError as exc:
+                raise ConfigError(f"tls_info is not valid JSON ({exc})") from None
+        else:
+            info = {}
+            for part in filter(None, (p.strip() for p in text.split(";"))):
+                name, sep, value = part.partition(":")
+                if not sep:
+                    raise ConfigError(f"tls_info field {part!r} is not 'name: value'")
+                info[name.strip()] = value.strip()
+    if not isinstance(info, dict):
+        raise ConfigError(f"tls_info must be a dict or text, got {type(info).__name__}")
+    unknown = set(info) - set(_CURVE_FIELDS)
+    if unknown:
+        raise ConfigError(f"tls_info fields {sorted(unknown)} are not supported: mindio encrypts with ZeroMQ "
+                          f"CURVE, configured by z85 keys {list(_CURVE_FIELDS)} (make them with "
+                          "zmq.curve_keypair()), not X.509 certificates")
+    out = {}
+    for name, value in info.items():
+        value = value.decode() if isinstance(value, bytes) else str(value)
+        if len(value) != 40 and os.path.isfile(value):
+            with open(value) as f:
+                value = f.read().strip()
+        if len(value) != 40:
+            raise ConfigError(f"tls_info {name} must be a 40-character z85 CURVE key (or a file holding one)")
+        out[name] = value.encode()
+    return out
+
+
+def curve_options(enable_tls: bool, tls_info, server: bool) -> dict:
+    """ZeroMQ CURVE socket options (encryption + server authentication) from ``tls_info`` (see
+    :func:`_parse_tls_info`; fields ``server_public``, ``server_secret``, optionally ``client_public`` /
+    ``client_secret``). The server side needs server_secret; a client needs server_public, and uses its
+    own client keypair when given, else a fresh one. Empty when TLS is off or no keys are supplied
+    (frames are then signed, not encrypted). A client with the wrong server_public never completes the
+    handshake, so it cannot talk to the controller."""
+    if not enable_tls:
+        return {}
+    info = _parse_tls_info(tls_info)
     if not info:
         return {}
-    try:
-        if server:
-            return {zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: info["server_secret"].encode()}
-        pub, sec = info.get("client_public"), info.get("client_secret")
-        if not pub:
-            pub, sec = (k.decode() for k in zmq.curve_keypair())
-        return {zmq.CURVE_SERVERKEY: info["server_public"].encode(), zmq.CURVE_PUBLICKEY: pub.encode(),
-                zmq.CURVE_SECRETKEY: sec.encode()}
-    except KeyError as exc:
-        raise ConfigError(f"tls_info lacks CURVE key {exc}; generate keys with zmq.curve_keypair()") from None
+    if not zmq.has("curve"):
+        raise ConfigError("enable_tls with CURVE keys, but this libzmq was built without CURVE support")
+    need = ("server_secret",) if server else ("server_public",)
+    missing = [k for k in need if k not in info]
+    if missing or ("client_public" in info) != ("client_secret" in info):
+        raise ConfigError(f"tls_info lacks CURVE key(s) {missing or ['client_public/client_secret pair']}; "
+                          "generate keys with zmq.curve_keypair()")
+    if server:
+        return {zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: info["server_secret"]}
+    pub, sec = info.get("client_public"), info.get("client_secret")
+    if pub is None:
+        pub, sec = zmq.curve_keypair()
+    return {zmq.CURVE_SERVERKEY: info["server_public"], zmq.CURVE_PUBLICKEY: pub, zmq.CURVE_SECRETKEY: sec}
 
 
 class Waker:
@@ -162,9 +204,12 @@ class Channel:
             if len(parts) not in (1, 2):
                 raise ProtocolError(f"{len(parts)}-part message")
             env = P.decode(parts[-1], self.key)
-            if (ident is not None and env.rank >= 0 and ident != str(env.rank).encode()
-                    and not ident.startswith(RELAY_PREFIX)):
-                raise ProtocolError(f"envelope rank {env.rank} does not match socket identity {ident!r}")
+            if ident is not None and not ident.startswith(RELAY_PREFIX):
+                if env.rank >= 0 and ident != str(env.rank).encode():
+                    raise ProtocolError(f"envelope rank {env.rank} does not match socket identity {ident!r}")
+                if env.type is P.MsgType.BEATS or env.type is P.MsgType.BATCH:
+                    raise ProtocolError(f"{env.type.name} from {ident!r}, which is not a relay "
+                                        f"(identity {RELAY_PREFIX.decode()}*)")
         except ProtocolError as exc:
             self.drops.drop(exc, origin=repr(ident))
             return None

@@ -1,0 +1,105 @@
+"""Same-host death detection (pidprobe.py): a SIGKILLed rank process on the controller's host is declared
+dead through its pidfd, long before 3 missed heartbeats; a rank that says BYE and exits is no fault."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mindio.ttp.controller import Controller
+from mindio.ttp.pidprobe import PidProbe, host_token
+from mindio.ttp.states import State
+
+from ._harness import ROOT, free_port
+
+KEY = b"p" * 32
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    from mindio.ttp.processor import Processor
+    rank, port, go = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    p = Processor(rank, 2)
+    p.start(f"tcp://127.0.0.1:{port}", bytes.fromhex(sys.argv[4]))
+    while not os.path.exists(go):
+        time.sleep(0.02)
+    if rank == 1:
+        p.destroy("training finished")
+        sys.exit(0)
+    time.sleep(600)
+""")
+
+pytestmark = pytest.mark.skipif(not PidProbe().enabled, reason="no pidfd_open or no host token here")
+
+
+def _until(pred, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_host_token_names_host_and_pid_namespace():
+    token = host_token()
+    boot, ns = token.split("/")
+    assert boot == open("/proc/sys/kernel/random/boot_id").read().strip()
+    assert int(ns) == os.stat("/proc/self/ns/pid").st_ino
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch):
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("MINDIO_EVENT_LOG", str(events))
+    port, go = free_port(), str(tmp_path / "go")
+    # 1 s heartbeats, 3 misses: the heartbeat path alone would need > 3 s
+    ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=KEY, interval=1.0, misses=3, hang_timeout=0)
+    ctl.start("127.0.0.1", port)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    kids = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(port), go, KEY.hex()], env=env)
+            for r in range(2)]
+    try:
+        assert _until(lambda: ctl.sm.state is State.NORMAL), "ranks did not register"
+        assert ctl._probe.watched == 2  # both processes share this host and pid namespace
+        open(go, "w").close()
+        assert kids[1].wait(30) == 0  # rank 1: BYE, then a normal exit
+        time.sleep(0.5)
+        assert not ctl.ranks[1].faulty and ctl._incident is None and ctl.sm.state is State.NORMAL
+        os.kill(kids[0].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert _until(lambda: not ctl.ranks[0].alive, 10.0)
+        dt = time.monotonic() - t0
+        assert dt < 3.0, f"declared dead after {dt:.2f} s: the pidfd path did not fire"
+        dead = [json.loads(line) for line in events.read_text().splitlines()]
+        dead = [e for e in dead if e["kind"] == "rank_dead"]
+        assert [(e["dead_rank"], e["cause"], e["pid"]) for e in dead] == [(0, "pid", kids[0].pid)]
+        assert ctl.ranks[0].faulty and ctl._incident is not None  # the incident is opened as for any death
+    finally:
+        for k in kids:
+            if k.poll() is None:
+                k.kill()
+            k.wait()
+        ctl.destroy()
+
+
+def test_other_host_or_namespace_is_not_watched():
+    import zmq
+    probe, poller = PidProbe(), zmq.Poller()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not probe.watch(0, child.pid, "other-boot-id/1", poller)   # another host: heartbeats only
+        assert not probe.watch(1, os.getpid(), host_token(), poller)     # itself: never
+        assert probe.watch(2, child.pid, host_token(), poller) and probe.watched == 1
+        assert probe.watch(2, child.pid, host_token(), poller) and probe.watched == 1  # re-register: replaced
+        child.kill()
+        child.wait()
+        events = dict(poller.poll(2000))
+        probe.on_events(events, 0.0, poller)
+        assert probe.watched == 0 and probe.due(0.0) == [] and probe.due(PidProbe.GRACE) == [(2, child.pid)]
+    finally:
+        if child.poll() is None:
+            child.kill()
+        probe.close(poller)

@@ -151,10 +151,9 @@ class Client:
                 raise ServerUnavailable(f"not connected to mindio-acp-server in {self.dir}")
             try:
                 self._sock.settimeout(timeout)
-                if self._releases:
+                if self._releases:          # no extra round trip: the daemon handles these first
                     leases, self._releases = self._releases, []
-                    _wire.send(self._sock, {"op": "release", "leases": leases})
-                    _wire.recv(self._sock)
+                    message = dict(message, release=leases)
                 _wire.send(self._sock, message)
                 reply = _wire.recv(self._sock)
             except (OSError, ConnectionError) as exc:

@@ -8,7 +8,8 @@ leases die with its connection):
     abort {alloc}                  -> frees an uncommitted allocation
     commit {alloc, paths, kind, mode, stat?} -> {seqs}  (journal fsynced, markers written, queued)
     lookup {path}                  -> {hit, file, offset, size, lease, persisted, stat}
-    release {leases}               -> drops leases (the bytes may be reused afterwards)
+    release {leases}               -> drops leases (the bytes may be reused afterwards); any request
+                                      may also carry "release": [leases], handled before it
     delete {path}                  -> forgets the path's pooled versions (create_file(...).drop())
     wait {seqs, timeout}           -> {entries}  once each is persisted/failed/superseded or at timeout
     flush {timeout}                -> {failed: [paths], pending: n} once nothing is pending
@@ -160,6 +161,8 @@ class Daemon(Operations):
                     region.maybe_free()
 
     def _dispatch(self, req: dict, state: dict) -> dict:
+        if req.get("release"):              # lease releases ride along with any request
+            self.op_release({"leases": req["release"]}, state)
         op = req.get("op")
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:

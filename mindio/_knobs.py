@@ -94,6 +94,9 @@ _ALL = [
     Knob("MINDIO_HANG_TIMEOUT", float, 300.0,
          "Seconds without step progress after which a rank whose main thread is outside a collective "
          "(while its peers wait inside one) is declared hung and SIGKILLed; 0: off.", min=0, max=86400),
+    Knob("MINDIO_GC_FREEZE", _bool, True,
+         "1: freeze the objects that exist before the model is built (gc.freeze, once) so that the garbage "
+         "collection of a recovery teardown walks only the training objects (docs/recovery.md); 0: off."),
     Knob("MINDIO_SECRET", str, "", "Per-job secret that signs control messages (hex); generated if empty."),
     Knob("HIGH_AVAILABILITY", _ha_list, (),
          "Comma list of strategies to enable (the job's recover-strategy list): dump, retry, recover, "

@@ -64,9 +64,14 @@ class TrainingContext:
         return pos // (d // self.replica_cnt)
 
     def init_parallel(self) -> None:
-        """megatron parallel state with the DP replica groups; caches this rank's coordinates."""
+        """megatron parallel state with the DP replica groups; caches this rank's coordinates.
+
+        The first call freezes the start-up objects (``mindio.ttp.device.freeze_startup_objects``)."""
         from megatron.core import parallel_state as ps
 
+        from mindio.ttp import device
+
+        device.freeze_startup_objects()  # once, before the first build: teardown gc walks less
         a = self.args
         replica.initialize_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                                     replica_cnt=self.replica_cnt)
@@ -199,8 +204,9 @@ class MegatronAdapter(FrameworkAdapter):
                                  type(exc).__name__, exc)
             ctx.model = ctx.optimizer = ctx.scheduler = None
             dropped = _drop_megatron_groups()
-            gc.collect()
+            # no gc here: the caller (mindio's processor teardown) collects once after all callbacks
             if _log.isEnabledFor(logging.DEBUG):  # a heap scan: only when asked for
+                gc.collect()
                 world = dist.group.WORLD if dist.is_initialized() else None
                 alive = [o for o in gc.get_objects()
                          if isinstance(o, dist.ProcessGroup) and o is not world]

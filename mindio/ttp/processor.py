@@ -24,7 +24,6 @@ Actions (ACTION name -> what this rank does; every reply is cached by sn, a repe
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import os
 import signal
@@ -39,6 +38,7 @@ from ..errors import ConfigError
 from . import protocol as P
 from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
+from . import device
 from .inplace import InPlaceActions
 from .elastic import ElasticActions
 from .transport import Link
@@ -176,18 +176,29 @@ class Processor(InPlaceActions, ElasticActions):
             self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report))
 
     def teardown(self, is_uce: bool) -> None:
-        """Release this rank's collectives: stop + clean callbacks (the framework destroys its process
-        groups and drops every reference to them), then collect garbage so gloo closes its sockets and
+        """Release this rank's collectives: device stop, stop + clean callbacks (the framework destroys
+        its process groups and drops every reference to them), one garbage collection, then the groups'
+        last references are dropped in parallel (``device.release``) so gloo closes its sockets and
         peers blocked in a collective with this rank fail at once (ARCHITECTURE §3)."""
+        ms = {}
+        groups = device.all_groups()  # destroyed in parallel once the framework dropped its references
+        try:  # nccl: communicator abort; hccl: stop_device; gloo: nothing (device.py)
+            device.backend_for().stop()
+        except Exception as exc:
+            _log.error("device stop failed: %s", exc)
         for name, call in (("stop", lambda f, c: f(self.step_args, c)),
                            ("clean", lambda f, c: f(is_uce, self.step_args, c))):
             if name in self.callbacks:
                 func, ctx = self.callbacks[name]
+                t0 = time.monotonic()
                 try:
                     call(func, ctx)
                 except Exception as exc:  # a failed teardown must not stop the report/park protocol
                     _log.error("%s callback failed: %s", name, exc)
-        gc.collect()
+                ms[name] = round((time.monotonic() - t0) * 1000, 2)
+        ms["gc"] = round(device.collect(), 2)  # the one collection of this teardown (device.py)
+        device.release(groups)
+        _logging.event("teardown", **{f"{k}_ms": v for k, v in ms.items()})
 
     def wait_next_action(self) -> tuple[Action, int]:
         """Park the main thread until the controller says RETRY or EXIT; EXIT(fault) if the controller

@@ -148,7 +148,7 @@ class IncidentFlow(PauseFlow):
         faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
                                   seen.get(r, inc["t0"])) for r in sorted(set(primary) | set(faulty))]
         order, verdict = self.brain.plan(faults, feasible, self.implemented_strategies())
-        strategy = self._negotiate(order)
+        strategy = order[0] if graceful else self._negotiate(order)  # a requested dump: nothing to ask
         latency = time.monotonic() - inc["t0"]
         self.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
                               "decided_at": time.time(), "faulty": faulty,

@@ -13,8 +13,8 @@ from ._decider import Decided
 from ._harness import Job, assert_bitwise_equal, final_state
 
 STEPS = 30
-ARGS = ["--steps", str(STEPS), "--step-sleep", "0.05"]
-ENV = {"MINDIO_HEARTBEAT_INTERVAL": "0.2"}
+ARGS = ["--steps", str(STEPS), "--step-sleep", "0.1"]
+ENV = {"MINDIO_HEARTBEAT_INTERVAL": "0.5", "MINDIO_HEARTBEAT_MISSES": "6"}  # steps seen soon; no false deaths under load
 pytestmark = pytest.mark.slow
 
 

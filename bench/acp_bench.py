@@ -101,8 +101,16 @@ def compute_during_persistence(acp, sd, path, rounds: int) -> dict:
         handle = acp.async_save(sd, path)
         assert handle.rc == 1
         done = threading.Event()
-        threading.Thread(target=lambda: (handle.wait(600), done.set()), daemon=True).start()
-        n, wall, cpu = _loop(lambda e: done.is_set() and e >= 0.3)
+
+        def waiter(handle=handle, done=done):
+            try:
+                handle.wait(600)          # blocks in recv, GIL released
+            finally:
+                done.set()
+
+        threading.Thread(target=waiter, daemon=True).start()
+        n, wall, cpu = _loop(lambda e: (done.is_set() and e >= 0.3) or e > 600)
+        assert handle.wait(5), "the daemon did not persist the compute-loop save"   # re-raises a failure
         busy.append((n, wall, cpu, cpu_seconds(daemon) - cpu0))
         idle_len = min(3.0, max(0.5, wall))                 # idle windows as long as the busy ones
         idles.append(_loop(lambda e: e >= idle_len))
@@ -155,6 +163,7 @@ def bench_size(mib: int, work: str, repeat: int, rounds: int, acp) -> dict:
         fut.result()
         return took
 
+    t_start = time.perf_counter()
     copies, saves, dcps = [], [], []
     for _ in range(repeat):                       # interleaved, best of each: the machine is shared
         copies.append(timed(lambda: [dst[k].copy_(v) for k, v in sd.items()]))
@@ -165,6 +174,7 @@ def bench_size(mib: int, work: str, repeat: int, rounds: int, acp) -> dict:
     r["torch_save"] = timed(lambda: torch.save(sd, tpath))
 
     assert acp.flush() == 0
+    t_saves = time.perf_counter()
     touch(torch.load(tpath, weights_only=True))                     # page cache warm for torch.load
     pools, torches, pool_calls, torch_calls = [], [], [], []
     cpu = {"pool": [], "torch": []}
@@ -188,7 +198,9 @@ def bench_size(mib: int, work: str, repeat: int, rounds: int, acp) -> dict:
     r["torch_load_cold"] = timed(lambda: touch(torch.load(tpath, weights_only=True)))
     assert torch.equal(acp.load(mpath)["layer0.weight"], sd["layer0.weight"])
 
+    t_loads = time.perf_counter()
     r["compute"] = compute_during_persistence(acp, sd, mpath, rounds)
+    r["phases"] = (t_saves - t_start, t_loads - t_saves, time.perf_counter() - t_loads)
     for p in (mpath, tpath):
         os.unlink(p)
     shutil.rmtree(os.path.join(work, f"dcp_{mib}"), ignore_errors=True)
@@ -207,7 +219,7 @@ def report(mib: int, r: dict) -> None:
           f"buffers ({r['copy']:.3f} s; target <= 1.5x)")
     line("torch.save (local disk)", r["torch_save"], r["torch_save"], "torch.save")
     line("DCP async_save (blocking part)", r["dcp_blocking"], r["torch_save"], "torch.save")
-    print("  load call alone (returns tensors; the pool's are lazily mapped views)")
+    print("  load call alone (returns tensors; the pool's are zero-copy views of its pre-faulted load view)")
     line("mindio.load (memory pool)", r["mindio_load_call"], r["torch_load_call"], "torch.load (page cache)")
     line("torch.load (page cache)", r["torch_load_call"], r["torch_load_call"], "torch.load (page cache)")
     print("  load and read every tensor once (what load_state_dict does)")
@@ -230,8 +242,11 @@ def report(mib: int, r: dict) -> None:
     print(f"  {'  CPU share it got':34} {100 * c['share_busy']:7.1f} %   of {ncpu} CPUs while persisting, "
           f"{100 * c['share_idle']:.1f}% idle (the machine's other load shows here)")
     share = c["daemon_cpu"] / (c["window"] * ncpu)
+    phases = r["phases"]
     print(f"  {'daemon CPU per persist':34} {c['daemon_cpu']:7.2f} s   for {mib} MiB over {c['window']:.2f} s "
           f"(save returned -> persisted): {100 * share:.1f}% of the machine's CPU")
+    print(f"  ({sum(phases):.0f} s for this size: saves {phases[0]:.0f} s, loads {phases[1]:.0f} s, "
+          f"background {phases[2]:.0f} s)")
 
 
 def main(argv=None) -> int:

@@ -106,6 +106,12 @@ _ALL = [
          "recover_strategy; docs/ttp.md); empty: the built-in table mindio/ttp/fault_table.json."),
     Knob("MINDIO_CONTROLLER_EXTERNAL", _bool, False,
          "1: the launcher hosts the controller; the example training scripts start none in rank 0."),
+    Knob("MINDIO_STANDBY", _bool, False,
+         "1: this process is a standby for a rank an elastic downgrade removed (the example training scripts "
+         "register it with the controller and wait for the scale-out; docs/elastic.md)."),
+    Knob("MINDIO_DUMP_AFTER_UPGRADE", _bool, False,
+         "1: the controller writes a checkpoint (save + rename) right after an elastic scale-out, before "
+         "training goes on (docs/elastic.md)."),
     # --- checkpoint store ---
     Knob("MINDIO_ACP_DIR", str, "",
          "Runtime directory of the per-user acp daemon (socket, lock, journal); default /tmp/mindio-acp-<uid>."),

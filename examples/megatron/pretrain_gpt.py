@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover
     ttp = None
 
 HERE = Path(__file__).resolve().parent
-STANDBY = os.environ.get("MINDIO_STANDBY", "") == "1"  # mindio: a standby process for the elastic scale-out
+STANDBY = _knobs.get("MINDIO_STANDBY")  # mindio: a standby process for the elastic scale-out
 log = logging.getLogger("pretrain_gpt")
 
 

@@ -40,7 +40,7 @@ import os
 import time
 from datetime import timedelta
 
-from .. import _logging
+from .. import _knobs, _logging
 from ..errors import ConfigError
 from . import device, policy
 from ._enums import EXIT_CODE_FAULT, OsStatus
@@ -243,7 +243,7 @@ class ElasticFlow:
         if not self._step_ok("zit_rollback", {"step": lock}, full):
             return self._upgrade_failed(full, "zit_rollback")
         marks["rollback"] = time.monotonic()
-        if os.environ.get("MINDIO_DUMP_AFTER_UPGRADE", "") in ("1", "true", "yes"):
+        if _knobs.get("MINDIO_DUMP_AFTER_UPGRADE"):
             views = [policy.RankView(r, True, False, lock, 0, tuple((self._layout or {}).get(r, ())))
                      for r in full]
             plan = policy.select_dump_ranks(views, lock)

@@ -23,8 +23,8 @@ recover-in-place   only the SIGKILLed process is replaced, its state repaired fr
 recover            a SIGKILLed node's ranks move to a ``--standby`` agent
 =================  ===========================================================================
 
-A strategy runs only when ``mindio.ttp.controller.IMPLEMENTED_STRATEGIES`` lists it (default:
-dump only, what the controller does today); otherwise it is reported as "n/a (not implemented)".
+A strategy runs only when the controller implements it (:func:`implemented`); otherwise it is
+reported as "n/a (not implemented)".
 A strategy that ran but whose controller decided something else (the ``decision`` event) is
 reported with what actually happened, never as the strategy asked for.
 
@@ -71,8 +71,12 @@ def _free_port() -> int:
 
 
 def implemented() -> tuple:
-    """Strategies the controller carries out: ``controller.IMPLEMENTED_STRATEGIES`` when it exports
-    one; else dump, plus retry once its flow (mindio.ttp.retry) exists."""
+    """The bench rows that can run: baseline, plus the strategies the controller carries out.
+
+    ``mindio.ttp.controller.IMPLEMENTED_STRATEGIES`` when the module exports one; else what
+    ``Controller.implemented_strategies()`` finds (a ``_run_<strategy>`` method per strategy); else
+    dump, plus retry once its flow (mindio.ttp.retry) exists. A new strategy shows up here as soon as
+    the controller can run it; give it a ``scenario()`` branch to measure it."""
     import importlib.util
 
     try:
@@ -80,9 +84,11 @@ def implemented() -> tuple:
     except ImportError:
         return ("baseline",)
     declared = getattr(controller, "IMPLEMENTED_STRATEGIES", None)
+    if declared is None and hasattr(controller.Controller, "implemented_strategies"):
+        declared = controller.Controller.implemented_strategies(controller.Controller)  # class-level probe
     if declared is None:
         declared = ("dump",) + (("retry",) if importlib.util.find_spec("mindio.ttp.retry") else ())
-    return ("baseline",) + tuple(declared)
+    return ("baseline",) + tuple(s for s in STRATEGIES if s in declared and s != "baseline")
 
 
 @dataclass

@@ -57,6 +57,7 @@ class _Rank:
     alive: bool = True
     faulty: bool = False
     registered: bool = True
+    features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
 
 
 class Controller(IncidentFlow, RetryFlow, ElasticFlow):
@@ -329,6 +330,7 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
                 r = _Rank(rank, ident, body.pid, body.host, now, body.step, body.data_status,
                           replica=body.replica, dp_group=body.dp_group)
                 r.faulty = old is not None and old.faulty
+                r.features = dict(body.features)
                 self.ranks[rank] = r
                 self._seen[rank] = None
                 self._seen.move_to_end(rank)

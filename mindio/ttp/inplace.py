@@ -14,7 +14,9 @@ in this order, one action in flight, each to every live rank unless said otherwi
 3. ``repair(step, error_ranks, pairs)`` (only the ranks named in ``pairs``): for each pair
    ``{"type", "src", "dst"}`` in the given order, the source calls ``repair(step, False, error_ranks,
    {"type", "repair_type": "RT_SEND", "src", "dst", "rank_list"}, args, ctx)`` and the destination the
-   same with ``RT_UCE_LOWLEVEL`` (receive into the rebuilt objects) -- a point-to-point transfer.
+   same with the pair's ``repair_type`` -- ``RT_UCE_LOWLEVEL`` (receive into the objects), or
+   ``RT_UCE_HIGHLEVEL`` with ``need_rebuild=True`` when the error may have hit the update (the
+   controller's choice, retry.uce_repair_type) -- a point-to-point transfer.
 4. ``rollback(step)``: ``rollback(step, args, ctx)`` (iteration, scheduler, data iterator, params from
    the fp32 master + all-gather); this rank's step becomes ``step``, its optimizer state UPDATED.
 5. ``retry``: release the fence and hand RETRY to the parked main thread: ``train()`` is re-entered.
@@ -90,19 +92,20 @@ class InPlaceActions:
         _log.info("process groups rebuilt in place: generation %d in %.1f ms", gen, ms)
         return {"gen": gen, "ms": round(ms, 2)}
 
-    def _do_repair(self, step: int, error_ranks: list, pairs: list) -> dict:
+    def _do_repair(self, step: int, error_ranks: list, pairs: list, dst_type: str = "RT_UCE_LOWLEVEL") -> dict:
         func, ctx = self._callback("repair")
         done = []
         for pair in pairs:
             if self.rank == pair["src"]:
                 kind = "RT_SEND"
-            elif self.rank == pair["dst"]:
-                kind = "RT_UCE_LOWLEVEL"
+            elif self.rank == pair["dst"]:  # per pair (retry: HIGHLEVEL/LOWLEVEL), else RT_RECV_REPAIR
+                kind = pair.get("repair_type", dst_type)  # for a replacement process (recover.py)
             else:
                 continue
             info = {"type": pair["type"], "repair_type": kind, "src": [pair["src"]], "dst": [pair["dst"]],
                     "rank_list": sorted({pair["src"], pair["dst"]})}
-            func(step, False, list(error_ranks), info, self.step_args, ctx)
+            need_rebuild = kind in ("RT_UCE_HIGHLEVEL", "RT_LOAD_REBUILD")  # model/optimizer rebuilt first
+            func(step, need_rebuild, list(error_ranks), info, self.step_args, ctx)
             done.append(kind)
         return {"done": done}
 

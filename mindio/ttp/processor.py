@@ -113,7 +113,7 @@ class Processor(InPlaceActions, ElasticActions):
     def _hello(self) -> P.Register:
         return P.Register(world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
                           step=self.step, data_status=int(self.data_status), replica=list(self.replica),
-                          dp_group=list(self.dp_group), pidns=host_token())
+                          dp_group=list(self.dp_group), pidns=host_token(), features=dict(self.features))
 
     def _on_registered(self) -> None:
         """(link thread) After a (re)registration -- e.g. failover to a backup controller -- a rank that

@@ -77,6 +77,7 @@ class Register:
     role: str = "processor"                       # "processor" | "backup"
     addr: str = ""                                # a backup controller's tcp://host:port
     pidns: str = ""                               # pidprobe.host_token(): same host + pid namespace (v2)
+    features: dict = field(default_factory=dict)  # tft_init_processor's enable flags {"uce", "arf", "zit"}
 
 
 @dataclass(frozen=True)

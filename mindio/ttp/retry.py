@@ -1,7 +1,9 @@
 """Controller side of the retry strategy (MindIO UCE step-level online recovery; processes stay alive).
 
 Chosen by incident.py when "retry" is enabled (HIGH_AVAILABILITY) and possible (policy: only RS_UCE /
-RS_HCCL_FAILED reports, no dead rank, every shard of a UCE rank has a usable replica at the lock step).
+RS_HCCL_FAILED reports, no dead rank, every shard of a UCE rank has a usable replica at the lock step),
+and run only when every rank allows it (its processor registered with ``enable_uce=True``, the
+reference default; :meth:`RetryFlow.uce_refused`), else it fails at once and the next strategy runs.
 Every rank is already stopped (fenced or parked) when this starts. Sequence, one action in flight,
 each bounded by TTP_NORMAL_ACTION_TIME_LIMIT (processor side: inplace.py):
 
@@ -9,8 +11,9 @@ each bounded by TTP_NORMAL_ACTION_TIME_LIMIT (processor side: inplace.py):
       clean     every rank parked in the decorator, its groups destroyed and references dropped
       rebuild   generation g+1: new default group on store prefix mindio/gen<g+1>/, framework subgroups
     ENV_CLEAR -OK-> REPAIR
-      repair    for each RS_UCE rank and optimizer type: replica source RT_SEND -> rank RT_UCE_LOWLEVEL
-                (skipped for network-class errors: no state was lost)
+      repair    for each RS_UCE rank and optimizer type: replica source RT_SEND -> rank RT_UCE_LOWLEVEL,
+                or RT_UCE_HIGHLEVEL (need_rebuild) when the error may have hit its optimizer update
+                (:func:`uce_repair_type`); skipped for network-class errors: no state was lost
       rollback  every rank: iteration, scheduler, data iterator, params back to the lock step
     REPAIR -OK-> NORMAL
       retry     every rank re-enters train()
@@ -27,18 +30,37 @@ import time
 
 from .. import _logging
 from . import policy
-from ._enums import ReportState
+from ._enums import OsStatus, ReportState
 from .states import Result
 
-__all__ = ["RetryFlow"]
+__all__ = ["RetryFlow", "uce_repair_type"]
 
 _log = logging.getLogger(__name__)
+
+
+def uce_repair_type(state: ReportState, data_status: int) -> str:
+    """How a UCE rank is repaired (reference RepairType): ``RT_UCE_HIGHLEVEL`` -- the model and
+    optimizer of the rank are rebuilt and its whole optimizer shard is received -- when the error may
+    have corrupted them: an RS_UCE_CORRUPTED report (an ``HBM MULTI BIT ECC`` inside the optimizer
+    update window, ``tft_can_do_uce_repair`` False) or a rank stopped with its optimizer state not
+    UPDATED (the error hit between ``tft_start_updating_os`` and ``tft_end_updating_os``);
+    ``RT_UCE_LOWLEVEL`` -- the shard is received into the existing objects -- otherwise."""
+    if state == ReportState.RS_UCE_CORRUPTED or int(data_status) != int(OsStatus.UPDATED):
+        return "RT_UCE_HIGHLEVEL"
+    return "RT_UCE_LOWLEVEL"
 
 
 class RetryFlow:
     """Mixed into the controller next to IncidentFlow; uses its rank table, state machine, ``_call``."""
 
     gen = 0
+
+    def uce_refused(self) -> list:
+        """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not
+        allow step retry (a processor that sent no flags allows it, as the reference default does)."""
+        with self._lock:
+            return sorted(r.rank for r in self.ranks.values()
+                          if r.alive and not getattr(r, "features", {}).get("uce", True))
 
     def _step_ok(self, name: str, params: dict, ranks: list) -> bool:
         replies = self._call(name, params, ranks, self.action_limit, fail_fast=True)
@@ -68,6 +90,14 @@ class RetryFlow:
             _log.error("retry needs every rank alive; live %d of %d", len(live), self.world_size)
             self.sm.fire(Result.FAIL, failed="alive")
             return False
+        refused = self.uce_refused()
+        if refused:
+            _log.error("retry is enabled on the controller but ranks %s registered with enable_uce=False "
+                       "(tft_init_processor; the example's --enable-hbmfault-repair): not retrying",
+                       refused[:16])
+            _logging.event("retry_refused", ranks=refused[:64])
+            self.sm.fire(Result.FAIL, failed="enable_uce")
+            return False
         stale = [v.rank for v in views if v.rank not in uce and not (
             v.alive and v.step == lock and v.data_status == 0)]
         if stale:
@@ -86,6 +116,7 @@ class RetryFlow:
             return False
         marks["rebuild"] = time.monotonic()
         self.sm.fire(Result.OK, gen=self.gen)
+        kinds: dict = {}
         if uce:
             try:
                 sources = policy.select_repair_sources(views, lock, uce)
@@ -93,10 +124,13 @@ class RetryFlow:
                 _log.error("retry: %s", exc)
                 self.sm.fire(Result.FAIL, failed="repair plan")
                 return False
-            pairs = [{"type": t, "src": src, "dst": dst} for (dst, t), src in sorted(sources.items())]
+            status = {v.rank: v.data_status for v in views}
+            kinds = {r: uce_repair_type(primary[r], status.get(r, OsStatus.UPDATED)) for r in uce}
+            pairs = [{"type": t, "src": src, "dst": dst, "repair_type": kinds[dst]}
+                     for (dst, t), src in sorted(sources.items())]
             involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
-            _log.warning("retry: repairing %s from replicas %s", uce, {f"{p['dst']}/{p['type']}": p["src"]
-                                                                       for p in pairs[:16]})
+            _log.warning("retry: repairing %s (%s) from replicas %s", uce, kinds,
+                         {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
             if not self._step_ok("repair", {"step": lock, "error_ranks": uce, "pairs": pairs}, involved):
                 return self._abandon(live, "repair")
         marks["repair"] = time.monotonic()
@@ -122,6 +156,7 @@ class RetryFlow:
         _log.warning("retry done: every rank trains again %.3f s after the fault report (%s), generation %d, "
                      "lock step %d, repaired %s", total, parts, self.gen, lock, uce)
         _logging.event("retry_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, repaired=uce,
+                       repair_types={str(r): k for r, k in kinds.items()},
                        **{f"{k}_s": v for k, v in parts.items()})
         self._mindx_call("report_result", 0, "retry done", {r: 0 if r in uce else 1 for r in primary}, "retry")
         return True

@@ -12,7 +12,10 @@ Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) a
 ``DIR/ckpt/iter_<step>.tmp/shard<k>.pt``; the rename callback renames the directory and writes
 ``DIR/ckpt/latest``. ``--resume`` starts from ``latest``. ``--fault kind:rank:iteration[,...]`` injects
 raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
-raise-unknown, kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process.
+raise-uce-update (a UCE inside the optimizer update window, the shard half written), raise-unknown,
+kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process.
+``TOY_ENABLE_UCE=0``: the processor registers with enable_uce=False. Repairs append
+``<repair_type> <need_rebuild>`` to ``DIR/repair_rank<r>``.
 Retry (HIGH_AVAILABILITY=retry): rebuild re-creates the groups, repair sends/receives one shard,
 rollback sets the iteration and re-gathers the parameters from the master shards.
 """
@@ -93,7 +96,7 @@ class Trainer:
         x, y = batch(it, rank, self.world)
         flat = self.flat.clone().requires_grad_(True)
         for kind, frank, fit in a.faults:
-            if frank == rank and fit == it and not self.injected:
+            if frank == rank and fit == it and not self.injected and kind != "raise-uce-update":
                 self.injected = True  # once per process: a retried step must not fault again
                 self.inject(kind)
         loss = ((forward(flat, x) - y) ** 2).mean()
@@ -102,6 +105,10 @@ class Trainer:
         dist.all_reduce(grad, group=STATE["dp"])
         grad /= self.world
         ttp.tft_start_updating_os(-1)
+        for kind, frank, fit in a.faults:  # inside the optimizer update window
+            if kind == "raise-uce-update" and frank == rank and fit == it and not self.injected:
+                self.injected = True
+                self.inject(kind)
         lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
         t = it + 1
         self.m.mul_(0.9).add_(g, alpha=0.1)
@@ -123,6 +130,9 @@ class Trainer:
             self.v.fill_(float("nan"))
             self.flat.fill_(float("nan"))
             raise RuntimeError("UCE ERROR: injected uncorrectable memory error")
+        if kind == "raise-uce-update":  # hit mid-update: the shard is half written
+            self.master[: SHARD // 2].fill_(float("nan"))
+            raise RuntimeError("UCE ERROR: injected uncorrectable memory error during the optimizer update")
         if kind == "raise-net":
             raise RuntimeError("HCCL OP RETRY FAILED: injected network error")
         if kind == "raise-unknown":
@@ -161,6 +171,8 @@ class Trainer:
     def repair(self, step, need_rebuild, error_ranks, info, args, ctx):
         """RT_SEND: this rank's shard (master, m, v) and iteration to info["dst"]; RT_UCE_*: receive."""
         buf = torch.empty(3 * SHARD + 1)
+        with open(os.path.join(self.args.out, f"repair_rank{self.rank}"), "a") as f:
+            f.write(f"{info['repair_type']} {need_rebuild}\n")
         if info["repair_type"] == "RT_SEND":
             if os.environ.get("TOY_FAIL_REPAIR") == "raise":
                 raise RuntimeError("TOY_FAIL_REPAIR: injected repair failure")
@@ -218,7 +230,8 @@ def main() -> int:
     if a.rank == 0 and not a.external_controller:
         ttp.tft_init_controller(0, a.world, enable_local_copy=False)
         ttp.tft_start_controller("127.0.0.1", a.ctl_port, enable_tls=False)
-    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False)
+    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False,
+                           enable_uce=os.environ.get("TOY_ENABLE_UCE", "1") == "1")
     trainer = Trainer(a)
     ttp.tft_register_save_ckpt_handler(trainer.save)
     ttp.tft_register_rename_handler(trainer.rename)

@@ -46,3 +46,61 @@ def test_clean_times_out_on_a_busy_rank():
 def test_retry_refuses_a_rank_that_is_not_parked():
     with pytest.raises(RuntimeError, match="not parked"):
         Processor(0, 1)._do_retry()
+
+
+def _repair_proc(rank: int) -> tuple:
+    proc, calls = Processor(rank, 4), []
+    proc.callbacks["repair"] = (lambda step, need_rebuild, errs, info, args, ctx:
+                                calls.append((need_rebuild, info["repair_type"])), None)
+    return proc, calls
+
+
+@pytest.mark.parametrize("kind,rebuild", [("RT_UCE_LOWLEVEL", False), ("RT_UCE_HIGHLEVEL", True)])
+def test_repair_passes_the_controllers_repair_type_and_need_rebuild(kind, rebuild):
+    pairs = [{"type": 0, "src": 3, "dst": 1, "repair_type": kind}]
+    dst, got = _repair_proc(1)
+    assert dst._do_repair(6, [1], pairs) == {"done": [kind]}
+    assert got == [(rebuild, kind)]
+    src, sent = _repair_proc(3)
+    src._do_repair(6, [1], pairs)
+    assert sent == [(False, "RT_SEND")]  # the source sends from its intact state either way
+
+
+def test_uce_repair_type_follows_the_update_window():
+    from mindio.ttp import api
+    from mindio.ttp._enums import OsStatus, ReportState
+    from mindio.ttp.decorator import classify_exception
+    from mindio.ttp.retry import uce_repair_type
+
+    assert uce_repair_type(ReportState.RS_UCE, OsStatus.UPDATED) == "RT_UCE_LOWLEVEL"
+    assert uce_repair_type(ReportState.RS_UCE, OsStatus.UPDATING) == "RT_UCE_HIGHLEVEL"
+    assert uce_repair_type(ReportState.RS_UCE, OsStatus.COPYING) == "RT_UCE_HIGHLEVEL"
+    assert uce_repair_type(ReportState.RS_UCE_CORRUPTED, OsStatus.UPDATED) == "RT_UCE_HIGHLEVEL"
+    ecc = RuntimeError("HBM MULTI BIT ECC: uncorrectable")
+    try:  # the error time against the window set by tft_set_update_start/end_time (tft_can_do_uce_repair)
+        api.tft_set_update_start_time()
+        inside = classify_exception(ecc)  # the update started and has not ended: inside the window
+        api.tft_set_update_end_time()
+        time.sleep(0.001)
+        after = classify_exception(ecc)
+    finally:
+        from mindio.ttp._runtime import state
+        state.update_window[:] = [None, None]
+    assert inside == ReportState.RS_UCE_CORRUPTED and uce_repair_type(inside, OsStatus.UPDATED) == "RT_UCE_HIGHLEVEL"
+    assert after == ReportState.RS_UCE and uce_repair_type(after, OsStatus.UPDATED) == "RT_UCE_LOWLEVEL"
+
+
+def test_registration_carries_the_enable_flags_and_the_controller_honours_them():
+    from mindio.ttp import protocol as P
+    from mindio.ttp.controller import Controller, _Rank
+
+    hello = Processor(2, 4, enable_uce=False, enable_arf=True)._hello()
+    key = b"k" * 32
+    env = P.decode(P.encode(P.Envelope(P.MsgType.REGISTER, hello, rank=2), key), key)
+    assert env.body.features == {"uce": False, "arf": True, "zit": False}
+    ctl = Controller(0, 4, {"retry", "dump"}, key)
+    for r in range(4):
+        ctl.ranks[r] = _Rank(r, str(r).encode(), features={"uce": r != 2} if r else {})
+    assert ctl.uce_refused() == [2]  # rank 0 sent no flags: allowed (the reference default)
+    ctl.ranks[2].alive = False
+    assert ctl.uce_refused() == []

@@ -93,3 +93,33 @@ def test_replica_killed_during_repair_falls_back_to_exit(tmp_path):
     assert _kind(events, "retry_failed")[0]["step_name"] == "repair"
     assert _kind(events, "fallback")[0]["dst"] == "exit"
     assert not os.path.exists(os.path.join(out, "ckpt", "latest"))
+
+
+@pytest.mark.timeout(200)
+def test_uce_inside_the_update_window_gets_the_high_level_repair(baseline, tmp_path):
+    """A UCE between tft_start_updating_os and tft_end_updating_os may have hit the optimizer state
+    mid-write: the controller asks for RT_UCE_HIGHLEVEL (need_rebuild) and the whole shard comes from
+    the replica; the job still ends bitwise equal to the fault-free run."""
+    out = str(tmp_path / "run")
+    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce-update:1:{FAULT_IT}"], env=HA)
+    assert job.wait(120) == [0, 0, 0, 0], job.tail()
+    done = _kind(job.events(), "retry_done")
+    assert len(done) == 1 and done[0]["repaired"] == [1], job.tail()
+    assert done[0]["repair_types"] == {"1": "RT_UCE_HIGHLEVEL"}
+    with open(os.path.join(out, "repair_rank1")) as f:
+        assert f.read().split() == ["RT_UCE_HIGHLEVEL", "True"]
+    assert_bitwise_equal(final_state(out, 4), baseline)
+
+
+@pytest.mark.timeout(200)
+def test_ranks_without_enable_uce_are_not_retried(tmp_path):
+    """HIGH_AVAILABILITY enables retry on the controller, but the processors registered with
+    enable_uce=False: the controller does not retry; it falls back to the dump."""
+    out = str(tmp_path / "run")
+    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],
+              env=dict(HA, TOY_ENABLE_UCE="0"))
+    assert job.wait(150) == [EXIT_CODE_DUMPED] * 4, job.tail()
+    events = job.events()
+    assert _kind(events, "retry_refused")[0]["ranks"] == [0, 1, 2, 3]
+    assert not _kind(events, "retry_done") and _kind(events, "fallback")[0]["dst"] == "dump"
+    assert "registered with enable_uce=False" in job.tail(100000)

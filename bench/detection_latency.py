@@ -4,9 +4,12 @@
 
 For each injected fault (tests/ttp/_toy_train.py): a raised ``UCE ERROR``, a SIGKILL, a hang (with
 MINDIO_HANG_TIMEOUT=3), it reads the job's event log and prints: error -> controller, peers released
-(their collective failed), SIGKILL -> declared dead, hang -> SIGKILL ordered, fault -> dump decision.
-Defaults otherwise (1 s heartbeats, 3 misses). Issue 3 targets: error -> controller < 100 ms, peers
-released < 1 s, SIGKILL seen < 3.5 s.
+(their collective failed), SIGKILL -> declared dead (and by which path: ``pid``, the same-host pidfd
+probe, or ``heartbeat``), hang -> SIGKILL ordered, fault -> dump decision. The SIGKILL runs twice: with
+the same-host probe (default; the toy job's ranks share the controller's host) and with
+MINDIO_PID_PROBE=0, i.e. heartbeats only, the path for ranks on other hosts. Defaults otherwise (1 s
+heartbeats, 3 misses). Issue 3 targets: error -> controller < 100 ms, peers released < 1 s, SIGKILL
+seen < 3.5 s from heartbeats alone.
 """
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ from tests.ttp._harness import Job  # noqa: E402
 def main() -> None:
     base = tempfile.mkdtemp(prefix="mindio-detect-")
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; runs in {base}")
-    for kind, rank in (("raise-uce", 1), ("kill", 3), ("hang", 2)):
-        out = os.path.join(base, kind)
-        job = Job(out, args=["--steps", "8", "--fault", f"{kind}:{rank}:4"],
-                  env={"MINDIO_HANG_TIMEOUT": "3"} if kind == "hang" else {})
+    for label, kind, rank, env in (("raise-uce", "raise-uce", 1, {}), ("kill", "kill", 3, {}),
+                                   ("kill-hb", "kill", 3, {"MINDIO_PID_PROBE": "0"}),
+                                   ("hang", "hang", 2, {"MINDIO_HANG_TIMEOUT": "3"})):
+        out = os.path.join(base, label)
+        job = Job(out, args=["--steps", "8", "--fault", f"{kind}:{rank}:4"], env=env)
         codes = job.wait(180)
         ev = job.events()
         t0 = float(open(os.path.join(out, f"fault_t_rank{rank}")).read())
@@ -39,11 +43,11 @@ def main() -> None:
             parts.insert(1, f"error -> controller {1000 * (got['t'] - t0):.1f} ms")
         if kind == "kill":
             dead = next(e for e in ev if e["kind"] == "rank_dead" and e["dead_rank"] == rank)
-            parts.insert(1, f"SIGKILL -> declared dead {dead['t'] - t0:.3f} s")
+            parts.insert(1, f"SIGKILL -> declared dead {dead['t'] - t0:.3f} s (by {dead.get('cause', '?')})")
         if kind == "hang":
             hung = next(e for e in ev if e["kind"] == "rank_hung")
             parts.insert(1, f"hang -> SIGKILL ordered {hung['t'] - t0:.3f} s")
-        print(f"{kind:10} " + "; ".join(parts), flush=True)
+        print(f"{label:10} " + "; ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,9 @@ _ALL = [
     Knob("MINDIO_HANG_TIMEOUT", float, 300.0,
          "Seconds without step progress after which a rank whose main thread is outside a collective "
          "(while its peers wait inside one) is declared hung and SIGKILLed; 0: off.", min=0, max=86400),
+    Knob("MINDIO_PID_PROBE", _bool, True,
+         "1: the controller also watches the processes of ranks on its own host (pidfd) and declares a rank "
+         "dead the moment its process exits without BYE; 0: heartbeats only (docs/ttp.md)."),
     Knob("MINDIO_GC_FREEZE", _bool, True,
          "1: freeze the objects that exist before the model is built (gc.freeze, once) so that the garbage "
          "collection of a recovery teardown walks only the training objects (docs/recovery.md); 0: off."),

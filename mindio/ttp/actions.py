@@ -9,7 +9,9 @@ Protocol (controller side; the processor side is in processor.py):
    so 100k replies do not cost 100k wake-ups.
 3. Every 2 heartbeat intervals the action is sent again to the live ranks that have not answered (a
    frame lost across a reconnect or a failover); processors replay their cached reply for a known sn
-   and ignore a sn they are still running, so an action never runs twice on a rank.
+   and ignore a sn they are still running, so an action never runs twice on a rank. No resend while the
+   controller's own inbound queue is behind (``backlog()``): the missing replies may be sitting in it,
+   and resending to 100k ranks then only doubles the work (a resend storm).
 4. ``call`` returns {rank: Reply} when every live target answered, or at the deadline
    (TTP_NORMAL_ACTION_TIME_LIMIT for recovery actions); ranks that died meanwhile are simply absent.
    One log line and one ``action`` event (with its duration, the failed and the missing ranks) per call.
@@ -43,8 +45,9 @@ class _Pending:
 
 class ActionEngine:
     def __init__(self, cond: threading.Condition, send_many: Callable[[set, P.Action, int], None],
-                 alive: Callable[[int], bool], interval: float):
-        self._cond, self._send_many, self._alive = cond, send_many, alive
+                 alive: Callable[[int], bool], interval: float, backlog: Callable[[], bool] = lambda: False):
+        self._cond, self._send_many, self._alive, self._backlog = cond, send_many, alive, backlog
+        self.resends = 0
         self.resend = 2 * interval
         self.sn = 0
         self._pending: _Pending | None = None
@@ -70,17 +73,23 @@ class ActionEngine:
             self.sn += 1
             pend = self._pending = _Pending(self.sn, name, targets, outstanding=len(targets), fail_fast=fail_fast)
         body = P.Action(name, params)
-        waiting, last_send = targets, -1e9
+        waiting, last_send = set(targets), -1e9
         while True:
             now = time.monotonic()
-            if now - last_send >= self.resend:
+            due = now - last_send >= self.resend
+            if due and (last_send < 0 or not self._backlog()):
+                if last_send >= 0:
+                    self.resends += 1
                 self._send_many(waiting, body, pend.sn)
-                last_send = now
+                last_send, due = now, False
             with self._cond:
-                waiting = {r for r in targets if r not in pend.replies and self._alive(r)}
+                # only the ranks still waiting are looked at again (a 100k-rank round shrinks quickly)
+                waiting = {r for r in waiting if r not in pend.replies and self._alive(r)}
                 if not waiting or now - t0 >= timeout or pend.failed:
                     break
-                self._cond.wait(min(self.resend - (now - last_send), t0 + timeout - now, 0.5))
+                # resend due but our inbound queue is behind: look again in 0.25 s, not in a busy loop
+                self._cond.wait(0.25 if due else max(0.01, min(self.resend - (now - last_send), t0 + timeout - now,
+                                                               0.5)))
         with self._cond:
             self._pending = None
         dt = time.monotonic() - t0

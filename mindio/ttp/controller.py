@@ -105,13 +105,15 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
         self._registered = 0
         self._drained_at = time.monotonic()
         self._lagging = False
-        self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval)
+        self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval,
+                                    backlog=lambda: time.monotonic() - self._drained_at > 0.5)
         self._call = self.actions.call
         # live ranks, least recently heard first: a heartbeat moves its rank to the end, so the sweep
         # looks only at the front (O(expired) per sweep instead of O(world))
         self._seen: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ack_version: tuple = ()
         self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
+        self._held_reports: list = []  # reports received while a passive backup (see _take_over)
         self._poller: zmq.Poller | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -255,11 +257,15 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
                     self._seen.move_to_end(env.rank)
                 if policy.is_primary(state):
                     r.faulty = True
+                if not self.active:  # a passive backup: acted on if it takes over (the rank reports once)
+                    self._held_reports.append((env.rank, state, body.message))
             self._open_incident(env.rank, state, message=body.message)
         elif env.type is P.MsgType.INFO and env.rank in self.ranks:
             self.ranks[env.rank].replica, self.ranks[env.rank].dp_group = body.replica, body.dp_group
         elif env.type is P.MsgType.BYE and env.rank in self.ranks:
             _log.info("rank %d left (%s)", env.rank, body.reason)
+            # confirmed, so the rank exits only after we read this (the pid probe must not see a death)
+            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck("BYE"), rank=env.rank), ident)
             with self._cond:
                 self.ranks[env.rank].alive = False
                 self.ranks[env.rank].registered = False
@@ -420,4 +426,13 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
                     self.ranks[rank] = _Rank(rank, str(rank).encode(), last_seen=now, registered=False)
                     self._seen[rank] = None
             self.active = True
+            held, self._held_reports = self._held_reports, []
+            dead = [r.rank for r in self.ranks.values() if r.registered and not r.alive]
         self.sm.fire(Result.ALL_REGISTERED, ranks=n, takeover=True)
+        # a rank that failed over and reported (or died) in the moment before the takeover must not be
+        # forgotten: its report reached this backup while it was passive, and it will not report again
+        for rank, state, message in held:
+            _log.warning("acting on rank %d's %s report received before the takeover", rank, state.name)
+            self._open_incident(rank, state, message=message)
+        for rank in dead:
+            self._open_incident(rank, None)

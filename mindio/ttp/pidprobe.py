@@ -19,6 +19,8 @@ import functools
 import logging
 import os
 
+from .. import _knobs
+
 __all__ = ["host_token", "PidProbe"]
 
 _log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class PidProbe:
 
     def __init__(self) -> None:
         self.token = host_token()
-        self.enabled = bool(self.token) and hasattr(os, "pidfd_open")
+        self.enabled = bool(self.token) and hasattr(os, "pidfd_open") and _knobs.get("MINDIO_PID_PROBE")
         self._fds: dict[int, tuple[int, int]] = {}   # fd -> (rank, pid)
         self._by_rank: dict[int, int] = {}           # rank -> fd
         self._exited: dict[int, tuple[int, float]] = {}  # rank -> (pid, when the exit was seen)

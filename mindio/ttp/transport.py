@@ -308,14 +308,32 @@ class Link(threading.Thread):
                     poller.register(chan.sock, zmq.POLLIN)
                     last_rx = now
         finally:
+            bye = False
             while True:  # flush what other threads queued (a BYE, the reply to "exit") before closing
                 try:
                     env = self._out.get_nowait()
                 except queue.Empty:
                     break
                 chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
+                bye = bye or env.type is P.MsgType.BYE
+            if bye:
+                self._await_bye_ack(chan)
             chan.sock.close(500)
             self._waker.close()
+
+    def _await_bye_ack(self, chan: Channel, timeout: float = 1.0) -> None:
+        """Wait (bounded) until the controller confirms our BYE, so that it has read the BYE before this
+        process exits: a controller watching our pid (pidprobe.py) must never take a normal exit for a
+        death. Without an answer we leave anyway."""
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0 and chan.sock.poll(left * 1000):
+            try:
+                got = chan.recv()
+            except zmq.Again:
+                continue
+            if got is not None and got[1].type is P.MsgType.HEARTBEAT_ACK and got[1].body.state == "BYE":
+                return
+        _log.info("no confirmation of BYE from %s within %.1f s", self.address, timeout)
 
     def _adopt_backups(self, backups: list) -> None:
         if not self.follow_backups:

@@ -67,3 +67,49 @@ def test_backup_takes_over_and_dumps(tmp_path, monkeypatch):
         ctl_log.close()
         if backup is not None:
             backup.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_report_to_a_passive_backup_is_acted_on_after_takeover(monkeypatch):
+    """The ranks notice the dead primary before the backup does (3 vs 10 missed beats); a rank that fails
+    over and reports its error in that moment reports only once: the backup must act on it when it takes
+    over, not drop it (the job would wait forever for a decision)."""
+    from mindio.ttp._enums import ReportState
+    from mindio.ttp.processor import Processor
+    from mindio.ttp.states import State
+
+    def until(pred, timeout=20.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if pred():
+                return True
+            time.sleep(0.01)
+        return False
+
+    monkeypatch.setenv("MINDIO_HEARTBEAT_MISSES", "3")
+    key, port, bport = b"f" * 32, free_port(), free_port()
+    primary = Controller(rank=-1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=3, hang_timeout=0)
+    primary.start("127.0.0.1", port)
+    backup = Controller(rank=1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=10, hang_timeout=0,
+                        backup=True)
+    backup.action_limit = 2.0
+    baddr = f"tcp://127.0.0.1:{bport}"
+    backup.start("127.0.0.1", bport, primary=f"tcp://127.0.0.1:{port}")
+    procs = [Processor(r, 2) for r in range(2)]
+    try:
+        assert until(lambda: primary.backups == [baddr])
+        for p in procs:
+            p.start(f"tcp://127.0.0.1:{port}", key)
+        assert until(lambda: primary.sm.state is State.NORMAL and all(baddr in p.link.addrs for p in procs))
+        primary.destroy()  # its socket closes: silence
+        assert until(lambda: all(p.link.address == baddr and p.link.registered.is_set() for p in procs), 10)
+        assert not backup.active  # the backup itself needs 10 silent beats (2 s) to give up on the primary
+        procs[1].report(ReportState.RS_UCE, "UCE ERROR")
+        assert until(lambda: backup.active, 10)
+        assert until(lambda: bool(backup.last_decision), 20), "the report made before the takeover was lost"
+        assert backup.last_decision["faulty"] == [1]
+    finally:
+        for p in procs:
+            p.destroy()
+        backup.destroy()
+        primary.destroy()

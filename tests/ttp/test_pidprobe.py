@@ -62,7 +62,7 @@ def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch
     kids = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(port), go, KEY.hex()], env=env)
             for r in range(2)]
     try:
-        assert _until(lambda: ctl.sm.state is State.NORMAL), "ranks did not register"
+        assert _until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"  # imports, loaded host
         assert ctl._probe.watched == 2  # both processes share this host and pid namespace
         open(go, "w").close()
         assert kids[1].wait(30) == 0  # rank 1: BYE, then a normal exit

@@ -390,6 +390,9 @@ def pretrain(args) -> str:
         mio.checkpoint.initialize_store({"memfs.data_block_pool_capacity_in_gb": args.acp_pool_gb})
     if args.load and mio.checkpoint.read_tracker(Path(args.load)) is None:
         print_rank_0(f"no checkpoint in {args.load}: training from scratch")  # as Megatron does
+    elif args.load and args.enable_high_availability and ttp.tft_is_reboot_node():
+        print(f"rank {dist.get_rank()}: replacement process: state comes from the replicas, not {args.load}",
+              flush=True)  # mindio: recover-in-place / recover
     elif args.load:
         it = mio.checkpoint.load_checkpoint(ctx)
         print_rank_0(f"loaded checkpoint iteration {it}: state-digest: {mio.state_digest(ctx)}")

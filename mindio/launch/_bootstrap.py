@@ -10,7 +10,9 @@ Protocol (agent -> bootstrap, on the bootstrap's stdin):
 2. It then blocks reading one JSON line ``{"env": {...}, "argv": [...]}`` from stdin: the assignment.
    An empty line or EOF means "not needed": it exits 0.
 3. It applies the environment (RANK, LOCAL_RANK, WORLD_SIZE, ...), sets ``sys.argv`` and runs the
-   script as ``__main__``; its exit status is the script's.
+   script as ``__main__``; its exit status is the script's. A replacement process (recover-in-place /
+   recover: ``MINDIO_REBOOT_GEN`` set) first gets :func:`mindio.ttp.reboot.install`, so the script's
+   ``init_process_group`` joins the survivors' new generation.
 """
 from __future__ import annotations
 
@@ -87,6 +89,10 @@ def main() -> None:
     assignment = json.loads(line)
     os.environ.update({k: str(v) for k, v in assignment["env"].items()})
     os.environ["MINDIO_WORKER_WARMUP_S"] = f"{warm_s:.3f}"
+    if os.environ.get("MINDIO_REBOOT_GEN"):  # a replacement process joins the survivors' generation
+        from mindio.ttp import reboot
+
+        reboot.install()
     argv = assignment.get("argv") or []
     # stdin was the assignment channel; give the script an empty one, as torchrun does.
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -14,6 +14,10 @@ One agent runs on every node. Conversation through the agents' TCPStore (hosted 
 * ``round/<n>/done``         each agent adds 1 when all its workers exited 0; the job succeeds when it
                              reaches ``nnodes``. Node 0 keeps the stores up until then.
 
+With high availability on (``--high-availability`` / ``HIGH_AVAILABILITY``), node 0 also hosts the
+controller as rank -1, a worker death is reported to it at once, and agents start single ranks again
+(recover-in-place) or a standby takes a lost node's ranks (recover) in the running round: see ha.py.
+
 Workers are started through :mod:`mindio.launch._bootstrap`: each agent keeps ``warm_spares``
 interpreters that already imported torch and the script's imports, so a (re)start does not pay the
 interpreter start-up on the critical path. Workers die with their agent (PR_SET_PDEATHSIG), so killing
@@ -29,11 +33,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 from .. import _logging
 from ..errors import ConfigError
+from . import ha
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,11 @@ class LaunchConfig:
     standby: bool = False
     """Offer this node as a spare: wait until a node is lost, take over its node rank, join the next round."""
     run_id: str = "mindio"
+    high_availability: tuple = ()
+    """Strategies of the controller that node 0 hosts (HIGH_AVAILABILITY); empty: no controller here
+    (the training script starts one in rank 0, as under torchrun)."""
+    recover_timeout: float = 60.0
+    """Seconds for a replacement process to join the survivors and park (recover-in-place / recover)."""
     extra_env: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -152,6 +163,13 @@ class Agent:
             base["OMP_NUM_THREADS"] = "1"  # as torchrun does: N processes must not each spawn N threads
         self._base_env = base
         self._spares = _Spares(cfg, base)
+        self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
+        self._hosted: ha.HostedController | None = None
+        self._ttp: dict | None = None
+        self._round = self._port = 0
+        self.lost_now: list[int] = []
+        self.taken_over: dict[int, float] = {}
+        self._refill = False
 
     # --- stores -------------------------------------------------------------------------------
     def _connect(self):
@@ -205,16 +223,47 @@ class Agent:
             "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
             "MINDIO_AGENT_STORE": f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
             "MINDIO_AGENT_PID": os.getpid(),  # the node's agent: mindio.drill's kill-node target
+            **(ha.ttp_env(self._ttp) if self._ttp else {}),
         }
 
-    def _start_workers(self, rnd: int, port: int) -> None:
+    def _start_workers(self, rnd: int, port: int, gen: int | None = None) -> None:
+        self._round, self._port = rnd, port
+        if self.cfg.high_availability:
+            if self.cfg.node_rank == 0 and gen is None:
+                self._hosted = ha.HostedController(self, rnd)
+            self._store.wait([f"round/{rnd}/ttp"])
+            self._ttp = json.loads(self._store.get(f"round/{rnd}/ttp"))
+        if gen is not None:  # a standby that took a lost node: its ranks are replacements
+            self.replace_local([self.cfg.node_rank * self.cfg.nproc_per_node + i
+                                for i in range(self.cfg.nproc_per_node)], gen, reboot_type="arf")
+            return
         for local_rank in range(self.cfg.nproc_per_node):
             env = self._worker_env(local_rank, rnd, port)
             self._workers[env["RANK"]] = self._spares.take(env, self.cfg.args)
         self._spares.fill()  # warm the next spare now, off the critical path
 
+    def replace_local(self, ranks, gen: int, reboot_type: str = "arf") -> None:
+        """(any thread) Start ``ranks`` of this node again in a warm spare, as replacements in ``gen``."""
+        t0 = time.monotonic()
+        with self._lock:
+            for rank in ranks:
+                env = self._worker_env(rank - self.cfg.node_rank * self.cfg.nproc_per_node, self._round, self._port)
+                env.update(MINDIO_REBOOT_GEN=gen, MINDIO_REBOOT_TYPE=reboot_type)
+                old = self._workers.get(rank)
+                if old is not None and old.poll() is None:
+                    old.kill()  # the controller declared it dead: it must not linger
+                self._workers[rank] = self._spares.take(env, self.cfg.args)
+        log.warning("ranks %s started again (generation %d) in %.3f s", list(ranks), gen, time.monotonic() - t0)
+        _logging.event("ranks_replaced", ranks=list(ranks), gen=gen, node=self.cfg.node_rank,
+                       take_s=round(time.monotonic() - t0, 6))
+        self._refill = True
+
     def _stop_workers(self) -> None:
-        live = [p for p in self._workers.values() if p.poll() is None]
+        if self._hosted is not None:
+            self._hosted.close()
+            self._hosted = None
+        with self._lock:
+            live = [p for p in self._workers.values() if p.poll() is None]
         for p in live:
             p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.term_grace
@@ -253,18 +302,27 @@ class Agent:
         """Watch the round until it succeeds (returns None) or fails (returns the reason)."""
         failed_key, done_key = f"round/{rnd}/failed", f"round/{rnd}/done"
         reported_done = False
+        self._reported, self._dead_since, self._replace_seen, self._declared_lost = set(), None, 0, set()
         while not self._stopping:
             self._beat()
             if self._store.check([failed_key]):
                 return self._store.get(failed_key).decode()
-            codes = {r: p.poll() for r, p in self._workers.items()}
+            with self._lock:
+                codes = {r: p.poll() for r, p in self._workers.items()}
             bad = {r: c for r, c in codes.items() if c not in (None, 0)}
+            if self.cfg.high_availability:
+                reason = self._ha_tick(rnd, bad)
+                if reason:
+                    _logging.event("round_failed", round=rnd, node=self.cfg.node_rank, reason=reason)
+                    self._store.compare_set(failed_key, "", f"node {self.cfg.node_rank}: {reason}")
+                    return self._store.get(failed_key).decode()
+                bad = {}
             if bad:
                 reason = "; ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(bad.items()))
                 _logging.event("round_failed", round=rnd, node=self.cfg.node_rank, reason=reason)
                 self._store.compare_set(failed_key, "", f"node {self.cfg.node_rank}: {reason}")
                 return self._store.get(failed_key).decode()
-            lost = self._lost_nodes()
+            lost = [] if self.cfg.high_availability else self._lost_nodes()
             if lost:
                 self._store.compare_set(failed_key, "", f"node(s) {lost} lost (no agent beat for {self.cfg.node_lost_after} s)")
                 return self._store.get(failed_key).decode()
@@ -276,12 +334,69 @@ class Agent:
             time.sleep(self.cfg.monitor_interval)
         return "agent stopped by signal"
 
+    def _ha_tick(self, rnd: int, bad: dict) -> str | None:
+        """High availability: report deaths to the controller, carry out its replacement orders,
+        declare lost nodes (node 0); return why the round failed, or None while it goes on."""
+        cfg, store = self.cfg, self._store
+        with self._lock:
+            procs = {r: self._workers[r] for r in bad}
+        for rank, code in bad.items():
+            if procs[rank] in self._reported:
+                continue
+            self._reported.add(procs[rank])
+            self._dead_since = self._dead_since or time.monotonic()
+            why = f"exited with {_describe(code)}"
+            log.error("rank %d %s; telling the controller", rank, why)
+            _logging.event("worker_exited", round=rnd, dead_rank=rank, code=code)
+            if self._hosted is not None:
+                self._hosted.ctl.declare_dead([rank], "agent", reason=why)
+            else:
+                i = store.add(f"round/{rnd}/deaths", 1)
+                store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
+        if self._refill:
+            self._refill = False
+            self._spares.fill()
+        if self._hosted is not None:
+            self._hosted.poll_deaths()
+            if self._hosted.ended is not None:
+                return f"the controller ended the job (exit code {self._hosted.ended})"
+            raw_lost = self._lost_nodes()
+            for node in [n for n in self.taken_over if n not in raw_lost]:
+                del self.taken_over[node]  # the standby beats as that node now
+            self.lost_now = [n for n in raw_lost if n not in self.taken_over]
+            for node in set(self.lost_now) - self._declared_lost:
+                ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
+                log.error("node %d lost (no agent beat for %.1f s): its ranks %s are dead", node,
+                          cfg.node_lost_after, ranks)
+                self._hosted.ctl.declare_dead(ranks, "node lost", node=node)
+                self._dead_since = self._dead_since or time.monotonic()
+            self._declared_lost = set(self.lost_now)
+        else:
+            key = f"round/{rnd}/replace/{cfg.node_rank}"
+            n = store.add(key, 0)
+            while self._replace_seen < n and store.check([f"{key}/{self._replace_seen + 1}"]):
+                self._replace_seen += 1
+                order = json.loads(store.get(f"{key}/{self._replace_seen}"))
+                self.replace_local(order["ranks"], order["gen"])
+                self._dead_since = None
+            if 0 in self._lost_nodes():
+                return "node 0 (the controller's node) lost"
+        with self._lock:
+            all_live = all(p.poll() is None or p.poll() == 0 for p in self._workers.values())
+        if all_live:
+            self._dead_since = None
+        elif self._dead_since and time.monotonic() - self._dead_since > cfg.rdzv_timeout:
+            return f"a worker death was neither recovered nor ended by the controller in {cfg.rdzv_timeout} s"
+        return None
+
     def _wait_for_lost_node(self) -> int | None:
         """Standby: block until some node's agent stops beating, claim its node rank; return the
         round to join (None if stopped by a signal)."""
         self._store.add("standby/count", 1)
         me = f"standby-{os.getpid()}-{time.time()}"
         log.info("standby agent waiting for a lost node")
+        if self.cfg.high_availability:
+            return self._wait_for_takeover(me)
         while not self._stopping:
             for node in self._lost_nodes():
                 stale = self._store.get(f"agent/{node}/beat").decode()
@@ -298,6 +413,32 @@ class Agent:
             time.sleep(self.cfg.monitor_interval)
         return None
 
+    def _wait_for_takeover(self, me: str):
+        """High availability: wait until the controller gives a lost node to a standby (ha.py), claim
+        it; return (round, generation) -- the ranks start as replacements in the running round."""
+        while not self._stopping:
+            try:
+                rnd = int(self._store.get("job/round")) if self._store.check(["job/round"]) else 0
+                for node in range(self.cfg.nnodes):
+                    key = f"round/{rnd}/takeover/{node}"
+                    if not self._store.check([key]):
+                        continue
+                    if self._store.compare_set(f"claim/{rnd}/{node}", "", me).decode() != me:
+                        continue
+                    gen = json.loads(self._store.get(key))["gen"]
+                    self._store.add("standby/claimed", 1)
+                    self.cfg = dataclasses.replace(self.cfg, node_rank=node, standby=False)
+                    self._beat()
+                    print(f"mindio-run: standby takes over node {node} in round {rnd} (generation {gen})",
+                          file=sys.stderr)
+                    _logging.event("standby_takeover", node=node, round=rnd, gen=gen)
+                    return rnd, gen
+            except (RuntimeError, OSError) as exc:  # node 0's store is gone: the job ended
+                log.info("standby agent: job store unreachable (%s); leaving", exc)
+                return None
+            time.sleep(self.cfg.monitor_interval)
+        return None
+
     def run(self) -> int:
         """Run the job on this node; returns the agent's exit code."""
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -305,19 +446,22 @@ class Agent:
         self._spares.fill()  # interpreters warm up while the agents rendezvous
         if self._store is None:
             self._connect()
-        rnd = 0
+        rnd, gen = 0, None
         if self.cfg.standby:
-            rnd = self._wait_for_lost_node()
-            if rnd is None:
+            got = self._wait_for_lost_node()
+            if got is None:
                 self._spares.close()
                 return 0
+            rnd, gen = got if isinstance(got, tuple) else (got, None)
         try:
             while True:
-                self._join(rnd)
+                if gen is None:
+                    self._join(rnd)
                 port = self._new_worker_store(rnd)
                 log.info("round %d: starting %d workers (world size %d)", rnd, self.cfg.nproc_per_node, self.cfg.world_size)
                 _logging.event("round_start", round=rnd, node=self.cfg.node_rank)
-                self._start_workers(rnd, port)
+                self._start_workers(rnd, port, gen)
+                gen = None
                 reason = self._monitor(rnd)
                 if reason is None:
                     log.info("round %d: all workers finished", rnd)

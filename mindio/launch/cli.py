@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .. import _logging
@@ -44,6 +45,12 @@ def parse_args(argv=None) -> LaunchConfig:
     p.add_argument("--standalone", action="store_true", help="single node on a free local port")
     p.add_argument("--standby", action="store_true",
                    help="offer this node as a spare: it takes over the node rank of a lost node")
+    p.add_argument("--high-availability", default=os.environ.get("HIGH_AVAILABILITY", ""), metavar="LIST",
+                   help="strategies (dump,retry,recover-in-place,recover,...; default: $HIGH_AVAILABILITY): node "
+                        "0's agent hosts the controller as rank -1, reports worker deaths to it at once and "
+                        "restarts only the ranks it names; empty: no controller in the launcher")
+    p.add_argument("--recover-timeout", type=float, default=60.0,
+                   help="seconds for a replacement process to join the survivors (recover-in-place/recover)")
     p.add_argument("--warm-spares", type=int, default=1, help="pre-started interpreters kept per node")
     p.add_argument("-m", "--module", action="store_true", help="run the entrypoint as a module (python -m)")
     p.add_argument("--no-python", "--no_python", action="store_true",
@@ -70,13 +77,20 @@ def parse_args(argv=None) -> LaunchConfig:
         key, _, value = item.partition("=")
         if key.strip() in ("timeout", "join_timeout"):
             timeout = float(value)
+    from .._knobs import _ha_list
+
+    try:
+        strategies = _ha_list(a.high_availability)
+    except (ValueError, ConfigError) as exc:
+        p.error(f"--high-availability {a.high_availability!r}: {exc}")
     try:
         return LaunchConfig(
             entrypoint=a.training_script, args=tuple(a.training_script_args), is_module=a.module,
             nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
             master_addr=addr, master_port=port, max_restarts=a.max_restarts,
             monitor_interval=a.monitor_interval, rdzv_timeout=timeout, warm_spares=a.warm_spares,
-            run_id=a.rdzv_id, standby=a.standby,
+            run_id=a.rdzv_id, standby=a.standby, high_availability=strategies,
+            recover_timeout=a.recover_timeout,
         )
     except ConfigError as exc:
         p.error(str(exc))

@@ -227,11 +227,15 @@ def tft_get_repair_type():
 
 
 def tft_is_reboot_node():
-    return False  # processes are never rebooted by this version (recover: a later issue)
+    """True in a process started to replace a failed one (recover-in-place / recover; reboot.py)."""
+    from . import reboot
+    return reboot.is_reboot()
 
 
 def tft_get_reboot_type():
-    _later("process reboot (recover / hot switch)", "recover flows")
+    """"arf" (recover-in-place / recover) or "hot switch" in a replacement process, else ""."""
+    from . import reboot
+    return reboot.reboot_type()
 
 
 def tft_reset_limit_step():

@@ -32,6 +32,7 @@ from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import IncidentFlow
 from .retry import RetryFlow
+from .recover import RecoverFlow
 from .elastic import ElasticFlow
 from .pidprobe import PidProbe
 from .transport import RELAY_PREFIX, Channel, Link, Waker
@@ -57,10 +58,11 @@ class _Rank:
     alive: bool = True
     faulty: bool = False
     registered: bool = True
+    gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
     features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
 
 
-class Controller(IncidentFlow, RetryFlow, ElasticFlow):
+class Controller(IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     def __init__(self, rank: int, world_size: int, enabled, key: bytes, backup: bool = False,
@@ -234,6 +236,8 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
 
     def _on_frame(self, ident: bytes, env: P.Envelope) -> None:
         body, now = env.body, time.monotonic()
+        if env.rank >= 0 and self.refuse_stale(env):  # a replaced rank's old process (recover.py)
+            return
         if env.type is P.MsgType.HEARTBEAT:
             r = self.ranks.get(env.rank)
             if r is not None and r.registered:
@@ -245,7 +249,7 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
             state = "UNKNOWN" if (r is None or not r.registered) and env.rank >= 0 else self.sm.state.value
             self._chan.send_raw(self._ack(env.rank, state), ident)
         elif env.type is P.MsgType.REGISTER:
-            self._on_register(ident, env.rank, body, now)
+            self._on_register(ident, env.rank, body, now, env.gen)
         elif env.type is P.MsgType.REPORT and env.rank in self.ranks:
             state = ReportState(body.state) if body.state in ReportState._value2member_map_ else ReportState.RS_UNKNOWN
             _logging.event("report_received", from_rank=env.rank, state=state.name, step=body.step)
@@ -318,7 +322,7 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
                 P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups)), rank=rank), self.key)
         return frame
 
-    def _on_register(self, ident: bytes, rank: int, body: P.Register, now: float) -> None:
+    def _on_register(self, ident: bytes, rank: int, body: P.Register, now: float, gen: int = 0) -> None:
         if body.role == "backup":
             if body.addr and body.addr != self.address and body.addr not in self.backups and len(self.backups) < 2:
                 self.backups.append(body.addr)
@@ -334,7 +338,7 @@ class Controller(IncidentFlow, RetryFlow, ElasticFlow):
             with self._lock:
                 old = self.ranks.get(rank)
                 r = _Rank(rank, ident, body.pid, body.host, now, body.step, body.data_status,
-                          replica=body.replica, dp_group=body.dp_group)
+                          replica=body.replica, dp_group=body.dp_group, gen=gen)
                 r.faulty = old is not None and old.faulty
                 r.features = dict(body.features)
                 self.ranks[rank] = r

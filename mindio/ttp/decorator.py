@@ -26,6 +26,7 @@ import traceback
 
 from .. import _logging
 from . import policy
+from . import reboot as _reboot
 from ._enums import Action, OsStatus, ReportState
 from ._runtime import state as _rt
 
@@ -74,6 +75,12 @@ def tft_exception_handler(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        proc = _rt.processor
+        if _reboot.should_park(proc):  # a replacement process waits to be repaired first (reboot.py)
+            action, code = proc.wait_next_action()
+            if action is not Action.RETRY:
+                exit_process(proc, code)
+            _logging.event("train_resumed", step=proc.step, gen=proc.gen, reboot=True)
         while True:
             proc = _rt.processor
             try:

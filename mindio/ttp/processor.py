@@ -41,6 +41,7 @@ from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
 from . import device
 from .inplace import InPlaceActions
 from .elastic import ElasticActions
+from .reboot import RebootActions, adopt as _adopt_reboot
 from .transport import Link
 
 __all__ = ["Processor", "CALLBACK_NAMES"]
@@ -59,7 +60,7 @@ def _in_collective(frame) -> bool:
     return False
 
 
-class Processor(InPlaceActions, ElasticActions):
+class Processor(InPlaceActions, RebootActions, ElasticActions):
     def __init__(self, rank: int, world_size: int, enable_uce: bool = True, enable_arf: bool = False,
                  enable_zit: bool = False, curve: dict | None = None):
         if not 0 <= rank < world_size <= 100000:
@@ -92,6 +93,7 @@ class Processor(InPlaceActions, ElasticActions):
         self.link = Link(self.rank, key, [addr], self._hello, self._beat, self._on_message, curve=self.curve,
                          on_registered=self._on_registered)
         self.remember_world()
+        _adopt_reboot(self)  # a replacement process (reboot.py) registers in its new generation
         self.link.start()
         budget = _knobs.get("TTP_RETRY_TIMES") * max(1.0, 2 * self.link.interval)
         if not self.link.registered.wait(budget):

@@ -1,0 +1,127 @@
+"""High availability in the launcher: the controller as rank -1, worker deaths, process replacement.
+
+Active when the job enables strategies (``--high-availability`` or ``HIGH_AVAILABILITY``). Then, per
+round, in addition to the keys of agent.py (all in node 0's agent store):
+
+* ``round/<n>/ttp``             node 0: JSON {addr, port, secret} of the controller it hosts (rank -1).
+                                Every agent passes them to its workers as TTP_ADDR / TTP_PORT /
+                                MINDIO_SECRET with MINDIO_CONTROLLER_EXTERNAL=1, so no rank hosts it
+                                (rank 0 may die like any other).
+* ``round/<n>/deaths``          counter; ``round/<n>/death/<i>`` = "<rank> <reason>": a worker of
+                                another node exited. Node 0 tells the controller (in-process).
+                                Node 0's own workers are reported directly. Either way a SIGKILLed
+                                rank is declared dead within one monitor interval (0.1 s), not after
+                                missed heartbeats.
+* ``round/<n>/replace/<node>``  counter; ``.../<node>/<i>`` = JSON {ranks, gen}: the controller
+                                orders node ``node``'s agent to start these ranks again (recover-in-
+                                place). A warm spare takes each, with MINDIO_REBOOT_GEN / _TYPE set
+                                (mindio.ttp.reboot).
+* ``round/<n>/takeover/<node>`` JSON {gen}: the controller gives lost node ``node``'s ranks to a
+                                standby agent (recover); the first standby to claim it
+                                (``claim/<n>/<node>``) becomes that node and starts its ranks as
+                                replacements, in the running round.
+
+A worker death no longer fails the round by itself: the controller decides (replace, dump, exit).
+The round fails when the controller ended the job (its exit action went out), or when a death was
+neither replaced nor ended within the backstop (``rdzv_timeout``): never a hang.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+
+from .. import _logging
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HostedController", "ttp_env"]
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def ttp_env(info: dict) -> dict:
+    """Worker environment that points the training script's processor at the hosted controller."""
+    return {"MINDIO_CONTROLLER_EXTERNAL": "1", "TTP_ADDR": info["addr"], "TTP_PORT": info["port"],
+            "MINDIO_SECRET": info["secret"]}
+
+
+class HostedController:
+    """Node 0's controller for one round, plus the replacer it calls (recover.py's protocol)."""
+
+    def __init__(self, agent, rnd: int):
+        from ..ttp.controller import Controller
+
+        cfg = agent.cfg
+        self.agent, self.rnd = agent, rnd
+        self.secret = secrets.token_hex(32)
+        key = hashlib.sha256(self.secret.encode()).digest()  # as mindio.ttp.transport.job_secret
+        self.ctl = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability), key=key)
+        port = _free_port(cfg.master_addr)
+        self.ctl.start(cfg.master_addr, port)
+        self.ctl.attach_replacer(self, timeout=cfg.recover_timeout)
+        self.info = {"addr": cfg.master_addr, "port": port, "secret": self.secret}
+        agent._store.set(f"round/{rnd}/ttp", json.dumps(self.info))
+        self._deaths_seen = 0
+        log.info("round %d: controller (rank -1) on %s:%d, strategies %s", rnd, cfg.master_addr, port,
+                 sorted(cfg.high_availability))
+
+    # -- called by the controller's driver thread --------------------------------------------------
+    def possible(self, ranks, strategy: str) -> bool:
+        cfg, agent = self.agent.cfg, self.agent
+        nodes = {r // cfg.nproc_per_node for r in ranks}
+        lost = set(agent.lost_now)
+        if strategy == "recover-in-place":
+            return not nodes & lost
+        if strategy == "recover":
+            whole = all(set(range(n * cfg.nproc_per_node, (n + 1) * cfg.nproc_per_node)) <= set(ranks)
+                        for n in nodes)
+            store = agent._store
+            spares = store.add("standby/count", 0) - store.add("standby/claimed", 0)
+            return bool(nodes) and nodes <= lost and whole and spares >= len(nodes)
+        return False
+
+    def replace(self, ranks, gen: int, strategy: str) -> None:
+        cfg, store = self.agent.cfg, self.agent._store
+        by_node: dict[int, list] = {}
+        for r in sorted(ranks):
+            by_node.setdefault(r // cfg.nproc_per_node, []).append(r)
+        for node, rs in by_node.items():
+            if strategy == "recover":
+                store.set(f"round/{self.rnd}/takeover/{node}", json.dumps({"gen": gen}))
+                self.agent.taken_over[node] = time.time()
+            elif node == cfg.node_rank:
+                self.agent.replace_local(rs, gen)
+            else:
+                i = store.add(f"round/{self.rnd}/replace/{node}", 1)
+                store.set(f"round/{self.rnd}/replace/{node}/{i}", json.dumps({"ranks": rs, "gen": gen}))
+        _logging.event("replace_ordered", ranks=sorted(ranks), gen=gen, strategy=strategy)
+
+    # -- called by node 0's agent main loop --------------------------------------------------------
+    def poll_deaths(self) -> None:
+        store = self.agent._store
+        n = store.add(f"round/{self.rnd}/deaths", 0)
+        while self._deaths_seen < n:
+            self._deaths_seen += 1
+            key = f"round/{self.rnd}/death/{self._deaths_seen}"
+            if not store.check([key]):
+                self._deaths_seen -= 1  # counter bumped, value not written yet: next tick
+                return
+            rank, _, reason = store.get(key).decode().partition(" ")
+            self.ctl.declare_dead([int(rank)], "agent", reason=reason)
+
+    @property
+    def ended(self) -> int | None:
+        """The exit code the controller ended the job with, or None while it runs."""
+        return self.ctl.exit_code if self.ctl.final.is_set() else None
+
+    def close(self) -> None:
+        threading.Thread(target=self.ctl.destroy, daemon=True).start()  # joins its threads (<= 2 s each)

@@ -1,0 +1,134 @@
+"""Processor side of the strategies that *replace* a process (recover-in-place, recover, hot switch).
+
+A replacement process is started by its launcher agent (mindio.launch) with, in its environment,
+
+* ``MINDIO_REBOOT_GEN=<g>``   the generation the survivors rebuild their groups under;
+* ``MINDIO_REBOOT_TYPE``      ``arf`` (recover-in-place / recover) or ``hot switch``.
+
+Then, with no change to the training script beyond what MindIO already asks for:
+
+1. :func:`install` (called by the launcher's bootstrap before the script runs) wraps
+   ``torch.distributed.init_process_group`` so that the script's ordinary call joins the survivors'
+   new world: the default group is created on ``PrefixStore("mindio/gen<g>/", base)`` where ``base``
+   is the store of the survivors' first default group: ``<name>/`` over the store the script would
+   have used (``default_pg`` over the env:// store, as torch does, or the store the script passes) --
+   exactly the store the survivors re-create their world on (inplace.remember_world). The
+   framework's normal init order then creates its subgroups, matching the survivors' rebuild handler.
+2. ``tft_is_reboot_node()`` is true and ``tft_get_reboot_type()`` names the type: the script skips
+   loading a checkpoint (its state comes from the replicas).
+3. The processor registers carrying generation ``g`` (:func:`adopt`); a rank of an older generation is
+   refused by the controller.
+4. The decorator parks the main thread before the first ``train()`` (:func:`should_park`); the
+   controller's ``prerepair`` action (:class:`RebootActions`) waits for that, then repair
+   (RT_RECV_REPAIR), rollback and retry run as for the retry strategy (inplace.py).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+__all__ = ["install", "is_reboot", "reboot_type", "reboot_gen", "adopt", "should_park", "RebootActions"]
+
+_log = logging.getLogger(__name__)
+
+
+class _State:
+    base_store = None      # the store the survivors' world lives on (before the generation prefix)
+    installed = False
+    parked_once = False
+
+
+state = _State()
+
+
+def reboot_gen() -> int:
+    try:
+        return int(os.environ.get("MINDIO_REBOOT_GEN", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def is_reboot() -> bool:
+    return reboot_gen() > 0
+
+
+def reboot_type() -> str:
+    return os.environ.get("MINDIO_REBOOT_TYPE", "arf") if is_reboot() else ""
+
+
+def install() -> None:
+    """Wrap init_process_group for a replacement process (no-op for an ordinary start)."""
+    if not is_reboot() or state.installed:
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.init_process_group
+    gen = reboot_gen()
+
+    @functools.wraps(original)
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
+                           store=None, group_name="", pg_options=None, device_id=None, **kw):
+        if store is None:
+            from datetime import timedelta
+            t = timeout or timedelta(seconds=int(os.environ.get("MINDIO_PG_TIMEOUT", "120")))
+            it = c10d.rendezvous(init_method or "env://", rank, world_size, timeout=t)
+            store, rank, world_size = next(it)
+            store.set_timeout(t)
+            store = dist.PrefixStore("default_pg", store)  # what torch adds for its own rendezvous
+        # the survivors' base is their first default group's store: torch keys it by the group's name
+        # ("0" for the first group of a process), over the store above (inplace.remember_world)
+        store = dist.PrefixStore(f"{group_name or '0'}/", store)
+        state.base_store = store
+        t0 = time.monotonic()
+        _log.warning("replacement process (generation %d): joining the survivors' world as rank %s of %s",
+                     gen, rank, world_size)
+        kwargs = dict(backend=backend, timeout=timeout, world_size=world_size, rank=rank,
+                      store=dist.PrefixStore(f"mindio/gen{gen}/", store), group_name=group_name,
+                      pg_options=pg_options, device_id=device_id, **kw)
+        if timeout is None:
+            kwargs.pop("timeout")
+        original(**kwargs)
+        _log.info("joined generation %d in %.3f s", gen, time.monotonic() - t0)
+
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+    state.installed = True
+
+
+def adopt(proc) -> None:
+    """(tft_start_processor) A replacement's processor starts in generation ``g`` on the base store."""
+    if not is_reboot():
+        return
+    if state.base_store is not None:
+        proc._base_store = state.base_store
+    proc.gen = reboot_gen()
+    if proc.link is not None:
+        proc.link.gen = proc.gen  # the REGISTER carries it: the controller refuses older generations
+
+
+def should_park(proc) -> bool:
+    """(decorator, first entry) A replacement parks before train() until repaired; once only."""
+    if proc is None or not is_reboot() or state.parked_once:
+        return False
+    state.parked_once = True
+    return True
+
+
+class RebootActions:
+    """Mixed into the Processor: the actions only a replacement process receives."""
+
+    def _do_prerepair(self, timeout: float = 60.0) -> dict:
+        """Wait until the main thread parked before train() (model and optimizer built, groups made)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._main != "parked" and time.monotonic() < end:
+                self._cond.wait(0.01)
+            main = self._main
+        if main != "parked":
+            raise TimeoutError(f"replacement rank {self.rank} did not reach train() within {timeout:.0f} s "
+                               f"(main thread {main})")
+        self.repair_type = "recover"
+        return {"gen": self.gen, "pid": os.getpid()}

@@ -1,0 +1,228 @@
+"""Controller side of the strategies that replace processes: recover-in-place and recover (MindIO ARF).
+
+recover-in-place: a rank's process died; its launcher agent starts ONLY that rank again (a warm spare
+interpreter takes it). recover: a whole node (all ranks of one agent) is gone; a ``--standby`` agent
+takes the node's ranks. The survivors never restart. Both need a *replacer* -- the launcher agent that
+hosts this controller (mindio.launch.agent, :meth:`RecoverFlow.attach_replacer`); without one (plain
+torchrun) neither is feasible and the incident falls back to dump / exit as before.
+
+Every live rank is already stopped (parked in the decorator, released from gloo by the peer's death)
+when this starts. Sequence, each step bounded (MINDIO_RECOVER_TIMEOUT, TTP_NORMAL_ACTION_TIME_LIMIT)::
+
+    ABNORMAL -RECOVER-> ENV_CLEAR
+      clean       survivors: groups destroyed, references dropped (inplace.py)
+      replace     generation g+1; the replacer starts the dead ranks with MINDIO_REBOOT_GEN=g+1
+                  (reboot.py: the new process joins the world on store prefix mindio/gen<g+1>/)
+      rebuild     survivors: new default group + framework subgroups; completes together with the
+                  replacement's own init_process_group / subgroup creation
+      register    the replacement registers carrying generation g+1 (older generations are refused)
+      prerepair   the replacement built its model/optimizer and parked before train()
+    ENV_CLEAR -OK-> REPAIR
+      repair      replica RT_SEND -> replacement RT_RECV_REPAIR (optimizer shard + scalar state)
+      rollback    every rank back to the lock step
+    REPAIR -OK-> NORMAL
+      retry       every rank (re-)enters train()
+
+Any step that fails, times out, or loses a rank (a second fault during recovery: the agent reports the
+death at once) goes -FAIL-> ABNORMAL: the survivors' half-built groups are destroyed (``clean``) and the
+caller falls back (dump with the ranks still alive, then exit) with a log line naming the step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import _logging
+from . import policy
+from . import protocol as P
+from .states import Result
+
+__all__ = ["RecoverFlow", "REPLACING"]
+
+_log = logging.getLogger(__name__)
+REPLACING = ("recover-in-place", "recover")
+
+
+class RecoverFlow:
+    """Mixed into the controller next to IncidentFlow and RetryFlow."""
+
+    replacer = None          # launcher side: replace(ranks, gen, strategy) / spares(ranks, strategy) -> bool
+    recover_timeout = 60.0   # seconds for a replacement to join, build and park
+    stale_refused = 0
+
+    def attach_replacer(self, replacer, timeout: float | None = None) -> None:
+        """(launcher agent) Enable recover-in-place / recover: ``replacer.replace(ranks, gen, strategy)``
+        starts new processes for ``ranks``; ``replacer.possible(ranks, strategy)`` says if it can."""
+        self.replacer = replacer
+        self._replaced: dict[int, int] = {}
+        if timeout:
+            self.recover_timeout = timeout
+
+    def can_replace(self, strategy: str, dead) -> bool:
+        if self.replacer is None or not dead:
+            return False
+        try:
+            return bool(self.replacer.possible(sorted(dead), strategy))
+        except Exception:
+            _log.exception("replacer.possible failed")
+            return False
+
+    # ------------------------------------------------------------------ stale generations (I/O thread)
+    def refuse_stale(self, env: P.Envelope) -> bool:
+        """True (drop the frame) when ``env`` comes from a rank whose process was replaced in a newer
+        generation than the one the frame carries: an old process must never rejoin or be answered."""
+        replaced = getattr(self, "_replaced", None)
+        if not replaced:
+            return False
+        g = replaced.get(env.rank)
+        if g is None or env.gen >= g:
+            return False
+        self.stale_refused += 1
+        if self.stale_refused <= 16 or self.stale_refused % 1000 == 0:
+            _log.error("refused %s from rank %d of generation %d: that rank was replaced in generation %d "
+                       "(%d stale frames refused so far)", env.type.name, env.rank, env.gen, g,
+                       self.stale_refused)
+            _logging.event("stale_refused", from_rank=env.rank, msg=env.type.name, frame_gen=env.gen,
+                           replaced_gen=g, count=self.stale_refused)
+        return True
+
+    # ------------------------------------------------------------------ strategies (incident.py calls these)
+    def _run_recover_in_place(self, ctx: dict):
+        return self._run_replacing("recover-in-place", ctx)
+
+    def _run_recover(self, ctx: dict):
+        return self._run_replacing("recover", ctx)
+
+    def _run_replacing(self, strategy: str, ctx: dict):
+        """True: every rank trains again; None: not possible or failed (the caller falls back)."""
+        with self._lock:
+            dead = sorted(r.rank for r in self.ranks.values() if not r.alive)
+        dead += sorted(set(range(self.world_size)) - set(self.ranks))
+        if not self.can_replace(strategy, dead):
+            why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
+                   if self.replacer is None else f"the launcher cannot replace ranks {dead[:16]} this way")
+            _log.error("%s not possible: %s", strategy, why)
+            return None
+        if self._recover(strategy, ctx["lock"], ctx["views"], ctx["t0"]):
+            return True
+        with self._lock:  # a rank may have died during the recovery: plan the dump again
+            dead_now = {r.rank for r in self.ranks.values() if not r.alive}
+        ctx["views"] = [v if v.rank not in dead_now else policy.RankView(v.rank, False, True, v.step,
+                                                                         v.data_status, v.replica)
+                        for v in ctx["views"]]
+        ctx["plan"] = policy.select_dump_ranks(ctx["views"], ctx["lock"])
+        return None
+
+    # ------------------------------------------------------------------ the flow (driver thread)
+    def _recover_step(self, name: str, params: dict, ranks: list, timeout: float, watch: list) -> bool:
+        replies = self._call(name, params, ranks, timeout, fail_fast=True)
+        with self._lock:
+            lost = [r for r in watch if not self.ranks[r].alive]
+        bad = {r: (replies[r].detail if r in replies else "no reply (dead or past the deadline)")
+               for r in ranks if r not in replies or not replies[r].ok}
+        if bad or lost:
+            _log.error("recover failed at %s: ranks %s failed %s, ranks %s died; falling back", name,
+                       sorted(bad)[:16], {r: bad[r] for r in sorted(bad)[:4]}, lost[:16])
+            _logging.event("recover_failed", step_name=name, ranks=sorted(bad)[:64], lost=lost[:64])
+        return not bad and not lost
+
+    def _wait_registered(self, ranks: list, gen: int, deadline: float) -> bool:
+        """Block until every rank in ``ranks`` registered in generation >= ``gen`` and is alive."""
+        with self._cond:
+            while True:
+                ok = [r for r in ranks if self.ranks.get(r) is not None and self.ranks[r].alive
+                      and getattr(self.ranks[r], "gen", 0) >= gen]
+                if len(ok) == len(ranks):
+                    return True
+                now = time.monotonic()
+                if now >= deadline or self._stop.is_set():
+                    _log.error("recover: replacement rank(s) %s did not register in generation %d within "
+                               "%.0f s", sorted(set(ranks) - set(ok)), gen, self.recover_timeout)
+                    return False
+                self._cond.wait(min(0.05, deadline - now))
+
+    def _abandon_recover(self, survivors: list, failed: str) -> bool:
+        self._call("clean", {"timeout": 5.0}, survivors, 10.0)
+        self.sm.fire(Result.FAIL, failed=failed)
+        return False
+
+    def _recover(self, strategy: str, lock: int, views: list, t_incident: float) -> bool:
+        """Run the sequence of the module docstring; True when every rank trains again."""
+        marks = {"decide": time.monotonic()}
+        self.sm.fire(Result.RECOVER, lock_step=lock, strategy=strategy)
+        with self._lock:
+            dead = sorted(r.rank for r in self.ranks.values() if not r.alive)
+            survivors = sorted(r.rank for r in self.ranks.values() if r.alive)
+        dead += sorted(set(range(self.world_size)) - set(self.ranks))
+        stale = [v.rank for v in views if v.rank in survivors and not (v.step == lock and v.data_status == 0)]
+        if stale or not dead:
+            _log.error("recover: survivors %s are not at the lock step %d with complete optimizer state "
+                       "(or no rank is dead: %s)", stale[:16], lock, dead)
+            self.sm.fire(Result.FAIL, failed="lock step")
+            return False
+        try:
+            sources = policy.select_repair_sources(views, lock, dead)
+        except ValueError as exc:
+            _log.error("recover: %s", exc)
+            self.sm.fire(Result.FAIL, failed="repair plan")
+            return False
+        limit = self.action_limit
+        if not self._recover_step("clean", {"timeout": limit}, survivors, limit, survivors):
+            return self._abandon_recover(survivors, "clean")
+        marks["clean"] = time.monotonic()
+        self.gen += 1
+        gen = self.gen
+        for r in dead:
+            self._replaced[r] = gen
+        try:
+            self.replacer.replace(dead, gen, strategy)
+        except Exception as exc:
+            _log.error("recover: starting replacement(s) for %s failed: %s", dead, exc)
+            return self._abandon_recover(survivors, "replace")
+        marks["replace"] = time.monotonic()
+        deadline = time.monotonic() + self.recover_timeout
+        if not self._recover_step("rebuild", {"gen": gen, "fault_ranks": dead}, survivors,
+                                  self.recover_timeout, survivors):
+            return self._abandon_recover(survivors, "rebuild")
+        marks["rebuild"] = time.monotonic()
+        if not self._wait_registered(dead, gen, deadline):
+            return self._abandon_recover(survivors, "register")
+        everyone = sorted(survivors + dead)
+        if not self._recover_step("prerepair", {"timeout": max(1.0, deadline - time.monotonic())}, dead,
+                                  max(1.0, deadline - time.monotonic()) + 2, everyone):
+            return self._abandon_recover(everyone, "prerepair")
+        marks["start"] = time.monotonic()
+        self.sm.fire(Result.OK, gen=gen)
+        pairs = [{"type": t, "src": src, "dst": dst} for (dst, t), src in sorted(sources.items())]
+        involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
+        _log.warning("recover: repairing %s from replicas %s", dead,
+                     {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
+        if not self._recover_step("repair", {"step": lock, "error_ranks": dead, "pairs": pairs,
+                                             "dst_type": "RT_RECV_REPAIR"}, involved, limit, everyone):
+            return self._abandon_recover(everyone, "repair")
+        marks["repair"] = time.monotonic()
+        if not self._recover_step("rollback", {"step": lock}, everyone, limit, everyone):
+            return self._abandon_recover(everyone, "rollback")
+        marks["rollback"] = time.monotonic()
+        with self._lock:
+            self.sm.fire(Result.OK, lock_step=lock)
+            self._incident = None
+            self._incident_evt.clear()
+            for r in self.ranks.values():
+                if r.alive:
+                    r.faulty = False
+                    r.step = lock
+        self._call("retry", {}, everyone, limit)
+        marks["resume"] = time.monotonic()
+        prev, parts = t_incident, {}
+        for k in ("decide", "clean", "replace", "rebuild", "start", "repair", "rollback", "resume"):
+            parts[k] = round(marks[k] - prev, 6)
+            prev = marks[k]
+        total = marks["resume"] - t_incident
+        _log.warning("%s done: every rank trains again %.3f s after the fault (%s), generation %d, lock step "
+                     "%d, replaced %s", strategy, total, parts, gen, lock, dead)
+        _logging.event("recover_done", strategy=strategy, total_s=round(total, 6), lock_step=lock, gen=gen,
+                       replaced=dead, **{f"{k}_s": v for k, v in parts.items()})
+        self._mindx_call("report_result", 0, f"{strategy} done", {r: 1 for r in dead}, strategy)
+        return True
+

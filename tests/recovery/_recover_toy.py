@@ -1,0 +1,98 @@
+"""The toy job of tests/ttp/_toy_train.py (DP=4, ZeRO-1 Adam over 2 replica halves) under mindio-run.
+
+Same model, data, callbacks and ``--fault`` syntax, but started by mindio-run: rank, world size and
+the worker store come from the torchrun environment, and the controller is the one node 0's agent
+hosts (MINDIO_CONTROLLER_EXTERNAL, TTP_PORT, MINDIO_SECRET). A replacement process
+(``tft_is_reboot_node()``) builds the same objects and parks before ``train()``; its shard, moments
+and iteration come from the replica (repair), its parameters from the all-gather (rollback).
+Faults fire once per job: a marker file in ``--out`` is created before firing.
+
+At the end every rank writes ``final_rank<r>.pt`` and rank 0 prints ``state-digest: <sha256>`` over
+every rank's (flat, master, m, v, it).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ttp"))
+import _toy_train as toy  # noqa: E402
+
+import mindio.ttp as ttp  # noqa: E402
+
+
+class Trainer(toy.Trainer):
+    def inject(self, kind: str) -> None:
+        marker = os.path.join(self.args.out, f"fired-{kind}-{self.rank}")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # fired already in the process this one replaces
+        print(f"[rank {self.rank}] injecting {kind} at step {self.it}", flush=True)
+        if os.environ.get("MINDIO_EVENT_LOG"):
+            from mindio import _logging
+            _logging.event("fault_injected", fault=kind, at_step=self.it)
+        super().inject(kind)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--fault", default="")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    a = p.parse_args()
+    a.rank, a.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    a.resume = ""
+    a.faults = [(f.split(":")[0], int(f.split(":")[1]), int(f.split(":")[2])) for f in a.fault.split(",") if f]
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    toy.build_groups(a.rank, a.world)
+    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False)
+    trainer = Trainer(a)
+    ttp.tft_register_save_ckpt_handler(trainer.save)
+    ttp.tft_register_rename_handler(trainer.rename)
+    ttp.tft_register_stop_handler(toy.stop_groups)
+    ttp.tft_register_rebuild_group_handler(trainer.rebuild)
+    ttp.tft_register_repair_handler(trainer.repair)
+    ttp.tft_register_rollback_handler(trainer.rollback)
+    ttp.tft_start_processor(os.environ.get("TTP_ADDR", "127.0.0.1"), int(os.environ["TTP_PORT"]))
+    ttp.tft_set_optimizer_replica(a.rank, [{"rank_list": list(range(a.world)), "replica_cnt": toy.R,
+                                            "replica_shift": 0}])
+    if ttp.tft_is_reboot_node():
+        print(f"[rank {a.rank}] replacement process ({ttp.tft_get_reboot_type()}), pid {os.getpid()}", flush=True)
+
+    @ttp.tft_exception_handler
+    def train():
+        while trainer.it < a.steps:
+            trainer.step()
+            print(f"[rank {a.rank}] iteration {trainer.it}", flush=True)
+            if a.step_sleep:
+                time.sleep(a.step_sleep)
+        return 0
+
+    train()
+    state = {"flat": trainer.flat, "master": trainer.master, "m": trainer.m, "v": trainer.v, "it": trainer.it}
+    torch.save(state, os.path.join(a.out, f"final_rank{a.rank}.pt"))
+    h = hashlib.sha256()
+    for key in ("flat", "master", "m", "v"):
+        h.update(state[key].numpy().tobytes())
+    h.update(str(trainer.it).encode())
+    digests = [None] * a.world
+    dist.all_gather_object(digests, h.hexdigest(), group=toy.STATE["dp"])
+    if a.rank == 0:
+        print("state-digest: " + hashlib.sha256("".join(digests).encode()).hexdigest(), flush=True)
+    dist.barrier(group=toy.STATE["dp"])
+    ttp.tft_destroy_processor()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

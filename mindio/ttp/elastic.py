@@ -94,6 +94,7 @@ class ElasticFlow:
     removed: tuple = ()             # ranks a downgrade took out of the world
     _standbys: dict | None = None   # removed rank -> (ident, pid, host, registered at)
     _layout: dict | None = None     # rank -> replica list before the first downgrade (for the upgrade)
+    _gone: dict | None = None       # removed rank -> (host, pid) of its old process (never a standby)
     _upgrade_due = False
 
     def job_ranks(self) -> list:
@@ -137,11 +138,15 @@ class ElasticFlow:
         with self._cond:
             if self._layout is None:
                 self._layout = {r: replicas[r] for r in members if r in replicas}
+            if self._gone is None:
+                self._gone = {}
             for r in removed:
                 old = self.ranks.pop(r, None)
                 self._seen.pop(r, None)
-                if old is not None and old.registered:
-                    self._registered -= 1
+                if old is not None:
+                    self._gone[r] = (old.host, old.pid)
+                    if old.registered:
+                        self._registered -= 1
             self.members, self.removed = survivors, tuple(sorted(set(self.removed) | set(removed)))
             self._cond.notify_all()
         self.gen += 1
@@ -177,10 +182,13 @@ class ElasticFlow:
         """A processor registered for a removed rank: a standby offering it back (upgrade)."""
         from . import protocol as P
 
-        if self._standbys is None:
-            self._standbys = {}
-        first = rank not in self._standbys or self._standbys[rank][1] != body.pid
-        self._standbys[rank] = (ident, body.pid, body.host, now)
+        if (body.host, body.pid) == (self._gone or {}).get(rank):
+            return  # the removed rank's own process, exiting (its heartbeat was answered UNKNOWN): no offer
+        with self._lock:
+            if self._standbys is None:
+                self._standbys = {}
+            first = rank not in self._standbys or self._standbys[rank][1] != body.pid
+            self._standbys[rank] = (ident, body.pid, body.host, now)
         if first:  # a standby's heartbeats are answered UNKNOWN (not in the world yet): it says hello again
             self._standby_seen(rank, body)
         self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
@@ -196,7 +204,7 @@ class ElasticFlow:
         _logging.event("standby_registered", standby_rank=rank, pid=body.pid)
 
     def upgrade_due(self) -> bool:
-        """(driver thread) A standby waits for every removed rank and no incident is open."""
+        """(driver thread) Standbys registered for every removed rank and no incident is open."""
         return self._upgrade_due and self._incident is None
 
     # ---------------------------------------------------------------- upgrade (driver thread)
@@ -205,6 +213,21 @@ class ElasticFlow:
 
         self._upgrade_due = False
         self._incident_evt.clear()
+        if self._incident is not None:  # a fault arrived meanwhile: it goes first
+            self._incident_evt.set()
+            return True
+        # a standby says hello every heartbeat interval until it is taken in; one silent for ``misses``
+        # intervals is forgotten and the job stays downgraded until another one offers the rank
+        limit, now = self.misses * self.interval, time.monotonic()
+        with self._lock:  # the I/O thread adds standbys
+            silent = [r for r, (_i, _p, _h, t) in (self._standbys or {}).items() if now - t > limit]
+            for r in silent:
+                self._standbys.pop(r, None)
+            ready = set(self.removed) <= set(self._standbys or {})
+        for r in silent:
+            _log.warning("standby for rank %d silent for more than %.1f s: forgotten", r, limit)
+        if not ready:
+            return True
         t0 = time.monotonic()
         marks = {}
         survivors, new = self.job_ranks(), sorted(self.removed)

@@ -170,7 +170,7 @@ class ElasticFlow:
         _log.warning("downgrade done: %d ranks train again %.3f s after the fault (%s), generation %d, lock step "
                      "%d, removed %s", len(survivors), total, parts, self.gen, lock, removed[:16])
         _logging.event("downgrade_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, removed=removed,
-                       world=len(survivors), **{f"{k}_s": v for k, v in parts.items()})
+                       world=len(survivors), table=sorted(self.ranks)[:64], members=self.job_ranks()[:64], **{f"{k}_s": v for k, v in parts.items()})
         self._mindx_call("report_result", 0, "downgrade done", {r: 1 for r in faulty}, "downgrade")
         if set(self.removed) <= set(self._standbys or {}):
             self._upgrade_due = True   # standbys were already waiting
@@ -286,7 +286,7 @@ class ElasticFlow:
         _log.warning("upgrade done: %d ranks train again after %.3f s (%s), generation %d, lock step %d, new "
                      "ranks %s", len(full), total, parts, self.gen, lock, new[:16])
         _logging.event("upgrade_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, added=new,
-                       world=len(full), **{f"{k}_s": v for k, v in parts.items()})
+                       world=len(full), table=sorted(self.ranks)[:64], members=self.job_ranks()[:64], **{f"{k}_s": v for k, v in parts.items()})
         self._mindx_call("report_result", 0, "upgrade done", {}, "upgrade")
         return True
 

@@ -96,7 +96,9 @@ def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
     down = [e for e in evs if e["kind"] == "downgrade_done"]
     up = [e for e in evs if e["kind"] == "upgrade_done"]
     assert len(down) == 1 and down[0]["lock_step"] == 6 and down[0]["removed"] == [2, 3] and down[0]["world"] == 2
+    assert down[0]["table"] == down[0]["members"] == [0, 1]  # the controller's world: removed, not dead
     assert len(up) == 1 and up[0]["added"] == [2, 3] and up[0]["world"] == 4
+    assert up[0]["table"] == up[0]["members"] == [0, 1, 2, 3]
     u = up[0]["lock_step"]
     assert 6 <= u < ITERS - 2, u
     assert [e["step"] for e in evs if e["kind"] == "upgrade_dump"] == [u]
@@ -114,11 +116,13 @@ def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
     mean_e, mean_s = sum(d_elastic) / len(after), sum(d_seed) / len(after)
     worst = max(d / ref[i] for d, i in zip(d_elastic, after))
     fault_t = min(e["t"] for e in evs if e["kind"] == "fault_seen")
+    kill_t = min(e["t"] for e in evs if e["kind"] == "fault_injected")
     resumed = [e["t"] for e in evs if e["kind"] == "train_resumed" and e["t"] > fault_t]
     parts = {k: v for k, v in down[0].items() if k.endswith("_s")}
     print(f"\nelastic: mean |dloss| vs fault-free {mean_e:.2e} (seed-to-seed {mean_s:.2e}), worst relative "
           f"{worst:.2e}; losses at DP=2 steps 7..{u}: max |d| {max(d_elastic[:u - 6] or [0]):.2e}\n"
-          f"downgrade: first fault report -> DP=2 training {min(resumed) - fault_t:.3f} s "
+          f"downgrade: SIGKILL -> DP=2 training {min(resumed) - kill_t:.3f} s, first fault report -> DP=2 training "
+          f"{min(resumed) - fault_t:.3f} s "
           f"(controller: {down[0]['total_s']:.3f} s, {parts}); "
           f"upgrade {up[0]['total_s']:.3f} s at step {u}")
     assert mean_e <= 0.1 * mean_s and worst < 0.01, (mean_e, mean_s, worst)

@@ -168,7 +168,7 @@ class Agent:
         self._ttp: dict | None = None
         self._round = self._port = 0
         self.lost_now: list[int] = []
-        self.taken_over: dict[int, float] = {}
+        self.taken_over: dict[int, bytes] = {}  # node given to a standby -> its last beat before
         self._refill = False
 
     # --- stores -------------------------------------------------------------------------------
@@ -302,7 +302,9 @@ class Agent:
         """Watch the round until it succeeds (returns None) or fails (returns the reason)."""
         failed_key, done_key = f"round/{rnd}/failed", f"round/{rnd}/done"
         reported_done = False
-        self._reported, self._dead_since, self._replace_seen, self._declared_lost = set(), None, 0, set()
+        self._reported, self._dead_since, self._declared_lost = set(), None, set()
+        # a standby that took a node in this round must not replay orders its predecessor carried out
+        self._replace_seen = self._store.add(f"round/{rnd}/replace/{self.cfg.node_rank}", 0)
         while not self._stopping:
             self._beat()
             if self._store.check([failed_key]):
@@ -355,19 +357,22 @@ class Agent:
                 store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
         if self._refill:
             self._refill = False
-            self._spares.fill()
+            with self._lock:
+                self._spares.fill()
         if self._hosted is not None:
             self._hosted.poll_deaths()
             if self._hosted.ended is not None:
                 return f"the controller ended the job (exit code {self._hosted.ended})"
             raw_lost = self._lost_nodes()
-            for node in [n for n in self.taken_over if n not in raw_lost]:
-                del self.taken_over[node]  # the standby beats as that node now
-            self.lost_now = [n for n in raw_lost if n not in self.taken_over]
+            for node, stale in list(self.taken_over.items()):
+                if store.get(f"agent/{node}/beat") != stale:
+                    del self.taken_over[node]  # the standby beats as that node now
+            self._hosted.probe_nodes()  # a rank of another node died: is its agent gone too? (~1 s)
+            self._hosted.lost.update(n for n in raw_lost if n not in self.taken_over)
+            self.lost_now = sorted(n for n in self._hosted.lost if n not in self.taken_over)
             for node in set(self.lost_now) - self._declared_lost:
                 ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
-                log.error("node %d lost (no agent beat for %.1f s): its ranks %s are dead", node,
-                          cfg.node_lost_after, ranks)
+                log.error("node %d lost (its agent stopped beating): its ranks %s are dead", node, ranks)
                 self._hosted.ctl.declare_dead(ranks, "node lost", node=node)
                 self._dead_since = self._dead_since or time.monotonic()
             self._declared_lost = set(self.lost_now)

@@ -62,6 +62,13 @@ class HostedController:
 
         cfg = agent.cfg
         self.agent, self.rnd = agent, rnd
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        # the controller's driver thread gets its own client of the agent store (not shared across threads)
+        self.store = TCPStore(cfg.master_addr, cfg.master_port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=cfg.rdzv_timeout))
         self.secret = secrets.token_hex(32)
         key = hashlib.sha256(self.secret.encode()).digest()  # as mindio.ttp.transport.job_secret
         self.ctl = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability), key=key)
@@ -71,33 +78,59 @@ class HostedController:
         self.info = {"addr": cfg.master_addr, "port": port, "secret": self.secret}
         agent._store.set(f"round/{rnd}/ttp", json.dumps(self.info))
         self._deaths_seen = 0
+        self.lost: set[int] = set()  # nodes whose agent is known gone (until a standby takes them)
+        self._probing: dict[int, tuple] = {}  # node -> (its beat when a rank of it died, since)
+        self._probed: set[int] = set()  # dead ranks whose node was probed already
         log.info("round %d: controller (rank -1) on %s:%d, strategies %s", rnd, cfg.master_addr, port,
                  sorted(cfg.high_availability))
 
     # -- called by the controller's driver thread --------------------------------------------------
     def possible(self, ranks, strategy: str) -> bool:
-        cfg, agent = self.agent.cfg, self.agent
+        """recover-in-place: every node owning ``ranks`` still has a live agent. recover: those nodes
+        lost their agent, the ranks are whole nodes, and enough standby agents wait."""
+        cfg, store = self.agent.cfg, self.store
         nodes = {r // cfg.nproc_per_node for r in ranks}
-        lost = set(agent.lost_now)
+        alive = {n: self.node_alive(n) for n in nodes}
         if strategy == "recover-in-place":
-            return not nodes & lost
+            return all(alive.values())
         if strategy == "recover":
             whole = all(set(range(n * cfg.nproc_per_node, (n + 1) * cfg.nproc_per_node)) <= set(ranks)
                         for n in nodes)
-            store = agent._store
             spares = store.add("standby/count", 0) - store.add("standby/claimed", 0)
-            return bool(nodes) and nodes <= lost and whole and spares >= len(nodes)
+            return bool(nodes) and not any(alive.values()) and whole and spares >= len(nodes)
+        return False
+
+    def node_alive(self, node: int, wait: float | None = None) -> bool:
+        """Does ``node``'s agent still beat? Its beat value must change within ``wait`` seconds
+        (default: 10 monitor intervals, at least 1 s) -- far sooner than the 3 s node-loss timeout,
+        and independent of the hosts' clocks. Node 0 (this agent) is alive."""
+        cfg, store = self.agent.cfg, self.store
+        if node == cfg.node_rank:
+            return True
+        key = f"agent/{node}/beat"
+        if node in self.lost or node in self.agent.taken_over or not store.check([key]):
+            return False
+        first = store.get(key)
+        deadline = time.monotonic() + (wait if wait is not None else max(1.0, 10 * cfg.monitor_interval))
+        while time.monotonic() < deadline:
+            time.sleep(min(0.02, cfg.monitor_interval / 2))
+            if store.get(key) != first:
+                return True
+        log.error("node %d's agent stopped beating: its node is lost", node)
+        self.lost.add(node)
         return False
 
     def replace(self, ranks, gen: int, strategy: str) -> None:
-        cfg, store = self.agent.cfg, self.agent._store
+        cfg, store = self.agent.cfg, self.store
         by_node: dict[int, list] = {}
         for r in sorted(ranks):
             by_node.setdefault(r // cfg.nproc_per_node, []).append(r)
         for node, rs in by_node.items():
             if strategy == "recover":
+                beat = f"agent/{node}/beat"
+                self.agent.taken_over[node] = store.get(beat) if store.check([beat]) else b""
+                self.lost.discard(node)
                 store.set(f"round/{self.rnd}/takeover/{node}", json.dumps({"gen": gen}))
-                self.agent.taken_over[node] = time.time()
             elif node == cfg.node_rank:
                 self.agent.replace_local(rs, gen)
             else:
@@ -117,6 +150,30 @@ class HostedController:
                 return
             rank, _, reason = store.get(key).decode().partition(" ")
             self.ctl.declare_dead([int(rank)], "agent", reason=reason)
+
+    def probe_nodes(self) -> list[int]:
+        """(agent main loop) When a rank of another node died, check that node's agent: if its beat
+        does not change within 10 monitor intervals (>= 1 s), the node is lost -- sooner than the 3 s
+        node-loss timeout. Returns the nodes found lost now (their ranks are declared dead)."""
+        cfg, store, ctl = self.agent.cfg, self.agent._store, self.ctl
+        with ctl._lock:
+            all_dead = {r.rank for r in ctl.ranks.values() if not r.alive}
+        self._probed &= all_dead  # a replaced rank that dies again is probed again
+        for rank in sorted(all_dead - self._probed):
+            self._probed.add(rank)
+            node = rank // cfg.nproc_per_node
+            key = f"agent/{node}/beat"
+            if node != cfg.node_rank and node not in self._probing and node not in self.lost and store.check([key]):
+                self._probing[node] = (store.get(key), time.monotonic())
+        found = []
+        for node, (beat, since) in list(self._probing.items()):
+            if store.get(f"agent/{node}/beat") != beat:
+                del self._probing[node]  # its agent lives: a worker died, not the node
+            elif time.monotonic() - since > max(1.0, 10 * cfg.monitor_interval):
+                del self._probing[node]
+                self.lost.add(node)
+                found.append(node)
+        return found
 
     @property
     def ended(self) -> int | None:

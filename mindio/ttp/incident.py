@@ -140,8 +140,9 @@ class IncidentFlow(PauseFlow):
         with self._lock:
             primary = dict(inc["primary"])
             seen, messages = dict(inc.get("seen", {})), dict(inc.get("messages", {}))
-        incident = policy.Incident(states=primary, dead=frozenset(v.rank for v in views if not v.alive),
-                                   repair_possible=repairable, dump_possible=plan.possible)
+        dead = frozenset(v.rank for v in views if not v.alive)
+        incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
+                                   spare_available=self.can_replace("recover", dead))  # recover.py
         enabled = self.brain.enabled(self.enabled) | ({"dump"} if graceful else set())
         feasible = policy.feasible_strategies(enabled, incident)
         alive = {v.rank: v.alive for v in views}
@@ -208,8 +209,25 @@ class IncidentFlow(PauseFlow):
         self.sm.fire(Result.OK if ok else Result.FAIL)
         self._mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
                          "dump done" if ok else "dump failed", self._error_rank_dict(), "dump")
+        if ctx["graceful"]:
+            self._settle()
         self._exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
         return False
+
+    def _settle(self) -> None:
+        """Before exiting a job that had no fault (requested dump, exit while paused): every rank tears its
+        healthy process groups down and parks first (the ``clean`` action), so no rank leaves while a peer
+        still destroys a group connected to it -- seen as ``terminate called`` (SIGABRT) at exit on gloo."""
+        live = self._live_ranks()
+        replies = self._call("clean", {"timeout": self.action_limit / 2}, live, self.action_limit)
+        bad = [r for r in live if r not in replies or not replies[r].ok]
+        if bad:
+            _log.error("ranks %s did not tear down before the exit: %s", bad[:16],
+                       {r: replies[r].detail for r in bad[:4] if r in replies})
+
+    def _live_ranks(self) -> list:
+        with self._lock:
+            return sorted(r.rank for r in self.ranks.values() if r.alive)
 
     def _negotiate(self, strategies: list[str]) -> str:
         if "report_strategies" not in self.mindx:

@@ -5,7 +5,8 @@ the worker store come from the torchrun environment, and the controller is the o
 hosts (MINDIO_CONTROLLER_EXTERNAL, TTP_PORT, MINDIO_SECRET). A replacement process
 (``tft_is_reboot_node()``) builds the same objects and parks before ``train()``; its shard, moments
 and iteration come from the replica (repair), its parameters from the all-gather (rollback).
-Faults fire once per job: a marker file in ``--out`` is created before firing.
+Faults fire once per job: a marker file in ``--out`` is created before firing. ``kill-node:R:IT``
+SIGKILLs rank R's launcher agent, then R itself (the node's other workers die with the agent).
 
 At the end every rank writes ``final_rank<r>.pt`` and rank 0 prints ``state-digest: <sha256>`` over
 every rank's (flat, master, m, v, it).
@@ -39,6 +40,10 @@ class Trainer(toy.Trainer):
         if os.environ.get("MINDIO_EVENT_LOG"):
             from mindio import _logging
             _logging.event("fault_injected", fault=kind, at_step=self.it)
+        if kind == "kill-node":  # the node's launcher agent dies; this node's workers die with it
+            import signal
+            os.kill(int(os.environ["MINDIO_AGENT_PID"]), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         super().inject(kind)
 
 

@@ -1,0 +1,83 @@
+"""recover (MindIO ARF) end to end: a lost node's ranks move to a ``--standby`` agent, the job goes on.
+
+Three mindio-run agents on this machine stand for a cluster: node 0 and node 1 (2 ranks each, the toy
+job of _recover_toy.py, DP=4 over 2 replica halves {0,1},{2,3}) and a standby. ``kill-node:2:7``
+SIGKILLs node 1's agent while rank 2 computes step 7; node 1's workers die with it. Node 0's agent
+finds node 1 lost (its beat stops changing, ~1 s), the controller orders the standby to take node 1's
+ranks in the running round (no whole-job restart), and the new processes are repaired from their
+replicas on node 0 (shards of ranks 2 and 3 live on ranks 0 and 1). The job ends with exit 0 and the
+digest of a fault-free run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_recover_inplace import REPO, STEPS, TOY, _port, digest, run
+
+pytestmark = pytest.mark.slow
+
+
+def run_nodes(out, fault: str, strategies: str, timeout: float = 170):
+    """Agents for node 0, node 1 and a standby; returns ({name: (code, text)}, events)."""
+    out.mkdir(parents=True, exist_ok=True)
+    events = out / "events.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
+               MINDIO_EVENT_LOG=str(events))
+    common = [sys.executable, "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
+              "--master-port", str(_port()), "--high-availability", strategies]
+    tail = [str(TOY), "--out", str(out), "--steps", str(STEPS), "--fault", fault, "--step-sleep", "0.1"]
+    procs = {}
+    for name, flags in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
+                        ("standby", ["--standby", "--warm-spares", "2"])):
+        procs[name] = subprocess.Popen(common + flags + tail, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        time.sleep(0.3)
+    res, end = {}, time.monotonic() + timeout
+    try:
+        for name, p in procs.items():
+            text, _ = p.communicate(timeout=max(1.0, end - time.monotonic()))
+            res[name] = (p.returncode, text)
+    except subprocess.TimeoutExpired:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+        texts = {n: p.communicate()[0][-3000:] for n, p in procs.items()}
+        raise AssertionError(f"agents did not end within {timeout} s (a hang): {texts}")
+    evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
+    return res, evs
+
+
+@pytest.mark.timeout(300)
+def test_lost_node_moves_to_standby_bitwise(tmp_path):
+    code, text, _ = run(tmp_path / "ref")  # the fault-free digest (one agent, same 4 ranks)
+    assert code == 0, text[-4000:]
+    reference = digest(text)
+    res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump")
+    code0, text0 = res["node0"]
+    assert code0 == 0, text0[-6000:]
+    assert res["node1"][0] != 0  # its agent was SIGKILLed
+    assert res["standby"][0] == 0, res["standby"][1][-4000:]
+    assert digest(text0) == reference
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert len(done) == 1 and done[0]["strategy"] == "recover" and done[0]["replaced"] == [2, 3], done
+    takeover = [e for e in events if e["kind"] == "standby_takeover"]
+    assert takeover and takeover[0]["node"] == 1 and takeover[0]["round"] == 0  # the running round
+    assert not [e for e in events if e["kind"] == "round_failed"]
+    fallback = [e for e in events if e["kind"] == "fallback"]
+    assert [f["src"] for f in fallback] == ["recover-in-place"]  # its agent is gone: not in place
+    fault_t = next(e["t"] for e in events if e["kind"] == "fault_injected")
+    resumed = max(e["t"] for e in events if e["kind"] == "train_resumed")
+    print(f"\nkill node 1: fault -> every rank training again {resumed - fault_t:.3f} s; "
+          f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
+    # every step on every rank, the standby's ranks from the lock step on
+    for r in range(4):
+        its = {int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+)", text0 + res["standby"][1]
+                                            + res["node1"][1])}
+        assert its == set(range(1, STEPS + 1)), (r, sorted(its))

@@ -177,7 +177,7 @@ _SPECS = {cls: tuple((f.name, _PY_TYPES[f.type], f.type,
 
 _NAMES = {cls: frozenset(name for name, *_ in spec) for cls, spec in _SPECS.items()}
 _ITEM_TYPES = {int(t): t for t in MsgType if t not in (MsgType.BEATS, MsgType.BATCH)}
-_BEAT_COLS = (("steps", int), ("status", int), ("coll", bool), ("age", (float, int)))
+_BEAT_COLS = (("steps", {int}, "int"), ("status", {int}, "int"), ("coll", {bool}, "bool"), ("age", {float, int}, "float"))
 
 
 def _body_from(mtype: MsgType, raw: Any):
@@ -204,15 +204,16 @@ def _body_from(mtype: MsgType, raw: Any):
 
 
 def _check_beats(raw: dict) -> None:
+    # exact types through set(map(type, ...)): C speed, and a bool is not an int here (type(True) is bool)
     ranks = raw["ranks"]
-    if not all(x.__class__ is int for x in ranks):
+    if not set(map(type, ranks)) <= {int}:
         raise ProtocolError("BEATS.ranks must be integers")
-    for name, ok in _BEAT_COLS:
+    for name, ok, tname in _BEAT_COLS:
         col = raw[name]
         if len(col) != len(ranks):
             raise ProtocolError(f"BEATS.{name} has {len(col)} entries for {len(ranks)} ranks")
-        if not all(isinstance(x, ok) and (ok is bool or x.__class__ is not bool) for x in col):
-            raise ProtocolError(f"BEATS.{name} entries must be {getattr(ok, '__name__', 'float')}")
+        if not set(map(type, col)) <= ok:
+            raise ProtocolError(f"BEATS.{name} entries must be {tname}")
 
 
 def _item(x: Any) -> Envelope:

@@ -3,8 +3,10 @@
 Why: mapping 4 KiB shared-memory pages into a process costs about 1.5 us a page on this machine
 (~0.4 s per GiB, page-table work, no huge pages for shared memory here), several times the cost of
 reading the bytes. A fresh mapping per load pays that on every load. So the client maps the pool a
-second time, ``MAP_PRIVATE`` (copy-on-write), and faults it in once, at connect, on a background thread
-at nice 19. A load then views its region in this mapping: no copy, no page fault, no mmap call.
+second time, ``MAP_PRIVATE`` (copy-on-write), and faults it in once, at connect, on a background
+thread at nice 19 (first the regions holding checkpoints at that moment: a restarted trainer loads
+those). A load then views its region in this mapping: no copy, no page fault, no mmap call. A load
+issued before the background pass reached its region faults that region in itself (the old cost).
 
 Safety rules (the pool's bytes must never change under the daemon, and a load must never see stale
 bytes):
@@ -52,7 +54,7 @@ def _madvise(addr: int, length: int, advice: int) -> None:
 
 
 class LoadView:
-    def __init__(self, path: str, size: int):
+    def __init__(self, path: str, size: int, first=()):
         fd = os.open(path, os.O_RDONLY)
         try:
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE,
@@ -69,14 +71,23 @@ class LoadView:
         except OSError:
             self._pagemap = None
         self.populated = 0
-        threading.Thread(target=self._populate, daemon=True, name="mindio-loadview").start()
+        threading.Thread(target=self._populate, args=(list(first),), daemon=True, name="mindio-loadview").start()
 
-    def _populate(self) -> None:
-        """Fault the whole view in, once, at the lowest CPU priority (a load never waits for this)."""
+    def _populate(self, first: list) -> None:
+        """Fault the whole view in, once, at the lowest CPU priority (a load never waits for this):
+        first the regions that held checkpoints at connect (``first``: (offset, size) pairs, what a
+        restarted trainer is about to load), then everything."""
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:
             pass
+        for offset, size in first:
+            if 0 <= offset and offset % _PAGE == 0 and 0 < size and offset + size <= self.size:
+                try:
+                    _madvise(self.addr + offset, min(self.size - offset, -(-size // _PAGE) * _PAGE),
+                             _MADV_POPULATE_READ)
+                except OSError:
+                    break
         for start in range(0, self.size, _STEP):
             try:
                 _madvise(self.addr + start, min(_STEP, self.size - start), _MADV_POPULATE_READ)

@@ -38,8 +38,12 @@ class Operations:
 
     # ---- operations -----------------------------------------------------------------------------
     def op_hello(self, req, state):
+        with self.lock:     # regions holding checkpoints now: a new client faults these in first
+            regions = sorted({(e.region.offset, e.region.size) for e in self.entries.values()
+                              if e.region.file == self.pool_file})
         return {"ok": True, "pool": self.pool_file, "pool_bytes": self.cfg.pool_bytes, "pid": os.getpid(),
-                "config": self.cfg.to_wire(), "state": self.persist.health(), "prefaulted": self.prefaulted}
+                "config": self.cfg.to_wire(), "state": self.persist.health(), "prefaulted": self.prefaulted,
+                "regions": [list(r) for r in regions]}
 
     def op_alloc(self, req, state):
         size = int(req["size"])

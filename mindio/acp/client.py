@@ -91,7 +91,7 @@ class Client:
                         "this process's server_info asked for %d MiB / %d MiB and is not applied",
                         self.dir, theirs["pool_bytes"] >> 20, theirs["block_bytes"] >> 20,
                         self.cfg.pool_bytes >> 20, self.cfg.block_bytes >> 20)
-        self._map_pool(self.hello["pool"], self.hello["pool_bytes"])
+        self._map_pool(self.hello["pool"], self.hello["pool_bytes"], self.hello.get("regions", []))
 
     def _start_daemon(self) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
@@ -119,7 +119,7 @@ class Client:
                         f"see {os.path.join(self.dir, 'server.log')}") from None
                 time.sleep(0.05)
 
-    def _map_pool(self, path: str, size: int) -> None:
+    def _map_pool(self, path: str, size: int, regions: list) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
             self.pool = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
@@ -131,7 +131,7 @@ class Client:
             _native.touch_pages(self.pool, write=False)
         self.view = memoryview(self.pool)
         try:
-            self.loadview = LoadView(path, size)
+            self.loadview = LoadView(path, size, first=regions)
         except OSError as exc:
             log.warning("no copy-on-write view of the pool (%s): each load maps its region afresh", exc)
 

@@ -83,6 +83,20 @@ def test_load_view_survives_writes_to_loaded_tensors(acp_env, pagemap):
     assert _same(acp.load(path), newer)
 
 
+def test_new_client_faults_in_saved_regions_first(acp_env):
+    """A restarted trainer's client learns from hello where checkpoints lie and loads them zero-copy."""
+    path = os.path.join(acp_env["ck"], "m.pt")
+    sd = _sd()
+    assert acp.save(sd, path) == 1
+    api.reset()                                           # a new process's view of the same daemon
+    assert acp.initialize() == 0
+    regions = api._client.hello["regions"]
+    assert len(regions) == 1 and regions[0][1] > sd["w"].numel() * 4
+    loaded = acp.load(path)
+    assert _same(loaded, sd)
+    assert any(x[0] == regions[0][0] and x[2]() is not None for x in api._client.loadview._live)
+
+
 def test_newest_version_wins(acp_env):
     path = os.path.join(acp_env["ck"], "m.pt")
     versions = [_sd(scale=i + 1) for i in range(5)]

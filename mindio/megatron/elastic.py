@@ -49,7 +49,7 @@ def downgrade_rebuild(adapter: MegatronAdapter, new_dp_ranks: Sequence[int],
     """Megatron groups, model and optimizer on the shrunken world; this rank's kept shard goes back."""
     ctx = adapter.ctx
     a = ctx.args
-    orig = _original(ctx)
+    _original(ctx)  # the layout to return to, remembered at the first downgrade
     d_old, r_old = ctx.layout["dp_size"], ctx.replica_cnt
     d_new = len(new_dp_ranks)
     per = d_old // r_old  # ranks per optimizer instance: unchanged by a downgrade
@@ -60,13 +60,14 @@ def downgrade_rebuild(adapter: MegatronAdapter, new_dp_ranks: Sequence[int],
     if a.global_batch_size % step_samples:
         raise ValueError(f"global batch {a.global_batch_size} is not a multiple of micro batch x DP = "
                          f"{step_samples} after the downgrade: the global batch cannot be kept")
+    prev_mb = a.num_microbatches
     a.replica_cnt = d_new // per
     a.num_microbatches = a.global_batch_size // step_samples
     adapter.rebuild_groups([])
     report_layout(ctx)
     _log.warning("downgrade: DP %d -> %d (replica_cnt %d -> %d), micro-batches per step %d -> %d, global "
                  "batch %d kept; world %s", d_old, ctx.layout["dp_size"], r_old, a.replica_cnt,
-                 orig["num_microbatches"], a.num_microbatches, a.global_batch_size, list(new_world_ranks)[:16])
+                 prev_mb, a.num_microbatches, a.global_batch_size, list(new_world_ranks)[:16])
 
 
 def upgrade_rebuild(adapter: MegatronAdapter, rank_list: Sequence[int]) -> None:

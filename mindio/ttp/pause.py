@@ -137,6 +137,7 @@ class PauseFlow:
             self._mindx_call("report_result", int(ResultCode.OK), "training continued", {}, "continue")
             return ok
         if choice == "exit":
+            self._settle()
             self._exit(EXIT_CODE_FAULT)
             return False
         self.sm.fire(Result.DUMP, lock_step=target)

@@ -22,7 +22,8 @@ kill-node  SIGKILL of its node's launcher agent (mindio-run: every worker of the
 process (retry), not in a relaunched job (``TORCHELASTIC_RESTART_COUNT`` > 0), and -- when
 ``MINDIO_DRILL_DIR`` names a directory shared by the job's processes -- not in a replacement
 process either: the firing rank creates ``<dir>/fired-<i>-<kind>`` (O_EXCL) *before* firing.
-Set MINDIO_DRILL_DIR for strategies that replace processes (recover-in-place, recover).
+Set MINDIO_DRILL_DIR for strategies that replace processes (recover-in-place, recover); without it a
+replacement process (``MINDIO_REBOOT_GEN`` set by mindio-run) fires nothing.
 
 Each firing prints ``[rank R] injecting KIND at step S`` and records a ``fault_injected`` event
 (MINDIO_EVENT_LOG) just before the fault, so tools can time the recovery from it.
@@ -127,6 +128,9 @@ class Drill:
         self.faults = parse(spec)
         self._fired: set = set()
         self._restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        # a replacement process (recover-in-place / recover) re-runs the step its predecessor faulted at:
+        # without a shared MINDIO_DRILL_DIR it cannot know what fired, so it fires nothing (no fault loop)
+        self._reboot = bool(env.get("MINDIO_REBOOT_GEN"))
         self._dir = _knobs.get("MINDIO_DRILL_DIR", env) or None
         node = env.get("MINDIO_NODE_RANK", env.get("GROUP_RANK"))
         self._node = int(node) if node not in (None, "") else None
@@ -139,7 +143,7 @@ class Drill:
     def maybe_fire(self, step: int, rank: int, corrupt: Optional[Callable[[], object]] = None) -> None:
         """Fire every fault aimed at ``rank`` and ``step`` that has not fired in this job.
         ``corrupt`` (framework-specific) destroys this rank's state before a ``uce`` error."""
-        if self._restart > 0:
+        if self._restart > 0 or (self._reboot and self._dir is None):
             return
         for f in self.faults:
             if f.step == step and f.index not in self._fired and f.targets(rank, self._node, self._local_rank):

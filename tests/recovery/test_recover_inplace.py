@@ -135,3 +135,17 @@ def test_stale_generation_is_refused():
     assert not ctl.refuse_stale(new) and not ctl.refuse_stale(other)
     reg = P.Envelope(P.MsgType.REGISTER, P.Register(world_size=4, pid=1, host="h"), rank=1, gen=0)
     assert ctl.refuse_stale(reg) and ctl.stale_refused == 2
+
+
+def test_replacement_process_fires_no_drill_without_a_shared_dir(tmp_path):
+    """A replacement re-runs the step its predecessor faulted at: without MINDIO_DRILL_DIR it must not
+    fire the fault again (a kill loop); with the directory, the marker decides."""
+    from mindio.drill import Drill
+
+    Drill("raise:rank=1,step=7", environ={"MINDIO_REBOOT_GEN": "1"}).maybe_fire(7, 1)  # nothing raised
+    with pytest.raises(RuntimeError, match="injected fault"):
+        Drill("raise:rank=1,step=7", environ={}).maybe_fire(7, 1)
+    env = {"MINDIO_REBOOT_GEN": "1", "MINDIO_DRILL_DIR": str(tmp_path)}
+    with pytest.raises(RuntimeError, match="injected fault"):
+        Drill("raise:rank=1,step=7", environ=env).maybe_fire(7, 1)  # not fired yet in this job
+    Drill("raise:rank=1,step=7", environ=env).maybe_fire(7, 1)  # fired already: nothing

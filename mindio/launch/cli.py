@@ -44,7 +44,8 @@ def parse_args(argv=None) -> LaunchConfig:
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="comma list; timeout=SECONDS is honoured")
     p.add_argument("--standalone", action="store_true", help="single node on a free local port")
     p.add_argument("--standby", action="store_true",
-                   help="offer this node as a spare: it takes over the node rank of a lost node")
+                   help="offer this node as a spare: it takes over the node rank of a lost node (for the next "
+                        "round; with --high-availability in the running round, on the controller's order)")
     p.add_argument("--high-availability", default=os.environ.get("HIGH_AVAILABILITY", ""), metavar="LIST",
                    help="strategies (dump,retry,recover-in-place,recover,...; default: $HIGH_AVAILABILITY): node "
                         "0's agent hosts the controller as rank -1, reports worker deaths to it at once and "

@@ -33,11 +33,12 @@ KEY = b"bench-secret-0123456789abcdef0123"
 DP = 16  # contiguous DP groups of 16 ranks, 2 replicas: a realistic replica layout
 
 
-def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_evt, report_t, halt, ready) -> None:
+def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_evt, report_t, halt, ready,
+         nice: int = 10) -> None:
     import zmq
 
     from mindio.ttp import protocol as P
-    os.nice(10)  # in a job the processors run on other hosts: never let them take the controller's CPU
+    os.nice(nice)  # in a job the processors run on other hosts: by default never let them take the controller's CPU
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 60000)
     conns = []
@@ -127,7 +128,8 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
     ctx.term()
 
 
-def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None = None, batch: bool = True) -> dict:
+def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None = None, batch: bool = True,
+        nice: int = 10) -> dict:
     from mindio.ttp.controller import Controller
     from mindio.ttp.states import State
     from tests.ttp._harness import free_port  # noqa: E402  (a free loopback port)
@@ -139,7 +141,7 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
     report_t, ready = fork.Value("d", 0.0), fork.Queue()
     ranks = list(range(n))
     children = [fork.Process(target=_sim, args=(ranks[i::procs], n, port, per_conn, batch, go, report_evt, report_t, halt,
-                                                ready), daemon=True) for i in range(procs)]
+                                                ready, nice), daemon=True) for i in range(procs)]
     ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=interval, misses=3, hang_timeout=0)
     try:
         ctl.start("127.0.0.1", port)
@@ -189,6 +191,9 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=1.0, help="heartbeat interval, s")
     p.add_argument("--per-conn", type=int, default=0,
                    help="ranks per simulated connection (default: 1 up to 2,000 ranks, else 8)")
+    p.add_argument("--sim-nice", type=int, default=10,
+                   help="nice value of the simulator processes (default 10: on a shared machine they then lag; "
+                        "0 lets them compete, as processors on other hosts would not have to)")
     p.add_argument("--no-batch", action="store_true",
                    help="relays send one frame per rank (protocol v1 style) instead of BEATS/BATCH frames")
     a = p.parse_args()
@@ -197,7 +202,7 @@ def main() -> None:
     print(f"{'N':>7} {'conns':>6} {'register s':>10} {'ctl CPU/round ms':>16} {'CPU share':>9} "
           f"{'fault->decision s':>17} {'(ctl CPU s)':>11} {'dead':>4} {'strategy':>8} {'savers':>6} {'drops':>5}")
     for n in a.n or [1000, 10000]:
-        r = run(n, a.procs, a.rounds, a.interval, a.per_conn or None, not a.no_batch)
+        r = run(n, a.procs, a.rounds, a.interval, a.per_conn or None, not a.no_batch, a.sim_nice)
         print(f"{r['n']:>7} {r['connections']:>6} {r['register_s']:>10.3f} {r['cpu_per_round_ms']:>16.1f} "
               f"{r['cpu_share']:>9.1%} {r['fault_to_decision_s']:>17.3f} {r['decision_cpu_s']:>11.3f} "
               f"{r['dead_during_steady']:>4} "

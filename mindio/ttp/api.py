@@ -292,9 +292,10 @@ def tft_notify_controller_stop_train(fault_ranks: dict, stop_type: str = "stop",
         raise ConfigError(f"stop_type {stop_type!r}: use 'stop' or 'pause'")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
         raise ConfigError(f"timeout {timeout!r}: use a non-negative number of seconds or None")
+    ranks = _fault_ranks(fault_ranks or {} if stop_type == "pause" else fault_ranks)
     if stop_type == "pause":
-        return _ctl().notify_pause(_fault_ranks(fault_ranks or {}), timeout)
-    return _ctl().notify_stop_train(_fault_ranks(fault_ranks))
+        return _ctl().notify_pause(ranks, timeout)
+    return _ctl().notify_stop_train(ranks)
 
 
 def tft_notify_controller_on_global_rank(fault_ranks: dict, time: int = 1):

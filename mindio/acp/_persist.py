@@ -4,7 +4,8 @@ A worker takes the oldest ready pending entry, computes its checksums (format.ch
 writes it atomically next to its target (mindio.acp._storage.atomic_write), removes the in-progress
 marker when no newer version is waiting, and journals the completion. Workers run at nice 19 and
 the lowest best-effort I/O priority, and as SCHED_IDLE while they checksum and write, so the trainer
-keeps its CPU.
+keeps its CPU (not for an entry committed more than _IDLE_FOR_S ago: on a machine whose CPUs are never
+idle, SCHED_IDLE would starve it).
 
 Failures: each entry gets MINDIO_ACP_PERSIST_RETRIES attempts with exponential back-off; then it is
 FAILED (its bytes stay in the pool, retried every 5 s) and counts as one storage failure. After
@@ -34,6 +35,7 @@ __all__ = ["Persister"]
 
 log = logging.getLogger(__name__)
 _FAILED_RETRY_S = 5.0
+_IDLE_FOR_S = 30.0      # entries committed longer ago than this are not written as SCHED_IDLE
 
 
 class Persister:
@@ -140,7 +142,9 @@ class Persister:
             entry = self._take()
             if entry is None:
                 return
-            self._cpu_idle(True)
+            # an entry that has waited long (the CPUs are never idle: SCHED_IDLE would starve it)
+            # is written at plain nice 19, which still gets a share of a busy machine
+            self._cpu_idle(time.time() - entry.seq / 1e6 < _IDLE_FOR_S)
             try:
                 result = self._write(entry)
             finally:

@@ -100,6 +100,9 @@ _ALL = [
     Knob("MINDIO_GC_FREEZE", _bool, True,
          "1: freeze the objects that exist before the model is built (gc.freeze, once) so that the garbage "
          "collection of a recovery teardown walks only the training objects (docs/recovery.md); 0: off."),
+    Knob("MINDIO_FAST_EXIT", _bool, True,
+         "1: after an EXIT ordered by the controller (e.g. after a dump), end the process with os._exit once "
+         "the framework's atexit handlers ran, skipping the interpreter teardown (seconds); 0: full teardown."),
     Knob("MINDIO_SECRET", str, "", "Per-job secret that signs control messages (hex); generated if empty."),
     Knob("HIGH_AVAILABILITY", _ha_list, (),
          "Comma list of strategies to enable (the job's recover-strategy list): dump, retry, recover, "
@@ -120,6 +123,10 @@ _ALL = [
          "Runtime directory of the per-user acp daemon (socket, lock, journal); default /tmp/mindio-acp-<uid>."),
     Knob("MINDIO_ACP_IDLE_EXIT", float, 600.0,
          "Seconds an idle daemon with nothing to persist waits before exiting.", min=1, max=86400),
+    Knob("MINDIO_ACP_LOAD_VIEW", _bool, True,
+         "1: each trainer maps the pool a second time, copy-on-write, pre-faulted in the background, so loads "
+         "are zero-copy with no page faults (costs page tables + ~0.4 CPU-s per GiB of pool per process); "
+         "0: each load maps its region afresh."),
     Knob("MINDIO_ACP_DISABLE", _bool, False, "1: never use the daemon; save writes directly to storage."),
     Knob("MINDIO_ACP_POOL_MB", int, 0,
          "Pool size in MiB for a daemon this process starts (0: from server_info; small values for tests).",

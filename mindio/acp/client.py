@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 
-from .. import _native
+from .. import _knobs, _native
 from ..errors import ServerUnavailable
 from . import _config, _wire
 from ._loadview import LoadView
@@ -130,6 +130,8 @@ class Client:
         except OSError:
             _native.touch_pages(self.pool, write=False)
         self.view = memoryview(self.pool)
+        if not _knobs.get("MINDIO_ACP_LOAD_VIEW"):
+            return
         try:
             self.loadview = LoadView(path, size, first=regions)
         except OSError as exc:

@@ -49,6 +49,20 @@ def test_loaded_tensors_are_private_copies(acp_env):
     assert _same(acp.load(path), sd)
 
 
+def test_load_view_off_maps_each_load_afresh(acp_env, monkeypatch):
+    """MINDIO_ACP_LOAD_VIEW=0 (big pools, many trainers): no second mapping of the pool; loads still
+    come from memory, equal what was saved, and stay private to the caller."""
+    monkeypatch.setenv("MINDIO_ACP_LOAD_VIEW", "0")
+    path = os.path.join(acp_env["ck"], "m.pt")
+    sd = _sd()
+    assert acp.save(sd, path) == 1
+    assert api._client.loadview is None
+    first = acp.load(path)
+    assert _same(first, sd)
+    first["w"].add_(1.0)
+    assert _same(acp.load(path), sd)
+
+
 @pytest.mark.parametrize("pagemap", [True, False])
 def test_load_view_survives_writes_to_loaded_tensors(acp_env, pagemap):
     """Loads view the client's pre-faulted copy-on-write pool view; writes to loaded tensors must

@@ -57,11 +57,12 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "_job.py"
 STRATEGIES = ("baseline", "dump", "retry", "recover-in-place", "recover")
 EXIT_GRACE_S = 15.0
-PHASES = ("detect", "stop", "dump", "clean", "rebuild", "repair", "rollback", "resume", "exit",
+PHASES = ("detect", "stop", "dump", "clean", "rebuild", "start", "repair", "rollback", "resume", "exit",
           "restart", "imports", "init+load", "first step")
 # controller actions (``action`` events, logged when every reply is in) -> phase they end
 _ACTION_PHASE = {"stop": "stop", "save": "dump", "rename": "dump", "clean": "clean",
-                 "rebuild": "rebuild", "repair": "repair", "rollback": "rollback", "retry": "resume"}
+                 "rebuild": "rebuild", "repair": "repair", "rollback": "rollback", "retry": "resume",
+                 "prerepair": "start"}  # recover-in-place / recover: the replacement built and parked
 
 
 def _free_port() -> int:
@@ -134,7 +135,7 @@ def scenario(name: str, a, work: Path) -> Scenario:
                 "--master-addr", "127.0.0.1", "--master-port", port, "--max-restarts", "1"]
         tail = [str(JOB), *common, *ha, "--enable-worker-reboot"]
         cmds = [base + ["--node-rank", "0"] + tail, base + ["--node-rank", "1"] + tail,
-                base + ["--standby"] + tail]
+                base + ["--standby", "--warm-spares", "2"] + tail]  # both ranks of the node start warm
         return Scenario(name, cmds, {**env, "HIGH_AVAILABILITY": "recover,dump"},
                         f"kill-node:node=1,step={F}")
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
@@ -262,7 +263,6 @@ def analyse(run: Run, fault_step: int) -> dict:
         return next((e for e in ev if e["t"] >= fault and e["kind"] in kinds
                      and all(e.get(k) == v for k, v in match.items())), None)
 
-    first = next(((t, int(m.group(1))) for t, s in after if (m := _ITER.match(s))), None)
     decision = first_event(("decision",))
     detect = first_event(("report_received", "rank_dead"))
     stop = first_event(("action",), action="stop")
@@ -274,6 +274,12 @@ def analyse(run: Run, fault_step: int) -> dict:
     failed_round = first_event(("round_failed",))  # mindio-run saw a worker exit non-zero
     workers_gone, _ = first_line(r"^mindio-run: round \d+ failed")  # printed after its workers stopped
     digests = [s.split()[-1] for _, s in lines if s.startswith("state-digest:")]
+    # the first step *after the recovery*: not a line of a step that completed before the fault and was
+    # read late (lines are stamped when read), so after the relaunch / the last rank resuming train()
+    resumed = [e["t"] for e in ev if e["kind"] == "train_resumed" and e["t"] >= fault]
+    floor = max([loaded_t or 0.0, max(resumed, default=0.0)]
+                + [float(_T.search(x).group(1)) for x in (start_line, imports_line) if x])
+    first = next(((t, int(m.group(1))) for t, s in after if t >= floor and (m := _ITER.match(s))), None)
     points = {
         "fault": fault,
         "detected": detect["t"] if detect else launcher_detect,
@@ -304,6 +310,9 @@ def analyse(run: Run, fault_step: int) -> dict:
         out["error"] = "no step completed after the fault"
         return out
     resumed_from = first[1] - 1
+    state = next((int(m.group(1)) for _, s in lines if (m := re.match(r"optimizer-state-bytes: (\d+)", s))), None)
+    if state and phases.get("repair"):  # one shard per repaired rank (recover-in-place: one rank)
+        out.update(state_bytes=state, repair_gbps=round(state / phases["repair"] / 1e9, 4))
     out.update(ok=True, recovery_s=round(first[0] - fault, 3), first_step_after=first[1],
                steps_lost=(fault_step - 1) - resumed_from,
                loaded_iteration=int(re.search(r"(\d+)", loaded).group(1)) if loaded else None)
@@ -332,6 +341,10 @@ def report(results: Dict[str, dict], a) -> str:
         rows.append(f"{label:18} {r['recovery_s']:>16.2f} s {ratio:>12} {r['steps_lost']:>10}  "
                     + "  ".join(f"{r['phases'][p]:>9.2f}s" if p in r["phases"] else f"{'-':>10}"
                                 for p in shown))
+    for name, r in results.items():
+        if r.get("ok") and r.get("repair_gbps") and name in ("recover-in-place", "recover"):
+            rows.append(f"{name}: repair moved {r['state_bytes']} B of optimizer shard per rank in "
+                        f"{r['phases']['repair']:.3f} s ({r['repair_gbps']:.3f} GB/s incl. control round trips)")
     hung = [n for n, r in results.items() if r.get("exit_hang")]
     if hung:
         rows.append(f"NOTE: {', '.join(hung)}: training finished but the job had not exited "

@@ -162,6 +162,9 @@ class Agent:
         if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
             base["OMP_NUM_THREADS"] = "1"  # as torchrun does: N processes must not each spawn N threads
         self._base_env = base
+        if cfg.standby and cfg.high_availability and cfg.warm_spares < cfg.nproc_per_node:
+            # a standby takes a whole node at once: every one of its ranks should start warm
+            self.cfg = cfg = dataclasses.replace(cfg, warm_spares=cfg.nproc_per_node)
         self._spares = _Spares(cfg, base)
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
@@ -170,6 +173,7 @@ class Agent:
         self.lost_now: list[int] = []
         self.taken_over: dict[int, bytes] = {}  # node given to a standby -> its last beat before
         self._refill = False
+        self._replacements: set = set()  # worker processes started as replacements (reboot)
 
     # --- stores -------------------------------------------------------------------------------
     def _connect(self):
@@ -250,13 +254,26 @@ class Agent:
                 env = self._worker_env(rank - self.cfg.node_rank * self.cfg.nproc_per_node, self._round, self._port)
                 env.update(MINDIO_REBOOT_GEN=gen, MINDIO_REBOOT_TYPE=reboot_type)
                 old = self._workers.get(rank)
+                if old is not None and reboot_type == "hot switch":
+                    self._switched_out(rank, old)
                 if old is not None and old.poll() is None:
                     old.kill()  # the controller declared it dead: it must not linger
                 self._workers[rank] = self._spares.take(env, self.cfg.args)
+                self._replacements.add(self._workers[rank])
         log.warning("ranks %s started again (generation %d) in %.3f s", list(ranks), gen, time.monotonic() - t0)
         _logging.event("ranks_replaced", ranks=list(ranks), gen=gen, node=self.cfg.node_rank,
                        take_s=round(time.monotonic() - t0, 6))
         self._refill = True
+
+    def _switched_out(self, rank: int, old: subprocess.Popen) -> None:
+        """Hot switch: the old process of ``rank`` leaves by itself (EXIT_CODE_SWITCHED); wait for it
+        (bounded) before its backup takes the rank, and record how it ended."""
+        try:
+            old.wait(10)
+        except subprocess.TimeoutExpired:
+            log.error("rank %d's switched-out process %d did not exit within 10 s; killing it", rank, old.pid)
+        log.warning("rank %d: switched-out process %d exited with %s", rank, old.pid, old.poll())
+        _logging.event("switched_out_exit", switched_rank=rank, old_pid=old.pid, code=old.poll())
 
     def _stop_workers(self) -> None:
         if self._hosted is not None:
@@ -337,62 +354,7 @@ class Agent:
         return "agent stopped by signal"
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
-        """High availability: report deaths to the controller, carry out its replacement orders,
-        declare lost nodes (node 0); return why the round failed, or None while it goes on."""
-        cfg, store = self.cfg, self._store
-        with self._lock:
-            procs = {r: self._workers[r] for r in bad}
-        for rank, code in bad.items():
-            if procs[rank] in self._reported:
-                continue
-            self._reported.add(procs[rank])
-            self._dead_since = self._dead_since or time.monotonic()
-            why = f"exited with {_describe(code)}"
-            log.error("rank %d %s; telling the controller", rank, why)
-            _logging.event("worker_exited", round=rnd, dead_rank=rank, code=code)
-            if self._hosted is not None:
-                self._hosted.ctl.declare_dead([rank], "agent", reason=why)
-            else:
-                i = store.add(f"round/{rnd}/deaths", 1)
-                store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
-        if self._refill:
-            self._refill = False
-            with self._lock:
-                self._spares.fill()
-        if self._hosted is not None:
-            self._hosted.poll_deaths()
-            if self._hosted.ended is not None:
-                return f"the controller ended the job (exit code {self._hosted.ended})"
-            raw_lost = self._lost_nodes()
-            for node, stale in list(self.taken_over.items()):
-                if store.get(f"agent/{node}/beat") != stale:
-                    del self.taken_over[node]  # the standby beats as that node now
-            self._hosted.probe_nodes()  # a rank of another node died: is its agent gone too? (~1 s)
-            self._hosted.lost.update(n for n in raw_lost if n not in self.taken_over)
-            self.lost_now = sorted(n for n in self._hosted.lost if n not in self.taken_over)
-            for node in set(self.lost_now) - self._declared_lost:
-                ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
-                log.error("node %d lost (its agent stopped beating): its ranks %s are dead", node, ranks)
-                self._hosted.ctl.declare_dead(ranks, "node lost", node=node)
-                self._dead_since = self._dead_since or time.monotonic()
-            self._declared_lost = set(self.lost_now)
-        else:
-            key = f"round/{rnd}/replace/{cfg.node_rank}"
-            n = store.add(key, 0)
-            while self._replace_seen < n and store.check([f"{key}/{self._replace_seen + 1}"]):
-                self._replace_seen += 1
-                order = json.loads(store.get(f"{key}/{self._replace_seen}"))
-                self.replace_local(order["ranks"], order["gen"])
-                self._dead_since = None
-            if 0 in self._lost_nodes():
-                return "node 0 (the controller's node) lost"
-        with self._lock:
-            all_live = all(p.poll() is None or p.poll() == 0 for p in self._workers.values())
-        if all_live:
-            self._dead_since = None
-        elif self._dead_since and time.monotonic() - self._dead_since > cfg.rdzv_timeout:
-            return f"a worker death was neither recovered nor ended by the controller in {cfg.rdzv_timeout} s"
-        return None
+        return ha.tick(self, rnd, bad)
 
     def _wait_for_lost_node(self) -> int | None:
         """Standby: block until some node's agent stops beating, claim its node rank; return the
@@ -419,30 +381,7 @@ class Agent:
         return None
 
     def _wait_for_takeover(self, me: str):
-        """High availability: wait until the controller gives a lost node to a standby (ha.py), claim
-        it; return (round, generation) -- the ranks start as replacements in the running round."""
-        while not self._stopping:
-            try:
-                rnd = int(self._store.get("job/round")) if self._store.check(["job/round"]) else 0
-                for node in range(self.cfg.nnodes):
-                    key = f"round/{rnd}/takeover/{node}"
-                    if not self._store.check([key]):
-                        continue
-                    if self._store.compare_set(f"claim/{rnd}/{node}", "", me).decode() != me:
-                        continue
-                    gen = json.loads(self._store.get(key))["gen"]
-                    self._store.add("standby/claimed", 1)
-                    self.cfg = dataclasses.replace(self.cfg, node_rank=node, standby=False)
-                    self._beat()
-                    print(f"mindio-run: standby takes over node {node} in round {rnd} (generation {gen})",
-                          file=sys.stderr)
-                    _logging.event("standby_takeover", node=node, round=rnd, gen=gen)
-                    return rnd, gen
-            except (RuntimeError, OSError) as exc:  # node 0's store is gone: the job ended
-                log.info("standby agent: job store unreachable (%s); leaving", exc)
-                return None
-            time.sleep(self.cfg.monitor_interval)
-        return None
+        return ha.wait_for_takeover(self, me)
 
     def run(self) -> int:
         """Run the job on this node; returns the agent's exit code."""

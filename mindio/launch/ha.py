@@ -27,11 +27,13 @@ neither replaced nor ended within the backstop (``rdzv_timeout``): never a hang.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 
@@ -39,13 +41,18 @@ from .. import _logging
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HostedController", "ttp_env"]
+__all__ = ["HostedController", "ttp_env", "tick", "wait_for_takeover"]
 
 
 def _free_port(addr: str) -> int:
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
+
+
+def _reboot_type(strategy: str) -> str:
+    """MINDIO_REBOOT_TYPE of a replacement (tft_get_reboot_type): "hot switch" or "arf"."""
+    return "hot switch" if strategy == "hot switch" else "arf"
 
 
 def ttp_env(info: dict) -> dict:
@@ -91,7 +98,7 @@ class HostedController:
         cfg, store = self.agent.cfg, self.store
         nodes = {r // cfg.nproc_per_node for r in ranks}
         alive = {n: self.node_alive(n) for n in nodes}
-        if strategy == "recover-in-place":
+        if strategy in ("recover-in-place", "hot switch"):
             return all(alive.values())
         if strategy == "recover":
             whole = all(set(range(n * cfg.nproc_per_node, (n + 1) * cfg.nproc_per_node)) <= set(ranks)
@@ -132,10 +139,11 @@ class HostedController:
                 self.lost.discard(node)
                 store.set(f"round/{self.rnd}/takeover/{node}", json.dumps({"gen": gen}))
             elif node == cfg.node_rank:
-                self.agent.replace_local(rs, gen)
+                self.agent.replace_local(rs, gen, reboot_type=_reboot_type(strategy))
             else:
                 i = store.add(f"round/{self.rnd}/replace/{node}", 1)
-                store.set(f"round/{self.rnd}/replace/{node}/{i}", json.dumps({"ranks": rs, "gen": gen}))
+                store.set(f"round/{self.rnd}/replace/{node}/{i}",
+                          json.dumps({"ranks": rs, "gen": gen, "type": _reboot_type(strategy)}))
         _logging.event("replace_ordered", ranks=sorted(ranks), gen=gen, strategy=strategy)
 
     # -- called by node 0's agent main loop --------------------------------------------------------
@@ -149,7 +157,15 @@ class HostedController:
                 self._deaths_seen -= 1  # counter bumped, value not written yet: next tick
                 return
             rank, _, reason = store.get(key).decode().partition(" ")
-            self.ctl.declare_dead([int(rank)], "agent", reason=reason)
+            self.report_death(int(rank), reason)
+
+    def report_death(self, rank: int, reason: str) -> None:
+        """A worker exited: a replacement (reason starts with "replacement") fails the recovery in flight;
+        any other is a dead rank for the controller."""
+        if reason.startswith("replacement"):
+            self.ctl.replacement_died(rank, reason)
+        else:
+            self.ctl.declare_dead([rank], "agent", reason=reason)
 
     def probe_nodes(self) -> list[int]:
         """(agent main loop) When a rank of another node died, check that node's agent: if its beat
@@ -182,3 +198,94 @@ class HostedController:
 
     def close(self) -> None:
         threading.Thread(target=self.ctl.destroy, daemon=True).start()  # joins its threads (<= 2 s each)
+
+
+def tick(agent, rnd: int, bad: dict) -> str | None:
+    """High availability: report deaths to the controller, carry out its replacement orders,
+    declare lost nodes (node 0); return why the round failed, or None while it goes on."""
+    from .agent import _describe  # (agent imports this module)
+
+    from ..ttp.hotswitch import EXIT_CODE_SWITCHED
+
+    cfg, store = agent.cfg, agent._store
+    bad = {r: c for r, c in bad.items() if c != EXIT_CODE_SWITCHED}  # switched out: its backup comes
+    with agent._lock:
+        procs = {r: agent._workers[r] for r in bad}
+    for rank, code in bad.items():
+        if procs[rank] in agent._reported:
+            continue
+        agent._reported.add(procs[rank])
+        agent._dead_since = agent._dead_since or time.monotonic()
+        why = ("replacement " if procs[rank] in agent._replacements else "") + f"exited with {_describe(code)}"
+        log.error("rank %d %s; telling the controller", rank, why)
+        _logging.event("worker_exited", round=rnd, dead_rank=rank, code=code)
+        if agent._hosted is not None:
+            agent._hosted.report_death(rank, why)
+        else:
+            i = store.add(f"round/{rnd}/deaths", 1)
+            store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
+    if agent._refill:
+        agent._refill = False
+        with agent._lock:
+            agent._spares.fill()
+    if agent._hosted is not None:
+        agent._hosted.poll_deaths()
+        if agent._hosted.ended is not None:
+            return f"the controller ended the job (exit code {agent._hosted.ended})"
+        raw_lost = agent._lost_nodes()
+        for node, stale in list(agent.taken_over.items()):
+            if store.get(f"agent/{node}/beat") != stale:
+                del agent.taken_over[node]  # the standby beats as that node now
+        agent._hosted.probe_nodes()  # a rank of another node died: is its agent gone too? (~1 s)
+        agent._hosted.lost.update(n for n in raw_lost if n not in agent.taken_over)
+        agent.lost_now = sorted(n for n in agent._hosted.lost if n not in agent.taken_over)
+        for node in set(agent.lost_now) - agent._declared_lost:
+            ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
+            log.error("node %d lost (its agent stopped beating): its ranks %s are dead", node, ranks)
+            agent._hosted.ctl.declare_dead(ranks, "node lost", node=node)
+            agent._dead_since = agent._dead_since or time.monotonic()
+        agent._declared_lost = set(agent.lost_now)
+    else:
+        key = f"round/{rnd}/replace/{cfg.node_rank}"
+        n = store.add(key, 0)
+        while agent._replace_seen < n and store.check([f"{key}/{agent._replace_seen + 1}"]):
+            agent._replace_seen += 1
+            order = json.loads(store.get(f"{key}/{agent._replace_seen}"))
+            agent.replace_local(order["ranks"], order["gen"], reboot_type=order.get("type", "arf"))
+            agent._dead_since = None
+        if 0 in agent._lost_nodes():
+            return "node 0 (the controller's node) lost"
+    with agent._lock:
+        all_live = all(p.poll() is None or p.poll() == 0 for p in agent._workers.values())
+    if all_live:
+        agent._dead_since = None
+    elif agent._dead_since and time.monotonic() - agent._dead_since > cfg.rdzv_timeout:
+        return f"a worker death was neither recovered nor ended by the controller in {cfg.rdzv_timeout} s"
+    return None
+
+
+def wait_for_takeover(agent, me: str):
+    """High availability: wait until the controller gives a lost node to a standby (ha.py), claim
+    it; return (round, generation) -- the ranks start as replacements in the running round."""
+    while not agent._stopping:
+        try:
+            rnd = int(agent._store.get("job/round")) if agent._store.check(["job/round"]) else 0
+            for node in range(agent.cfg.nnodes):
+                key = f"round/{rnd}/takeover/{node}"
+                if not agent._store.check([key]):
+                    continue
+                if agent._store.compare_set(f"claim/{rnd}/{node}", "", me).decode() != me:
+                    continue
+                gen = json.loads(agent._store.get(key))["gen"]
+                agent._store.add("standby/claimed", 1)
+                agent.cfg = dataclasses.replace(agent.cfg, node_rank=node, standby=False)
+                agent._beat()
+                print(f"mindio-run: standby takes over node {node} in round {rnd} (generation {gen})",
+                      file=sys.stderr)
+                _logging.event("standby_takeover", node=node, round=rnd, gen=gen)
+                return rnd, gen
+        except (RuntimeError, OSError) as exc:  # node 0's store is gone: the job ended
+            log.info("standby agent: job store unreachable (%s); leaving", exc)
+            return None
+        time.sleep(agent.cfg.monitor_interval)
+    return None

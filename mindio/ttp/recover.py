@@ -35,7 +35,7 @@ import time
 from .. import _logging
 from . import policy
 from . import protocol as P
-from .states import Result
+from .states import Result, State
 
 __all__ = ["RecoverFlow", "REPLACING"]
 
@@ -55,8 +55,24 @@ class RecoverFlow:
         starts new processes for ``ranks``; ``replacer.possible(ranks, strategy)`` says if it can."""
         self.replacer = replacer
         self._replaced: dict[int, int] = {}
+        self._replacement_dead: set[int] = set()
         if timeout:
             self.recover_timeout = timeout
+
+    def replacement_died(self, rank: int, why: str) -> None:
+        """(launcher, any thread) The process started to replace ``rank`` exited: the recovery step in
+        flight fails now instead of at its deadline (survivors waiting in the rebuild are cleaned)."""
+        self.declare_dead([rank], "agent", reason=why)
+        if self.sm.state not in (State.ENV_CLEAR, State.REPAIR):
+            return  # no recovery in flight: an ordinary death (the incident above handles it)
+        _log.error("replacement process of rank %d %s: the recovery fails", rank, why)
+        _logging.event("replacement_died", dead_rank=rank, reason=why)
+        with self._cond:
+            self._replacement_dead.add(rank)
+            pend = getattr(self.actions, "_pending", None)
+            if pend is not None:
+                pend.failed = True
+            self._cond.notify_all()
 
     def can_replace(self, strategy: str, dead) -> bool:
         if self.replacer is None or not dead:
@@ -117,7 +133,7 @@ class RecoverFlow:
     def _recover_step(self, name: str, params: dict, ranks: list, timeout: float, watch: list) -> bool:
         replies = self._call(name, params, ranks, timeout, fail_fast=True)
         with self._lock:
-            lost = [r for r in watch if not self.ranks[r].alive]
+            lost = [r for r in watch if not self.ranks[r].alive] + sorted(self._replacement_dead)
         bad = {r: (replies[r].detail if r in replies else "no reply (dead or past the deadline)")
                for r in ranks if r not in replies or not replies[r].ok}
         if bad or lost:
@@ -135,6 +151,8 @@ class RecoverFlow:
                 if len(ok) == len(ranks):
                     return True
                 now = time.monotonic()
+                if self._replacement_dead:
+                    return False
                 if now >= deadline or self._stop.is_set():
                     _log.error("recover: replacement rank(s) %s did not register in generation %d within "
                                "%.0f s", sorted(set(ranks) - set(ok)), gen, self.recover_timeout)
@@ -172,6 +190,7 @@ class RecoverFlow:
         marks["clean"] = time.monotonic()
         self.gen += 1
         gen = self.gen
+        self._replacement_dead.clear()
         for r in dead:
             self._replaced[r] = gen
         try:

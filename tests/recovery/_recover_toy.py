@@ -58,6 +58,9 @@ def main() -> int:
     a.resume = ""
     a.faults = [(f.split(":")[0], int(f.split(":")[1]), int(f.split(":")[2])) for f in a.fault.split(",") if f]
     torch.manual_seed(0)
+    if ttp.tft_is_reboot_node() and os.environ.get("TOY_REPLACEMENT_FAILS"):
+        print(f"[rank {a.rank}] replacement fails at start-up (TOY_REPLACEMENT_FAILS)", flush=True)
+        return 3
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     toy.build_groups(a.rank, a.world)
     ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False)

@@ -118,6 +118,21 @@ def test_replica_killed_during_repair_falls_back_without_hang(tmp_path):
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.timeout(200)
+def test_replacement_dying_at_start_falls_back_at_once(tmp_path):
+    """The spare that takes the dead rank fails before joining: the survivors waiting in the rebuild are
+    cleaned and the job falls back to a dump at once, not after the recover timeout (60 s)."""
+    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT}", env={"TOY_REPLACEMENT_FAILS": "1"})
+    assert code != 0
+    assert "exiting with code 75" in text, text[-6000:]  # dumped: rank 1's shard is on rank 3
+    died = [e for e in events if e["kind"] == "replacement_died"]
+    assert died and died[0]["dead_rank"] == 1, text[-4000:]
+    failed = [e for e in events if e["kind"] == "recover_failed"]
+    fallback = [e for e in events if e["kind"] == "fallback"]
+    assert failed and fallback and fallback[0]["src"] == "recover-in-place" and fallback[0]["dst"] == "dump"
+    assert failed[0]["t"] - died[0]["t"] < 5  # at once, not at the 60 s deadline
+
+
 def test_stale_generation_is_refused():
     """A frame from a replaced rank's old process (older generation) is dropped and counted."""
     ctl = Controller(rank=-1, world_size=4, enabled={"recover-in-place"}, key=b"k" * 32)

@@ -24,15 +24,16 @@ from test_recover_inplace import REPO, STEPS, TOY, _port, digest, run
 pytestmark = pytest.mark.slow
 
 
-def run_nodes(out, fault: str, strategies: str, timeout: float = 170):
-    """Agents for node 0, node 1 and a standby; returns ({name: (code, text)}, events)."""
+def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None, env=None):
+    """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with ``fault``);
+    returns ({name: (code, text)}, events)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
-               MINDIO_EVENT_LOG=str(events))
-    common = [sys.executable, "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
+               MINDIO_EVENT_LOG=str(events), **(env or {}))
+    common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
               "--master-port", str(_port()), "--high-availability", strategies]
-    tail = [str(TOY), "--out", str(out), "--steps", str(STEPS), "--fault", fault, "--step-sleep", "0.1"]
+    tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--fault", fault, "--step-sleep", "0.1"]
     procs = {}
     for name, flags in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
                         ("standby", ["--standby", "--warm-spares", "2"])):

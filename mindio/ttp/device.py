@@ -44,8 +44,9 @@ import gc
 import importlib.util
 import logging
 import os
+import _thread
 import signal
-import threading
+import sys
 import time
 from typing import Callable, Optional
 
@@ -94,17 +95,26 @@ def _drop(box: list) -> None:
     box.clear()  # the last reference: the group's destructor runs on this thread
 
 
-def release(groups: list) -> int:
+def release(groups: list, unreferenced_only: bool = False) -> int:
     """Drop the caller's references to ``groups`` on background threads, one per group, and empty
     ``groups``. A gloo group's destructor closes its pairs one at a time, each waiting for the
     group's I/O loop to tick (~10 ms; ~30 ms a group with 4 ranks, measured; the GIL is released
     meanwhile): destroyed one after another, megatron's ~20 groups keep peers blocked for 0.5 s and
     more; in parallel, every connection is closed within one such wait. A group still referenced
-    elsewhere is freed whenever its last reference goes. Returns the number of groups handed over."""
-    n = 0
+    elsewhere is freed whenever its last reference goes. ``unreferenced_only``: hand over only the
+    groups nothing else references any more (before a garbage collection: those are released at once;
+    the others stay in ``groups`` until the collection freed their referrers). Returns the number of
+    groups handed over."""
+    n, keep = 0, []
     while groups:
-        threading.Thread(target=_drop, args=([groups.pop()],), name="mindio-pg-release", daemon=True).start()
-        n += 1
+        g = groups.pop()
+        if unreferenced_only and sys.getrefcount(g) > 2:  # 2: the name g and getrefcount's argument
+            keep.append(g)
+        else:
+            _thread.start_new_thread(_drop, ([g],))  # no wait for the thread to start (threading.Thread does)
+            n += 1
+        del g
+    groups.extend(keep)
     return n
 
 
@@ -146,6 +156,7 @@ class DeviceBackend:
         if drop_references is not None:
             drop_references()
         count = len(groups)
+        release(groups, unreferenced_only=True)
         if count or drop_references is not None:  # nothing destroyed or dropped: nothing to collect
             collect()
         release(groups)

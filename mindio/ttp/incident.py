@@ -114,7 +114,7 @@ class IncidentFlow(PauseFlow):
         # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
         params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
-        replies = self._call("stop", params, live, self.action_limit)
+        replies = self._stop_all(live, params)  # retry.py: a rank blocked behind a fenced one is released
         with self._lock:
             for rank, rep in replies.items():
                 if rep.ok:

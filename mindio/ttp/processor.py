@@ -198,8 +198,9 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
                 except Exception as exc:  # a failed teardown must not stop the report/park protocol
                     _log.error("%s callback failed: %s", name, exc)
                 ms[name] = round((time.monotonic() - t0) * 1000, 2)
+        device.release(groups, unreferenced_only=True)  # dropped by the callbacks: released now
         ms["gc"] = round(device.collect(), 2)  # the one collection of this teardown (device.py)
-        device.release(groups)
+        device.release(groups)  # the groups the collection freed from reference cycles
         _logging.event("teardown", **{f"{k}_ms": v for k, v in ms.items()})
 
     def wait_next_action(self) -> tuple[Action, int]:

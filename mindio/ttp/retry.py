@@ -33,9 +33,10 @@ from . import policy
 from ._enums import OsStatus, ReportState
 from .states import Result
 
-__all__ = ["RetryFlow", "uce_repair_type"]
+__all__ = ["RetryFlow", "uce_repair_type", "STOP_GRACE_S"]
 
 _log = logging.getLogger(__name__)
+STOP_GRACE_S = 1.0  # a rank still running this long after the stop, while others are fenced, may be blocked
 
 
 def uce_repair_type(state: ReportState, data_status: int) -> str:
@@ -54,6 +55,31 @@ class RetryFlow:
     """Mixed into the controller next to IncidentFlow; uses its rank table, state machine, ``_call``."""
 
     gen = 0
+
+    def _stop_all(self, live: list, params: dict) -> dict:
+        """The incident's stop round, never held up by the fence itself.
+
+        A rank that passed its fence (``tft_start_updating_os``) just before the stop reached it can
+        be blocked in a collective with a peer the stop caught *at* its fence: the peer waits for the
+        fence, the rank for the peer, until the stop's deadline (90 s by default; seen under load, in
+        the dump flow and in retry). So: ``stop`` with a grace of :data:`STOP_GRACE_S`; if some ranks
+        are still running then while others are fenced, the fenced ones tear down (``stop_clean``: the
+        framework keeps their state for a dump, ARCHITECTURE section 3), which fails the blocked
+        collective at once, and the running ranks get the full timeout. {rank: Reply}."""
+        grace = min(params["timeout"], STOP_GRACE_S)
+        replies = self._call("stop", dict(params, timeout=grace), live, self.action_limit)
+        mains = {r: rep.detail.get("main") for r, rep in replies.items() if rep.ok}
+        running = sorted(r for r, m in mains.items() if m == "running")
+        fenced = sorted(r for r, m in mains.items() if m == "fenced")
+        if running and fenced and not params.get("stop_clean"):
+            _log.warning("stop: ranks %s still running %.1f s after the stop while %s wait at the fence; "
+                         "tearing the fenced ranks down so that a collective between them fails",
+                         running[:16], grace, fenced[:16])
+            _logging.event("stop_release_fenced", running=running[:64], fenced=fenced[:64])
+            replies.update(self._call("stop", dict(params, stop_clean=True), fenced, self.action_limit))
+        if running:
+            replies.update(self._call("stop", params, running, self.action_limit))
+        return replies
 
     def uce_refused(self) -> list:
         """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not

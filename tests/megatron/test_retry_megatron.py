@@ -1,6 +1,7 @@
 """The retry strategy on the Megatron example (4 ranks, DP=4, replicas R=2) under torchrun.
 
-``HIGH_AVAILABILITY=dump,retry`` (what ``--enable-hbmfault-repair`` means) and ``--inject
+``--enable-hbmfault-repair`` (the processors register with enable_uce: the controller may retry),
+``HIGH_AVAILABILITY=dump,retry`` (what that flag sets for the controller) and ``--inject
 uce:rank=1,step=7``: rank 1's optimizer shard is destroyed (NaN) and it raises "UCE ERROR"; the
 controller in rank 0 cleans, rebuilds the groups in the same processes (generation 1), repairs rank 1
 from its replica (rank 3), rolls every rank back to step 6 and re-enters train(). The job exits 0 with
@@ -35,7 +36,7 @@ def reference():
 @pytest.mark.parametrize("kind,repaired", [("uce", [1]), ("net", [])])
 def test_retry_in_place_is_bitwise(reference, tmp_path, kind, repaired):
     events = tmp_path / "events.jsonl"
-    out = torchrun(PRETRAIN, BASE + ["--inject", f"{kind}:rank=1,step=7"], timeout=300,
+    out = torchrun(PRETRAIN, BASE + ["--enable-hbmfault-repair", "--inject", f"{kind}:rank=1,step=7"], timeout=300,
                    env={"HIGH_AVAILABILITY": "dump,retry", "MINDIO_EVENT_LOG": str(events),
                         "TTP_LOG_PATH": str(tmp_path / "logs")})
     assert f"injecting {kind} at step 7" in out
@@ -58,7 +59,8 @@ def test_retry_tp2_dp2_is_bitwise(tmp_path):
     tp = ["--tensor-model-parallel-size", 2, "--replica-cnt", 2]
     ref = digests(torchrun(PRETRAIN, BASE + tp, timeout=240))[-1]
     events = tmp_path / "events.jsonl"
-    out = torchrun(PRETRAIN, BASE + tp + ["--inject", "uce:rank=1,step=7"], timeout=300,
+    out = torchrun(PRETRAIN, BASE + tp + ["--enable-hbmfault-repair", "--inject", "uce:rank=1,step=7"],
+                   timeout=300,
                    env={"HIGH_AVAILABILITY": "dump,retry", "MINDIO_EVENT_LOG": str(events),
                         "TTP_LOG_PATH": str(tmp_path / "logs")})
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]

@@ -104,3 +104,34 @@ def test_registration_carries_the_enable_flags_and_the_controller_honours_them()
     assert ctl.uce_refused() == [2]  # rank 0 sent no flags: allowed (the reference default)
     ctl.ranks[2].alive = False
     assert ctl.uce_refused() == []
+
+
+def test_stop_round_releases_a_rank_blocked_behind_a_fenced_one():
+    """A rank still running after the grace while another waits at its fence: the fenced one tears
+    down (stop_clean) and the running one gets the full timeout; no rank waits for the deadline."""
+    from mindio.ttp import protocol as P
+    from mindio.ttp.retry import STOP_GRACE_S, RetryFlow
+
+    class Ctl(RetryFlow):
+        action_limit = 180.0
+
+        def __init__(self, mains):
+            self.mains, self.calls = mains, []
+
+        def _call(self, name, params, ranks, timeout, fail_fast=False):
+            self.calls.append((name, dict(params), sorted(ranks)))
+            if params.get("stop_clean"):  # the fenced rank tore down: the blocked rank fails and parks
+                self.mains.update({r: "parked" for r in self.mains if self.mains[r] == "running"})
+            return {r: P.Reply(ok=True, detail={"main": self.mains[r], "step": 6, "data_status": 0})
+                    for r in ranks}
+
+    ctl = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "parked"})
+    replies = ctl._stop_all([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
+    assert ctl.calls == [("stop", {"timeout": STOP_GRACE_S, "stop_clean": False}, [0, 1, 2, 3]),
+                         ("stop", {"timeout": 90.0, "stop_clean": True}, [0]),
+                         ("stop", {"timeout": 90.0, "stop_clean": False}, [2])]
+    assert {r: rep.detail["main"] for r, rep in replies.items()} == {0: "fenced", 1: "parked", 2: "parked",
+                                                                     3: "parked"}
+    quiet = Ctl({0: "fenced", 1: "parked"})  # nobody running: one call, nothing torn down
+    quiet._stop_all([0, 1], {"timeout": 90.0, "stop_clean": False})
+    assert len(quiet.calls) == 1

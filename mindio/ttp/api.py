@@ -303,9 +303,23 @@ def tft_notify_controller_on_global_rank(fault_ranks: dict, time: int = 1):
 
 
 def tft_notify_controller_prepare_action(action: str, fault_ranks: dict = None):
+    """"hot switch": move the ranks in ``fault_ranks`` ({rank: errtype 0..2}) to backup processes at a step
+    boundary, no step lost; "stop switch": cancel a hot switch waiting for its decision (hotswitch.py).
+    0 accepted, 1 refused (logged: not in NORMAL training, no launcher agent to start backups, ...)."""
     if action not in ("hot switch", "stop switch"):
         raise ConfigError(f"prepare_action {action!r}: use 'hot switch' or 'stop switch'")
-    _later("hot switch", "hot switch flows")
+    ctl = _ctl()
+    ranks = []
+    if action == "hot switch":
+        if not isinstance(fault_ranks, dict) or not fault_ranks:
+            raise ConfigError("prepare_action('hot switch') needs fault_ranks {rank: errtype}: the ranks to move")
+        for rank, kind in fault_ranks.items():
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ctl.world_size \
+                    or kind not in (0, 1, 2):
+                raise ConfigError(f"fault_ranks entry {rank!r}: {kind!r}: need a rank in [0, {ctl.world_size}) "
+                                  f"(the job's world size) and errtype 0, 1 or 2")
+        ranks = sorted(fault_ranks)
+    return ctl.notify_prepare_action(action, ranks)
 
 
 def tft_notify_controller_change_strategy(strategy: str, params: str = ""):

@@ -32,8 +32,9 @@ from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import IncidentFlow
 from .retry import RetryFlow
-from .recover import RecoverFlow
 from .elastic import ElasticFlow
+from .recover import RecoverFlow
+from .hotswitch import HotSwitchFlow
 from .pidprobe import PidProbe
 from .transport import RELAY_PREFIX, Channel, Link, Waker
 
@@ -58,11 +59,11 @@ class _Rank:
     alive: bool = True
     faulty: bool = False
     registered: bool = True
-    gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
     features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
+    gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
 
 
-class Controller(IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):
+class Controller(HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     def __init__(self, rank: int, world_size: int, enabled, key: bytes, backup: bool = False,

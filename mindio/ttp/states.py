@@ -17,7 +17,8 @@ Flows (later issues fill in the ones marked *):
   A failed step of a strategy goes back to ABNORMAL (-FAIL->) where the next strategy of the fallback
   order is chosen.
 * pause:        NORMAL -PAUSE-> PAUSE -CONTINUE-> NORMAL (pause.py); PAUSE -DUMP-> DUMP, PAUSE -EXIT-> EXIT,
-                PAUSE -FAULT-> ABNORMAL; PAUSE -MIGRATE-> MIGRATION (hot switch*)
+                PAUSE -FAULT-> ABNORMAL; PAUSE -MIGRATE-> MIGRATION -RECOVER-> ENV_CLEAR
+                (hot switch, hotswitch.py: then as recover)
 * step finish*: NORMAL -STEP_FINISH-> STEP_FINISH -OK-> NORMAL
 * shutdown:     any state but FINAL -SHUTDOWN-> FINAL
 """
@@ -83,6 +84,7 @@ TRANSITIONS: dict[tuple[State, Result], State] = {
     (S.STEP_FINISH, R.FAULT): S.ABNORMAL,
     (S.PAUSE, R.CONTINUE): S.NORMAL,
     (S.PAUSE, R.MIGRATE): S.MIGRATION,
+    (S.MIGRATION, R.RECOVER): S.ENV_CLEAR,  # hot switch: the recover sequence (hotswitch.py)
     (S.PAUSE, R.FAULT): S.ABNORMAL,
     (S.PAUSE, R.DUMP): S.DUMP,
     (S.PAUSE, R.EXIT): S.EXIT,             # the cluster brain ends a paused job

@@ -91,8 +91,8 @@ def test_bad_input_is_rejected_with_clear_errors():
         ttp.tft_register_mindx_callback("report_weather", print)
     with pytest.raises(RuntimeError, match="tft_init_processor"):
         ttp.tft_start_updating_os(-1)
-    with pytest.raises(NotImplementedError, match="hot switch"):
-        ttp.tft_notify_controller_prepare_action("hot switch")
+    with pytest.raises(RuntimeError, match="no controller"):  # hot switch: tests/recovery/test_hotswitch.py
+        ttp.tft_notify_controller_prepare_action("hot switch", {1: 1})
 
 
 def test_decorator_is_transparent_without_processor():

@@ -299,7 +299,12 @@ def tft_notify_controller_stop_train(fault_ranks: dict, stop_type: str = "stop",
 
 
 def tft_notify_controller_on_global_rank(fault_ranks: dict, time: int = 1):
-    return _ctl().notify_stop_train(fault_ranks)
+    """The global fault ranks; ``time`` (1-3600 s, set from MINDIO_WAIT_MINDX_TIME by the caller in the
+    reference) bounds the wait for change_strategy in this incident's negotiation."""
+    if isinstance(time, bool) or not isinstance(time, (int, float)) or not 1 <= time <= 3600:
+        raise ConfigError(f"time {time!r}: use seconds in [1, 3600]")
+    ranks = _fault_ranks(fault_ranks)
+    return _ctl().notify_stop_train(ranks, wait=time)
 
 
 def tft_notify_controller_prepare_action(action: str, fault_ranks: dict = None):

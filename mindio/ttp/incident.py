@@ -39,6 +39,7 @@ OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
 
 class IncidentFlow(PauseFlow):
     _brain: Brain | None = None
+    _mindx_wait: float | None = None
 
     @property
     def brain(self) -> Brain:
@@ -252,7 +253,8 @@ class IncidentFlow(PauseFlow):
         self._chosen = None
         self._strategy_evt.clear()
         self._mindx_call("report_strategies", self._error_rank_dict(), list(strategies))
-        if self._strategy_evt.wait(_knobs.get("MINDIO_WAIT_MINDX_TIME")) and self._chosen in strategies:
+        wait, self._mindx_wait = self._mindx_wait or _knobs.get("MINDIO_WAIT_MINDX_TIME"), None
+        if self._strategy_evt.wait(wait) and self._chosen in strategies:
             return self._chosen
         _log.warning("cluster brain chose %r (allowed %s) or did not answer; using %s", self._chosen,
                      strategies, strategies[0])
@@ -288,7 +290,11 @@ class IncidentFlow(PauseFlow):
         self._open_incident(None, None, cause="dump_request")
         return 0
 
-    def notify_stop_train(self, fault_ranks: dict) -> int:
+    def notify_stop_train(self, fault_ranks: dict, wait: float | None = None) -> int:
+        """Open or widen an incident for ``fault_ranks``; ``wait`` (tft_notify_controller_on_global_rank's
+        ``time``): seconds the negotiation of this incident waits for change_strategy."""
+        if wait is not None:
+            self._mindx_wait = float(wait)
         for rank, kind in fault_ranks.items():
             if int(rank) in self.ranks:
                 self.ranks[int(rank)].faulty = True

@@ -159,7 +159,7 @@ def test_backup_link_to_primary_uses_curve(client_keys):
     try:
         backup.start("127.0.0.1", bport, primary=f"tcp://127.0.0.1:{port}")
         assert _until(lambda: primary.backups == [f"tcp://127.0.0.1:{bport}"])
-        assert backup._primary_link.registered.is_set()
+        assert _until(backup._primary_link.registered.is_set)  # the primary's REGISTER_ACK came back
     finally:
         backup.destroy()
         primary.destroy()

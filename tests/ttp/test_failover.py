@@ -71,7 +71,7 @@ def test_backup_takes_over_and_dumps(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_report_to_a_passive_backup_is_acted_on_after_takeover(monkeypatch):
-    """The ranks notice the dead primary before the backup does (3 vs 10 missed beats); a rank that fails
+    """The ranks notice the dead primary before the backup does (3 vs 20 missed beats); a rank that fails
     over and reports its error in that moment reports only once: the backup must act on it when it takes
     over, not drop it (the job would wait forever for a decision)."""
     from mindio.ttp._enums import ReportState
@@ -90,7 +90,7 @@ def test_report_to_a_passive_backup_is_acted_on_after_takeover(monkeypatch):
     key, port, bport = b"f" * 32, free_port(), free_port()
     primary = Controller(rank=-1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=3, hang_timeout=0)
     primary.start("127.0.0.1", port)
-    backup = Controller(rank=1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=10, hang_timeout=0,
+    backup = Controller(rank=1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=20, hang_timeout=0,
                         backup=True)
     backup.action_limit = 2.0
     baddr = f"tcp://127.0.0.1:{bport}"
@@ -103,9 +103,9 @@ def test_report_to_a_passive_backup_is_acted_on_after_takeover(monkeypatch):
         assert until(lambda: primary.sm.state is State.NORMAL and all(baddr in p.link.addrs for p in procs))
         primary.destroy()  # its socket closes: silence
         assert until(lambda: all(p.link.address == baddr and p.link.registered.is_set() for p in procs), 10)
-        assert not backup.active  # the backup itself needs 10 silent beats (2 s) to give up on the primary
+        assert not backup.active  # the backup itself needs 20 silent beats (4 s) to give up on the primary
         procs[1].report(ReportState.RS_UCE, "UCE ERROR")
-        assert until(lambda: backup.active, 10)
+        assert until(lambda: backup.active, 20)
         assert until(lambda: bool(backup.last_decision), 20), "the report made before the takeover was lost"
         assert backup.last_decision["faulty"] == [1]
     finally:

@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from _mgt_launch import PRETRAIN, digests, have_megatron, losses, torchrun  # noqa: E402
+from test_recover_node import run_nodes  # noqa: E402
 
 pytestmark = [
     pytest.mark.megatron,
@@ -55,5 +56,30 @@ def test_megatron_recover_in_place_is_bitwise(tmp_path, layout):
     fault_t = next(e["t"] for e in evs if e["kind"] == "fault_injected")
     resumed = max(e["t"] for e in evs if e["kind"] == "train_resumed")
     print(f"\nmegatron {layout or 'dp4'}: kill -> every rank training again {resumed - fault_t:.3f} s; "
+          f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
+    assert digests(out)[-1] == digests(ref)[-1]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", 2, "--replica-cnt", 2]],
+                         ids=["dp4", "tp2xdp2"])
+def test_megatron_recover_node_is_bitwise(tmp_path, layout):
+    """recover: nodes of 2 ranks + a standby; node 1 (ranks 2, 3) is killed at step 7; the standby takes
+    its ranks in the running round, repaired from their replicas on node 0 (DP=4 R=2: shards of 2, 3
+    live on 0, 1; TP=2 x DP=2: ranks 2, 3 are DP replicas of 0, 1)."""
+    ref, _ = _run(BASE + layout, tmp_path, "ref")
+    tail = [str(PRETRAIN), *map(str, BASE + layout), "--inject", "kill-node:node=1,step=7"]
+    res, evs = run_nodes(tmp_path / "run", "", "recover,dump", timeout=600, tail=tail,
+                         env={"MINDIO_DRILL_DIR": str(tmp_path), "MINDIO_ACP_IDLE_EXIT": "20"})
+    code0, out = res["node0"]
+    assert code0 == 0, out[-6000:]
+    done = [e for e in evs if e["kind"] == "recover_done"]
+    assert len(done) == 1 and done[0]["strategy"] == "recover" and done[0]["replaced"] == [2, 3], out[-4000:]
+    assert done[0]["lock_step"] == 6
+    assert not [e for e in evs if e["kind"] == "round_failed"]
+    assert sorted(losses(out)) == list(range(1, ITERS + 1))
+    fault_t = next(e["t"] for e in evs if e["kind"] == "fault_injected")
+    resumed = max(e["t"] for e in evs if e["kind"] == "train_resumed")
+    print(f"\nmegatron {layout or 'dp4'}: kill node 1 -> every rank training again {resumed - fault_t:.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
     assert digests(out)[-1] == digests(ref)[-1]

@@ -183,4 +183,5 @@ def test_graceful_dump_on_request(plane):
     assert ctl.exit_code == 75
     assert [(a.value, b.value) for a, _r, b in ctl.sm.history][-3:] == [("NORMAL", "DUMP"), ("DUMP", "EXIT"),
                                                                        ("EXIT", "FINAL")]
-    assert all(p._next == (Action.EXIT, 75) for p in procs)  # handed to each main thread
+    # handed to each main thread (a processor replies to exit before it hands EXIT over: wait for it)
+    assert _until(lambda: all(p._next == (Action.EXIT, 75) for p in procs))

@@ -212,25 +212,8 @@ class IncidentFlow(PauseFlow):
                          "dump done" if ok else "dump failed", self._error_rank_dict(), "dump")
         if ctx["graceful"]:
             self._settle()
-        if ctx["graceful"]:
-            self._settle()
         self._exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
         return False
-
-    def _settle(self) -> None:
-        """Before exiting a job that had no fault (requested dump, exit while paused): every rank tears its
-        healthy process groups down and parks first (the ``clean`` action), so no rank leaves while a peer
-        still destroys a group connected to it -- seen as ``terminate called`` (SIGABRT) at exit on gloo."""
-        live = self._live_ranks()
-        replies = self._call("clean", {"timeout": self.action_limit / 2}, live, self.action_limit)
-        bad = [r for r in live if r not in replies or not replies[r].ok]
-        if bad:
-            _log.error("ranks %s did not tear down before the exit: %s", bad[:16],
-                       {r: replies[r].detail for r in bad[:4] if r in replies})
-
-    def _live_ranks(self) -> list:
-        with self._lock:
-            return sorted(r.rank for r in self.ranks.values() if r.alive)
 
     def _settle(self) -> None:
         """Before exiting a job that had no fault (requested dump, exit while paused): every rank tears its

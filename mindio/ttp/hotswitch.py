@@ -161,9 +161,10 @@ class HotSwitchFlow:
             self._call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
             with self._cond:
                 for r in ranks:  # gone on purpose: dead for the recover sequence, never declared dead
-                    self.ranks.pop(r, None)
+                    self._replaced[r] = self.gen + 1  # its last frames are refused, never re-registered
                     self._seen.pop(r, None)
-                    self._registered -= 1
+                    if self.ranks.pop(r, None) is not None:
+                        self._registered -= 1
                 self._cond.notify_all()
             _logging.event("switched_out", ranks=ranks, step=target, code=EXIT_CODE_SWITCHED)
             self._switch_req = None

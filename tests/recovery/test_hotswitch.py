@@ -142,3 +142,30 @@ def test_prepare_action_bad_input(monkeypatch):
     monkeypatch.setattr(_rt, "controller", None)
     with pytest.raises(RuntimeError, match="no controller in this process"):
         ttp.tft_notify_controller_prepare_action("hot switch", {1: 1})
+
+
+def test_prepare_action_refused_without_a_launcher_agent(caplog):
+    """Well-formed and in NORMAL training, but nothing can start a backup (no mindio-run agent): 1, logged;
+    no incident is opened and training is not touched."""
+    from mindio.ttp.controller import _Rank
+    from mindio.ttp.states import Result, State
+
+    ctl = Controller(rank=-1, world_size=4, enabled={"recover-in-place"}, key=b"k" * 32)
+    for r in range(4):
+        ctl.ranks[r] = _Rank(r, str(r).encode(), pid=100 + r)
+    ctl.sm.fire(Result.ALL_REGISTERED)
+    assert ctl.notify_prepare_action("hot switch", [1]) == 1
+    assert "no launcher agent hosts this controller" in caplog.text
+    assert ctl._incident is None and ctl.sm.state is State.NORMAL
+
+    class Replacer:  # an agent whose node cannot start rank 1 again
+        def possible(self, ranks, strategy):
+            assert strategy == "hot switch"
+            return False
+
+    ctl.attach_replacer(Replacer())
+    assert ctl.notify_prepare_action("hot switch", [1]) == 1
+    assert "cannot start backups for ranks [1]" in caplog.text
+    ctl.ranks[2].alive = False
+    assert ctl.notify_prepare_action("hot switch", [2]) == 1
+    assert "not all registered and alive" in caplog.text

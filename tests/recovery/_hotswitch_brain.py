@@ -1,6 +1,7 @@
 """mindio-run (node 0's agent, in this process) plus a cluster brain driving its hosted controller.
 
-``python _hotswitch_brain.py SCENARIO OUT -- <mindio-run arguments>``. Once every rank passed step
+``python _hotswitch_brain.py SCENARIO OUT -- <mindio-run arguments>`` (or ``-m _hotswitch_brain <mindio-run
+arguments>`` with HS_SCENARIO and HS_OUT in the environment). Once every rank passed step
 ``HS_AT`` (default 5) it calls ``tft_notify_controller_prepare_action("hot switch", {HS_RANK: 1})`` on the
 controller the agent hosts (rank -1) and plays SCENARIO through the reference API:
 
@@ -22,8 +23,11 @@ from mindio.ttp._runtime import state as _rt
 
 
 def main() -> None:
-    scenario, out = sys.argv[1], sys.argv[2]
-    argv = sys.argv[sys.argv.index("--") + 1:]
+    if "--" in sys.argv:
+        scenario, out = sys.argv[1], sys.argv[2]
+        argv = sys.argv[sys.argv.index("--") + 1:]
+    else:  # ``python -m _hotswitch_brain <mindio-run arguments>`` with HS_SCENARIO and HS_OUT set
+        scenario, out, argv = os.environ["HS_SCENARIO"], os.environ["HS_OUT"], sys.argv[1:]
     at, rank = int(os.environ.get("HS_AT", "5")), int(os.environ.get("HS_RANK", "1"))
     log, lock = open(os.path.join(out, "brain.jsonl"), "a"), threading.Lock()
 

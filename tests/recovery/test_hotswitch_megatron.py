@@ -1,0 +1,56 @@
+"""Hot switch on the Megatron example (examples/megatron/pretrain_gpt.py) under mindio-run.
+
+4 ranks on CPU/gloo, distributed optimizer with replicas (DP=4, R=2). Node 0's agent hosts the
+controller; the cluster brain in the agent's process (_hotswitch_brain.py) asks for a hot switch of rank
+1 once every rank passed iteration 3 and answers ``migration``. Every rank pauses at one iteration, rank
+1's old process exits (78), a backup builds its model and optimizer with Megatron's normal init order on
+generation 1, receives its optimizer shard from its DP replica, and the job goes on: digest of the run
+without the switch, no iteration lost.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[0] / "megatron"))
+from _mgt_launch import PRETRAIN, REPO, digests, have_megatron, losses, torchrun  # noqa: E402
+
+from mindio.ttp.hotswitch import EXIT_CODE_SWITCHED  # noqa: E402
+
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.slow,
+    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
+]
+
+ITERS = 20
+BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS, "--seed", 1234]
+
+
+@pytest.mark.timeout(800)
+def test_megatron_hot_switch_is_bitwise(tmp_path):
+    env = {"HIGH_AVAILABILITY": "recover-in-place,dump", "TTP_LOG_PATH": str(tmp_path / "logs"),
+           "PYTHONPATH": f"{REPO}:{HERE}", "HS_AT": "3",
+           "MINDIO_HEARTBEAT_INTERVAL": "0.5", "MINDIO_HEARTBEAT_MISSES": "6"}  # steps seen soon; no false deaths
+    ref = torchrun(PRETRAIN, BASE, timeout=330, launcher="mindio.launch.cli", env=env)
+    events = tmp_path / "events.jsonl"
+    out = torchrun(PRETRAIN, BASE, timeout=330, launcher="_hotswitch_brain",
+                   env={**env, "MINDIO_EVENT_LOG": str(events), "HS_SCENARIO": "switch", "HS_OUT": str(tmp_path)})
+    evs = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
+    brain = [json.loads(x) for x in (tmp_path / "brain.jsonl").read_text().splitlines() if x.strip()]
+    prep = next(b for b in brain if b["kind"] == "prepare_action")
+    assert prep["rc"] == 0, brain
+    done = [e for e in evs if e["kind"] == "recover_done"]
+    assert len(done) == 1 and done[0]["strategy"] == "hot switch" and done[0]["replaced"] == [1], out[-6000:]
+    gone = [e for e in evs if e["kind"] == "switched_out_exit"]
+    assert len(gone) == 1 and gone[0]["old_pid"] == prep["pids"]["1"] and gone[0]["code"] == EXIT_CODE_SWITCHED
+    assert not [e for e in evs if e["kind"] == "round_failed"]
+    assert sorted(losses(out)) == list(range(1, ITERS + 1))  # no iteration lost or repeated in the log
+    resumed = max(e["t"] for e in evs if e["kind"] == "train_resumed")
+    print(f"\nmegatron dp4: hot switch request (lock step {done[0]['lock_step']}) -> every rank training again "
+          f"{resumed - prep['t']:.3f} s; { {k: v for k, v in done[0].items() if k.endswith('_s')} }")
+    assert digests(out)[-1] == digests(ref)[-1]

@@ -3,9 +3,9 @@
 Real processes: node 0's mindio-run agent hosting the controller (rank -1), driven by a cluster brain in
 the same process (_hotswitch_brain.py), 4 workers of the toy job (_recover_toy.py: DP=4, ZeRO-1 Adam
 over 2 replica halves), gloo on loopback. Once every rank passed step 5 the brain asks for a hot switch
-of rank 1: every rank pauses at one step, rank 1's old process exits (EXIT_CODE_SWITCHED) and a backup
-process takes rank 1 with its shard from the replica; training goes on with no step lost, bitwise equal
-to the uninterrupted run. "stop switch" instead leaves every process and the result unchanged.
+of rank 1 (rank 0 too): every rank pauses at one step, the rank's old process exits (EXIT_CODE_SWITCHED)
+and a backup process takes the rank with its shard from the replica; training goes on with no step
+lost, bitwise equal to the uninterrupted run. "stop switch" instead leaves every process and the result unchanged.
 """
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ STEPS = 12
 pytestmark = pytest.mark.slow
 
 
-def run(out: Path, scenario: str = "", timeout=150):
+def run(out: Path, scenario: str = "", timeout=150, victim: int = 1):
     """One mindio-run job of the toy (with the brain when ``scenario``); (exit code, output, events, brain)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     e = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
-             MINDIO_EVENT_LOG=str(events))
+             MINDIO_EVENT_LOG=str(events), HS_RANK=str(victim))
     launch = ["--nproc-per-node", "4", "--master-port", str(_port()), "--high-availability",
               "recover-in-place,dump", str(HERE / "_recover_toy.py"), "--out", str(out), "--steps", str(STEPS),
               "--step-sleep", "0.15"]
@@ -77,22 +77,23 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("scenario", ["switch", "direct"])
-def test_hot_switch_moves_rank_1_without_losing_a_step(reference, tmp_path, scenario):
-    code, text, events, brain = run(tmp_path / "run", scenario)
+@pytest.mark.parametrize("scenario,victim", [("switch", 1), ("direct", 1), ("direct", 0)])
+def test_hot_switch_moves_a_rank_without_losing_a_step(reference, tmp_path, scenario, victim):
+    """Rank 0 too (the reference cannot switch its rank 0: its controller lives there; ours is the agent's)."""
+    code, text, events, brain = run(tmp_path / "run", scenario, victim=victim)
     assert code == 0, text[-6000:]
     assert digest(text) == reference  # bitwise equal to the uninterrupted run
     assert_every_step_once(text)
     prep = next(b for b in brain if b["kind"] == "prepare_action")
     assert prep["rc"] == 0
-    old_pid = prep["pids"]["1"]
+    old_pid = prep["pids"][str(victim)]
     gone = [e for e in events if e["kind"] == "switched_out_exit"]
     assert len(gone) == 1 and gone[0]["old_pid"] == old_pid and gone[0]["code"] == EXIT_CODE_SWITCHED, gone
     pids = pids_by_rank(events)
-    assert old_pid in pids[1] and len(pids[1]) == 2, pids  # a new process serves rank 1
-    assert all(pids[r] == {prep["pids"][str(r)]} for r in (0, 2, 3)), pids  # the others kept theirs
+    assert old_pid in pids[victim] and len(pids[victim]) == 2, pids  # a new process serves the rank
+    assert all(pids[r] == {prep["pids"][str(r)]} for r in range(4) if r != victim), pids  # others kept theirs
     done = [e for e in events if e["kind"] == "recover_done"]
-    assert len(done) == 1 and done[0]["strategy"] == "hot switch" and done[0]["replaced"] == [1], done
+    assert len(done) == 1 and done[0]["strategy"] == "hot switch" and done[0]["replaced"] == [victim], done
     paused = next(e for e in events if e["kind"] == "hot_switch_paused")
     assert done[0]["lock_step"] == paused["step"] >= 5
     assert "replacement process (hot switch)" in text  # tft_get_reboot_type() in the backup
@@ -104,7 +105,8 @@ def test_hot_switch_moves_rank_1_without_losing_a_step(reference, tmp_path, scen
         res = [b for b in brain if b["kind"] == "report_result"]
         assert res[-1]["code"] == 0 and res[-1]["strategy"] == "hot switch", res
     resumed = max(e["t"] for e in events if e["kind"] == "train_resumed")
-    print(f"\nhot switch ({scenario}): request -> every rank training again {resumed - prep['t']:.3f} s; "
+    print(f"\nhot switch ({scenario}, rank {victim}): request -> every rank training again "
+          f"{resumed - prep['t']:.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
 
 

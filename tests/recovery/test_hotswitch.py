@@ -32,12 +32,12 @@ STEPS = 12
 pytestmark = pytest.mark.slow
 
 
-def run(out: Path, scenario: str = "", timeout=150, victim: int = 1):
+def run(out: Path, scenario: str = "", timeout=150, victim: int = 1, env=None):
     """One mindio-run job of the toy (with the brain when ``scenario``); (exit code, output, events, brain)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     e = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
-             MINDIO_EVENT_LOG=str(events), HS_RANK=str(victim))
+             MINDIO_EVENT_LOG=str(events), HS_RANK=str(victim), **(env or {}))
     launch = ["--nproc-per-node", "4", "--master-port", str(_port()), "--high-availability",
               "recover-in-place,dump", str(HERE / "_recover_toy.py"), "--out", str(out), "--steps", str(STEPS),
               "--step-sleep", "0.15"]
@@ -125,6 +125,24 @@ def test_stop_switch_cancels_and_changes_nothing(reference, tmp_path):
     assert all(pids[r] == {prep["pids"][str(r)]} for r in range(4)), pids  # no process replaced
     res = [b for b in brain if b["kind"] == "report_result"]
     assert res and res[-1]["strategy"] == "continue" and "cancelled" in res[-1]["msg"], res
+
+
+@pytest.mark.timeout(200)
+def test_backup_failing_at_start_falls_back_to_a_dump(tmp_path):
+    """The backup process dies before joining, after the old rank-1 process left: the remaining ranks
+    dump at the pause step (rank 1's shard lives on its replica, rank 3) and the job exits 75, at once."""
+    code, text, events, brain = run(tmp_path / "run", "direct", env={"TOY_REPLACEMENT_FAILS": "1"})
+    assert code != 0
+    assert "exiting with code 75" in text, text[-6000:]  # dumped
+    kinds = [e["kind"] for e in events]
+    assert "replacement_died" in kinds and "switched_out_exit" in kinds, kinds
+    fallback = [e for e in events if e["kind"] == "fallback"]
+    assert fallback and fallback[0]["src"] == "hot switch" and fallback[0]["dst"] == "dump", fallback
+    died = next(e for e in events if e["kind"] == "replacement_died")
+    failed = next(e for e in events if e["kind"] == "recover_failed")
+    assert failed["t"] - died["t"] < 5  # at once, not at the 60 s recover deadline
+    paused = next(e for e in events if e["kind"] == "hot_switch_paused")
+    assert (tmp_path / "run" / "ckpt" / f"iter_{paused['step']:07d}").is_dir()  # the pause step was saved
 
 
 def test_prepare_action_bad_input(monkeypatch):

@@ -7,6 +7,7 @@ controller the agent hosts (rank -1) and plays SCENARIO through the reference AP
 
 * ``switch``   answer report_stop_complete with change_strategy("migration")
 * ``stop``     answer report_stop_complete with prepare_action("stop switch")
+* ``silent``   never answer (the switch is cancelled after MINDIO_WAIT_MINDX_TIME)
 * ``direct``   no cluster-brain callbacks: the switch goes on at once
 
 Every call and callback is appended to ``OUT/brain.jsonl``.

@@ -81,7 +81,7 @@ def main() -> int:
     def train():
         while trainer.it < a.steps:
             trainer.step()
-            print(f"[rank {a.rank}] iteration {trainer.it}", flush=True)
+            print(f"[rank {a.rank}] iteration {trainer.it}\n", end="", flush=True)  # one write: ranks share a pipe
             if a.step_sleep:
                 time.sleep(a.step_sleep)
         return 0

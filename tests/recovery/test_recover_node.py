@@ -79,6 +79,6 @@ def test_lost_node_moves_to_standby_bitwise(tmp_path):
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
     # every step on every rank, the standby's ranks from the lock step on
     for r in range(4):
-        its = {int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+)", text0 + res["standby"][1]
+        its = {int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+?)(?=\[|\r?\n|\d{{4}}-\d\d-\d\d |$)", text0 + res["standby"][1]
                                             + res["node1"][1])}
         assert its == set(range(1, STEPS + 1)), (r, sorted(its))

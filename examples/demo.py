@@ -7,15 +7,21 @@
    raises ``UCE ERROR`` at step 5. The processes stay up: the controller stops every rank at the last
    completed step, rebuilds the process groups, repairs rank 1's shard from its replica, rolls every
    rank back and re-enters ``train()``.
-3. **Dump + relaunch** (``--enable-high-availability``): rank 2 raises an unknown error at step 9. The
+3. **Recover in place** (``HIGH_AVAILABILITY=recover-in-place,dump``): rank 3 is SIGKILLed at step 7.
+   ``mindio-run``'s agent hosts the controller (rank -1), sees the death at once and starts only rank
+   3 again, in a warm pre-started interpreter; the survivors keep running, rebuild their process
+   groups with it, its optimizer shard and training state come from its replica, every rank rolls
+   back to step 6 and goes on.
+4. **Dump + relaunch** (``--enable-high-availability``): rank 2 raises an unknown error at step 9. The
    controller has one healthy holder of every shard write a last-words checkpoint at step 8, the job
    exits with code 75, ``mindio-run --max-restarts 1`` starts it again and it resumes from step 8.
 
-Both faulty runs must end with the reference digest: nothing lost, nothing corrupted.
+Every faulty run must end with the reference digest: nothing lost, nothing corrupted.
 Run it with ``bash scripts/demo.sh`` (installs everything first) or ``.venv/bin/python examples/demo.py``.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -73,19 +79,24 @@ def digest(lines) -> str:
     return found[-1]
 
 
+def steps_done(lines) -> list:
+    """The iterations the run reported as completed, in order (rank 0 prints each one once)."""
+    return [int(m.group(1)) for _, l in lines if (m := re.search(r"iteration\s+(\d+)/\d+ \|", l))]
+
+
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mindio-demo-"))
     env = {"MINDIO_ACP_DIR": str(work / "acp"), "MINDIO_ACP_POOL_MB": "256", "MINDIO_ACP_IDLE_EXIT": "20",
            "TTP_LOG_PATH": str(work / "logs"), "MINDIO_EVENT_LOG": str(work / "events.jsonl"),
            "MINDIO_DRILL_DIR": str(work / "drill")}  # each injected fault fires once per job
     (work / "drill").mkdir()
-    print(f"[1/3] fault-free reference run: {STEPS} steps, 4 ranks (DP=4, optimizer shards on 2 ranks each)")
+    print(f"[1/4] fault-free reference run: {STEPS} steps, 4 ranks (DP=4, optimizer shards on 2 ranks each)")
     rc, ref = mindio_run(COMMON + ["--enable-high-availability"], env)
     if rc != 0:
         raise SystemExit(f"demo: the reference run failed with exit code {rc}")
     want = digest(ref)
 
-    print("\n[2/3] retry: UCE error on rank 1 at step 5 (its optimizer shard is destroyed first)")
+    print("\n[2/4] retry: UCE error on rank 1 at step 5 (its optimizer shard is destroyed first)")
     rc, retry = mindio_run(COMMON + ["--enable-hbmfault-repair", "--inject", "uce:rank=1,step=5"], env)
     if rc != 0:
         raise SystemExit(f"demo: the retry run failed with exit code {rc}")
@@ -94,8 +105,18 @@ def main() -> int:
                       and re.search(r"iteration\s+5/", l)), None)
     restarted = any("restarting all workers" in l for _, l in retry)
 
+    print("\n[3/4] recover in place: rank 3 is SIGKILLed at step 7; only that process is started again")
+    rc, recover = mindio_run(COMMON + ["--enable-high-availability", "--inject", "kill:rank=3,step=7"],
+                             {**env, "HIGH_AVAILABILITY": "recover-in-place,dump",
+                              "MINDIO_EVENT_LOG": str(work / "events-recover.jsonl")})
+    if rc != 0:
+        raise SystemExit(f"demo: the recover-in-place run failed with exit code {rc}")
+    kill_t = next((t for t, l in recover if "inject" in l), None)
+    back_t = next((t for t, l in recover if kill_t is not None and t > kill_t
+                   and re.search(r"iteration\s+7/", l)), None)
+
     ckpt = work / "ckpt"
-    print("\n[3/3] dump + relaunch: unknown error on rank 2 at step 9; mindio-run may restart the job once")
+    print("\n[4/4] dump + relaunch: unknown error on rank 2 at step 9; mindio-run may restart the job once")
     args = COMMON + ["--enable-high-availability", "--save", str(ckpt), "--load", str(ckpt),
                      "--inject", "raise:rank=2,step=9"]
     rc, dump = mindio_run(args, env, max_restarts=1)
@@ -105,7 +126,7 @@ def main() -> int:
 
     print("\nresult")
     ok = True
-    for name, lines in (("retry", retry), ("dump + relaunch", dump)):
+    for name, lines in (("retry", retry), ("recover in place", recover), ("dump + relaunch", dump)):
         got = digest(lines)
         same = got == want
         ok &= same
@@ -113,6 +134,16 @@ def main() -> int:
     if fault_t is not None and resumed_t is not None:
         print(f"  retry: fault -> step 5 done again in {resumed_t - fault_t:.1f} s, "
               f"{'job restarted' if restarted else 'no process restarted'}, no step lost")
+    log = work / "events-recover.jsonl"
+    events = [json.loads(l) for l in log.read_text().splitlines() if l.strip()] if log.exists() else []
+    replaced = [e for e in events if e.get("kind") == "recover_done"]
+    lost = sorted(set(range(1, STEPS + 1)) - set(steps_done(recover)))
+    took = f"SIGKILL -> step 7 done again in {back_t - kill_t:.1f} s" if kill_t and back_t else "no timing"
+    if replaced and replaced[0].get("replaced") == [3]:
+        print(f"  recover in place: {took}, only rank 3's process replaced, steps lost: {len(lost)} {lost or ''}")
+    else:
+        print("  recover in place: NOT recovered in place (no recover_done event for rank 3)")
+    ok &= bool(replaced) and replaced[0].get("replaced") == [3] and not lost
     if loaded:
         print(f"  dump: fault at step 9, last-words checkpoint at step {loaded[0]}, "
               f"steps lost: {max(0, 8 - loaded[0])}")

@@ -40,6 +40,7 @@ device resources after a rebuild (HCCL: ``torch_npu.distributed.reinit_process_g
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib.util
 import logging
@@ -47,6 +48,7 @@ import os
 import _thread
 import signal
 import sys
+import threading
 import time
 from typing import Callable, Optional
 
@@ -91,8 +93,36 @@ def freeze_startup_objects() -> int:
     return count
 
 
+_pending = [0]                       # release threads still running a group's destructor
+_pending_lock = threading.Condition()
+
+
 def _drop(box: list) -> None:
-    box.clear()  # the last reference: the group's destructor runs on this thread
+    try:
+        box.clear()  # the last reference: the group's destructor runs on this thread
+    finally:
+        with _pending_lock:
+            _pending[0] -= 1
+            _pending_lock.notify_all()
+
+
+def wait_released(timeout: float = 10.0) -> bool:
+    """Wait until every group handed to :func:`release` has been destroyed (True), at most ``timeout``
+    s. Registered at exit: a process that exits while a release thread is still inside a gloo group's
+    destructor aborts ('terminate called without an active exception', SIGABRT) in the C++ teardown."""
+    deadline = time.monotonic() + timeout
+    with _pending_lock:
+        while _pending[0] > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _log.warning("%d process group(s) still being destroyed after %.1f s; exiting anyway",
+                             _pending[0], timeout)
+                return False
+            _pending_lock.wait(left)
+    return True
+
+
+atexit.register(wait_released)
 
 
 def release(groups: list, unreferenced_only: bool = False) -> int:
@@ -111,6 +141,8 @@ def release(groups: list, unreferenced_only: bool = False) -> int:
         if unreferenced_only and sys.getrefcount(g) > 2:  # 2: the name g and getrefcount's argument
             keep.append(g)
         else:
+            with _pending_lock:
+                _pending[0] += 1
             _thread.start_new_thread(_drop, ([g],))  # no wait for the thread to start (threading.Thread does)
             n += 1
         del g

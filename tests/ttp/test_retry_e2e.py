@@ -56,6 +56,22 @@ def test_retry_keeps_processes_and_is_bitwise(baseline, tmp_path, kind, rank, re
 
 
 @pytest.mark.timeout(200)
+def test_two_faults_in_different_replica_halves_are_both_repaired(baseline, tmp_path):
+    """UCE on ranks 1 and 2 at the same step: each lost shard still has a copy (rank 1's on rank 3,
+    rank 2's on rank 0), so one retry repairs both and the run stays bitwise equal."""
+    out = str(tmp_path / "run")
+    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT},raise-uce:2:{FAULT_IT}"],
+              env=HA)
+    pids = [p.pid for p in job.procs]
+    assert job.wait(120) == [0, 0, 0, 0], job.tail()
+    events = job.events()
+    assert {e["pid"] for e in events if "pid" in e} <= set(pids)
+    done = _kind(events, "retry_done")
+    assert len(done) == 1 and sorted(done[0]["repaired"]) == [1, 2], done
+    assert_bitwise_equal(final_state(out, 4), baseline)
+
+
+@pytest.mark.timeout(200)
 def test_failed_repair_falls_back_to_dump(tmp_path):
     out = str(tmp_path / "run")
     job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],

@@ -64,9 +64,6 @@ def _ctl() -> Controller:
     return _rt.controller
 
 
-def _later(capability: str, issue: str):
-    raise NotImplementedError(f"{capability} is not available in this version of mindio.ttp ({issue})")
-
 
 # ----------------------------------------------------------------------------- controller
 def tft_init_controller(rank: int, world_size: int, enable_local_copy: bool, enable_arf=False, enable_zit=False):

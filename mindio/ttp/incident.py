@@ -195,13 +195,40 @@ class IncidentFlow(PauseFlow):
     def _run_retry(self, ctx: dict):
         if self._retry(ctx["lock"], ctx["views"], ctx["primary"], ctx["t0"]):
             return True
-        with self._lock:  # a rank may have died during the retry: plan the dump again
+        return self._replan_dump(ctx)
+
+    def _replan_dump(self, ctx: dict) -> None:
+        """After a failed strategy: a rank may have died meanwhile, so plan the dump again (returns None,
+        the "fall back" answer of a ``_run_<name>``)."""
+        with self._lock:
             dead_now = {r.rank for r in self.ranks.values() if not r.alive}
         ctx["views"] = [v if v.rank not in dead_now else policy.RankView(v.rank, False, True, v.step,
                                                                          v.data_status, v.replica)
                         for v in ctx["views"]]
         ctx["plan"] = policy.select_dump_ranks(ctx["views"], ctx["lock"])
         return None
+
+    def _resume_at(self, lock: int, ranks: list, timeout: float) -> None:
+        """The end of every in-process recovery: NORMAL again at the lock step, the incident closed,
+        every live rank healthy at ``lock``, then ``retry`` re-enters train() on ``ranks``."""
+        with self._lock:
+            self.sm.fire(Result.OK, lock_step=lock)
+            self._incident = None
+            self._incident_evt.clear()
+            for r in self.ranks.values():
+                if r.alive:
+                    r.faulty = False
+                    r.step = lock
+        self._call("retry", {}, ranks, timeout)
+
+    @staticmethod
+    def _phases(t0: float, marks: dict, order) -> tuple:
+        """(total s, {phase: s since the previous mark}) of a recovery timed from ``t0``."""
+        prev, parts = t0, {}
+        for k in order:
+            parts[k] = round(marks[k] - prev, 6)
+            prev = marks[k]
+        return marks[order[-1]] - t0, parts
 
     def _run_dump(self, ctx: dict):
         if not ctx["graceful"] and self.sm.state is not State.DUMP:

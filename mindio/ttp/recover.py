@@ -121,13 +121,7 @@ class RecoverFlow:
             return None
         if self._recover(strategy, ctx["lock"], ctx["views"], ctx["t0"]):
             return True
-        with self._lock:  # a rank may have died during the recovery: plan the dump again
-            dead_now = {r.rank for r in self.ranks.values() if not r.alive}
-        ctx["views"] = [v if v.rank not in dead_now else policy.RankView(v.rank, False, True, v.step,
-                                                                         v.data_status, v.replica)
-                        for v in ctx["views"]]
-        ctx["plan"] = policy.select_dump_ranks(ctx["views"], ctx["lock"])
-        return None
+        return self._replan_dump(ctx)
 
     # ------------------------------------------------------------------ the flow (driver thread)
     def _recover_step(self, name: str, params: dict, ranks: list, timeout: float, watch: list) -> bool:
@@ -223,21 +217,10 @@ class RecoverFlow:
         if not self._recover_step("rollback", {"step": lock}, everyone, limit, everyone):
             return self._abandon_recover(everyone, "rollback")
         marks["rollback"] = time.monotonic()
-        with self._lock:
-            self.sm.fire(Result.OK, lock_step=lock)
-            self._incident = None
-            self._incident_evt.clear()
-            for r in self.ranks.values():
-                if r.alive:
-                    r.faulty = False
-                    r.step = lock
-        self._call("retry", {}, everyone, limit)
+        self._resume_at(lock, everyone, limit)
         marks["resume"] = time.monotonic()
-        prev, parts = t_incident, {}
-        for k in ("decide", "clean", "replace", "rebuild", "start", "repair", "rollback", "resume"):
-            parts[k] = round(marks[k] - prev, 6)
-            prev = marks[k]
-        total = marks["resume"] - t_incident
+        total, parts = self._phases(t_incident, marks, ("decide", "clean", "replace", "rebuild", "start",
+                                                        "repair", "rollback", "resume"))
         _log.warning("%s done: every rank trains again %.3f s after the fault (%s), generation %d, lock step "
                      "%d, replaced %s", strategy, total, parts, gen, lock, dead)
         _logging.event("recover_done", strategy=strategy, total_s=round(total, 6), lock_step=lock, gen=gen,

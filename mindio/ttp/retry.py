@@ -163,22 +163,9 @@ class RetryFlow:
         if not self._step_ok("rollback", {"step": lock}, live):
             return self._abandon(live, "rollback")
         marks["rollback"] = time.monotonic()
-        with self._lock:
-            self.sm.fire(Result.OK, lock_step=lock)
-            self._incident = None
-            self._incident_evt.clear()
-            for r in self.ranks.values():
-                if r.alive:
-                    r.faulty = False
-                    r.step = lock
-        self._call("retry", {}, live, self.action_limit)
+        self._resume_at(lock, live, self.action_limit)
         marks["resume"] = time.monotonic()
-        order = ["decide", "clean", "rebuild", "repair", "rollback", "resume"]
-        prev, parts = t_incident, {}
-        for k in order:
-            parts[k] = round(marks[k] - prev, 6)
-            prev = marks[k]
-        total = marks["resume"] - t_incident
+        total, parts = self._phases(t_incident, marks, ("decide", "clean", "rebuild", "repair", "rollback", "resume"))
         _log.warning("retry done: every rank trains again %.3f s after the fault report (%s), generation %d, "
                      "lock step %d, repaired %s", total, parts, self.gen, lock, uce)
         _logging.event("retry_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, repaired=uce,

@@ -1,4 +1,8 @@
-"""Launch the toy job (_toy_train.py) as real processes on loopback; always reap what we started."""
+"""Launch the toy job (_toy_train.py) as real processes on loopback; always reap what we started.
+
+Also the in-process control plane of the unit tests (test_control_plane, test_pause_unit,
+test_negotiation_unit): a Controller and Processors in this process over real loopback sockets
+(``start_plane`` / ``stop_plane``), and ``until``, the poll every wait of those tests goes through."""
 from __future__ import annotations
 
 import json
@@ -18,6 +22,51 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def until(pred, timeout: float = 20.0) -> bool:
+    """Poll ``pred`` every 10 ms until it is true (True) or ``timeout`` s passed (False). The deadline
+    only bounds a hang: it is generous because a loaded 2-core CI machine can take seconds for what
+    takes milliseconds here; the tests assert what happened, not how fast (bench/ measures speed)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
+
+def start_plane(world: int, key: bytes, *, misses: int = 10, action_limit: float = 2.0, interval: float = 0.2,
+                before_start=None):
+    """A Controller (rank 0, ``enabled={"dump"}``, no hang detection) on a free loopback port and
+    ``world`` Processors registered with it, all in this process; returns ``(controller, processors,
+    port)`` once the controller is NORMAL. ``before_start(processors)`` runs before they connect (to
+    install callbacks). Undo with :func:`stop_plane`."""
+    from mindio.ttp.controller import Controller
+    from mindio.ttp.processor import Processor
+    from mindio.ttp.states import State
+
+    port = free_port()
+    ctl = Controller(rank=0, world_size=world, enabled={"dump"}, key=key, interval=interval, misses=misses,
+                     hang_timeout=0)
+    ctl.action_limit = action_limit
+    ctl.start("127.0.0.1", port)
+    procs = [Processor(r, world) for r in range(world)]
+    if before_start is not None:
+        before_start(procs)
+    for p in procs:
+        p.start(f"tcp://127.0.0.1:{port}", key)
+    if not until(lambda: ctl.sm.state is State.NORMAL):
+        stop_plane(ctl, procs)
+        raise AssertionError(f"the controller did not reach NORMAL: {ctl.sm.state}")
+    return ctl, procs, port
+
+
+def stop_plane(ctl, procs) -> None:
+    """Destroy the processors, then the controller (the reverse of :func:`start_plane`)."""
+    for p in procs:
+        p.destroy()
+    ctl.destroy()
 
 
 class Job:

@@ -6,39 +6,19 @@ import pytest
 import zmq
 
 from mindio.ttp import protocol as P
-from mindio.ttp.controller import Controller
 from mindio.ttp._enums import Action, ReportState
-from mindio.ttp.processor import Processor
 from mindio.ttp.states import State
 
-from ._harness import free_port
+from ._harness import start_plane, stop_plane, until as _until
 
 KEY = b"s" * 32
 
 
-def _until(pred, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.fixture
 def plane():
-    port = free_port()
-    ctl = Controller(rank=0, world_size=2, enabled={"dump"}, key=KEY, interval=0.2, misses=3, hang_timeout=0)
-    ctl.action_limit = 2.0
-    ctl.start("127.0.0.1", port)
-    procs = [Processor(r, 2) for r in range(2)]
-    for p in procs:
-        p.start(f"tcp://127.0.0.1:{port}", KEY)
-    assert _until(lambda: ctl.sm.state is State.NORMAL)
+    ctl, procs, port = start_plane(2, KEY, misses=3, action_limit=2.0)
     yield ctl, procs, port
-    for p in procs:
-        p.destroy()
-    ctl.destroy()
+    stop_plane(ctl, procs)
 
 
 def _raw(port, ident=b"1"):
@@ -103,7 +83,8 @@ def test_silent_rank_declared_dead_within_misses(plane):
 def test_bye_is_not_a_fault(plane):
     ctl, procs, _ = plane
     procs[1].destroy(reason="finished")
-    time.sleep(1.0)
+    assert _until(lambda: not ctl.ranks[1].registered)  # the BYE reached the controller
+    time.sleep(1.0)  # and nothing turned it into a fault since
     assert ctl.sm.state is State.NORMAL and not ctl.ranks[1].faulty
 
 
@@ -153,7 +134,8 @@ def test_cluster_brain_negotiation(plane, choice):
         ctl.change_strategy(choice)
     ctl.mindx["report_strategies"] = strategies
     ctl.mindx["report_result"] = lambda code, msg, ranks, strategy: seen.append(("result", code, strategy))
-    time.sleep(0.5)  # INFO and heartbeats carrying step 3 reach the controller
+    # INFO and heartbeats carrying step 3 reach the controller
+    assert _until(lambda: all(ctl.ranks[p.rank].step == 3 and ctl.ranks[p.rank].replica for p in procs))
     procs[1].report(ReportState.RS_UCE, "RuntimeError: UCE ERROR")
     assert _until(lambda: ctl.final.is_set(), 30)
     assert seen[:3] == [("fault", {1: 0}), ("stopped", 0), ("strategies", ["dump", "exit"])]
@@ -176,7 +158,8 @@ def test_graceful_dump_on_request(plane):
         p.end_updating_os(7)
         p.callbacks["save_ckpt"] = (lambda step, info, args, ctx, r=p.rank: saved.append((r, step)), None)
         p.callbacks["rename"] = (lambda step, args, ctx: saved.append(("rename", step)), None)
-    time.sleep(0.5)
+    # INFO and heartbeats carrying step 7 reach the controller
+    assert _until(lambda: all(ctl.ranks[p.rank].step == 7 and ctl.ranks[p.rank].replica for p in procs))
     assert ctl.notify_dump() == 0
     assert _until(lambda: ctl.final.is_set(), 30)
     assert sorted(saved[:2]) == [(0, 7), (1, 7)] and saved[2] == ("rename", 7)

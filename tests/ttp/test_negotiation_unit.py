@@ -7,39 +7,19 @@ import pytest
 import mindio.ttp as ttp
 from mindio.errors import ConfigError
 from mindio.ttp._runtime import state as _rt
-from mindio.ttp.controller import Controller
-from mindio.ttp.processor import Processor
-from mindio.ttp.states import State
 
-from ._harness import free_port
+from ._harness import start_plane, stop_plane, until as _until
 
 KEY = b"n" * 32
 
 
-def _until(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 @pytest.fixture
 def ctl(monkeypatch):
-    port = free_port()
-    c = Controller(rank=0, world_size=2, enabled={"dump"}, key=KEY, interval=0.2, misses=10, hang_timeout=0)
-    c.action_limit = 1.0  # the pytest "main thread" never parks: stop waits half of this
-    c.start("127.0.0.1", port)
-    procs = [Processor(r, 2) for r in range(2)]
-    for p in procs:
-        p.start(f"tcp://127.0.0.1:{port}", KEY)
-    assert _until(lambda: c.sm.state is State.NORMAL)
+    # action_limit 1.0: the pytest "main thread" never parks: stop waits half of this
+    c, procs, _ = start_plane(2, KEY, misses=10, action_limit=1.0)
     monkeypatch.setattr(_rt, "controller", c)
     yield c
-    for p in procs:
-        p.destroy()
-    c.destroy()
+    stop_plane(c, procs)
 
 
 @pytest.mark.timeout(60)

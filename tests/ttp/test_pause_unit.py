@@ -9,22 +9,11 @@ import pytest
 import mindio.ttp as ttp
 from mindio.errors import ConfigError
 from mindio.ttp._enums import Action, ReportState
-from mindio.ttp.controller import Controller
-from mindio.ttp.processor import Processor
 from mindio.ttp.states import State
 
-from ._harness import free_port
+from ._harness import start_plane, stop_plane, until as _until
 
 KEY = b"p" * 32
-
-
-def _until(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 class Loop(threading.Thread):
@@ -53,16 +42,12 @@ class Loop(threading.Thread):
 
 @pytest.fixture
 def plane():
-    port = free_port()
-    ctl = Controller(rank=0, world_size=3, enabled={"dump"}, key=KEY, interval=0.2, misses=10, hang_timeout=0)
-    ctl.action_limit = 2.0
-    ctl.start("127.0.0.1", port)
-    procs = [Processor(r, 3) for r in range(3)]
     synced = []
-    for p in procs:
-        p.callbacks["stream_sync"] = (lambda r=p.rank: synced.append((r, procs[r].step)), None)
-        p.start(f"tcp://127.0.0.1:{port}", KEY)
-    assert _until(lambda: ctl.sm.state is State.NORMAL)
+
+    def stream_sync(procs):
+        for p in procs:
+            p.callbacks["stream_sync"] = (lambda r=p.rank: synced.append((r, procs[r].step)), None)
+    ctl, procs, _ = start_plane(3, KEY, misses=10, action_limit=2.0, before_start=stream_sync)
     seen = []
     ctl.mindx["report_stop_complete"] = lambda code, msg, ranks: seen.append(("stopped", code, msg))
     ctl.mindx["report_result"] = lambda code, msg, ranks, strategy: seen.append(("result", code, strategy, msg))
@@ -72,8 +57,7 @@ def plane():
         lp.done.set()
     for p in procs:
         p.reset_limit_step()
-        p.destroy()
-    ctl.destroy()
+    stop_plane(ctl, procs)
 
 
 def _states(ctl):

@@ -28,3 +28,26 @@ from hypothesis import settings as _hyp_settings
 
 _hyp_settings.register_profile("mindio", deadline=None)
 _hyp_settings.load_profile("mindio")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def fault_free_run(tmp_path_factory):
+    """The fault-free reference runs, each done once per session: several e2e tests (and each of their
+    parametrizations) compare a faulty run's digest with the same uninterrupted run.
+
+    ``fault_free_run(key, run)`` returns ``run(directory)`` (a fresh directory) the first time ``key``
+    is asked for, and that same result afterwards. ``key`` must name everything the run's result can
+    depend on: the script, the exact argument list, the launcher and every environment variable the
+    caller sets other than output paths (two runs are shared only when these are equal). A run that
+    raises is not cached: the next test asking for it runs it again (and fails the same way)."""
+    done: dict = {}
+
+    def get(key, run):
+        if key not in done:
+            done[key] = run(tmp_path_factory.mktemp("fault-free"))
+        return done[key]
+
+    return get

@@ -64,11 +64,19 @@ def digest(text: str) -> str:
     return found[0]
 
 
+def fault_free_digest(fault_free_run) -> str:
+    """The digest of ``run(dir)`` without a fault: one run per session, shared with test_recover_node
+    (same command line and environment)."""
+    def ref(out):
+        code, text, _ = run(out)
+        assert code == 0, text[-4000:]
+        return digest(text)
+    return fault_free_run((str(TOY), "mindio.launch.cli", STEPS, "recover-in-place,dump"), ref)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    code, text, _ = run(tmp_path_factory.mktemp("ref"))
-    assert code == 0, text[-4000:]
-    return digest(text)
+def reference(fault_free_run):
+    return fault_free_digest(fault_free_run)
 
 
 @pytest.mark.timeout(200)

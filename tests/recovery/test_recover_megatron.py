@@ -40,11 +40,19 @@ def _run(args, tmp_path, name, env=None):
     return out, evs
 
 
+def _reference(fault_free_run, layout):
+    """Output of the fault-free run of ``BASE + layout``: one per layout and session, shared by the
+    recover-in-place and recover tests (same command line, launcher and HIGH_AVAILABILITY)."""
+    args = BASE + layout
+    key = (str(PRETRAIN), LAUNCH, tuple(map(str, args)), ("HIGH_AVAILABILITY", "recover-in-place,dump"))
+    return fault_free_run(key, lambda d: _run(args, d, "ref")[0])
+
+
 @pytest.mark.timeout(800)
 @pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", 2, "--replica-cnt", 2]],
                          ids=["dp4", "tp2xdp2"])
-def test_megatron_recover_in_place_is_bitwise(tmp_path, layout):
-    ref, _ = _run(BASE + layout, tmp_path, "ref")
+def test_megatron_recover_in_place_is_bitwise(tmp_path, layout, fault_free_run):
+    ref = _reference(fault_free_run, layout)
     out, evs = _run(BASE + layout + ["--inject", "kill:rank=1,step=7"], tmp_path, "run")
     assert "injecting kill at step 7" in out
     done = [e for e in evs if e["kind"] == "recover_done"]
@@ -63,11 +71,11 @@ def test_megatron_recover_in_place_is_bitwise(tmp_path, layout):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", 2, "--replica-cnt", 2]],
                          ids=["dp4", "tp2xdp2"])
-def test_megatron_recover_node_is_bitwise(tmp_path, layout):
+def test_megatron_recover_node_is_bitwise(tmp_path, layout, fault_free_run):
     """recover: nodes of 2 ranks + a standby; node 1 (ranks 2, 3) is killed at step 7; the standby takes
     its ranks in the running round, repaired from their replicas on node 0 (DP=4 R=2: shards of 2, 3
     live on 0, 1; TP=2 x DP=2: ranks 2, 3 are DP replicas of 0, 1)."""
-    ref, _ = _run(BASE + layout, tmp_path, "ref")
+    ref = _reference(fault_free_run, layout)
     tail = [str(PRETRAIN), *map(str, BASE + layout), "--inject", "kill-node:node=1,step=7"]
     res, evs = run_nodes(tmp_path / "run", "", "recover,dump", timeout=600, tail=tail,
                          env={"MINDIO_DRILL_DIR": str(tmp_path), "MINDIO_ACP_IDLE_EXIT": "20"})

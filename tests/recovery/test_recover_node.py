@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from test_recover_inplace import REPO, STEPS, TOY, _port, digest, run
+from test_recover_inplace import REPO, STEPS, TOY, _port, digest, fault_free_digest
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +56,8 @@ def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None,
 
 
 @pytest.mark.timeout(300)
-def test_lost_node_moves_to_standby_bitwise(tmp_path):
-    code, text, _ = run(tmp_path / "ref")  # the fault-free digest (one agent, same 4 ranks)
-    assert code == 0, text[-4000:]
-    reference = digest(text)
+def test_lost_node_moves_to_standby_bitwise(tmp_path, fault_free_run):
+    reference = fault_free_digest(fault_free_run)  # the fault-free digest (one agent, same 4 ranks)
     res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump")
     code0, text0 = res["node0"]
     assert code0 == 0, text0[-6000:]

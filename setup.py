@@ -35,7 +35,7 @@ def extensions():
     ext = Extension(
         "mindio._native._core",
         ["mindio/_native/_core.pyx"],
-        depends=["mindio/_native/_crc_simd.h"],
+        depends=["mindio/_native/_crc_simd.h", "mindio/_native/_copy_nt.h"],
         include_dirs=["mindio/_native"],
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],

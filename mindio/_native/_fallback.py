@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 
-__all__ = ["copy_into", "crc32", "touch_pages"]
+__all__ = ["copy_into", "copy_many", "crc32", "touch_pages"]
 
 
 def _bytes_view(buf, writable: bool = False) -> np.ndarray:
@@ -30,6 +30,21 @@ def copy_into(dst, dst_offset: int, src, nthreads: int = 1, slice_bytes: int = 1
     if n:
         d[dst_offset:dst_offset + n] = s
     return n
+
+
+def copy_many(dst, jobs, nthreads: int = 1, slice_bytes: int = 16 << 20) -> int:
+    """Copy every ``(dst_offset, src)`` of ``jobs`` into ``dst``; returns bytes copied (bounds checked first)."""
+    d = _bytes_view(dst, writable=True)
+    checked = []
+    for off, src in jobs:
+        s = _bytes_view(src)
+        if off < 0 or off + s.shape[0] > d.shape[0]:
+            raise ValueError(f"copy_many: {s.shape[0]} bytes at offset {off} do not fit a {d.shape[0]}-byte buffer")
+        checked.append((off, s))
+    for off, s in checked:
+        if s.shape[0]:
+            d[off:off + s.shape[0]] = s
+    return sum(s.shape[0] for _, s in checked)
 
 
 def crc32(buf, value: int = 0) -> int:

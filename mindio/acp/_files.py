@@ -84,7 +84,7 @@ class _WriteableFileWrapper:
         client = api._get_client()
         if client is not None:
             try:
-                client.save_image(len(data), lambda buf, copy: copy(buf, 0, data) if data else None,
+                client.save_image(len(data), lambda buf, copy: copy(buf, [(0, data)]) if data else None,
                                   [self.path], kind="raw", mode=self.mode)
                 return 1
             except (api.PoolFull, ServerUnavailable) as exc:

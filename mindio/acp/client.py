@@ -182,11 +182,11 @@ class Client:
 
     # ---- data -----------------------------------------------------------------------------------
     def save_image(self, size: int, write, paths: list, kind: str = "acp", mode: int = 0o644, stat=None) -> list:
-        """Allocate ``size`` bytes, let ``write(buffer, copy)`` fill them, commit under ``paths``."""
+        """Allocate ``size`` bytes, let ``write(buffer, copy_many)`` fill them, commit under ``paths``."""
         reply = self.request({"op": "alloc", "size": size})
         alloc, offset = reply["alloc"], reply["offset"]
         try:
-            write(self.view[offset: offset + size], self._copy)
+            write(self.view[offset: offset + size], self._copy_many)
         except BaseException:
             try:
                 self.request({"op": "abort", "alloc": alloc})
@@ -196,8 +196,9 @@ class Client:
         return self.request({"op": "commit", "alloc": alloc, "paths": paths, "kind": kind,
                              "mode": mode, "stat": stat})["seqs"]
 
-    def _copy(self, dst, offset: int, src) -> None:
-        _native.copy_into(dst, offset, src, self.cfg.copy_threads(), self.cfg.slice_bytes)
+    def _copy_many(self, dst, jobs: list) -> None:
+        """One parallel pass (memfs.write.parallel.*) copying every (offset, src) of ``jobs`` into ``dst``."""
+        _native.copy_many(dst, jobs, self.cfg.copy_threads(), self.cfg.slice_bytes)
 
     def open_region(self, path: str):
         """(copy-on-write view, lookup reply) of the newest pooled version of ``path``, or None."""

@@ -59,14 +59,16 @@ class Plan:
     data_off: int = 0
     total_len: int = 0
 
-    def write_into(self, buf, copy=None) -> None:
-        """Write the whole file image into ``buf`` (len >= total_len); ``copy(dst, off, src)`` moves bytes."""
-        copy = copy or (lambda dst, off, src: _native.copy_into(dst, off, src))
+    def write_into(self, buf, copy_many=None) -> None:
+        """Write the whole file image into ``buf`` (len >= total_len).
+
+        ``copy_many(dst, [(offset, src), ...])`` moves the storage bytes, all in one call (so that one
+        parallel pass copies every tensor; default: mindio._native.copy_many on one thread).
+        """
+        copy_many = copy_many or _native.copy_many
         view = memoryview(buf).cast("B")
         view[: len(self.header)] = self.header
-        for src, off in self.storages:
-            if src.numel():
-                copy(view, self.data_off + off, src.numpy())
+        copy_many(view, [(self.data_off + off, src.numpy()) for src, off in self.storages if src.numel()])
 
 
     def file_chunks(self):

@@ -23,13 +23,13 @@ def main(cmd: str, path: str) -> None:
     if cmd == "mid_save":                       # killed between alloc and commit of version 2
         assert acp.initialize() == 0
         assert acp.save(state(1.0), path) == 1 and acp.flush() == 0
-        real = client.Client._copy
+        real = client.Client._copy_many
 
-        def slow_copy(self, dst, offset, src):
-            real(self, dst, offset, src[: len(src) // 2])
+        def slow_copy(self, dst, jobs):
+            real(self, dst, [(off, src[: len(src) // 2]) for off, src in jobs])   # half of every storage
             say("COPYING")
             time.sleep(120)
-        client.Client._copy = slow_copy
+        client.Client._copy_many = slow_copy
         acp.save(state(2.0), path)
     elif cmd == "mid_direct":                   # killed half-way through a direct write (no daemon)
         assert acp.save(state(1.0), path) == 2

@@ -406,7 +406,8 @@ def pretrain(args) -> str:
 
 
 def pretrain_standby(args, ctx, dataset) -> str:
-    """mindio: a standby process (MINDIO_STANDBY=1, RANK = a rank a downgrade removed): register with the
+    """mindio: a standby process (MINDIO_STANDBY=1, RANK = a rank a downgrade removed; set by a test, or by a
+    ``mindio-run --standby`` agent that took a vacant node, mindio/launch/elastic.py): register with the
     controller, wait until the scale-out rebuilt the world and repaired this rank from a replica, train."""
     from mindio.ttp import elastic
 
@@ -423,7 +424,8 @@ def pretrain_standby(args, ctx, dataset) -> str:
         mio.register(adapter, step_args=ctx)
         register_elastic(adapter)
 
-    elastic.start_standby(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), addr, port, addr,
+    ctl_addr = os.environ.get("TTP_ADDR") or addr  # mindio-run: the controller its node 0 agent hosts
+    elastic.start_standby(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), ctl_addr, port, addr,
                           int(os.environ["MASTER_PORT"]), register=register)
     if ttp.tft_wait_next_action() != 0:  # parked until the upgrade: 0 = train
         raise SystemExit(1)

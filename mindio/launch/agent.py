@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from .. import _logging
 from ..errors import ConfigError
-from . import ha
+from . import elastic, ha
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,8 @@ class Agent:
         self.taken_over: dict[int, bytes] = {}  # node given to a standby -> its last beat before
         self._refill = False
         self._replacements: set = set()  # worker processes started as replacements (reboot)
+        self.takeover_kind = "recover"  # how a standby took its node: "recover" or "elastic" (elastic.py)
+        self._removed = frozenset()  # ranks the controller removed by a downgrade (ha.tick, elastic.py)
 
     # --- stores -------------------------------------------------------------------------------
     def _connect(self):
@@ -237,6 +239,9 @@ class Agent:
                 self._hosted = ha.HostedController(self, rnd)
             self._store.wait([f"round/{rnd}/ttp"])
             self._ttp = json.loads(self._store.get(f"round/{rnd}/ttp"))
+        if gen is not None and self.takeover_kind == elastic.KIND:  # a vacant node after a downgrade
+            elastic.start_standbys(self)  # its ranks offer themselves back to the controller (upgrade)
+            return
         if gen is not None:  # a standby that took a lost node: its ranks are replacements
             self.replace_local([self.cfg.node_rank * self.cfg.nproc_per_node + i
                                 for i in range(self.cfg.nproc_per_node)], gen, reboot_type="arf")
@@ -345,16 +350,22 @@ class Agent:
             if lost:
                 self._store.compare_set(failed_key, "", f"node(s) {lost} lost (no agent beat for {self.cfg.node_lost_after} s)")
                 return self._store.get(failed_key).decode()
-            if not reported_done and all(c == 0 for c in codes.values()):
-                self._store.add(done_key, 1)
-                reported_done = True
-            if reported_done and self._store.add(done_key, 0) >= self.cfg.nnodes:
+            # a removed rank's worker (exited, or an elastic standby still waiting) does not hold up its node;
+            # one an upgrade took back in while running does again
+            finished = all(c == 0 or r in self._removed for r, c in codes.items())
+            if finished != reported_done:
+                self._store.add(done_key, 1 if finished else -1)
+                reported_done = finished
+            if reported_done and self._store.add(done_key, 0) + self._vacant(rnd) >= self.cfg.nnodes:
                 return None
             time.sleep(self.cfg.monitor_interval)
         return "agent stopped by signal"
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
         return ha.tick(self, rnd, bad)
+
+    def _vacant(self, rnd: int) -> int:
+        return elastic.vacant_nodes(self, rnd) if self.cfg.high_availability and elastic.enabled(self.cfg) else 0
 
     def _wait_for_lost_node(self) -> int | None:
         """Standby: block until some node's agent stops beating, claim its node rank; return the

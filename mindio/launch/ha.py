@@ -19,7 +19,9 @@ round, in addition to the keys of agent.py (all in node 0's agent store):
 * ``round/<n>/takeover/<node>`` JSON {gen}: the controller gives lost node ``node``'s ranks to a
                                 standby agent (recover); the first standby to claim it
                                 (``claim/<n>/<node>``) becomes that node and starts its ranks as
-                                replacements, in the running round.
+                                replacements, in the running round. With ``"kind": "elastic"``
+                                (elastic.py) a vacant node after a downgrade: its ranks start as
+                                elastic standbys and the controller scales the job back out.
 
 A worker death no longer fails the round by itself: the controller decides (replace, dump, exit).
 The round fails when the controller ended the job (its exit action went out), or when a death was
@@ -38,6 +40,7 @@ import threading
 import time
 
 from .. import _logging
+from . import elastic
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +211,10 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
     from ..ttp.hotswitch import EXIT_CODE_SWITCHED
 
     cfg, store = agent.cfg, agent._store
-    bad = {r: c for r, c in bad.items() if c != EXIT_CODE_SWITCHED}  # switched out: its backup comes
+    on = elastic.enabled(cfg)
+    removed = agent._removed = elastic.removed_ranks(agent, rnd) if on else frozenset()
+    bad = {r: c for r, c in bad.items()  # switched out: its backup comes; removed by a downgrade: no death
+           if c != EXIT_CODE_SWITCHED and not (on and elastic.is_removed_exit(r, c, removed))}
     with agent._lock:
         procs = {r: agent._workers[r] for r in bad}
     for rank, code in bad.items():
@@ -238,6 +244,8 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
                 del agent.taken_over[node]  # the standby beats as that node now
         agent._hosted.probe_nodes()  # a rank of another node died: is its agent gone too? (~1 s)
         agent._hosted.lost.update(n for n in raw_lost if n not in agent.taken_over)
+        if on:
+            elastic.offer_vacant(agent, rnd)  # a lost node whose ranks were all removed: to a standby agent
         agent.lost_now = sorted(n for n in agent._hosted.lost if n not in agent.taken_over)
         for node in set(agent.lost_now) - agent._declared_lost:
             ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
@@ -256,7 +264,7 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
         if 0 in agent._lost_nodes():
             return "node 0 (the controller's node) lost"
     with agent._lock:
-        all_live = all(p.poll() is None or p.poll() == 0 for p in agent._workers.values())
+        all_live = all(p.poll() is None or p.poll() == 0 or r in removed for r, p in agent._workers.items())
     if all_live:
         agent._dead_since = None
     elif agent._dead_since and time.monotonic() - agent._dead_since > cfg.rdzv_timeout:
@@ -276,13 +284,14 @@ def wait_for_takeover(agent, me: str):
                     continue
                 if agent._store.compare_set(f"claim/{rnd}/{node}", "", me).decode() != me:
                     continue
-                gen = json.loads(agent._store.get(key))["gen"]
+                order = json.loads(agent._store.get(key))
+                gen, agent.takeover_kind = order["gen"], order.get("kind", "recover")  # elastic.py: "elastic"
                 agent._store.add("standby/claimed", 1)
                 agent.cfg = dataclasses.replace(agent.cfg, node_rank=node, standby=False)
                 agent._beat()
-                print(f"mindio-run: standby takes over node {node} in round {rnd} (generation {gen})",
-                      file=sys.stderr)
-                _logging.event("standby_takeover", node=node, round=rnd, gen=gen)
+                print(f"mindio-run: standby takes over node {node} in round {rnd} (generation {gen}, "
+                      f"{agent.takeover_kind})", file=sys.stderr)
+                _logging.event("standby_takeover", node=node, round=rnd, gen=gen, how=agent.takeover_kind)
                 return rnd, gen
         except (RuntimeError, OSError) as exc:  # node 0's store is gone: the job ended
             log.info("standby agent: job store unreachable (%s); leaving", exc)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from .. import _logging
 from ..errors import ConfigError
-from . import elastic, ha
+from . import elastic, ha, liveness
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,9 @@ class Agent:
         self._replacements: set = set()  # worker processes started as replacements (reboot)
         self.takeover_kind = "recover"  # how a standby took its node: "recover" or "elastic" (elastic.py)
         self._removed = frozenset()  # ranks the controller removed by a downgrade (ha.tick, elastic.py)
+        # other nodes' beats, judged by our own (stall-free) observation; our beats from a thread (liveness.py)
+        self._watch = liveness.BeatWatch(cfg.node_lost_after, cfg.node_lost_after / 3 + cfg.monitor_interval)
+        self._beater: liveness.Beater | None = None
 
     # --- stores -------------------------------------------------------------------------------
     def _connect(self):
@@ -207,14 +210,8 @@ class Agent:
         keys = [f"agent/{n}/beat" for n in range(self.cfg.nnodes)
                 if n != self.cfg.node_rank or self.cfg.standby]
         keys = [k for k in keys if self._store.check([k])]  # never beat: still joining (rdzv timeout covers it)
-        if not keys:
-            return []
-        now = time.time()
-        beats = self._store.multi_get(keys)
-        return [
-            int(k.split("/")[1]) for k, b in zip(keys, beats)
-            if now - float(b) > self.cfg.node_lost_after
-        ]
+        beats = self._store.multi_get(keys) if keys else []
+        return self._watch.lost({int(k.split("/")[1]): b for k, b in zip(keys, beats)})
 
     # --- workers ------------------------------------------------------------------------------
     def _worker_env(self, local_rank: int, rnd: int, port: int) -> dict:
@@ -401,6 +398,8 @@ class Agent:
         self._spares.fill()  # interpreters warm up while the agents rendezvous
         if self._store is None:
             self._connect()
+        self._beater = liveness.Beater(self)
+        self._beater.start()
         rnd, gen = 0, None
         if self.cfg.standby:
             got = self._wait_for_lost_node()
@@ -431,6 +430,7 @@ class Agent:
         finally:
             self._stop_workers()
             self._spares.close()
+            self._beater.stop()
             self._leave()
 
     def _leave(self) -> None:

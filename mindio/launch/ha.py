@@ -40,7 +40,7 @@ import threading
 import time
 
 from .. import _logging
-from . import elastic
+from . import elastic, liveness
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,9 @@ class HostedController:
         if node in self.lost or node in self.agent.taken_over or not store.check([key]):
             return False
         first = store.get(key)
-        deadline = time.monotonic() + (wait if wait is not None else max(1.0, 10 * cfg.monitor_interval))
-        while time.monotonic() < deadline:
+        clock = liveness.StallClock(0.5, "node probe")  # our own stall (or the store's) is not its silence
+        deadline = clock.now() + (wait if wait is not None else max(1.0, 10 * cfg.monitor_interval))
+        while clock.now() < deadline:
             time.sleep(min(0.02, cfg.monitor_interval / 2))
             if store.get(key) != first:
                 return True
@@ -175,6 +176,7 @@ class HostedController:
         does not change within 10 monitor intervals (>= 1 s), the node is lost -- sooner than the 3 s
         node-loss timeout. Returns the nodes found lost now (their ranks are declared dead)."""
         cfg, store, ctl = self.agent.cfg, self.agent._store, self.ctl
+        clock = self.agent._watch.clock  # the main loop's time, less its own stalls (liveness.py)
         with ctl._lock:
             all_dead = {r.rank for r in ctl.ranks.values() if not r.alive}
         self._probed &= all_dead  # a replaced rank that dies again is probed again
@@ -183,12 +185,12 @@ class HostedController:
             node = rank // cfg.nproc_per_node
             key = f"agent/{node}/beat"
             if node != cfg.node_rank and node not in self._probing and node not in self.lost and store.check([key]):
-                self._probing[node] = (store.get(key), time.monotonic())
+                self._probing[node] = (store.get(key), clock.now())
         found = []
         for node, (beat, since) in list(self._probing.items()):
             if store.get(f"agent/{node}/beat") != beat:
                 del self._probing[node]  # its agent lives: a worker died, not the node
-            elif time.monotonic() - since > max(1.0, 10 * cfg.monitor_interval):
+            elif clock.now() - since > max(1.0, 10 * cfg.monitor_interval):
                 del self._probing[node]
                 self.lost.add(node)
                 found.append(node)

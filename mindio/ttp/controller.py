@@ -128,6 +128,10 @@ class Controller(HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlo
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * P.MAX_FRAME)  # zmq drops the connection of a flooding peer
         sock.setsockopt(zmq.BACKLOG, 4096)  # thousands of ranks connect at once; a short accept queue drops SYNs
+        # a rank that reconnects (its link found us silent) before we dropped its old connection must take
+        # its identity over; without this zmq ignores the new connection for good and the rank, alive and
+        # beating, is declared dead misses * interval later (CI 2026-11-21: rank 0 after a 4.7 s stall)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         for opt, val in self.curve.items():
             sock.setsockopt(opt, val)
         sock.bind(f"tcp://{bind_ip}:{port}")
@@ -194,11 +198,15 @@ class Controller(HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlo
         poller.register(self._chan.sock, zmq.POLLIN)
         poller.register(self._waker.rfd, zmq.POLLIN)
         period = min(0.1, self.interval / 4)
-        next_sweep = next_hang = time.monotonic()
+        next_sweep = next_hang = last_turn = time.monotonic()
         probe = self._probe
         while not self._stop.is_set():
             wake_at = probe.next_due() or next_sweep
             events = dict(poller.poll(max(0.0, min(next_sweep, wake_at) - time.monotonic()) * 1000))
+            now = time.monotonic()
+            if now - last_turn > period + self.interval:
+                self._stalled(now - last_turn - period)
+            last_turn = now
             if self._waker.rfd in events:
                 self._waker.drain()
             send_raw = self._chan.send_raw
@@ -234,6 +242,17 @@ class Controller(HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlo
                     next_hang = now + self.interval
         probe.close(poller)
         self._chan.sock.close(0)
+
+    def _stalled(self, gap: float) -> None:
+        """(I/O thread) This thread did not run for ``gap`` s (its process stopped or starved: a loop
+        turn takes at most ``period``). Silence we could not observe is not a rank's fault: every rank's
+        clock moves on by ``gap``, so each gets its full ``misses * interval`` after we resume (frames
+        still in the kernel or in zmq's own queues arrive meanwhile)."""
+        _log.warning("controller I/O thread did not run for %.1f s (process stalled?); heartbeat silence in "
+                     "that time is not counted", gap)
+        _logging.event("controller_stalled", stall_s=round(gap, 3))
+        for r in list(self.ranks.values()):
+            r.last_seen += gap
 
     def _on_frame(self, ident: bytes, env: P.Envelope) -> None:
         body, now = env.body, time.monotonic()

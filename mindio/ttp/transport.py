@@ -270,11 +270,18 @@ class Link(threading.Thread):
         poller = zmq.Poller()
         poller.register(chan.sock, zmq.POLLIN)
         poller.register(self._waker.rfd, zmq.POLLIN)
-        last_rx = next_beat = last_beat = time.monotonic()
+        last_rx = next_beat = last_beat = last_turn = time.monotonic()
         try:
             while not self._halt.is_set():
+                wait = max(0.0, next_beat - time.monotonic())
+                events = dict(poller.poll(wait * 1000))
                 now = time.monotonic()
-                events = dict(poller.poll(max(0.0, next_beat - now) * 1000))
+                if now - last_turn > wait + self.interval:
+                    # this thread did not run (its process stopped or starved): the controller's silence
+                    # in that time was not observed; it gets its full window from now on
+                    _log.warning("link I/O thread did not run for %.1f s (process stalled?)", now - last_turn - wait)
+                    last_rx += now - last_turn - wait
+                last_turn = now
                 if self._waker.rfd in events:
                     self._waker.drain()
                 while True:

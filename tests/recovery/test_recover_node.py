@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -24,9 +26,9 @@ from test_recover_inplace import REPO, STEPS, TOY, _port, digest, fault_free_dig
 pytestmark = pytest.mark.slow
 
 
-def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None, env=None):
+def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None, env=None, during=None):
     """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with ``fault``);
-    returns ({name: (code, text)}, events)."""
+    returns ({name: (code, text)}, events). ``during(procs, events_path)`` runs in a thread meanwhile."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
@@ -40,6 +42,8 @@ def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None,
         procs[name] = subprocess.Popen(common + flags + tail, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
         time.sleep(0.3)
+    if during is not None:
+        threading.Thread(target=during, args=(procs, events), daemon=True).start()
     res, end = {}, time.monotonic() + timeout
     try:
         for name, p in procs.items():
@@ -80,3 +84,47 @@ def test_lost_node_moves_to_standby_bitwise(tmp_path, fault_free_run):
         its = {int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+?)(?=\[|\r?\n|\d{{4}}-\d\d-\d\d |$)", text0 + res["standby"][1]
                                             + res["node1"][1])}
         assert its == set(range(1, STEPS + 1)), (r, sorted(its))
+
+
+def _stall_at(name: str, kind: str, match: str, seconds: float, log: list):
+    """A ``during`` hook: when the first event ``kind`` whose line holds ``match`` is logged, SIGSTOP agent ``name`` (its process
+    only, not its workers) for ``seconds``, then SIGCONT it. Appends what it did to ``log``."""
+    def hook(procs, events):
+        end = time.monotonic() + 150
+        while time.monotonic() < end:
+            lines = events.read_text().splitlines() if events.exists() else []
+            if any(f'"kind": "{kind}"' in line and match in line for line in lines):
+                pid = procs[name].pid
+                os.kill(pid, signal.SIGSTOP)
+                log.append(("stopped", name, time.time()))
+                time.sleep(seconds)
+                os.kill(pid, signal.SIGCONT)
+                log.append(("continued", name, time.time()))
+                return
+            time.sleep(0.02)
+    return hook
+
+
+@pytest.mark.timeout(300)
+def test_lost_node_recovers_across_a_stall_of_the_controller_node(tmp_path, fault_free_run):
+    """Node 0's agent (store, worker store, controller) is SIGSTOPped for 4 s right after it gave node 1
+    to the standby: the standby, the replacements and the survivors all block on it or find it silent,
+    longer than the heartbeat and node-loss timeouts. Time nobody could observe is not counted
+    (liveness.py, Controller._stalled, Link), a survivor's reconnect takes its identity over
+    (ROUTER_HANDOVER): the recovery completes, bitwise, and no live rank is declared dead."""
+    reference = fault_free_digest(fault_free_run)
+    did: list = []
+    res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump",
+                            during=_stall_at("node0", "replace_ordered", '"strategy": "recover"', 4.0, did))
+    code0, text0 = res["node0"]
+    assert [d[0] for d in did] == ["stopped", "continued"], did
+    assert code0 == 0, text0[-6000:]
+    assert res["standby"][0] == 0, res["standby"][1][-4000:]
+    assert digest(text0) == reference
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert len(done) == 1 and done[0]["strategy"] == "recover" and done[0]["replaced"] == [2, 3], done
+    ordered = next(e["t"] for e in events if e["kind"] == "replace_ordered")
+    late_deaths = [e for e in events if e["kind"] == "rank_dead" and e["t"] > ordered]
+    assert not late_deaths, late_deaths  # nobody alive was declared dead because of the stall
+    assert [e for e in events if e["kind"] == "controller_stalled"], "the 4 s stop was not seen"
+    assert not [e for e in events if e["kind"] == "round_failed"]

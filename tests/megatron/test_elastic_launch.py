@@ -47,8 +47,9 @@ def _events(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _run(tmp: Path, args: list, timeout: float = 600) -> tuple[dict, list]:
-    """Agents for nodes 0 and 1 now, a standby agent once the downgrade is done; {name: (code, text)}."""
+def _run(tmp: Path, args: list, timeout: float = 600, standby: bool = True) -> tuple[dict, list]:
+    """Agents for nodes 0 and 1 now, a standby agent once the downgrade is done (``standby``);
+    {name: (code, text)}."""
     events = tmp / "events.jsonl"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MINDIO_EVENT_LOG=str(events),
                MINDIO_DRILL_DIR=str(tmp), TTP_LOG_PATH=str(tmp / "logs"), MINDIO_ACP_IDLE_EXIT="20",
@@ -71,7 +72,7 @@ def _run(tmp: Path, args: list, timeout: float = 600) -> tuple[dict, list]:
         while time.monotonic() < end:
             evs = _events(events)
             kinds = {e["kind"] for e in evs}
-            if "standby" not in procs and {"node_offered", "downgrade_done"} <= kinds:
+            if standby and "standby" not in procs and {"node_offered", "downgrade_done"} <= kinds:
                 start("standby", ["--standby", "--warm-spares", "2"])  # the node "came back" after the scale-in
             if procs["node0"].poll() is not None and all(p.poll() is not None for p in procs.values()):
                 break
@@ -135,3 +136,32 @@ def test_standby_agent_scales_a_downgraded_job_back_out(tmp_path):
     assert all(repr(re_losses[i]) == repr(got[i]) for i in re_losses), \
         [(i, got[i], re_losses[i]) for i in re_losses if got[i] != re_losses[i]][:5]
     assert digests(re_out)[-1] == digests(out)[-1]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", ["lost-node", "same-node"])
+def test_a_job_that_stays_downgraded_ends_normally(tmp_path, where):
+    """No standby ever comes. lost-node: node 1's agent is killed; its ranks are removed and the vacant
+    node counts as finished. same-node: one agent runs all 4 ranks, rank 3 is SIGKILLed; rank 2 (its
+    instance partner) exits 77. Either way the removed ranks' exits are no deaths for the agents and
+    the job ends with exit 0 after every step at DP=2, instead of waiting for the lost node or failing
+    the round."""
+    args = ["--use-distributed-optimizer", "--enable-elastic-training", "--train-iters", 10, "--seed", 1234]
+    if where == "lost-node":
+        res, evs = _run(tmp_path, args + ["--inject", "kill-node:node=1,step=7"], timeout=420, standby=False)
+        code0, out = res["node0"]
+        assert [e["node"] for e in evs if e["kind"] == "node_offered"] == [1], out[-4000:]
+    else:
+        events = tmp_path / "events.jsonl"
+        code0, out = torchrun(PRETRAIN, args + ["--inject", "kill:rank=3,step=7"], timeout=420, check=False,
+                              launcher="mindio.launch.cli",
+                              env={"HIGH_AVAILABILITY": "elastic-training,dump", "MINDIO_EVENT_LOG": str(events),
+                                   "MINDIO_DRILL_DIR": str(tmp_path), "TTP_LOG_PATH": str(tmp_path / "logs")})
+        evs = _events(events)
+        assert not [e for e in evs if e["kind"] == "node_offered"]  # its agent lives: nothing to offer
+    assert code0 == 0, out[-6000:]
+    assert not [e for e in evs if e["kind"] == "round_failed"], out[-4000:]
+    down = [e for e in evs if e["kind"] == "downgrade_done"]
+    assert len(down) == 1 and down[0]["removed"] == [2, 3] and down[0]["world"] == 2, down
+    assert not [e for e in evs if e["kind"] == "upgrade_done"]
+    assert sorted(losses(out)) == list(range(1, 11))

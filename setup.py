@@ -37,8 +37,8 @@ def extensions():
         ["mindio/_native/_core.pyx"],
         depends=["mindio/_native/_crc_simd.h", "mindio/_native/_copy_nt.h"],
         include_dirs=["mindio/_native"],
-        extra_compile_args=["-O3", "-fopenmp"],
-        extra_link_args=["-fopenmp"],
+        extra_compile_args=["-O3", "-pthread"],
+        extra_link_args=["-pthread"],
         libraries=["z"],
     )
     return cythonize([ext], language_level=3, quiet=True)

@@ -13,10 +13,17 @@
  * The widest store the CPU has is picked once at run time (AVX-512, AVX, SSE2); other
  * architectures use memcpy. Ends with a store fence, so the bytes are globally visible, in order,
  * before the calling thread does anything else (e.g. tells the daemon to commit them).
+ *
+ * mindio_copy_pieces(pieces, count, nthreads): copies every piece, on the calling thread plus up to
+ * nthreads - 1 threads started for this call and joined before it returns (pieces are taken in turn
+ * from a shared counter, so a descheduled thread delays the others by one piece at most). Plain
+ * pthreads rather than OpenMP: GNU libgomp's thread pool does not survive fork(), and a forked child
+ * (a DataLoader worker, a multiprocessing fork) that saved after its parent had would hang.
  */
 #ifndef MINDIO_COPY_NT_H
 #define MINDIO_COPY_NT_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -112,4 +119,45 @@ static void mindio_copy_stream(unsigned char *d, const unsigned char *s, size_t 
 }
 
 #endif
+
+typedef struct {
+    unsigned char *dst;
+    const unsigned char *src;
+    size_t n;
+} mindio_piece;
+
+typedef struct {
+    mindio_piece *pieces;
+    size_t count;
+    size_t next;            /* atomic */
+} mindio_work;
+
+static void *mindio_copy_worker(void *arg)
+{
+    mindio_work *w = (mindio_work *)arg;
+    for (;;) {
+        size_t k = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
+        if (k >= w->count)
+            return NULL;
+        mindio_copy_stream(w->pieces[k].dst, w->pieces[k].src, w->pieces[k].n);
+    }
+}
+
+#define MINDIO_MAX_COPY_THREADS 128
+
+static void mindio_copy_pieces(mindio_piece *pieces, size_t count, int nthreads)
+{
+    mindio_work w = {pieces, count, 0};
+    pthread_t tids[MINDIO_MAX_COPY_THREADS];
+    int started = 0;
+    if (nthreads > MINDIO_MAX_COPY_THREADS)
+        nthreads = MINDIO_MAX_COPY_THREADS;
+    if ((size_t)nthreads > count)
+        nthreads = (int)count;
+    while (started < nthreads - 1 && pthread_create(&tids[started], NULL, mindio_copy_worker, &w) == 0)
+        started++;          /* a thread that cannot start: the others (and this one) do its share */
+    mindio_copy_worker(&w);
+    for (int i = 0; i < started; i++)
+        pthread_join(tids[i], NULL);
+}
 #endif

@@ -4,10 +4,8 @@
 Every function takes objects exposing the buffer protocol and releases the GIL for the byte work, so
 the daemon's other threads and the trainer's Python threads keep running while bytes move.
 """
-from cython.parallel cimport prange
 from libc.string cimport memcpy
 from libc.stdint cimport uint8_t, uint32_t
-cimport openmp
 
 cdef extern from "_crc_simd.h" nogil:
     # zlib's crc32(), with a PCLMULQDQ folding path on x86-64 CPUs that have it (4-5x faster)
@@ -15,7 +13,12 @@ cdef extern from "_crc_simd.h" nogil:
 
 cdef extern from "_copy_nt.h" nogil:
     # memcpy with streaming stores for large copies (no read-for-ownership, no cache pollution)
+    ctypedef struct mindio_piece:
+        unsigned char *dst
+        const unsigned char *src
+        size_t n
     void mindio_copy_stream(unsigned char *d, const unsigned char *s, size_t n)
+    void mindio_copy_pieces(mindio_piece *pieces, size_t count, int nthreads)
     int mindio_stream_level()
 
 cdef extern from "stdlib.h" nogil:
@@ -44,28 +47,28 @@ def copy_into(dst, Py_ssize_t dst_offset, src, int nthreads=1, Py_ssize_t slice_
     cdef uint8_t *dp = &d[dst_offset]
     if nthreads < 1:
         nthreads = 1
-    if nthreads > nslices:
-        nthreads = <int>nslices
-    with nogil:
-        if nthreads == 1:
+    if nthreads == 1 or nslices == 1:
+        with nogil:
             mindio_copy_stream(dp, sp, n)
-        else:
-            for i in prange(nslices, num_threads=nthreads, schedule="dynamic", chunksize=1):
-                start = i * slice_bytes
-                length = n - start
-                if length > slice_bytes:
-                    length = slice_bytes
-                mindio_copy_stream(dp + start, sp + start, length)
+        return n
+    cdef mindio_piece *pieces = <mindio_piece *>malloc(nslices * sizeof(mindio_piece))
+    if pieces == NULL:
+        raise MemoryError()
+    for i in range(nslices):
+        start = i * slice_bytes
+        length = n - start
+        if length > slice_bytes:
+            length = slice_bytes
+        pieces[i].dst = dp + start
+        pieces[i].src = sp + start
+        pieces[i].n = <size_t>length
+    with nogil:
+        mindio_copy_pieces(pieces, <size_t>nslices, nthreads)
+    free(pieces)
     return n
 
 
 mindio_stream_level()          # pick the store width once, before any parallel region
-
-
-cdef struct _Piece:
-    uint8_t *dst
-    const uint8_t *src
-    size_t n
 
 
 def copy_many(dst, jobs, int nthreads=1, Py_ssize_t slice_bytes=16 << 20):
@@ -106,7 +109,7 @@ def copy_many(dst, jobs, int nthreads=1, Py_ssize_t slice_bytes=16 << 20):
     cdef Py_ssize_t npieces = 0, k, j
     for off, n in spans:
         npieces += (n + piece - 1) // piece
-    cdef _Piece *pieces = <_Piece *>malloc(npieces * sizeof(_Piece))
+    cdef mindio_piece *pieces = <mindio_piece *>malloc(npieces * sizeof(mindio_piece))
     if pieces == NULL:
         raise MemoryError()
     cdef uint8_t *base = &d[0]
@@ -128,15 +131,8 @@ def copy_many(dst, jobs, int nthreads=1, Py_ssize_t slice_bytes=16 << 20):
                 pieces[k].n = <size_t>length
                 k += 1
                 start += length
-        if nthreads > npieces:
-            nthreads = <int>npieces
         with nogil:
-            if nthreads == 1:
-                for k in range(npieces):
-                    mindio_copy_stream(pieces[k].dst, pieces[k].src, pieces[k].n)
-            else:
-                for k in prange(npieces, num_threads=nthreads, schedule="dynamic", chunksize=1):
-                    mindio_copy_stream(pieces[k].dst, pieces[k].src, pieces[k].n)
+            mindio_copy_pieces(pieces, <size_t>npieces, nthreads)
     finally:
         free(pieces)
     return total

@@ -62,3 +62,35 @@ def test_copy_many_checks_every_job_before_copying(impl):
     assert impl.copy_many(dst, []) == 0
     with pytest.raises((TypeError, ValueError, BufferError)):
         impl.copy_many(b"read-only buffer", [(0, b"ab")])
+
+
+@pytest.mark.skipif(_core is None, reason="the native core is not built")
+def test_parallel_copy_works_in_a_forked_child():
+    """A child forked after the parent copied in parallel copies in parallel too (an OpenMP pool hung here)."""
+    import os
+    import signal
+    import time
+
+    src = np.arange(8 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    _core.copy_many(dst, [(0, src)], 2, 1 << 20)
+    pid = os.fork()
+    if pid == 0:                                    # child: only copy and exit, never return to pytest
+        code = 3
+        try:
+            dst[:] = 0
+            _core.copy_many(dst, [(0, src)], 2, 1 << 20)
+            code = 0 if np.array_equal(dst, src) else 4
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("copy_many in a forked child did not finish within 60 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

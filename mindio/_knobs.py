@@ -84,6 +84,9 @@ _ALL = [
          "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),
     Knob("MINDIO_WAIT_MINDX_TIME", float, 30.0,
          "Seconds the controller waits for the cluster brain's answer.", min=1, max=3600),
+    Knob("MINDIO_SWITCH_PRESTART", _bool, True,
+         "Hot switch: 1 starts the backups and waits for their registration before pausing the job (their start "
+         "runs while training goes on); 0 starts them after the pause (the former order; kept to measure it)."),
     Knob("TTP_STOP_CLEAN_BEFORE_DUMP", _bool, False, "Run stop & clean before a last-words dump."),
     Knob("TTP_ADDR", str, "", "Controller address for processors (falls back to CONTROLLER_ADDR, MASTER_ADDR)."),
     Knob("CONTROLLER_ADDR", str, "", "Controller address (alias of TTP_ADDR)."),

@@ -13,6 +13,8 @@ uce        ``corrupt()`` if given (destroy this rank's optimizer shard, as the m
            then ``RuntimeError("UCE ERROR ...")``: an uncorrectable memory error (retry + repair)
 net        ``RuntimeError("HCCL OP RETRY FAILED ...")``: a network-class error (retry, no repair)
 hang       sleeps ``seconds`` (default 3600) without progress, outside any collective
+hold       as hang, but ends as soon as the file ``<MINDIO_DRILL_DIR>/release`` exists: a step held
+           from outside (a test holds training until a hot switch's backups registered)
 kill       SIGKILL of its own process (recover-in-place)
 kill-node  SIGKILL of its node's launcher agent (mindio-run: every worker of the node dies with
            it through PR_SET_PDEATHSIG), then of itself; fired by local rank 0 of node N
@@ -43,14 +45,14 @@ from .errors import ConfigError
 
 __all__ = ["Fault", "parse", "Drill", "inject", "MESSAGES"]
 
-KINDS = ("raise", "uce", "net", "hang", "kill", "kill-node")
+KINDS = ("raise", "uce", "net", "hang", "hold", "kill", "kill-node")
 MESSAGES = {
     "raise": "injected fault at step {step}",
     "uce": "UCE ERROR: injected uncorrectable memory error at step {step}",
     "net": "HCCL OP RETRY FAILED: injected network error at step {step}",
 }
 _KEYS = {"rank", "step", "node", "seconds"}
-_USAGE = ("use KIND:rank=R,step=S (KIND: raise, uce, net, hang, kill) or kill-node:node=N,step=S; "
+_USAGE = ("use KIND:rank=R,step=S (KIND: raise, uce, net, hang, hold, kill) or kill-node:node=N,step=S; "
           "separate several faults with ';'")
 
 
@@ -114,8 +116,8 @@ def parse(spec: str) -> List[Fault]:
             raise ConfigError(f"--inject {spec!r}: {kind} needs rank=R")
         if values.get("rank", 0) < 0 or values.get("node", 0) < 0 or values.get("seconds", 1) <= 0:
             raise ConfigError(f"--inject {spec!r}: rank, node must be >= 0 and seconds > 0")
-        if "seconds" in values and kind != "hang":
-            raise ConfigError(f"--inject {spec!r}: seconds= is only for hang")
+        if "seconds" in values and kind not in ("hang", "hold"):
+            raise ConfigError(f"--inject {spec!r}: seconds= is only for hang and hold")
         faults.append(Fault(index=index, kind=kind, **{k: values[k] for k in values}))
     return faults
 
@@ -171,10 +173,11 @@ class Drill:
             corrupt()
         if f.kind in MESSAGES:
             raise RuntimeError(MESSAGES[f.kind].format(step=step))
-        if f.kind == "hang":
+        if f.kind in ("hang", "hold"):
             deadline = time.monotonic() + f.seconds
-            while time.monotonic() < deadline:
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            release = os.path.join(self._dir or ".", "release") if f.kind == "hold" else None
+            while time.monotonic() < deadline and not (release and os.path.exists(release)):
+                time.sleep(min(1.0 if release is None else 0.01, max(0.0, deadline - time.monotonic())))
             return
         if f.kind == "kill-node":
             agent = self._agent_pid

@@ -360,12 +360,21 @@ def report_memory(ctx) -> None:
                  f"d={d}, 12*P*R/d={12 * params * ctx.replica_cnt / d:.0f})")
 
 
-def initialize(args) -> None:
-    if not STANDBY:  # mindio: a standby joins the world only when the controller scales out
-        dist.init_process_group("gloo")
+def prepare(args) -> None:
+    """What needs no process group; done before the world so that a hot-switch backup does it while the
+    job still trains (mindio: its init_process_group waits for the switch, docs/recovery.md)."""
     mio.setup_cpu()  # mindio: megatron-core CPU patches (only when there is no CUDA)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
+    import megatron.core.distributed  # noqa: F401  (the model code of setup_model_and_optimizer, loaded now)
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+
+
+def initialize(args) -> None:
+    if not STANDBY:  # mindio: a standby joins the world only when the controller scales out
+        dist.init_process_group("gloo")
+    prepare(args)  # (once more is free: pretrain() did it before the world)
     world = int(os.environ["WORLD_SIZE"]) if STANDBY else dist.get_world_size()
     dp = world // (args.tensor_model_parallel_size
                                    * args.pipeline_model_parallel_size)
@@ -378,9 +387,10 @@ def initialize(args) -> None:
 
 
 def pretrain(args) -> str:
-    initialize(args)
+    prepare(args)
     dataset = CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
     args.padded_vocab_size = dataset.vocab_size
+    initialize(args)
     ctx = mio.TrainingContext(args, build=lambda: setup_model_and_optimizer(args))
     if STANDBY:
         return pretrain_standby(args, ctx, dataset)

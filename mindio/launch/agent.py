@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from .. import _logging
 from ..errors import ConfigError
-from . import elastic, ha, liveness
+from . import elastic, ha, liveness, switch
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,8 @@ class Agent:
                     self._switched_out(rank, old)
                 if old is not None and old.poll() is None:
                     old.kill()  # the controller declared it dead: it must not linger
-                self._workers[rank] = self._spares.take(env, self.cfg.args)
+                backup = switch.take(self, rank, gen) if reboot_type == "hot switch" else None
+                self._workers[rank] = backup or self._spares.take(env, self.cfg.args)
                 self._replacements.add(self._workers[rank])
         log.warning("ranks %s started again (generation %d) in %.3f s", list(ranks), gen, time.monotonic() - t0)
         _logging.event("ranks_replaced", ranks=list(ranks), gen=gen, node=self.cfg.node_rank,
@@ -278,6 +279,7 @@ class Agent:
         _logging.event("switched_out_exit", switched_rank=rank, old_pid=old.pid, code=old.poll())
 
     def _stop_workers(self) -> None:
+        switch.stop(self)  # hot-switch backups not released
         if self._hosted is not None:
             self._hosted.close()
             self._hosted = None

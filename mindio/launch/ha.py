@@ -16,6 +16,8 @@ round, in addition to the keys of agent.py (all in node 0's agent store):
                                 orders node ``node``'s agent to start these ranks again (recover-in-
                                 place). A warm spare takes each, with MINDIO_REBOOT_GEN / _TYPE set
                                 (mindio.ttp.reboot).
+* ``round/<n>/switch/<gen>/...`` hot switch: backups started before the pause register, join or leave
+                                (switch.py); their start order is a replace order with ``"backup": true``.
 * ``round/<n>/takeover/<node>`` JSON {gen}: the controller gives lost node ``node``'s ranks to a
                                 standby agent (recover); the first standby to claim it
                                 (``claim/<n>/<node>``) becomes that node and starts its ranks as
@@ -40,7 +42,7 @@ import threading
 import time
 
 from .. import _logging
-from . import elastic, liveness
+from . import elastic, liveness, switch
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +146,32 @@ class HostedController:
                 store.set(f"round/{self.rnd}/takeover/{node}", json.dumps({"gen": gen}))
             elif node == cfg.node_rank:
                 self.agent.replace_local(rs, gen, reboot_type=_reboot_type(strategy))
+                if strategy == "hot switch":
+                    switch.release(store, self.rnd, rs, gen)  # backups started before the pause join now
             else:
                 i = store.add(f"round/{self.rnd}/replace/{node}", 1)
                 store.set(f"round/{self.rnd}/replace/{node}/{i}",
                           json.dumps({"ranks": rs, "gen": gen, "type": _reboot_type(strategy)}))
         _logging.event("replace_ordered", ranks=sorted(ranks), gen=gen, strategy=strategy)
+
+    # hot switch (mindio/ttp/hotswitch.py): backups start before the pause (switch.py)
+    def prestart(self, ranks, gen: int) -> None:
+        cfg, by_node = self.agent.cfg, {}
+        for r in sorted(ranks):
+            by_node.setdefault(r // cfg.nproc_per_node, []).append(r)
+        for node, rs in by_node.items():
+            if node == cfg.node_rank:
+                switch.start_local(self.agent, rs, gen)
+            else:
+                i = self.store.add(f"round/{self.rnd}/replace/{node}", 1)
+                self.store.set(f"round/{self.rnd}/replace/{node}/{i}",
+                               json.dumps({"ranks": rs, "gen": gen, "type": "hot switch", "backup": True}))
+
+    def backups(self, ranks, gen: int) -> tuple[dict, dict]:
+        return switch.status(self.store, self.rnd, ranks, gen)
+
+    def dismiss(self, ranks, gen: int) -> None:
+        switch.dismiss(self.store, self.rnd, ranks, gen)
 
     # -- called by node 0's agent main loop --------------------------------------------------------
     def poll_deaths(self) -> None:
@@ -232,6 +255,7 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
         else:
             i = store.add(f"round/{rnd}/deaths", 1)
             store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
+    switch.poll(agent, rnd)  # a hot-switch backup that exited before it was released
     if agent._refill:
         agent._refill = False
         with agent._lock:
@@ -261,7 +285,12 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
         while agent._replace_seen < n and store.check([f"{key}/{agent._replace_seen + 1}"]):
             agent._replace_seen += 1
             order = json.loads(store.get(f"{key}/{agent._replace_seen}"))
+            if order.get("backup"):  # hot switch: start backups now, they join later (switch.py)
+                switch.start_local(agent, order["ranks"], order["gen"])
+                continue
             agent.replace_local(order["ranks"], order["gen"], reboot_type=order.get("type", "arf"))
+            if order.get("type") == "hot switch":
+                switch.release(store, rnd, order["ranks"], order["gen"])
             agent._dead_since = None
         if 0 in agent._lost_nodes():
             return "node 0 (the controller's node) lost"

@@ -2,8 +2,15 @@
 
 ``tft_notify_controller_prepare_action("hot switch", {rank: errtype})`` opens a *hot switch* incident;
 the driver thread runs it (states: NORMAL -PAUSE-> PAUSE -MIGRATE-> MIGRATION -RECOVER-> ENV_CLEAR
--OK-> REPAIR -OK-> NORMAL):
+-OK-> REPAIR -OK-> NORMAL). As the reference (backup pod first, then the pause):
 
+0. backups, while training goes on (state NORMAL): the launcher agent owning each switched rank starts
+   a backup in a warm spare (mindio/launch/switch.py; ``MINDIO_REBOOT_GEN=g+1``, ``MINDIO_REBOOT_TYPE=hot
+   switch``). It runs the training script up to its ``init_process_group`` -- interpreter and imports
+   (warm already), everything the script does before the world (data, ...), the gc freeze -- registers
+   as the rank's backup (not a rank yet) and waits there (reboot.await_switch). The controller waits
+   (<= MINDIO_RECOVER_TIMEOUT) until every backup registered; a backup that dies first, or a deadline,
+   cancels the switch before any rank paused.
 1. pause: every rank stops at one step ``T`` (pause.py's ``pause_query`` / ``pause_at``: all parked at
    the fence, optimizer state of step ``T`` complete); ``report_stop_complete(0, ...)``.
 2. decide: with a cluster brain attached (``report_stop_complete`` callback registered) wait up to
@@ -12,22 +19,24 @@ the driver thread runs it (states: NORMAL -PAUSE-> PAUSE -MIGRATE-> MIGRATION -R
 3. switch out: every rank tears its groups down and parks (``clean``); the old processes of the switched
    ranks get ``exit(EXIT_CODE_SWITCHED)`` -- healthy, nothing lost, they leave cleanly -- and leave the
    rank table.
-4. switch in: exactly the recover-in-place sequence (recover.py, strategy "hot switch"): the launcher
-   agent starts a backup process per switched rank in a warm spare (``MINDIO_REBOOT_GEN``,
-   ``MINDIO_REBOOT_TYPE=hot switch``), the others rebuild their groups with it in generation g+1, it
-   registers and parks before ``train()``, its optimizer shard comes from a replica (RT_SEND ->
-   RT_RECV_REPAIR), every rank rolls back to ``T`` (nothing to undo: nothing ran past ``T``) and trains on.
-   The result is bitwise equal to an uninterrupted run.
+4. switch in: the recover-in-place sequence (recover.py, strategy "hot switch"): its replace step
+   releases the waiting backups once the old processes exited; the others rebuild their groups with
+   them in generation g+1 -- the collective part of the backup's start (default group, framework
+   subgroups, model and optimizer build with Megatron's normal init order) is all that runs while the
+   job is paused --, each registers and parks before ``train()``, its optimizer shard comes from a
+   replica (RT_SEND -> RT_RECV_REPAIR), every rank rolls back to ``T`` (nothing to undo: nothing ran past
+   ``T``) and trains on. The result is bitwise equal to an uninterrupted run.
 
-Cancel (``stop switch``, no decision in time, a pause that fails): ``pause_resume``; training continues
-unchanged, no process replaced. A rank failing during the pause turns the switch into a fault incident.
-A failure after the old processes left (a backup that does not come up, a repair that fails) falls back
-to a dump by the remaining ranks at ``T`` (their replicas hold every shard), then exit.
+Cancel (``stop switch``, no decision in time, a pause that fails, a backup that does not register):
+the backups are dismissed (they exit 0), ``pause_resume`` if paused; training continues unchanged, no
+process replaced. A rank failing meanwhile turns the switch into a fault incident. A failure after the
+old processes left (a backup dying after its release, a repair that fails) falls back to a dump by the
+remaining ranks at ``T`` (their replicas hold every shard), then exit.
 
 Needs a *replacer*: the controller must be hosted by mindio-run's agent (``--high-availability``); the
-reference's ClusterD starts the backup pod, ours is the agent's warm spare. The backups start once
-training is paused (the reference starts the backup pod first; a warm spare starts in well under a step
-of a real job).
+reference's ClusterD starts the backup pod, ours is the agent's warm spare. ``MINDIO_SWITCH_PRESTART=0``
+starts the backups only after the pause (the former order; kept to measure the difference:
+bench/hotswitch_bench.py).
 """
 from __future__ import annotations
 
@@ -50,6 +59,7 @@ class HotSwitchFlow:
     """Mixed into the controller next to PauseFlow and RecoverFlow."""
 
     _switch_req: dict | None = None
+    _pending_backups: tuple | None = None  # (ranks, generation) of backups started and not released
 
     def notify_prepare_action(self, action: str, ranks: list) -> int:
         """Cluster brain: 0 accepted, 1 refused (the reason is logged)."""
@@ -90,17 +100,23 @@ class HotSwitchFlow:
         return super()._run_incident()
 
     def _run_hot_switch(self, inc: dict) -> bool:
-        ranks = self._switch_req["ranks"]
+        ranks, gen = self._switch_req["ranks"], self.gen + 1
+        if _knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacer, "prestart"):
+            self._pending_backups = (ranks, gen)  # dismissed on every way out but a switch done (_dismiss)
+            why = self._start_backups(inc, ranks, gen)
+            if why:
+                self._dismiss()
+                return self._as_fault() if why == "fault" else self._cancel_unpaused(why)
         self.sm.fire(Result.PAUSE, hot_switch=ranks[:16])
         live = self._live()
         if len(live) < self.world_size or self._faulted(inc):
-            return self._as_fault() if self._faulted(inc) else self._cancel_switch(live, "ranks missing")
+            return self._fault_now() if self._faulted(inc) else self._cancel_switch(live, "ranks missing")
         caps = self._call("pause_query", {}, live, self.action_limit)
         target = max((c.detail["limit"] for c in caps.values() if c.ok), default=0)
         replies = {} if len(caps) < len(live) else self._call(
             "pause_at", {"step": target, "timeout": self.action_limit / 2}, live, self.action_limit)
         if self._faulted(inc):
-            return self._as_fault()
+            return self._fault_now()
         bad = sorted(r for r in live if r not in replies or not replies[r].ok)
         if bad:
             _log.error("hot switch: ranks %s did not pause at step %d", bad[:16], target)
@@ -119,10 +135,70 @@ class HotSwitchFlow:
         with self._lock:
             self._switch_req["waiting"] = False
         if choice == "fault":
-            return self._as_fault()
+            return self._fault_now()
         if choice != "migration":
             return self._cancel_switch(live, choice)
         return self._switch(ranks, target, inc["t0"])
+
+    def _start_backups(self, inc: dict, ranks: list, gen: int) -> str:
+        """Start the backups (the launcher's warm spares run the script up to its init_process_group)
+        and wait until every one registered, while training goes on. '' when they did, else why not."""
+        t0 = time.monotonic()
+        try:
+            self.replacer.prestart(ranks, gen)
+        except Exception as exc:
+            _log.error("hot switch: starting backups for ranks %s failed: %s", ranks[:16], exc)
+            return f"the backups could not be started ({exc})"
+        end = t0 + self.recover_timeout
+        while True:
+            if self._faulted(inc):
+                return "fault"
+            ready, dead = self.replacer.backups(ranks, gen)
+            if dead:
+                _log.error("hot switch: backups exited before they registered: %s", dead)
+                _logging.event("switch_backup_failed", ranks=sorted(dead), why=list(dead.values())[:4])
+                return f"the backup of ranks {sorted(dead)[:16]} exited before it registered"
+            if len(ready) == len(ranks):
+                break
+            if time.monotonic() > end or self._stop.wait(0.02):
+                _log.error("hot switch: backups of ranks %s did not register within %.0f s",
+                           sorted(set(ranks) - set(ready))[:16], self.recover_timeout)
+                return "the backups did not register in time"
+        took = time.monotonic() - t0
+        _log.warning("hot switch: backups of ranks %s registered %.3f s after their start (pids %s); training "
+                     "went on meanwhile", ranks[:16], took, ready)
+        _logging.event("hot_switch_backups_ready", ranks=ranks, gen=gen, pids=ready, start_s=round(took, 6))
+        return ""
+
+    def _dismiss(self) -> None:
+        """Backups started for this switch and not released (yet) leave."""
+        pending, self._pending_backups = self._pending_backups, None
+        if pending:
+            try:
+                self.replacer.dismiss(*pending)
+            except Exception:
+                _log.exception("hot switch: dismissing the backups failed (the agent stops them at the round's "
+                               "end, else they leave at their deadline)")
+
+    def _fault_now(self) -> bool:
+        self._dismiss()
+        return self._as_fault()
+
+    def _cancel_unpaused(self, why: str) -> bool:
+        """The switch is off before any rank paused: close the incident; training was never touched."""
+        _log.warning("hot switch cancelled (%s) before the pause: training continues unchanged", why)
+        _logging.event("hot_switch_cancelled", why=why)
+        with self._lock:
+            faulted = bool(self._incident["primary"])
+            if not faulted:
+                self._incident = None
+                self._incident_evt.clear()
+        self._switch_req = None
+        if faulted:
+            return self._as_fault()
+        self._mindx_call("report_result", int(ResultCode.OK), f"hot switch cancelled ({why}); training continued",
+                         {}, "continue")
+        return True
 
     def _switch_decision(self, inc: dict) -> str:
         if "report_stop_complete" not in self.mindx:
@@ -141,6 +217,7 @@ class HotSwitchFlow:
         return "no decision"
 
     def _cancel_switch(self, live: list, why: str) -> bool:
+        self._dismiss()
         _log.warning("hot switch cancelled (%s): training continues unchanged", why)
         _logging.event("hot_switch_cancelled", why=why)
         ok = self._end_pause(live, f"hot switch cancelled: {why}")  # pause.py
@@ -157,6 +234,11 @@ class HotSwitchFlow:
         with self._lock:  # the switched ranks count as dead: the repair takes their shards from replicas
             views = [policy.RankView(r.rank, r.alive and r.rank not in ranks, r.rank in ranks, target,
                                      int(OsStatus.UPDATED), tuple(r.replica)) for r in self.ranks.values()]
+        reserved = self._pending_backups[1] if self._pending_backups else self.gen + 1
+        if reserved != self.gen + 1:  # cannot happen: one driver thread bumps the generation
+            _log.error("hot switch: backups wait for generation %d, the switch builds %d", reserved, self.gen + 1)
+            self._dismiss()
+            bad = everyone
         if not bad:
             self._call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
             with self._cond:
@@ -167,12 +249,15 @@ class HotSwitchFlow:
                         self._registered -= 1
                 self._cond.notify_all()
             _logging.event("switched_out", ranks=ranks, step=target, code=EXIT_CODE_SWITCHED)
-            self._switch_req = None
+            self._switch_req = None  # the backups are released by the replace step of the recover sequence
             if self._recover("hot switch", target, views, t0):  # recover.py: MIGRATION -RECOVER-> ...
+                self._pending_backups = None  # released by the recover sequence's replace step: ranks now
                 return True
+            self._dismiss()  # any backup not released yet
         else:
             _log.error("hot switch: ranks %s did not park (clean): %s", bad[:16],
                        {r: replies[r].detail for r in bad[:4] if r in replies})
+            self._dismiss()
             self.sm.fire(Result.FAIL, failed="clean")
         self._switch_req = None
         live = set(self._live()) - set(ranks) if not bad else set(self._live())

@@ -5,6 +5,11 @@ A replacement process is started by its launcher agent (mindio.launch) with, in 
 * ``MINDIO_REBOOT_GEN=<g>``   the generation the survivors rebuild their groups under;
 * ``MINDIO_REBOOT_TYPE``      ``arf`` (recover-in-place / recover) or ``hot switch``.
 
+A hot-switch *backup* (``MINDIO_SWITCH_BACKUP=<key prefix>``, mindio/launch/switch.py) is started before
+the job pauses: its ``init_process_group`` first registers it (:func:`await_switch`) and waits there, while
+training goes on, until the switch releases it (``join``: go on below) or is cancelled (``leave``: exit 0).
+So everything the script does before ``init_process_group`` (imports, data) is done before the pause.
+
 Then, with no change to the training script beyond what MindIO already asks for:
 
 1. :func:`install` (called by the launcher's bootstrap before the script runs) wraps
@@ -29,7 +34,8 @@ import logging
 import os
 import time
 
-__all__ = ["install", "is_reboot", "reboot_type", "reboot_gen", "adopt", "should_park", "RebootActions"]
+__all__ = ["install", "is_reboot", "reboot_type", "reboot_gen", "await_switch", "adopt", "should_park",
+           "RebootActions"]
 
 _log = logging.getLogger(__name__)
 
@@ -38,6 +44,7 @@ class _State:
     base_store = None      # the store the survivors' world lives on (before the generation prefix)
     installed = False
     parked_once = False
+    switch_released = False  # a hot-switch backup was told to join (await_switch)
 
 
 state = _State()
@@ -71,6 +78,7 @@ def install() -> None:
     @functools.wraps(original)
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
                            store=None, group_name="", pg_options=None, device_id=None, **kw):
+        await_switch()  # a hot-switch backup: wait here (registered) until the switch releases it
         if store is None:
             from datetime import timedelta
             t = timeout or timedelta(seconds=int(os.environ.get("MINDIO_PG_TIMEOUT", "120")))
@@ -96,6 +104,43 @@ def install() -> None:
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
     state.installed = True
+
+
+def await_switch() -> None:
+    """(a hot-switch backup, before it joins the world) Register as the backup of this rank, then wait --
+    the job still trains -- until the switch releases it (return) or is cancelled (exit 0). Before
+    registering it does the one non-collective part of a model build it can: the gc freeze of the
+    start-up objects (device.freeze_startup_objects, ~0.3 s with megatron-core imported). Once only."""
+    key = os.environ.get("MINDIO_SWITCH_BACKUP", "")
+    if not key or state.switch_released:
+        return
+    import sys
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from . import device
+
+    rank, t0 = int(os.environ["RANK"]), time.monotonic()
+    device.freeze_startup_objects()
+    host, _, port = os.environ["MINDIO_AGENT_STORE"].rpartition(":")
+    wait = float(os.environ.get("MINDIO_SWITCH_BACKUP_WAIT", "600"))  # the agent kills it sooner at a round end
+    store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=wait))
+    store.set(f"{key}/ready/{rank}", str(os.getpid()))
+    _log.warning("hot-switch backup of rank %d (pid %d) registered %.3f s after its start; waiting for the "
+                 "switch", rank, os.getpid(), time.monotonic() - t0)
+    try:
+        order = store.get(f"{key}/order/{rank}").decode()
+    except RuntimeError as exc:  # the store's timeout: nobody released or dismissed us
+        order = f"no order within {wait:.0f} s ({exc})"
+    if order != "join":
+        _log.warning("hot-switch backup of rank %d leaves (%s): the switch was cancelled", rank, order)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    state.switch_released = True
+    _log.warning("hot-switch backup of rank %d released after %.3f s: joining generation %d", rank,
+                 time.monotonic() - t0, reboot_gen())
 
 
 def adopt(proc) -> None:

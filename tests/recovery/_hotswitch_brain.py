@@ -10,7 +10,10 @@ controller the agent hosts (rank -1) and plays SCENARIO through the reference AP
 * ``silent``   never answer (the switch is cancelled after MINDIO_WAIT_MINDX_TIME)
 * ``direct``   no cluster-brain callbacks: the switch goes on at once
 
-Every call and callback is appended to ``OUT/brain.jsonl``.
+Every call and callback is appended to ``OUT/brain.jsonl``. Once the switch is past its backups'
+registration (the pause began, or the switch was cancelled) the brain creates ``OUT/release``: a job
+held there (the toy's ``--fault hold:R:IT``, the example's ``--inject hold:...`` with MINDIO_DRILL_DIR=OUT)
+is still training when the backups register, however slowly they start.
 """
 import json
 import os
@@ -21,6 +24,7 @@ import time
 import mindio.ttp as ttp
 from mindio.launch import cli, ha
 from mindio.ttp._runtime import state as _rt
+from mindio.ttp.states import State
 
 
 def main() -> None:
@@ -57,8 +61,15 @@ def main() -> None:
                 ready = len(ctl.ranks) == ctl.world_size and all(r.step >= at for r in ctl.ranks.values())
                 pids = {r.rank: r.pid for r in ctl.ranks.values()}
             if ready:
-                record("prepare_action", pids=pids,
-                       rc=ttp.tft_notify_controller_prepare_action("hot switch", {rank: 1}))
+                rc = ttp.tft_notify_controller_prepare_action("hot switch", {rank: 1})
+                record("prepare_action", pids=pids, rc=rc)
+                armed = time.monotonic() + 120
+                while rc == 0 and time.monotonic() < armed:
+                    with ctl._lock:  # backups registered (PAUSE), or the switch is over (no incident)
+                        if ctl.sm.state is not State.NORMAL or ctl._incident is None:
+                            break
+                    time.sleep(0.01)
+                open(os.path.join(out, "release"), "w").close()
                 return
             time.sleep(0.01)
 

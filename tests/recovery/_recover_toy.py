@@ -40,6 +40,11 @@ class Trainer(toy.Trainer):
         if os.environ.get("MINDIO_EVENT_LOG"):
             from mindio import _logging
             _logging.event("fault_injected", fault=kind, at_step=self.it)
+        if kind == "hold":  # the job waits here until <out>/release exists (<= 120 s): see _hotswitch_brain
+            end = time.monotonic() + 120
+            while not os.path.exists(os.path.join(self.args.out, "release")) and time.monotonic() < end:
+                time.sleep(0.01)
+            return
         if kind == "kill-node":  # the node's launcher agent dies; this node's workers die with it
             import signal
             os.kill(int(os.environ["MINDIO_AGENT_PID"]), signal.SIGKILL)
@@ -58,10 +63,14 @@ def main() -> int:
     a.resume = ""
     a.faults = [(f.split(":")[0], int(f.split(":")[1]), int(f.split(":")[2])) for f in a.fault.split(",") if f]
     torch.manual_seed(0)
-    if ttp.tft_is_reboot_node() and os.environ.get("TOY_REPLACEMENT_FAILS"):
+    fails = os.environ.get("TOY_REPLACEMENT_FAILS", "") if ttp.tft_is_reboot_node() else ""
+    if fails and fails != "joined":
         print(f"[rank {a.rank}] replacement fails at start-up (TOY_REPLACEMENT_FAILS)", flush=True)
         return 3
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    if fails == "joined":  # a hot-switch backup released into the new generation dies there
+        print(f"[rank {a.rank}] replacement fails after joining the world (TOY_REPLACEMENT_FAILS=joined)", flush=True)
+        os._exit(3)
     toy.build_groups(a.rank, a.world)
     ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False)
     trainer = Trainer(a)

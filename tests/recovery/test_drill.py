@@ -86,6 +86,18 @@ def test_hang_sleeps_then_returns():
     assert 0.25 < time.monotonic() - t0 < 10
 
 
+def test_hold_ends_when_the_release_file_appears(tmp_path):
+    """hold: the step waits until <MINDIO_DRILL_DIR>/release exists (here written by a thread), not its
+    seconds (120)."""
+    import threading
+
+    d = drill.Drill("hold:rank=0,step=1,seconds=120", environ={"MINDIO_DRILL_DIR": str(tmp_path)})
+    threading.Timer(0.2, lambda: (tmp_path / "release").write_text("")).start()
+    t0 = time.monotonic()
+    d.maybe_fire(step=1, rank=0)
+    assert (tmp_path / "release").exists() and time.monotonic() - t0 < 60
+
+
 def _run(code: str, env=None, timeout=60):
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})

@@ -3,9 +3,10 @@
 Real processes: node 0's mindio-run agent hosting the controller (rank -1), driven by a cluster brain in
 the same process (_hotswitch_brain.py), 4 workers of the toy job (_recover_toy.py: DP=4, ZeRO-1 Adam
 over 2 replica halves), gloo on loopback. Once every rank passed step 5 the brain asks for a hot switch
-of rank 1 (rank 0 too): every rank pauses at one step, the rank's old process exits (EXIT_CODE_SWITCHED)
-and a backup process takes the rank with its shard from the replica; training goes on with no step
-lost, bitwise equal to the uninterrupted run. "stop switch" instead leaves every process and the result unchanged.
+of rank 1 (rank 0 too): a backup process starts and registers while training goes on, then every rank
+pauses at one step, the rank's old process exits (EXIT_CODE_SWITCHED) and the backup takes the rank with
+its shard from the replica; training goes on with no step lost, bitwise equal to the uninterrupted run.
+"stop switch" instead dismisses the backup and leaves every process and the result unchanged.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def run(out: Path, scenario: str = "", timeout=150, victim: int = 1, env=None):
     launch = ["--nproc-per-node", "4", "--master-port", str(_port()), "--high-availability",
               "recover-in-place,dump", str(HERE / "_recover_toy.py"), "--out", str(out), "--steps", str(STEPS),
               "--step-sleep", "0.15"]
+    if scenario:  # rank 0 holds step 7 until the brain saw the backup registered: the job still trains then
+        launch += ["--fault", "hold:0:7"]
     cmd = ([sys.executable, str(HERE / "_hotswitch_brain.py"), scenario, str(out), "--"] if scenario
            else [sys.executable, "-m", "mindio.launch.cli"]) + launch
     p = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -62,6 +65,19 @@ def pids_by_rank(events) -> dict:
         if isinstance(e.get("rank"), int) and e["rank"] >= 0 and "pid" in e:
             pids.setdefault(e["rank"], set()).add(e["pid"])
     return pids
+
+
+def pause_s(events) -> float:
+    """Training stopped (the first rank parked at the pause step) -> every rank training again."""
+    stopped = min(e["t"] for e in events if e["kind"] == "paused_at")
+    return max(e["t"] for e in events if e["kind"] == "train_resumed") - stopped
+
+
+def assert_backup_registered_before_the_pause(events, victim):
+    ready = next(e for e in events if e["kind"] == "hot_switch_backups_ready")
+    assert ready["ranks"] == [victim], ready
+    assert ready["t"] < min(e["t"] for e in events if e["kind"] == "paused_at")  # training went on meanwhile
+    return ready["pids"][str(victim)]
 
 
 def assert_every_step_once(text):
@@ -94,6 +110,7 @@ def test_hot_switch_moves_a_rank_without_losing_a_step(reference, tmp_path, scen
     assert len(gone) == 1 and gone[0]["old_pid"] == old_pid and gone[0]["code"] == EXIT_CODE_SWITCHED, gone
     pids = pids_by_rank(events)
     assert old_pid in pids[victim] and len(pids[victim]) == 2, pids  # a new process serves the rank
+    assert pids[victim] == {old_pid, assert_backup_registered_before_the_pause(events, victim)}, pids
     assert all(pids[r] == {prep["pids"][str(r)]} for r in range(4) if r != victim), pids  # others kept theirs
     done = [e for e in events if e["kind"] == "recover_done"]
     assert len(done) == 1 and done[0]["strategy"] == "hot switch" and done[0]["replaced"] == [victim], done
@@ -109,7 +126,7 @@ def test_hot_switch_moves_a_rank_without_losing_a_step(reference, tmp_path, scen
         assert res[-1]["code"] == 0 and res[-1]["strategy"] == "hot switch", res
     resumed = max(e["t"] for e in events if e["kind"] == "train_resumed")
     print(f"\nhot switch ({scenario}, rank {victim}): request -> every rank training again "
-          f"{resumed - prep['t']:.3f} s; "
+          f"{resumed - prep['t']:.3f} s, of which paused {pause_s(events):.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
 
 
@@ -133,13 +150,34 @@ def test_stop_switch_cancels_and_changes_nothing(reference, tmp_path, scenario):
     assert all(pids[r] == {prep["pids"][str(r)]} for r in range(4)), pids  # no process replaced
     res = [b for b in brain if b["kind"] == "report_result"]
     assert res and res[-1]["strategy"] == "continue" and "cancelled" in res[-1]["msg"], res
+    assert_backup_registered_before_the_pause(events, 1)
+    assert "switch_backups_dismissed" in kinds and "hot-switch backup of rank 1 leaves" in text
+    assert "switch_backup_exited" not in kinds  # it left as told (exit 0), not taken for a failure
 
 
 @pytest.mark.timeout(200)
-def test_backup_failing_at_start_falls_back_to_a_dump(tmp_path):
-    """The backup process dies before joining, after the old rank-1 process left: the remaining ranks
-    dump at the pause step (rank 1's shard lives on its replica, rank 3) and the job exits 75, at once."""
+def test_backup_failing_before_it_registers_cancels_the_switch(reference, tmp_path):
+    """The backup process dies at start (before its init_process_group): the switch is cancelled before
+    any rank paused; the old rank-1 process stays and the result is the uninterrupted run's."""
     code, text, events, brain = run(tmp_path / "run", "direct", env={"TOY_REPLACEMENT_FAILS": "1"})
+    assert code == 0, text[-6000:]
+    assert digest(text) == reference
+    assert_every_step_once(text)
+    kinds = [e["kind"] for e in events]
+    assert "switch_backup_exited" in kinds, kinds
+    why = next(e for e in events if e["kind"] == "hot_switch_cancelled")["why"]
+    assert "exited before it registered" in why, why
+    assert "paused_at" not in kinds and "switched_out" not in kinds and "recover_done" not in kinds, kinds
+    assert next(b for b in brain if b["kind"] == "prepare_action")["rc"] == 0
+    assert "switched_out_exit" not in kinds and "replacement process" not in text  # the old processes stayed
+
+
+@pytest.mark.timeout(200)
+def test_backup_failing_after_release_falls_back_to_a_dump(tmp_path):
+    """The backup dies right after it joined the new generation, after the old rank-1 process left: the
+    remaining ranks dump at the pause step (rank 1's shard lives on its replica, rank 3) and the job exits
+    75, at once."""
+    code, text, events, brain = run(tmp_path / "run", "direct", env={"TOY_REPLACEMENT_FAILS": "joined"})
     assert code != 0
     assert "exiting with code 75" in text, text[-6000:]  # dumped
     kinds = [e["kind"] for e in events]

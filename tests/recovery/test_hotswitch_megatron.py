@@ -2,10 +2,12 @@
 
 4 ranks on CPU/gloo, distributed optimizer with replicas (DP=4, R=2). Node 0's agent hosts the
 controller; the cluster brain in the agent's process (_hotswitch_brain.py) asks for a hot switch of rank
-1 once every rank passed iteration 3 and answers ``migration``. Every rank pauses at one iteration, rank
-1's old process exits (78), a backup builds its model and optimizer with Megatron's normal init order on
-generation 1, receives its optimizer shard from its DP replica, and the job goes on: digest of the run
-without the switch, no iteration lost.
+1 once every rank passed iteration 3 and answers ``migration``. A backup process starts and registers
+while training goes on (imports, data, CPU patches: the example's ``prepare``, before its
+init_process_group), then every rank pauses at one iteration, rank 1's old process exits (78), the
+backup joins generation 1 and builds its model and optimizer with Megatron's normal init order,
+receives its optimizer shard from its DP replica, and the job goes on: digest of the run without the
+switch, no iteration lost.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[0] / "megatron"))
 from _mgt_launch import PRETRAIN, REPO, digests, have_megatron, losses, torchrun  # noqa: E402
+from test_hotswitch import assert_backup_registered_before_the_pause, pause_s  # noqa: E402
 
 from mindio.ttp.hotswitch import EXIT_CODE_SWITCHED  # noqa: E402
 
@@ -38,8 +41,10 @@ def test_megatron_hot_switch_is_bitwise(tmp_path):
            "MINDIO_HEARTBEAT_INTERVAL": "0.5", "MINDIO_HEARTBEAT_MISSES": "6"}  # steps seen soon; no false deaths
     ref = torchrun(PRETRAIN, BASE, timeout=330, launcher="mindio.launch.cli", env=env)
     events = tmp_path / "events.jsonl"
-    out = torchrun(PRETRAIN, BASE, timeout=330, launcher="_hotswitch_brain",
-                   env={**env, "MINDIO_EVENT_LOG": str(events), "HS_SCENARIO": "switch", "HS_OUT": str(tmp_path)})
+    # rank 0 holds iteration 5 until the brain saw the backup registered (the job still trains meanwhile)
+    out = torchrun(PRETRAIN, BASE + ["--inject", "hold:rank=0,step=5,seconds=120"], timeout=330,
+                   launcher="_hotswitch_brain", env={**env, "MINDIO_EVENT_LOG": str(events), "HS_SCENARIO": "switch",
+                                                     "HS_OUT": str(tmp_path), "MINDIO_DRILL_DIR": str(tmp_path)})
     evs = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
     brain = [json.loads(x) for x in (tmp_path / "brain.jsonl").read_text().splitlines() if x.strip()]
     prep = next(b for b in brain if b["kind"] == "prepare_action")
@@ -48,9 +53,12 @@ def test_megatron_hot_switch_is_bitwise(tmp_path):
     assert len(done) == 1 and done[0]["strategy"] == "hot switch" and done[0]["replaced"] == [1], out[-6000:]
     gone = [e for e in evs if e["kind"] == "switched_out_exit"]
     assert len(gone) == 1 and gone[0]["old_pid"] == prep["pids"]["1"] and gone[0]["code"] == EXIT_CODE_SWITCHED
+    new_pid = assert_backup_registered_before_the_pause(evs, 1)
+    assert next(e for e in evs if e["kind"] == "train_resumed" and e["rank"] == 1)["pid"] == new_pid
     assert not [e for e in evs if e["kind"] == "round_failed"]
     assert sorted(losses(out)) == list(range(1, ITERS + 1))  # no iteration lost or repeated in the log
     resumed = max(e["t"] for e in evs if e["kind"] == "train_resumed")
     print(f"\nmegatron dp4: hot switch request (lock step {done[0]['lock_step']}) -> every rank training again "
-          f"{resumed - prep['t']:.3f} s; { {k: v for k, v in done[0].items() if k.endswith('_s')} }")
+          f"{resumed - prep['t']:.3f} s, of which paused {pause_s(evs):.3f} s; "
+          f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
     assert digests(out)[-1] == digests(ref)[-1]

@@ -275,8 +275,15 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
         agent.lost_now = sorted(n for n in agent._hosted.lost if n not in agent.taken_over)
         for node in set(agent.lost_now) - agent._declared_lost:
             ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
-            log.error("node %d lost (its agent stopped beating): its ranks %s are dead", node, ranks)
-            agent._hosted.ctl.declare_dead(ranks, "node lost", node=node)
+            # workers die with their agent (PR_SET_PDEATHSIG): a rank that still beats to the controller
+            # has a stalled agent, not a dead one; its own heartbeats decide (a stall is not a death)
+            ctl = agent._hosted.ctl
+            beating = set(ctl.heard(ranks, 2 * ctl.interval))
+            dead = [r for r in ranks if r not in beating]
+            log.error("node %d lost (its agent stopped beating): its ranks %s are dead%s", node, dead,
+                      f"; ranks {sorted(beating)} still beat to the controller: left to their heartbeats"
+                      if beating else "")
+            ctl.declare_dead(dead, "node lost", node=node)
             agent._dead_since = agent._dead_since or time.monotonic()
         agent._declared_lost = set(agent.lost_now)
     else:

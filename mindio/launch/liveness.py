@@ -42,8 +42,9 @@ class StallClock:
         if self._last is not None and t - self._last > self.slack:
             gap = t - self._last
             self.skipped += gap - self.slack
-            log.warning("%s loop did not run for %.1f s (process stalled or blocked on the store?); "
-                        "beats missed in that time are not counted", self.name, gap)
+            log.log(logging.WARNING if gap > 2 * self.slack else logging.INFO,
+                    "%s loop did not run for %.1f s (process stalled, or blocked on the store?); beats "
+                    "missed in that time are not counted", self.name, gap)
             _logging.event("agent_stalled", stall_s=round(gap, 3), who=self.name)
         self._last = t
         return t - self.skipped

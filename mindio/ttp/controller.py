@@ -441,6 +441,14 @@ class Controller(HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlo
             self._open_incident(rank, None)
         return newly
 
+    def heard(self, ranks, within: float) -> list[int]:
+        """(any thread) Those of ``ranks`` that are alive, registered, and sent a frame in the last ``within``
+        seconds (of this controller's observed time: see :meth:`_stalled`)."""
+        now = time.monotonic()
+        with self._lock:
+            return [r for r in ranks if (x := self.ranks.get(r)) is not None and x.alive and x.registered
+                    and now - x.last_seen <= within]
+
     def _take_over(self, now: float, n: int) -> None:
         _log.warning("primary controller lost; backup %s takes over with %d/%d ranks", self.address, n, self.world_size)
         _logging.event("backup_takeover", address=self.address, ranks=n)

@@ -26,7 +26,8 @@ from test_recover_inplace import REPO, STEPS, TOY, _port, digest, fault_free_dig
 pytestmark = pytest.mark.slow
 
 
-def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None, env=None, during=None):
+def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None, env=None, during=None,
+              step_sleep: float = 0.1):
     """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with ``fault``);
     returns ({name: (code, text)}, events). ``during(procs, events_path)`` runs in a thread meanwhile."""
     out.mkdir(parents=True, exist_ok=True)
@@ -35,7 +36,7 @@ def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None,
                MINDIO_EVENT_LOG=str(events), **(env or {}))
     common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
               "--master-port", str(_port()), "--high-availability", strategies]
-    tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--fault", fault, "--step-sleep", "0.1"]
+    tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--fault", fault, "--step-sleep", str(step_sleep)]
     procs = {}
     for name, flags in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
                         ("standby", ["--standby", "--warm-spares", "2"])):
@@ -128,3 +129,28 @@ def test_lost_node_recovers_across_a_stall_of_the_controller_node(tmp_path, faul
     assert not late_deaths, late_deaths  # nobody alive was declared dead because of the stall
     assert [e for e in events if e["kind"] == "controller_stalled"], "the 4 s stop was not seen"
     assert not [e for e in events if e["kind"] == "round_failed"]
+
+
+@pytest.mark.timeout(300)
+def test_lost_node_recovers_across_a_stall_of_the_standby_agent(tmp_path, fault_free_run):
+    """The standby agent is SIGSTOPped for 4 s right after it started node 1's ranks again (steps of
+    1.5 s: the job still trains meanwhile): its beat stops for longer than the node-loss timeout, so
+    node 0 finds node 1 lost again -- but the new ranks (the agent's children, not stopped) beat to the
+    controller, so they are left to their own heartbeats instead of being declared dead (ha.tick): the
+    job completes, bitwise."""
+    reference = fault_free_digest(fault_free_run)
+    did: list = []
+    res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump",
+                            during=_stall_at("standby", "ranks_replaced", '"node": 1', 4.0, did), step_sleep=1.5)
+    code0, text0 = res["node0"]
+    assert [d[0] for d in did] == ["stopped", "continued"], did
+    assert code0 == 0, text0[-6000:]
+    assert res["standby"][0] == 0, res["standby"][1][-4000:]
+    assert digest(text0) == reference
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert len(done) == 1 and done[0]["strategy"] == "recover" and done[0]["replaced"] == [2, 3], done
+    ordered = next(e["t"] for e in events if e["kind"] == "replace_ordered")
+    late_deaths = [e for e in events if e["kind"] == "rank_dead" and e["t"] > ordered]
+    assert not late_deaths, late_deaths
+    assert not [e for e in events if e["kind"] == "round_failed"]
+    assert "still beat to the controller: left to their heartbeats" in text0, text0[-6000:]  # node 1 was lost

@@ -442,7 +442,8 @@ class Agent:
                 self._store.add("job/left", 1)
                 return
             deadline = time.monotonic() + 10
-            while self._store.add("job/left", 0) < self.cfg.nnodes - 1 and time.monotonic() < deadline:
+            left = self.cfg.nnodes - 1 - self._vacant(self._round)  # a vacant node (elastic.py) has no agent
+            while self._store.add("job/left", 0) < left and time.monotonic() < deadline:
                 time.sleep(self.cfg.monitor_interval)
         except Exception:  # the store is already gone: nothing left to coordinate
             pass

@@ -125,6 +125,19 @@ def final_state(out: str, world: int) -> list:
     return [torch.load(os.path.join(out, f"final_rank{r}.pt")) for r in range(world)]
 
 
+def fault_free_state(fault_free_run, steps: int) -> list:
+    """:func:`final_state` of the toy job run for ``steps`` steps without a fault or extra environment:
+    one run per ``steps`` and session (tests/conftest.py's ``fault_free_run``), shared by the e2e tests
+    that compare against it (test_dump_e2e, test_negotiation_e2e, test_pause_e2e)."""
+    def run(directory) -> list:
+        out = str(directory)
+        job = Job(out, args=["--steps", str(steps)])
+        assert job.wait(120) == [0, 0, 0, 0], job.tail()
+        return final_state(out, 4)
+
+    return fault_free_run((TOY, "--steps", str(steps)), run)
+
+
 def assert_bitwise_equal(a: list, b: list) -> None:
     for r, (x, y) in enumerate(zip(a, b)):
         assert x["it"] == y["it"], (r, x["it"], y["it"])

@@ -10,18 +10,15 @@ import pytest
 
 from mindio.ttp import EXIT_CODE_DUMPED
 
-from ._harness import Job, assert_bitwise_equal, final_state
+from ._harness import Job, assert_bitwise_equal, fault_free_state, final_state
 
 STEPS, FAULT_IT = 8, 4
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("baseline"))
-    job = Job(out, args=["--steps", str(STEPS)])
-    assert job.wait(120) == [0, 0, 0, 0], job.tail()
-    return final_state(out, 4)
+def baseline(fault_free_run):
+    return fault_free_state(fault_free_run, STEPS)
 
 
 def _by_kind(events, kind):

@@ -8,7 +8,7 @@ import pytest
 from mindio.ttp import EXIT_CODE_DUMPED
 
 from ._decider import Decided
-from ._harness import Job, assert_bitwise_equal, final_state
+from ._harness import Job, assert_bitwise_equal, fault_free_state, final_state
 
 STEPS, FAULT_IT = 8, 4
 ENV = {"HIGH_AVAILABILITY": "retry,dump", "MINDIO_HEARTBEAT_INTERVAL": "0.5", "MINDIO_HEARTBEAT_MISSES": "6"}
@@ -16,20 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("baseline"))
-    job = Job(out, args=["--steps", "30"])
-    assert job.wait(120) == [0, 0, 0, 0], job.tail()
-    return out
-
-
-def _baseline_at(baseline_out, tmp_path, steps):
-    if steps == 30:
-        return final_state(baseline_out, 4)
-    out = str(tmp_path / "baseline")
-    job = Job(out, args=["--steps", str(steps)])
-    assert job.wait(120) == [0, 0, 0, 0], job.tail()
-    return final_state(out, 4)
+def baseline(fault_free_run):
+    return fault_free_state(fault_free_run, 30)
 
 
 def _resume_is_bitwise(out, tmp_path, expect, steps):
@@ -44,7 +32,7 @@ def _kinds(calls):
 
 
 @pytest.mark.timeout(300)
-def test_decider_chooses_dump_over_builtin_retry(baseline, tmp_path):
+def test_decider_chooses_dump_over_builtin_retry(fault_free_run, tmp_path):
     out = str(tmp_path / "run")
     d = Decided(out, "choose:dump", args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"], env=ENV)
     assert d.wait(150) == [EXIT_CODE_DUMPED] * 4, d.tail()
@@ -56,7 +44,7 @@ def test_decider_chooses_dump_over_builtin_retry(baseline, tmp_path):
     assert calls[3]["rc"] == 0 and (calls[4]["code"], calls[4]["strategy"]) == (0, "dump")
     with open(os.path.join(out, "ckpt", "latest")) as f:
         assert int(f.read()) == FAULT_IT
-    _resume_is_bitwise(out, tmp_path, _baseline_at(baseline, tmp_path, STEPS), STEPS)
+    _resume_is_bitwise(out, tmp_path, fault_free_state(fault_free_run, STEPS), STEPS)
 
 
 @pytest.mark.timeout(300)
@@ -71,7 +59,7 @@ def test_silent_decider_builtin_policy_takes_over(baseline, tmp_path):
     assert calls[2]["options"] == ["retry", "dump", "exit"]
     assert (calls[3]["code"], calls[3]["strategy"]) == (0, "retry")
     assert calls[3]["t"] - calls[2]["t"] >= 1.0  # waited MINDIO_WAIT_MINDX_TIME for the decider
-    assert_bitwise_equal(final_state(out, 4), final_state(baseline, 4))
+    assert_bitwise_equal(final_state(out, 4), baseline)
 
 
 @pytest.mark.timeout(300)
@@ -97,4 +85,4 @@ def test_graceful_dump_on_request(baseline, tmp_path):
     with open(os.path.join(out, "ckpt", "latest")) as f:
         step = int(f.read())
     assert 3 <= step < 30
-    _resume_is_bitwise(out, tmp_path, final_state(baseline, 4), 30)
+    _resume_is_bitwise(out, tmp_path, baseline, 30)

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ._decider import Decided
-from ._harness import Job, assert_bitwise_equal, final_state
+from ._harness import assert_bitwise_equal, fault_free_state, final_state
 
 STEPS = 30
 ARGS = ["--steps", str(STEPS), "--step-sleep", "0.1"]
@@ -19,11 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("baseline"))
-    job = Job(out, args=["--steps", str(STEPS)])
-    assert job.wait(120) == [0, 0, 0, 0], job.tail()
-    return final_state(out, 4)
+def baseline(fault_free_run):
+    return fault_free_state(fault_free_run, STEPS)
 
 
 def _paused_steps(out):

@@ -3,7 +3,8 @@
 One agent runs on every node. Conversation through the agents' TCPStore (hosted by node 0 on
 ``--master-port``; every key below lives there):
 
-* ``agent/<node>/beat``      each agent, every monitor interval: its wall-clock time (liveness).
+* ``agent/<node>/beat``      each agent, every monitor interval, from its beat thread: its wall-clock
+                             time; others watch the value change (liveness.py).
 * ``round/<n>/joined``       each agent adds 1 when it starts round ``n`` (a round = one generation of
                              worker processes; a whole-job restart starts the next round).
 * ``round/<n>/port``         node 0: port of the round's *worker* TCPStore. Every round gets a fresh

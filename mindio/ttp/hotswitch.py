@@ -27,7 +27,8 @@ the driver thread runs it (states: NORMAL -PAUSE-> PAUSE -MIGRATE-> MIGRATION -R
    replica (RT_SEND -> RT_RECV_REPAIR), every rank rolls back to ``T`` (nothing to undo: nothing ran past
    ``T``) and trains on. The result is bitwise equal to an uninterrupted run.
 
-Cancel (``stop switch``, no decision in time, a pause that fails, a backup that does not register):
+Cancel (``stop switch`` -- accepted while the backups start too --, no decision in time, a pause that
+fails, a backup that does not register):
 the backups are dismissed (they exit 0), ``pause_resume`` if paused; training continues unchanged, no
 process replaced. A rank failing meanwhile turns the switch into a fault incident. A failure after the
 old processes left (a backup dying after its release, a repair that fails) falls back to a dump by the
@@ -84,8 +85,9 @@ class HotSwitchFlow:
         if why:
             _log.error("hot switch of ranks %s refused: %s", ranks[:16], why)
             return 1
-        with self._lock:
-            self._switch_req = {"ranks": sorted(ranks), "waiting": False}
+        early = bool(_knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacer, "prestart"))
+        with self._lock:  # "stop switch" is accepted while the backups start too (early)
+            self._switch_req = {"ranks": sorted(ranks), "waiting": early}
             self._chosen = None
             self._strategy_evt.clear()
         self._open_incident(None, None, cause="hot_switch")
@@ -153,12 +155,19 @@ class HotSwitchFlow:
         while True:
             if self._faulted(inc):
                 return "fault"
+            with self._lock:
+                if self._chosen == "stop switch":
+                    return "stop switch"
             ready, dead = self.replacer.backups(ranks, gen)
             if dead:
                 _log.error("hot switch: backups exited before they registered: %s", dead)
                 _logging.event("switch_backup_failed", ranks=sorted(dead), why=list(dead.values())[:4])
                 return f"the backup of ranks {sorted(dead)[:16]} exited before it registered"
             if len(ready) == len(ranks):
+                with self._lock:
+                    if self._chosen == "stop switch":
+                        return "stop switch"
+                    self._switch_req["waiting"] = False  # until the pause is complete
                 break
             if time.monotonic() > end or self._stop.wait(0.02):
                 _log.error("hot switch: backups of ranks %s did not register within %.0f s",

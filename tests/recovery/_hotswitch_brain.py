@@ -9,6 +9,7 @@ controller the agent hosts (rank -1) and plays SCENARIO through the reference AP
 * ``stop``     answer report_stop_complete with prepare_action("stop switch")
 * ``silent``   never answer (the switch is cancelled after MINDIO_WAIT_MINDX_TIME)
 * ``direct``   no cluster-brain callbacks: the switch goes on at once
+* ``early``    prepare_action("stop switch") right after the request, while the backups start
 
 Every call and callback is appended to ``OUT/brain.jsonl``. Once the switch is past its backups'
 registration (the pause began, or the switch was cancelled) the brain creates ``OUT/release``: a job
@@ -62,6 +63,8 @@ def main() -> None:
                 pids = {r.rank: r.pid for r in ctl.ranks.values()}
             if ready:
                 rc = ttp.tft_notify_controller_prepare_action("hot switch", {rank: 1})
+                if scenario == "early":
+                    record("stop_switch", rc=ttp.tft_notify_controller_prepare_action("stop switch"))
                 record("prepare_action", pids=pids, rc=rc)
                 armed = time.monotonic() + 120
                 while rc == 0 and time.monotonic() < armed:

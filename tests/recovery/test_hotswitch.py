@@ -156,6 +156,22 @@ def test_stop_switch_cancels_and_changes_nothing(reference, tmp_path, scenario):
 
 
 @pytest.mark.timeout(200)
+def test_stop_switch_while_the_backups_start_cancels_before_the_pause(reference, tmp_path):
+    """``stop switch`` right after the request, before the backup registered: dismissed, no rank paused."""
+    code, text, events, brain = run(tmp_path / "run", "early")
+    assert code == 0, text[-6000:]
+    assert digest(text) == reference
+    assert_every_step_once(text)
+    assert next(b for b in brain if b["kind"] == "stop_switch")["rc"] == 0
+    assert next(b for b in brain if b["kind"] == "prepare_action")["rc"] == 0
+    kinds = [e["kind"] for e in events]
+    assert next(e for e in events if e["kind"] == "hot_switch_cancelled")["why"] == "stop switch"
+    assert "switch_backups_dismissed" in kinds, kinds
+    assert "paused_at" not in kinds and "switched_out" not in kinds and "recover_done" not in kinds, kinds
+    assert "replacement process" not in text  # the backup never became a rank
+
+
+@pytest.mark.timeout(200)
 def test_backup_failing_before_it_registers_cancels_the_switch(reference, tmp_path):
     """The backup process dies at start (before its init_process_group): the switch is cancelled before
     any rank paused; the old rank-1 process stays and the result is the uninterrupted run's."""

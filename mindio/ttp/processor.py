@@ -174,8 +174,8 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self.last_report = P.Report(state=int(state), message=message[:4000], step=self.step)
         _log.warning("reporting %s: %s", ReportState(state).name, message[:300])
         _logging.event("fault_seen", state=ReportState(state).name, message=message[:300], step=self.step)
-        if self.link is not None:
-            self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report))
+        if self.link is not None:  # handed to zmq before the teardown takes the GIL (its gc pass)
+            self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report), wait=0.1)
 
     def teardown(self, is_uce: bool) -> None:
         """Release this rank's collectives: device stop, stop + clean callbacks (the framework destroys

@@ -241,9 +241,15 @@ class Link(threading.Thread):
         self.drops = P.DropCounter()
 
     # -- any thread --
-    def send(self, env: P.Envelope) -> None:
-        self._out.put(env)
+    def send(self, env: P.Envelope, wait: float = 0.0) -> bool:
+        """Queue ``env`` for the I/O thread. With ``wait`` > 0, block (GIL released) up to that long
+        until the I/O thread has handed it to zmq: a caller about to hold the GIL for a while (a
+        rank's teardown runs a full garbage collection) would otherwise keep its own report queued
+        behind it. Returns whether it was handed over (always True without ``wait``)."""
+        done = threading.Event() if wait > 0 else None
+        self._out.put((env, done))
         self._waker.wake()
+        return done is None or done.wait(wait)
 
     def stop(self) -> None:
         self._halt.set()
@@ -286,10 +292,12 @@ class Link(threading.Thread):
                     self._waker.drain()
                 while True:
                     try:
-                        env = self._out.get_nowait()
+                        env, done = self._out.get_nowait()
                     except queue.Empty:
                         break
                     chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
+                    if done is not None:
+                        done.set()
                 if chan.sock in events:
                     while True:
                         try:
@@ -318,10 +326,12 @@ class Link(threading.Thread):
             bye = False
             while True:  # flush what other threads queued (a BYE, the reply to "exit") before closing
                 try:
-                    env = self._out.get_nowait()
+                    env, done = self._out.get_nowait()
                 except queue.Empty:
                     break
                 chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
+                if done is not None:
+                    done.set()
                 bye = bye or env.type is P.MsgType.BYE
             if bye:
                 self._await_bye_ack(chan)

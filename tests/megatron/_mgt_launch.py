@@ -13,7 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 
-__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "grad_norms", "digests", "have_megatron"]
+__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "grad_norms", "digests", "have_megatron",
+           "assert_relaunch_reproduces"]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -94,3 +95,22 @@ def have_megatron() -> bool:
         return importlib.util.find_spec("megatron.core") is not None
     except ModuleNotFoundError:
         return False
+
+
+def assert_relaunch_reproduces(ckpt: Path, it: int, args: list, out: str, workdir: Path, iters: int) -> None:
+    """The checkpoint of iteration ``it`` under ``ckpt`` (Megatron's iter_XXXXXXX layout), relaunched
+    alone with ``args`` by torchrun, reproduces ``out`` (the continuing run's output) bit for bit: the
+    same loss at every later iteration and the same final state digest."""
+    import shutil
+
+    again = workdir / "relaunch"
+    again.mkdir()
+    shutil.copytree(ckpt / f"iter_{it:07d}", again / f"iter_{it:07d}")
+    (again / "latest_checkpointed_iteration.txt").write_text(str(it))
+    re_out = torchrun(PRETRAIN, list(args) + ["--load", again], timeout=400)
+    assert f"loaded checkpoint iteration {it}" in re_out
+    got, re_losses = losses(out), losses(re_out)
+    assert sorted(re_losses) == list(range(it + 1, iters + 1))
+    assert all(repr(re_losses[i]) == repr(got[i]) for i in re_losses), \
+        [(i, got[i], re_losses[i]) for i in re_losses if got[i] != re_losses[i]][:5]
+    assert digests(re_out)[-1] == digests(out)[-1]

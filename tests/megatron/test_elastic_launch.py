@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from _mgt_launch import REPO, PRETRAIN, _kill_tree, digests, free_port, have_megatron, losses, torchrun
+from _mgt_launch import (REPO, PRETRAIN, _kill_tree, free_port, have_megatron,
+                         losses, torchrun, assert_relaunch_reproduces)
 
 pytestmark = [
     pytest.mark.megatron,
@@ -125,17 +125,7 @@ def test_standby_agent_scales_a_downgraded_job_back_out(tmp_path):
           f"at step {u})")
 
     # the checkpoint of the scale-out step, relaunched at DP=4, reproduces the continuing run bit for bit
-    again = tmp_path / "relaunch"
-    again.mkdir()
-    shutil.copytree(ckpt / f"iter_{u:07d}", again / f"iter_{u:07d}")
-    (again / "latest_checkpointed_iteration.txt").write_text(str(u))
-    re_out = torchrun(PRETRAIN, ARGS + ["--load", again], timeout=400)
-    assert f"loaded checkpoint iteration {u}" in re_out
-    re_losses = losses(re_out)
-    assert sorted(re_losses) == list(range(u + 1, ITERS + 1))
-    assert all(repr(re_losses[i]) == repr(got[i]) for i in re_losses), \
-        [(i, got[i], re_losses[i]) for i in re_losses if got[i] != re_losses[i]][:5]
-    assert digests(re_out)[-1] == digests(out)[-1]
+    assert_relaunch_reproduces(ckpt, u, ARGS, out, tmp_path, ITERS)
 
 
 @pytest.mark.timeout(600)

@@ -20,7 +20,6 @@ summation order differs, so the curves agree to ~1e-6 until the scale-out and dr
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from _mgt_launch import PRETRAIN, REPO, _kill_tree, digests, free_port, have_megatron, losses, torchrun
+from _mgt_launch import (PRETRAIN, REPO, _kill_tree, free_port, have_megatron,
+                         losses, torchrun, assert_relaunch_reproduces)
 
 pytestmark = [
     pytest.mark.megatron,
@@ -129,17 +129,7 @@ def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
     assert mean_e <= 0.1 * mean_s and worst < 0.01, (mean_e, mean_s, worst)
 
     # the dump right after the scale-out, relaunched, reproduces the continuing run bit for bit
-    again = tmp_path / "relaunch"
-    again.mkdir()
-    shutil.copytree(ckpt / f"iter_{u:07d}", again / f"iter_{u:07d}")
-    (again / "latest_checkpointed_iteration.txt").write_text(str(u))
-    re_out = torchrun(PRETRAIN, ARGS + ["--seed", 1234, "--load", again], timeout=400)
-    assert f"loaded checkpoint iteration {u}" in re_out
-    re_losses = losses(re_out)
-    assert sorted(re_losses) == list(range(u + 1, ITERS + 1))
-    assert all(repr(re_losses[i]) == repr(got[i]) for i in re_losses), \
-        [(i, got[i], re_losses[i]) for i in re_losses if got[i] != re_losses[i]][:5]
-    assert digests(re_out)[-1] == digests(out)[-1]
+    assert_relaunch_reproduces(ckpt, u, ARGS + ["--seed", 1234], out, tmp_path, ITERS)
 
 
 @pytest.mark.timeout(900)

@@ -106,6 +106,24 @@ def _stall_at(name: str, kind: str, match: str, seconds: float, log: list):
     return hook
 
 
+def _assert_recovered_across_stall(res, events, did, reference) -> str:
+    """The stall happened (stopped, then continued), both agents ended normally, node 1's ranks moved
+    to the standby once, bitwise, and no rank was declared dead after the replacement was ordered (nor
+    any round failed). Returns node 0's output."""
+    code0, text0 = res["node0"]
+    assert [d[0] for d in did] == ["stopped", "continued"], did
+    assert code0 == 0, text0[-6000:]
+    assert res["standby"][0] == 0, res["standby"][1][-4000:]
+    assert digest(text0) == reference
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert len(done) == 1 and done[0]["strategy"] == "recover" and done[0]["replaced"] == [2, 3], done
+    ordered = next(e["t"] for e in events if e["kind"] == "replace_ordered")
+    late_deaths = [e for e in events if e["kind"] == "rank_dead" and e["t"] > ordered]
+    assert not late_deaths, late_deaths  # nobody alive was declared dead because of the stall
+    assert not [e for e in events if e["kind"] == "round_failed"]
+    return text0
+
+
 @pytest.mark.timeout(300)
 def test_lost_node_recovers_across_a_stall_of_the_controller_node(tmp_path, fault_free_run):
     """Node 0's agent (store, worker store, controller) is SIGSTOPped for 4 s right after it gave node 1
@@ -117,18 +135,8 @@ def test_lost_node_recovers_across_a_stall_of_the_controller_node(tmp_path, faul
     did: list = []
     res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump",
                             during=_stall_at("node0", "replace_ordered", '"strategy": "recover"', 4.0, did))
-    code0, text0 = res["node0"]
-    assert [d[0] for d in did] == ["stopped", "continued"], did
-    assert code0 == 0, text0[-6000:]
-    assert res["standby"][0] == 0, res["standby"][1][-4000:]
-    assert digest(text0) == reference
-    done = [e for e in events if e["kind"] == "recover_done"]
-    assert len(done) == 1 and done[0]["strategy"] == "recover" and done[0]["replaced"] == [2, 3], done
-    ordered = next(e["t"] for e in events if e["kind"] == "replace_ordered")
-    late_deaths = [e for e in events if e["kind"] == "rank_dead" and e["t"] > ordered]
-    assert not late_deaths, late_deaths  # nobody alive was declared dead because of the stall
+    _assert_recovered_across_stall(res, events, did, reference)
     assert [e for e in events if e["kind"] == "controller_stalled"], "the 4 s stop was not seen"
-    assert not [e for e in events if e["kind"] == "round_failed"]
 
 
 @pytest.mark.timeout(300)
@@ -142,15 +150,5 @@ def test_lost_node_recovers_across_a_stall_of_the_standby_agent(tmp_path, fault_
     did: list = []
     res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump",
                             during=_stall_at("standby", "ranks_replaced", '"node": 1', 4.0, did), step_sleep=1.5)
-    code0, text0 = res["node0"]
-    assert [d[0] for d in did] == ["stopped", "continued"], did
-    assert code0 == 0, text0[-6000:]
-    assert res["standby"][0] == 0, res["standby"][1][-4000:]
-    assert digest(text0) == reference
-    done = [e for e in events if e["kind"] == "recover_done"]
-    assert len(done) == 1 and done[0]["strategy"] == "recover" and done[0]["replaced"] == [2, 3], done
-    ordered = next(e["t"] for e in events if e["kind"] == "replace_ordered")
-    late_deaths = [e for e in events if e["kind"] == "rank_dead" and e["t"] > ordered]
-    assert not late_deaths, late_deaths
-    assert not [e for e in events if e["kind"] == "round_failed"]
+    text0 = _assert_recovered_across_stall(res, events, did, reference)
     assert "still beat to the controller: left to their heartbeats" in text0, text0[-6000:]  # node 1 was lost

@@ -36,117 +36,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 from .. import _logging
-from ..errors import ConfigError
 from . import elastic, ha, liveness, switch
+from .config import LaunchConfig
+from .spares import Spares
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LaunchConfig", "Agent"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchConfig:
-    """What one agent needs to know. Mirrors torchrun's flags."""
-
-    entrypoint: str
-    """Training script path, or module name when ``is_module``."""
-    args: tuple = ()
-    is_module: bool = False
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    max_restarts: int = 0
-    """Whole-job restarts allowed after a failure (torchrun semantics)."""
-    monitor_interval: float = 0.1
-    """Seconds between checks of the workers and the other agents."""
-    rdzv_timeout: float = 300.0
-    """Seconds to wait for all agents to join a round."""
-    node_lost_after: float = 3.0
-    """Seconds without a beat from an agent before its node is declared lost."""
-    term_grace: float = 3.0
-    """Seconds between SIGTERM and SIGKILL when stopping workers."""
-    warm_spares: int = 1
-    standby: bool = False
-    """Offer this node as a spare: wait until a node is lost, take over its node rank, join the next round."""
-    run_id: str = "mindio"
-    high_availability: tuple = ()
-    """Strategies of the controller that node 0 hosts (HIGH_AVAILABILITY); empty: no controller here
-    (the training script starts one in rank 0, as under torchrun)."""
-    recover_timeout: float = 60.0
-    """Seconds for a replacement process to join the survivors and park (recover-in-place / recover)."""
-    extra_env: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.nproc_per_node < 1:
-            raise ConfigError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
-        if self.nnodes < 1:
-            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if not self.standby and not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank {self.node_rank} is outside [0, {self.nnodes - 1}] for --nnodes {self.nnodes}")
-        if not 1 <= self.master_port <= 65535:
-            raise ConfigError(f"--master-port {self.master_port} is not a valid port (1-65535)")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.monitor_interval <= 0 or self.monitor_interval * 3 > self.node_lost_after:
-            raise ConfigError(
-                f"--monitor-interval {self.monitor_interval} must be > 0 and at most a third of the "
-                f"node-loss timeout ({self.node_lost_after} s), or live nodes would be declared lost"
-            )
-        if not self.is_module and not os.path.exists(self.entrypoint):
-            raise ConfigError(f"training script {self.entrypoint!r} does not exist")
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
-
-
-class _Spares:
-    """Warm bootstrap interpreters waiting for an assignment."""
-
-    def __init__(self, cfg: LaunchConfig, env: dict):
-        self._cfg = cfg
-        self._env = env
-        self._pool: list[subprocess.Popen] = []
-
-    def _start(self) -> subprocess.Popen:
-        target = ["-m", self._cfg.entrypoint] if self._cfg.is_module else [self._cfg.entrypoint]
-        return subprocess.Popen(
-            [sys.executable, "-u", "-m", "mindio.launch._bootstrap", *target],
-            stdin=subprocess.PIPE, env=self._env, text=True,
-        )
-
-    def fill(self) -> None:
-        self._pool = [p for p in self._pool if p.poll() is None]
-        while len(self._pool) < self._cfg.warm_spares:
-            self._pool.append(self._start())
-
-    def take(self, env: dict, argv) -> subprocess.Popen:
-        self._pool = [p for p in self._pool if p.poll() is None]
-        proc = self._pool.pop(0) if self._pool else self._start()
-        proc.stdin.write(json.dumps({"env": env, "argv": list(argv)}) + "\n")
-        proc.stdin.close()
-        return proc
-
-    def close(self) -> None:
-        for p in self._pool:
-            if p.poll() is None:
-                try:
-                    p.stdin.close()  # EOF: the spare exits 0 on its own
-                except OSError:
-                    pass
-        deadline = time.monotonic() + 5
-        for p in self._pool:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self._pool = []
 
 
 class Agent:
@@ -166,7 +64,7 @@ class Agent:
         if cfg.standby and cfg.high_availability and cfg.warm_spares < cfg.nproc_per_node:
             # a standby takes a whole node at once: every one of its ranks should start warm
             self.cfg = cfg = dataclasses.replace(cfg, warm_spares=cfg.nproc_per_node)
-        self._spares = _Spares(cfg, base)
+        self._spares = Spares(cfg, base)
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
         self._ttp: dict | None = None

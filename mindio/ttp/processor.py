@@ -40,7 +40,7 @@ from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
 from . import device
 from .inplace import InPlaceActions
-from .elastic import ElasticActions
+from .elastic_rank import ElasticActions
 from .reboot import RebootActions, adopt as _adopt_reboot
 from .transport import Link
 

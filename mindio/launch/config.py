@@ -1,0 +1,68 @@
+"""The launcher's configuration: what one mindio-run agent needs to know (torchrun's flags), checked
+on construction (a bad value raises ConfigError saying which flag and why)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+__all__ = ["LaunchConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What one agent needs to know. Mirrors torchrun's flags."""
+
+    entrypoint: str
+    """Training script path, or module name when ``is_module``."""
+    args: tuple = ()
+    is_module: bool = False
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    max_restarts: int = 0
+    """Whole-job restarts allowed after a failure (torchrun semantics)."""
+    monitor_interval: float = 0.1
+    """Seconds between checks of the workers and the other agents."""
+    rdzv_timeout: float = 300.0
+    """Seconds to wait for all agents to join a round."""
+    node_lost_after: float = 3.0
+    """Seconds without a beat from an agent before its node is declared lost."""
+    term_grace: float = 3.0
+    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    warm_spares: int = 1
+    standby: bool = False
+    """Offer this node as a spare: wait until a node is lost, take over its node rank, join the next round."""
+    run_id: str = "mindio"
+    high_availability: tuple = ()
+    """Strategies of the controller that node 0 hosts (HIGH_AVAILABILITY); empty: no controller here
+    (the training script starts one in rank 0, as under torchrun)."""
+    recover_timeout: float = 60.0
+    """Seconds for a replacement process to join the survivors and park (recover-in-place / recover)."""
+    extra_env: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not self.standby and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is outside [0, {self.nnodes - 1}] for --nnodes {self.nnodes}")
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port {self.master_port} is not a valid port (1-65535)")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.monitor_interval <= 0 or self.monitor_interval * 3 > self.node_lost_after:
+            raise ConfigError(
+                f"--monitor-interval {self.monitor_interval} must be > 0 and at most a third of the "
+                f"node-loss timeout ({self.node_lost_after} s), or live nodes would be declared lost"
+            )
+        if not self.is_module and not os.path.exists(self.entrypoint):
+            raise ConfigError(f"training script {self.entrypoint!r} does not exist")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node

@@ -1,0 +1,57 @@
+"""Warm spares: interpreters started ahead of need that have imported torch and the training script's
+top-level imports (mindio.launch._bootstrap) and wait on stdin for an assignment (environment and
+argv), so that starting or replacing a worker does not pay interpreter start-up on the critical path."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from .config import LaunchConfig
+
+__all__ = ["Spares"]
+
+
+class Spares:
+    """Warm bootstrap interpreters waiting for an assignment."""
+
+    def __init__(self, cfg: LaunchConfig, env: dict):
+        self._cfg = cfg
+        self._env = env
+        self._pool: list[subprocess.Popen] = []
+
+    def _start(self) -> subprocess.Popen:
+        target = ["-m", self._cfg.entrypoint] if self._cfg.is_module else [self._cfg.entrypoint]
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "mindio.launch._bootstrap", *target],
+            stdin=subprocess.PIPE, env=self._env, text=True,
+        )
+
+    def fill(self) -> None:
+        self._pool = [p for p in self._pool if p.poll() is None]
+        while len(self._pool) < self._cfg.warm_spares:
+            self._pool.append(self._start())
+
+    def take(self, env: dict, argv) -> subprocess.Popen:
+        self._pool = [p for p in self._pool if p.poll() is None]
+        proc = self._pool.pop(0) if self._pool else self._start()
+        proc.stdin.write(json.dumps({"env": env, "argv": list(argv)}) + "\n")
+        proc.stdin.close()
+        return proc
+
+    def close(self) -> None:
+        for p in self._pool:
+            if p.poll() is None:
+                try:
+                    p.stdin.close()  # EOF: the spare exits 0 on its own
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 5
+        for p in self._pool:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._pool = []

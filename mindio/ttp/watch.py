@@ -1,0 +1,111 @@
+"""How the controller finds dead and hung ranks (a mixin of :class:`~mindio.ttp.controller.Controller`).
+
+A rank is declared dead when it has been silent for ``misses * interval`` s of time the controller
+could observe (``_sweep`` on the I/O thread; time in which that thread did not run -- its process
+stopped or starved -- is not counted, ``_stalled``, and nothing is declared while its own inbound queue
+is behind), or at once when another detector reports it (``declare_dead``: the same-host pid probe,
+the launcher agent, a lost node). A rank making no progress outside a collective for
+``MINDIO_HANG_TIMEOUT`` s is ordered SIGKILLed. ``heard`` tells whether ranks still beat (ha.py uses it
+before it declares a lost node's ranks dead).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import _logging
+from . import policy
+from . import protocol as P
+from .states import State
+
+__all__ = ["LivenessWatch"]
+
+_log = logging.getLogger("mindio.ttp.controller")
+
+
+class LivenessWatch:
+    def _stalled(self, gap: float) -> None:
+        """(I/O thread) This thread did not run for ``gap`` s (its process stopped or starved: a loop
+        turn takes at most ``period``). Silence we could not observe is not a rank's fault: every rank's
+        clock moves on by ``gap``, so each gets its full ``misses * interval`` after we resume (frames
+        still in the kernel or in zmq's own queues arrive meanwhile)."""
+        _log.warning("controller I/O thread did not run for %.1f s (process stalled?); heartbeat silence in "
+                     "that time is not counted", gap)
+        _logging.event("controller_stalled", stall_s=round(gap, 3))
+        for r in list(self.ranks.values()):
+            r.last_seen += gap
+
+    def _sweep(self, now: float, check_hang: bool) -> None:
+        if not self.active:
+            link = self._primary_link
+            n = self._registered
+            if link is not None and link.failovers and not link.registered.is_set() and 2 * n > self.world_size:
+                self._take_over(now, n)
+            return
+        limit = self.misses * self.interval
+        if now - self._drained_at > self.interval:
+            # our own inbound queue is behind: the missing heartbeats may be sitting in it. Never blame
+            # ranks for the controller's backlog; declare deaths once we have caught up.
+            if not self._lagging:
+                _log.warning("controller is %.1f s behind its inbound queue; liveness checks paused",
+                             now - self._drained_at)
+            self._lagging = True
+            return
+        self._lagging = False
+        dead = []
+        while self._seen:
+            r = self.ranks[next(iter(self._seen))]
+            if r.alive and now - r.last_seen <= limit:
+                break
+            self._seen.popitem(last=False)
+            if r.alive:
+                dead.append(r)
+        if dead:  # one log line for a mass death (a lost node or switch), one event per rank
+            _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.misses,
+                       now - dead[0].last_seen, [r.rank for r in dead[:16]], " ..." if len(dead) > 16 else "")
+            self.declare_dead([r.rank for r in dead], "heartbeat", log=False,
+                              silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
+        if check_hang and self.hang_timeout > 0 and self.sm.state is State.NORMAL:
+            views = [(r.rank, r.progress_age, r.in_collective, r.step) for r in self.ranks.values() if r.alive]
+            for rank in policy.find_hung_ranks(views, self.hang_timeout):
+                _log.error("rank %d hung (no progress for %.0f s outside a collective): ordering SIGKILL",
+                           rank, self.hang_timeout)
+                _logging.event("rank_hung", hung_rank=rank)
+                self._send(rank, P.Action("kill", {"reason": "hung"}))
+                with self._cond:
+                    self.ranks[rank].alive = False
+                    self.ranks[rank].faulty = True
+                self._open_incident(rank, None)
+
+    def declare_dead(self, ranks, cause: str, log: bool = True, **detail) -> list[int]:
+        """(any thread) Ranks ``ranks`` are dead because of ``cause`` ("heartbeat": missed beats, "pid": the
+        same-host process probe saw the process exit, "agent": the launcher agent saw the worker exit, ...).
+        Marks each live one dead and faulty, wakes the action engine (so no action waits for it), writes one
+        ``rank_dead`` event per rank and opens (or joins) the incident. Returns the ranks newly declared;
+        ranks already dead or unknown are ignored, so several detectors may report the same death."""
+        newly = []
+        with self._cond:
+            for rank in ranks:
+                r = self.ranks.get(rank)
+                if r is not None and r.alive:
+                    r.alive, r.faulty = False, True
+                    newly.append(rank)
+            if newly:
+                self._cond.notify_all()
+        if newly and log:
+            _log.error("rank(s) %s%s declared dead (%s)", newly[:16], " ..." if len(newly) > 16 else "", cause)
+        per_rank = {k: v for k, v in detail.items() if isinstance(v, dict)}
+        common = {k: v for k, v in detail.items() if not isinstance(v, dict)}
+        for rank in newly:
+            _logging.event("rank_dead", dead_rank=rank, cause=cause, **common,
+                           **{k: v[rank] for k, v in per_rank.items() if rank in v})
+            self._open_incident(rank, None)
+        return newly
+
+    def heard(self, ranks, within: float) -> list[int]:
+        """(any thread) Those of ``ranks`` that are alive, registered, and sent a frame in the last ``within``
+        seconds (of this controller's observed time: see :meth:`_stalled`)."""
+        now = time.monotonic()
+        with self._lock:
+            return [r for r in ranks if (x := self.ranks.get(r)) is not None and x.alive and x.registered
+                    and now - x.last_seen <= within]

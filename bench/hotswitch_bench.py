@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,9 +41,9 @@ ARGS = ["--use-distributed-optimizer", "--enable-high-availability", "--train-it
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
+
+    return pick()
 
 
 def one(mode: str, work: Path, timeout: float) -> dict:

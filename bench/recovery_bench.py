@@ -43,7 +43,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,9 +65,9 @@ _ACTION_PHASE = {"stop": "stop", "save": "dump", "rename": "dump", "clean": "cle
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
+
+    return pick()
 
 
 def implemented() -> tuple:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,9 +65,9 @@ def main(argv=None) -> int:
     if a.worker:
         _worker(a.mb, a.rounds)
         return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from mindio._ports import free_port
+
+    port = free_port()  # outside the ephemeral range (see mindio/_ports.py)
     env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--mb", str(a.mb), "--rounds", str(a.rounds)],

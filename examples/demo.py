@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,9 +38,9 @@ COMMON = ["--use-distributed-optimizer", "--train-iters", str(STEPS), "--seed", 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
+
+    return pick()
 
 
 def mindio_run(args, env_extra, timeout=300, max_restarts=0):

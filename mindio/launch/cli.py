@@ -68,11 +68,9 @@ def parse_args(argv=None) -> LaunchConfig:
             p.error(f"--rdzv-endpoint {a.rdzv_endpoint!r}: expected HOST:PORT")
         port = int(port_text)
     if a.standalone:
-        import socket
+        from .._ports import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            addr, port = "127.0.0.1", s.getsockname()[1]
+        addr, port = "127.0.0.1", free_port()
     timeout = 300.0
     for item in filter(None, a.rdzv_conf.split(",")):
         key, _, value = item.partition("=")

@@ -36,7 +36,6 @@ import hashlib
 import json
 import logging
 import secrets
-import socket
 import sys
 import threading
 import time
@@ -47,12 +46,6 @@ from . import elastic, liveness, switch
 log = logging.getLogger(__name__)
 
 __all__ = ["HostedController", "ttp_env", "tick", "wait_for_takeover"]
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def _reboot_type(strategy: str) -> str:
@@ -84,8 +77,8 @@ class HostedController:
         self.secret = secrets.token_hex(32)
         key = hashlib.sha256(self.secret.encode()).digest()  # as mindio.ttp.transport.job_secret
         self.ctl = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability), key=key)
-        port = _free_port(cfg.master_addr)
-        self.ctl.start(cfg.master_addr, port)
+        self.ctl.start(cfg.master_addr, 0)  # the bind picks a free port
+        port = self.ctl.port
         self.ctl.attach_replacer(self, timeout=cfg.recover_timeout)
         self.info = {"addr": cfg.master_addr, "port": port, "secret": self.secret}
         agent._store.set(f"round/{rnd}/ttp", json.dumps(self.info))

@@ -135,7 +135,11 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         for opt, val in self.curve.items():
             sock.setsockopt(opt, val)
-        sock.bind(f"tcp://{bind_ip}:{port}")
+        if port == 0:  # any free port, chosen by the bind itself (no window for another socket to take it)
+            port = sock.bind_to_random_port(f"tcp://{bind_ip}", min_port=20000, max_port=65535, max_tries=1000)
+        else:
+            sock.bind(f"tcp://{bind_ip}:{port}")
+        self.port = port
         self.address = f"tcp://{bind_ip}:{port}"
         self._chan = Channel(sock, self.key, self.drops)
         if self.backup:

@@ -2,7 +2,6 @@
 and a clear StateMismatch (not silent corruption) when the sender is not a replica."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -46,9 +45,9 @@ def _worker(rank, port, mismatch, results):
 
 
 def _spawn(mismatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from mindio._ports import free_port
+
+    port = free_port()  # outside the ephemeral range (see mindio/_ports.py)
     results = mp.Manager().dict()
     mp.spawn(_worker, args=(port, mismatch, results), nprocs=2, join=True)
     return dict(results)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -41,9 +40,9 @@ WORKER = textwrap.dedent("""
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
+
+    return pick()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -31,9 +30,9 @@ pytestmark = pytest.mark.slow
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
+
+    return pick()
 
 
 def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", env=None, timeout=150):

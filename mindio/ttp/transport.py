@@ -260,6 +260,19 @@ class Link(threading.Thread):
         return self.addrs[self._target]
 
     # -- the I/O thread --
+    def _flush(self, chan: Channel) -> bool:
+        """Send everything queued by :meth:`send` (releasing its waiters); whether a BYE was among it."""
+        bye = False
+        while True:
+            try:
+                env, done = self._out.get_nowait()
+            except queue.Empty:
+                return bye
+            chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
+            if done is not None:
+                done.set()
+            bye = bye or env.type is P.MsgType.BYE
+
     def _connect(self) -> Channel:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
@@ -290,14 +303,7 @@ class Link(threading.Thread):
                 last_turn = now
                 if self._waker.rfd in events:
                     self._waker.drain()
-                while True:
-                    try:
-                        env, done = self._out.get_nowait()
-                    except queue.Empty:
-                        break
-                    chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
-                    if done is not None:
-                        done.set()
+                self._flush(chan)
                 if chan.sock in events:
                     while True:
                         try:
@@ -323,17 +329,7 @@ class Link(threading.Thread):
                     poller.register(chan.sock, zmq.POLLIN)
                     last_rx = now
         finally:
-            bye = False
-            while True:  # flush what other threads queued (a BYE, the reply to "exit") before closing
-                try:
-                    env, done = self._out.get_nowait()
-                except queue.Empty:
-                    break
-                chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
-                if done is not None:
-                    done.set()
-                bye = bye or env.type is P.MsgType.BYE
-            if bye:
+            if self._flush(chan):  # what other threads queued (a BYE, the reply to "exit") before closing
                 self._await_bye_ack(chan)
             chan.sock.close(500)
             self._waker.close()

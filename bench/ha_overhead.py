@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
+
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 CONFIGS = {
@@ -33,12 +35,6 @@ CONFIGS = {
     "replicas": ["--replica-cnt", "2"],
     "on": ["--enable-high-availability"],
 }
-
-
-def _free_port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 def run(nproc: int, iters: int, extra, timeout: float = 600, attempts: int = 2) -> str:

@@ -33,17 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from mindio._ports import free_port as _port  # outside the ephemeral range (mindio/_ports.py)
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 BRAIN_DIR = REPO / "tests" / "recovery"
 ARGS = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", "20", "--seed", "1234",
         "--inject", "hold:rank=0,step=5,seconds=120"]
-
-
-def _port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 def one(mode: str, work: Path, timeout: float) -> dict:

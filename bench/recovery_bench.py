@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
+
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "_job.py"
 STRATEGIES = ("baseline", "dump", "retry", "recover-in-place", "recover")
@@ -62,12 +64,6 @@ PHASES = ("detect", "stop", "dump", "clean", "rebuild", "start", "repair", "roll
 _ACTION_PHASE = {"stop": "stop", "save": "dump", "rename": "dump", "clean": "clean",
                  "rebuild": "rebuild", "repair": "repair", "rollback": "rollback", "retry": "resume",
                  "prerepair": "start"}  # recover-in-place / recover: the replacement built and parked
-
-
-def _free_port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 def implemented() -> tuple:

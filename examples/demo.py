@@ -31,16 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from mindio._ports import free_port  # outside the ephemeral range (mindio/_ports.py)
+
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 STEPS = 12
 COMMON = ["--use-distributed-optimizer", "--train-iters", str(STEPS), "--seed", "1234"]
-
-
-def free_port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 def mindio_run(args, env_extra, timeout=300, max_restarts=0):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
 from mindio.errors import ConfigError
 from mindio.launch import LaunchConfig
 from mindio.launch._bootstrap import top_level_imports
@@ -37,12 +38,6 @@ WORKER = textwrap.dedent("""
     dist.barrier()
     dist.destroy_process_group()
 """)
-
-
-def _free_port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 @pytest.fixture

@@ -9,11 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from mindio._ports import free_port  # outside the ephemeral range (mindio/_ports.py)
+
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 
 __all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "grad_norms", "digests", "have_megatron",
-           "assert_relaunch_reproduces"]
+           "assert_relaunch_reproduces", "SLOW_MEGATRON"]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -34,12 +38,6 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             v.kill()
         except Exception:
             pass
-
-
-def free_port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check=True,
@@ -113,3 +111,11 @@ def assert_relaunch_reproduces(ckpt: Path, it: int, args: list, out: str, workdi
     assert all(repr(re_losses[i]) == repr(got[i]) for i in re_losses), \
         [(i, got[i], re_losses[i]) for i in re_losses if got[i] != re_losses[i]][:5]
     assert digests(re_out)[-1] == digests(out)[-1]
+
+
+# pytestmark of the multi-process Megatron tests: marked, and skipped without megatron-core
+SLOW_MEGATRON = [
+    pytest.mark.megatron,
+    pytest.mark.slow,
+    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
+]

@@ -27,14 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from _mgt_launch import (PRETRAIN, REPO, _kill_tree, free_port, have_megatron,
-                         losses, torchrun, assert_relaunch_reproduces)
+from _mgt_launch import (PRETRAIN, REPO, _kill_tree, free_port,
+                         losses, torchrun, assert_relaunch_reproduces, SLOW_MEGATRON)
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.slow,
-    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
-]
+pytestmark = SLOW_MEGATRON
 
 ITERS = 60
 ARGS = ["--use-distributed-optimizer", "--enable-elastic-training", "--train-iters", ITERS]

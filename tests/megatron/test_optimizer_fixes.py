@@ -9,13 +9,9 @@ import re
 
 import pytest
 
-from _mgt_launch import REPO, have_megatron, torchrun
+from _mgt_launch import REPO, torchrun, SLOW_MEGATRON
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.slow,
-    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
-]
+pytestmark = SLOW_MEGATRON
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,9 @@ import time
 
 import pytest
 
-from _mgt_launch import PRETRAIN, REPO, digests, free_port, have_megatron, torchrun
+from _mgt_launch import PRETRAIN, REPO, digests, free_port, torchrun, SLOW_MEGATRON
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.slow,
-    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
-]
+pytestmark = SLOW_MEGATRON
 
 ITERS = 30
 BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS, "--seed", 1234]

@@ -11,13 +11,9 @@
 
 import pytest
 
-from _mgt_launch import PRETRAIN, digests, grad_norms, have_megatron, losses, torchrun
+from _mgt_launch import PRETRAIN, digests, grad_norms, losses, torchrun, SLOW_MEGATRON
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.slow,
-    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
-]
+pytestmark = SLOW_MEGATRON
 
 ITERS = 50
 BASE = ["--use-distributed-optimizer", "--train-iters", ITERS, "--seed", 1234]

@@ -13,13 +13,9 @@ DP=4, two replicas per shard). Every scenario must end bit-identical to an unint
 
 import pytest
 
-from _mgt_launch import PRETRAIN, REPO, digests, have_megatron, torchrun
+from _mgt_launch import PRETRAIN, REPO, digests, torchrun, SLOW_MEGATRON
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.slow,
-    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
-]
+pytestmark = SLOW_MEGATRON
 
 WORKER = REPO / "tests" / "megatron" / "_recovery_worker.py"
 

@@ -14,13 +14,9 @@ import os
 
 import pytest
 
-from _mgt_launch import PRETRAIN, digests, have_megatron, torchrun
+from _mgt_launch import PRETRAIN, digests, torchrun, SLOW_MEGATRON
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.slow,
-    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
-]
+pytestmark = SLOW_MEGATRON
 
 ITERS = 10
 BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS,

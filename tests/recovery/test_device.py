@@ -10,16 +10,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
 from mindio.ttp import device
 
 WORKER = Path(__file__).with_name("_device_worker.py")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 @pytest.mark.timeout(120)

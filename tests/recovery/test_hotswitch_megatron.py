@@ -19,16 +19,12 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[0] / "megatron"))
-from _mgt_launch import PRETRAIN, REPO, digests, have_megatron, losses, torchrun  # noqa: E402
+from _mgt_launch import PRETRAIN, REPO, digests, losses, torchrun, SLOW_MEGATRON  # noqa: E402
 from test_hotswitch import assert_backup_registered_before_the_pause, pause_s  # noqa: E402
 
 from mindio.ttp.hotswitch import EXIT_CODE_SWITCHED  # noqa: E402
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.slow,
-    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
-]
+pytestmark = SLOW_MEGATRON
 
 ITERS = 20
 BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS, "--seed", 1234]

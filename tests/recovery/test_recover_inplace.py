@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from mindio._ports import free_port as _port  # outside the ephemeral range (mindio/_ports.py)
 from mindio.ttp import protocol as P
 from mindio.ttp.controller import Controller
 
@@ -27,12 +28,6 @@ TOY = HERE / "_recover_toy.py"
 REPO = HERE.parents[1]
 STEPS, FAULT_IT = 10, 7
 pytestmark = pytest.mark.slow
-
-
-def _port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", env=None, timeout=150):

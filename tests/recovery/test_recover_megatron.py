@@ -17,14 +17,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from _mgt_launch import PRETRAIN, digests, have_megatron, losses, torchrun  # noqa: E402
+from _mgt_launch import PRETRAIN, digests, losses, torchrun, SLOW_MEGATRON  # noqa: E402
 from test_recover_node import run_nodes  # noqa: E402
 
-pytestmark = [
-    pytest.mark.megatron,
-    pytest.mark.slow,
-    pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
-]
+pytestmark = SLOW_MEGATRON
 
 ITERS = 10
 BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS, "--seed", 1234]

@@ -13,14 +13,10 @@ import time
 
 import torch
 
+from mindio._ports import free_port  # outside the ephemeral range (mindio/_ports.py)
+
 TOY = os.path.join(os.path.dirname(__file__), "_toy_train.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    from mindio._ports import free_port as pick  # outside the ephemeral range (see mindio/_ports.py)
-
-    return pick()
 
 
 def until(pred, timeout: float = 20.0) -> bool:

@@ -79,8 +79,10 @@ def _parse_tls_info(tls_info) -> dict:
     info = tls_info
     if isinstance(info, str):
         text = info.strip()
-        if text.startswith("("):
-            text = text.strip("()").strip()
+        if text.startswith("(") and text.endswith(")"):
+            # one pair of brackets around the reference layout; not str.strip("()"): "(" and ")" are z85
+            # characters, so a key may begin or end with them
+            text = text[1:-1].strip()
         if not text:
             return {}
         if text.startswith("{"):

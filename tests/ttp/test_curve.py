@@ -85,6 +85,18 @@ def test_tls_info_forms_and_errors(tmp_path):
         curve_options(True, {"server_public": k["server_public"], "client_public": k["client_public"]}, server=False)
 
 
+def test_keys_that_begin_or_end_with_brackets_survive_the_reference_layout():
+    # "(" and ")" are z85 characters; CI once drew a server_secret ending in "(" and the parser's
+    # strip("()") of the surrounding brackets ate it
+    pub, sec = "(" + "a" * 38 + ")", "b" * 38 + "()"
+    text = "(server_public: %s; server_secret: %s)" % (pub, sec)
+    assert curve_options(True, text, server=True)[zmq.CURVE_SECRETKEY] == sec.encode()
+    assert curve_options(True, text, server=False)[zmq.CURVE_SERVERKEY] == pub.encode()
+    bare = "server_public: %s; server_secret: %s" % (pub, sec)  # without the brackets
+    assert curve_options(True, bare, server=True)[zmq.CURVE_SECRETKEY] == sec.encode()
+    assert curve_options(True, bare, server=False)[zmq.CURVE_SERVERKEY] == pub.encode()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tls", [True, False])
 def test_curve_encrypts_the_control_traffic(tls):

@@ -13,7 +13,9 @@ Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) a
 ``DIR/ckpt/latest``. ``--resume`` starts from ``latest``. ``--fault kind:rank:iteration[,...]`` injects
 raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
 raise-uce-update (a UCE inside the optimizer update window, the shard half written), raise-unknown,
-kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process.
+kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process, at the start of the
+iteration (raise-uce-update: after the fence). Faults of several ranks in one iteration fire together
+(:meth:`Trainer.maybe_inject`).
 ``TOY_ENABLE_UCE=0``: the processor registers with enable_uce=False. Repairs append
 ``<repair_type> <need_rebuild>`` to ``DIR/repair_rank<r>``.
 Retry (HIGH_AVAILABILITY=retry): rebuild re-creates the groups, repair sends/receives one shard,
@@ -95,10 +97,7 @@ class Trainer:
         it, rank, a = self.it, self.rank, self.args
         x, y = batch(it, rank, self.world)
         flat = self.flat.clone().requires_grad_(True)
-        for kind, frank, fit in a.faults:
-            if frank == rank and fit == it and not self.injected and kind != "raise-uce-update":
-                self.injected = True  # once per process: a retried step must not fault again
-                self.inject(kind)
+        self.maybe_inject()
         loss = ((forward(flat, x) - y) ** 2).mean()
         loss.backward()
         grad = flat.grad.detach().clone()
@@ -120,6 +119,24 @@ class Trainer:
         parts = [torch.empty(SHARD) for _ in range(R)]
         dist.all_gather(parts, self.master, group=STATE["replica"])
         self.flat = torch.cat(parts)
+
+    def maybe_inject(self) -> None:
+        """This rank's fault of this iteration (not raise-uce-update), once per process: a retried step
+        must not fault again. Faults of several ranks in one iteration fire together: each faulty rank
+        waits (at most 30 s, on the TCPStore) until all of them have reached the iteration, so that the
+        stop of the first cannot hold another at the previous iteration's pause fence before its fault."""
+        mine = [k for k, frank, fit in self.args.faults if frank == self.rank and fit == self.it
+                and k != "raise-uce-update"]
+        if not mine or self.injected:
+            return
+        self.injected = True
+        together = len({frank for k, frank, fit in self.args.faults if fit == self.it and k != "raise-uce-update"})
+        if together > 1:
+            key, end = f"toy/faults/{self.it}", time.monotonic() + 30
+            self.args.store.add(key, 1)
+            while self.args.store.add(key, 0) < together and time.monotonic() < end:
+                time.sleep(0.005)
+        self.inject(mine[0])
 
     def inject(self, kind: str) -> None:
         with open(os.path.join(self.args.out, f"fault_t_rank{self.rank}"), "w") as f:
@@ -226,6 +243,7 @@ def main() -> int:
     store = dist.TCPStore("127.0.0.1", a.store_port, a.world, is_master=a.rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timedelta(seconds=120))
     build_groups(a.rank, a.world)
+    a.store = store  # Trainer.maybe_inject: several ranks' faults of one iteration fire together
 
     if a.rank == 0 and not a.external_controller:
         ttp.tft_init_controller(0, a.world, enable_local_copy=False)

@@ -58,7 +58,9 @@ def test_retry_keeps_processes_and_is_bitwise(baseline, tmp_path, kind, rank, re
 @pytest.mark.timeout(200)
 def test_two_faults_in_different_replica_halves_are_both_repaired(baseline, tmp_path):
     """UCE on ranks 1 and 2 at the same step: each lost shard still has a copy (rank 1's on rank 3,
-    rank 2's on rank 0), so one retry repairs both and the run stays bitwise equal."""
+    rank 2's on rank 0), so one retry repairs both and the run stays bitwise equal. (The toy fires the
+    two faults together; unsynchronised, the stop can hold rank 2 at its pause fence before its fault,
+    which then gets a retry of its own: the test below.)"""
     out = str(tmp_path / "run")
     job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT},raise-uce:2:{FAULT_IT}"],
               env=HA)
@@ -68,6 +70,20 @@ def test_two_faults_in_different_replica_halves_are_both_repaired(baseline, tmp_
     assert {e["pid"] for e in events if "pid" in e} <= set(pids)
     done = _kind(events, "retry_done")
     assert len(done) == 1 and sorted(done[0]["repaired"]) == [1, 2], done
+    assert_bitwise_equal(final_state(out, 4), baseline)
+
+
+@pytest.mark.timeout(200)
+def test_a_fault_after_a_retry_gets_a_retry_of_its_own(baseline, tmp_path):
+    """The job goes on after a retry: a later UCE on another rank is a new incident, repaired in a
+    second retry (generation 2) at its own lock step, and the run stays bitwise equal."""
+    out = str(tmp_path / "run")
+    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT},raise-uce:2:{FAULT_IT + 1}"],
+              env=HA)
+    assert job.wait(120) == [0, 0, 0, 0], job.tail()
+    done = _kind(job.events(), "retry_done")
+    assert [(d["repaired"], d["lock_step"], d["gen"]) for d in done] == [
+        ([1], FAULT_IT, 1), ([2], FAULT_IT + 1, 2)], done
     assert_bitwise_equal(final_state(out, 4), baseline)
 
 

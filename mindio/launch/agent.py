@@ -73,6 +73,7 @@ class Agent:
         self.taken_over: dict[int, bytes] = {}  # node given to a standby -> its last beat before
         self._refill = False
         self._replacements: set = set()  # worker processes started as replacements (reboot)
+        self.switch_backups: dict = {}  # rank -> (gen, Popen) of a hot-switch backup not released yet (switch.py)
         self.takeover_kind = "recover"  # how a standby took its node: "recover" or "elastic" (elastic.py)
         self._removed = frozenset()  # ranks the controller removed by a downgrade (ha.tick, elastic.py)
         # other nodes' beats, judged by our own (stall-free) observation; our beats from a thread (liveness.py)

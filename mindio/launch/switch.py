@@ -35,12 +35,6 @@ def prefix(rnd: int, gen: int) -> str:
     return f"round/{rnd}/switch/{gen}"
 
 
-def _backups(agent) -> dict:
-    if not hasattr(agent, "_switch_backups"):
-        agent._switch_backups = {}  # rank -> (gen, Popen) of a backup not released yet
-    return agent._switch_backups
-
-
 def start_local(agent, ranks, gen: int) -> None:
     """(any thread) Start a backup for each of ``ranks`` (this node's) in a warm spare."""
     cfg, t0 = agent.cfg, time.monotonic()
@@ -49,14 +43,14 @@ def start_local(agent, ranks, gen: int) -> None:
             env = agent._worker_env(rank - cfg.node_rank * cfg.nproc_per_node, agent._round, agent._port)
             env.update(MINDIO_REBOOT_GEN=gen, MINDIO_REBOOT_TYPE="hot switch",
                        MINDIO_SWITCH_BACKUP=prefix(agent._round, gen))
-            old = _backups(agent).pop(rank, None)
+            old = agent.switch_backups.pop(rank, None)
             if old is not None and old[1].poll() is None:
                 old[1].kill()  # a backup of an earlier, unfinished switch of this rank
-            _backups(agent)[rank] = (gen, agent._spares.take(env, cfg.args))
+            agent.switch_backups[rank] = (gen, agent._spares.take(env, cfg.args))
     log.warning("hot switch: backups for ranks %s started (generation %d) in %.3f s", list(ranks), gen,
                 time.monotonic() - t0)
     _logging.event("switch_backups_started", ranks=list(ranks), gen=gen, node=cfg.node_rank,
-                   pids=[_backups(agent)[r][1].pid for r in ranks])
+                   pids=[agent.switch_backups[r][1].pid for r in ranks])
     agent._refill = True
 
 
@@ -82,7 +76,7 @@ def take(agent, rank: int, gen: int) -> subprocess.Popen | None:
     """(agent.replace_local, under its lock, after the rank's old process exited) The backup of ``rank``
     for ``gen``, which becomes the rank's worker (:func:`release` lets it join); None when there is none
     (a spare is started instead, as for recover-in-place)."""
-    entry = _backups(agent).pop(rank, None)
+    entry = agent.switch_backups.pop(rank, None)
     if entry is None:
         return None
     g, proc = entry
@@ -103,7 +97,7 @@ def release(store, rnd: int, ranks, gen: int) -> None:
 
 def poll(agent, rnd: int) -> None:
     """(agent main loop) A backup that exited before it was released: tell the controller."""
-    backups = _backups(agent)
+    backups = agent.switch_backups
     if not backups:
         return
     with agent._lock:
@@ -123,8 +117,8 @@ def poll(agent, rnd: int) -> None:
 def stop(agent) -> None:
     """(end of a round) Backups not released are not needed any more."""
     with agent._lock:
-        procs = [p for _g, p in _backups(agent).values()]
-        _backups(agent).clear()
+        procs = [p for _g, p in agent.switch_backups.values()]
+        agent.switch_backups.clear()
     for p in procs:
         if p.poll() is None:
             p.kill()

@@ -64,21 +64,8 @@ class ElasticActions:
         return {"gen": gen, "ms": round(ms, 2)}
 
     def _do_zit_repair(self, step: int, error_ranks: list, pairs: list) -> dict:
-        func, ctx = self._callback("zit_upgrade_repair")
-        done = []
-        for pair in pairs:
-            if self.rank == pair["src"]:
-                kind = "RT_SEND"
-            elif self.rank == pair["dst"]:
-                kind = "RT_RECV_REPAIR"
-            else:
-                continue
-            src, dst = self.torch_rank(pair["src"]), self.torch_rank(pair["dst"])
-            info = {"type": pair["type"], "repair_type": kind, "src": [src], "dst": [dst],
-                    "rank_list": sorted({src, dst})}
-            func(step, False, [self.torch_rank(r) for r in error_ranks], info, self.step_args, ctx)
-            done.append(kind)
-        return {"done": done}
+        return self._repair_pairs("zit_upgrade_repair", step, error_ranks, pairs, lambda p: "RT_RECV_REPAIR",
+                                  self.torch_rank)  # inplace.py
 
     def _do_zit_rollback(self, step: int) -> dict:
         func, ctx = self._callback("zit_upgrade_rollback")

@@ -93,19 +93,29 @@ class InPlaceActions:
         return {"gen": gen, "ms": round(ms, 2)}
 
     def _do_repair(self, step: int, error_ranks: list, pairs: list, dst_type: str = "RT_UCE_LOWLEVEL") -> dict:
-        func, ctx = self._callback("repair")
+        # the receiver's kind per pair (retry: HIGHLEVEL/LOWLEVEL), else RT_RECV_REPAIR for a replacement
+        # process (recover.py)
+        return self._repair_pairs("repair", step, error_ranks, pairs, lambda p: p.get("repair_type", dst_type))
+
+    def _repair_pairs(self, callback: str, step: int, error_ranks: list, pairs: list, recv_kind,
+                      torch_rank=lambda r: r) -> dict:
+        """Call the ``callback`` repair handler once for each pair ``{type, src, dst}`` this rank is in:
+        ``RT_SEND`` as the source, ``recv_kind(pair)`` as the destination; ranks in the handler's
+        arguments are ``torch_rank(r)`` (the elastic world renumbers them)."""
+        func, ctx = self._callback(callback)
         done = []
         for pair in pairs:
             if self.rank == pair["src"]:
                 kind = "RT_SEND"
-            elif self.rank == pair["dst"]:  # per pair (retry: HIGHLEVEL/LOWLEVEL), else RT_RECV_REPAIR
-                kind = pair.get("repair_type", dst_type)  # for a replacement process (recover.py)
+            elif self.rank == pair["dst"]:
+                kind = recv_kind(pair)
             else:
                 continue
-            info = {"type": pair["type"], "repair_type": kind, "src": [pair["src"]], "dst": [pair["dst"]],
-                    "rank_list": sorted({pair["src"], pair["dst"]})}
+            src, dst = torch_rank(pair["src"]), torch_rank(pair["dst"])
+            info = {"type": pair["type"], "repair_type": kind, "src": [src], "dst": [dst],
+                    "rank_list": sorted({src, dst})}
             need_rebuild = kind in ("RT_UCE_HIGHLEVEL", "RT_LOAD_REBUILD")  # model/optimizer rebuilt first
-            func(step, need_rebuild, list(error_ranks), info, self.step_args, ctx)
+            func(step, need_rebuild, [torch_rank(r) for r in error_ranks], info, self.step_args, ctx)
             done.append(kind)
         return {"done": done}
 

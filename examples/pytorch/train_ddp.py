@@ -69,7 +69,10 @@ class Trainer:
     def build(self) -> None:
         torch.manual_seed(self.args.seed)
         module = TinyLM(self.args.vocab, self.args.dim, self.args.seq, self.args.layers)
-        self.model = DDP(module, init_sync=False)  # same seed on every rank: no broadcast needed
+        # same seed on every rank: no broadcast needed. find_unused_parameters: DDP keeps its initial bucket
+        # layout instead of rebuilding it after the first step, so a model rebuilt by a recovery reduces
+        # gradients in the same order as the uninterrupted run (bitwise equal with more than 2 ranks)
+        self.model = DDP(module, init_sync=False, find_unused_parameters=True)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.args.lr)
 
     def sample(self, i: int) -> torch.Tensor:
@@ -121,6 +124,7 @@ class TorchDDPAdapter(FrameworkAdapter):
 
     def __init__(self, trainer: Trainer):
         self.t = trainer
+        self.rank = dist.get_rank()  # save() may run after a teardown destroyed the groups (a dump)
 
     def stop(self):
         self.t.stop_requested.set()
@@ -166,9 +170,10 @@ class TorchDDPAdapter(FrameworkAdapter):
 
     def save(self, step, save_info):
         ranks = sorted({r for i in save_info for r in i.get("ranks", [])})
-        if dist.get_rank() == ranks[0]:
-            torch.save({"tensors": [x.clone() for x in self.t.state_tensors()],
-                        "iteration": step}, Path(self.t.args.save) / f"dump_{step}.pt")
+        if self.rank == ranks[0]:
+            # after clean() (this rank's own error tore it down) the state is what clean() kept
+            tensors = self.t.kept[0] if self.t.model is None else [x.clone() for x in self.t.state_tensors()]
+            torch.save({"tensors": tensors, "iteration": step}, Path(self.t.args.save) / f"dump_{step}.pt")
 
     def rename(self, step):
         (Path(self.t.args.save) / "latest.txt").write_text(str(step))

@@ -28,8 +28,9 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _logging
+from .. import _knobs, _logging
 from . import policy
+from . import protocol as P
 from ._enums import OsStatus, ReportState
 from .states import Result
 
@@ -78,8 +79,42 @@ class RetryFlow:
             _logging.event("stop_release_fenced", running=running[:64], fenced=fenced[:64])
             replies.update(self._call("stop", dict(params, stop_clean=True), fenced, self.action_limit))
         if running:
+            running = self._kill_stuck(running, params, replies)
+        if running:
             replies.update(self._call("stop", params, running, self.action_limit))
         return replies
+
+    def _kill_stuck(self, running: list, params: dict, replies: dict) -> list:
+        """Ranks still running once every other rank stopped: the ones to keep waiting for.
+
+        Every other live rank has torn its groups down by now (parked after its own error, or fenced
+        and cleaned above), so a rank that does not stop either is blocked in a collective that may
+        never complete: in a torch DDP job a peer's gloo group can outlive its teardown while DDP's
+        bucket all-reduces are still in flight on the group's worker threads, and the blocked rank is
+        then released only by the group timeout (docs/recovery.md). When recover-in-place could
+        replace it, it gets ``MINDIO_STOP_STUCK_S`` more, then is SIGKILLed and replaced like a dead
+        rank (its state has replicas, or the incident falls back as for any death); otherwise it gets
+        the full stop timeout, as before."""
+        window = _knobs.get("MINDIO_STOP_STUCK_S")
+        if window <= 0 or "recover-in-place" not in self.brain.enabled(self.enabled):
+            return running
+        if any(not rep.ok for r, rep in replies.items() if r not in running):
+            return running  # some rank did not confirm its stop: nothing says the others are released
+        more = self._call("stop", dict(params, timeout=window), running, self.action_limit)
+        replies.update(more)
+        still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == "running")
+        with self._lock:
+            dead = {r.rank for r in self.ranks.values() if not r.alive}
+        if not still or not self.can_replace("recover-in-place", sorted(dead | set(still))):
+            return still
+        _log.error("stop: ranks %s still running %.0f s after every other rank stopped and tore its groups "
+                   "down: blocked in a collective that cannot complete; ordering SIGKILL, they are replaced "
+                   "like dead ranks", still[:16], window + min(params["timeout"], STOP_GRACE_S))
+        _logging.event("stop_stuck_killed", ranks=still[:64], window_s=window)
+        for rank in still:
+            self._send(rank, P.Action("kill", {"reason": "stuck in a collective after the stop"}))
+        self.declare_dead(still, "stuck", log=False)  # watch.py
+        return []
 
     def uce_refused(self) -> list:
         """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not

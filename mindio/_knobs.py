@@ -98,9 +98,9 @@ _ALL = [
          "Seconds without step progress after which a rank whose main thread is outside a collective "
          "(while its peers wait inside one) is declared hung and SIGKILLed; 0: off.", min=0, max=86400),
     Knob("MINDIO_STOP_STUCK_S", float, 10.0,
-         "With recover-in-place enabled: seconds a rank may keep running after every other rank stopped and "
-         "tore its groups down before it is SIGKILLed as stuck in a collective and replaced (e.g. a torch DDP "
-         "backward all-reduce); 0: it gets the full stop timeout.", min=0, max=3600),
+         "With recover-in-place enabled: seconds ranks may keep running after every other rank stopped and "
+         "tore its groups down; then the ones outside a collective (else all) are SIGKILLed and replaced like "
+         "dead ranks, and the rest get the window again; 0: they get the full stop timeout.", min=0, max=3600),
     Knob("MINDIO_PID_PROBE", _bool, True,
          "1: the controller also watches the processes of ranks on its own host (pidfd) and declares a rank "
          "dead the moment its process exits without BYE; 0: heartbeats only (docs/ttp.md)."),

@@ -136,6 +136,10 @@ class TorchDDPAdapter(FrameworkAdapter):
         except Exception:
             t.kept = None
         t.model = t.optimizer = None  # DDP holds the process group: drop it
+        # and destroy it (DDP reduces over the default group): while it lives, its connections stay
+        # open and a peer waiting in DDP's backward all-reduce for this rank is not released
+        if dist.is_initialized():
+            dist.destroy_process_group()
         gc.collect()
         return 0
 
@@ -189,8 +193,7 @@ def drill(adapter: TorchDDPAdapter, trainer: Trainer) -> None:
                 x.fill_(float("nan"))
         trainer.iteration = -1
     adapter.stop()
-    adapter.clean(is_uce_error=rank == 1)
-    dist.destroy_process_group()
+    adapter.clean(is_uce_error=rank == 1)  # destroys the default group too
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("mindio/gen1", store), rank=rank,

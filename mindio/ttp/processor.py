@@ -277,7 +277,10 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             main = self._main
         if stop_clean and main == "fenced":  # TTP_STOP_CLEAN_BEFORE_DUMP: fenced ranks tear down too
             self.teardown(is_uce=False)
-        return {"step": self.step, "data_status": int(self.data_status), "main": main}
+        reply = {"step": self.step, "data_status": int(self.data_status), "main": main}
+        if main == "running":  # where it runs: retry.RetryFlow._kill_stuck blames ranks outside a collective
+            reply["in_collective"] = _in_collective(sys._current_frames().get(self._main_ident))
+        return reply
 
     def _do_save(self, step: int, save_info: list) -> dict:
         self.repair_type, self.repair_step = "dump", step

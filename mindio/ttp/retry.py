@@ -88,33 +88,38 @@ class RetryFlow:
         """Ranks still running once every other rank stopped: the ones to keep waiting for.
 
         Every other live rank has torn its groups down by now (parked after its own error, or fenced
-        and cleaned above), so a rank that does not stop either is blocked in a collective that may
-        never complete: in a torch DDP job a peer's gloo group can outlive its teardown while DDP's
-        bucket all-reduces are still in flight on the group's worker threads, and the blocked rank is
-        then released only by the group timeout (docs/recovery.md). When recover-in-place could
-        replace it, it gets ``MINDIO_STOP_STUCK_S`` more, then is SIGKILLed and replaced like a dead
-        rank (its state has replicas, or the incident falls back as for any death); otherwise it gets
-        the full stop timeout, as before."""
+        and cleaned above), so a rank that does not stop either hangs outside a collective, or waits in
+        one for such a rank, or for a peer whose group outlived its teardown. When recover-in-place could
+        replace them, the running ranks get ``MINDIO_STOP_STUCK_S`` more; then those *outside* a
+        collective (their main thread is not in torch.distributed; all of them if every one is inside)
+        are SIGKILLed and replaced like dead ranks, and the others get the window again (a rank waiting
+        for a killed one fails at once). Otherwise the running ranks get the full stop timeout."""
         window = _knobs.get("MINDIO_STOP_STUCK_S")
         if window <= 0 or "recover-in-place" not in self.brain.enabled(self.enabled):
             return running
         if any(not rep.ok for r, rep in replies.items() if r not in running):
             return running  # some rank did not confirm its stop: nothing says the others are released
-        more = self._call("stop", dict(params, timeout=window), running, self.action_limit)
-        replies.update(more)
-        still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == "running")
-        with self._lock:
-            dead = {r.rank for r in self.ranks.values() if not r.alive}
-        if not still or not self.can_replace("recover-in-place", sorted(dead | set(still))):
-            return still
-        _log.error("stop: ranks %s still running %.0f s after every other rank stopped and tore its groups "
-                   "down: blocked in a collective that cannot complete; ordering SIGKILL, they are replaced "
-                   "like dead ranks", still[:16], window + min(params["timeout"], STOP_GRACE_S))
-        _logging.event("stop_stuck_killed", ranks=still[:64], window_s=window)
-        for rank in still:
-            self._send(rank, P.Action("kill", {"reason": "stuck in a collective after the stop"}))
-        self.declare_dead(still, "stuck", log=False)  # watch.py
-        return []
+        for _ in range(len(running)):
+            more = self._call("stop", dict(params, timeout=window), running, self.action_limit)
+            replies.update(more)
+            still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == "running")
+            outside = [r for r in still if not more[r].detail.get("in_collective")]
+            victims = outside or still
+            with self._lock:
+                dead = {r.rank for r in self.ranks.values() if not r.alive}
+            if not still or not self.can_replace("recover-in-place", sorted(dead | set(victims))):
+                return still
+            _log.error("stop: ranks %s still running %.0f s after every other rank stopped (%s): ordering SIGKILL, "
+                       "they are replaced like dead ranks", victims[:16], window,
+                       "outside a collective" if outside else "all inside a collective")
+            _logging.event("stop_stuck_killed", ranks=victims[:64], window_s=window, in_collective=not outside)
+            for rank in victims:
+                self._send(rank, P.Action("kill", {"reason": "still running after the stop"}))
+            self.declare_dead(victims, "stuck", log=False)  # watch.py
+            running = [r for r in still if r not in victims]
+            if not running:
+                return []
+        return running
 
     def uce_refused(self) -> list:
         """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not

@@ -72,6 +72,7 @@ def main() -> int:
         print(f"[rank {a.rank}] replacement fails after joining the world (TOY_REPLACEMENT_FAILS=joined)", flush=True)
         os._exit(3)
     toy.build_groups(a.rank, a.world)
+    a.store = dist.distributed_c10d._get_default_store()  # toy.Trainer.maybe_inject: faults of one step together
     ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False)
     trainer = Trainer(a)
     ttp.tft_register_save_ckpt_handler(trainer.save)

@@ -108,6 +108,22 @@ def test_killed_rank_is_replaced_alone_and_bitwise(reference, tmp_path, victim):
 
 
 @pytest.mark.timeout(200)
+def test_rank_stuck_after_the_stop_is_killed_and_replaced(reference, tmp_path):
+    """Rank 1 is SIGKILLed while rank 2 hangs in the same step outside any collective: ranks 0 and 3
+    are released and stop, rank 2 never does. MINDIO_STOP_STUCK_S (2 s here) after every other rank
+    stopped, the controller SIGKILLs it, and recover-in-place replaces both; the run stays bitwise.
+    Before, the stop gave rank 2 its full timeout and the recovery then failed."""
+    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT},hang:2:{FAULT_IT}",
+                             env={"MINDIO_STOP_STUCK_S": "2"})
+    assert code == 0, text[-6000:]
+    stuck = [e for e in events if e["kind"] == "stop_stuck_killed"]
+    assert [e["ranks"] for e in stuck] == [[2]], stuck
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert len(done) == 1 and sorted(done[0]["replaced"]) == [1, 2] and done[0]["lock_step"] == FAULT_IT, done
+    assert digest(text) == reference
+
+
+@pytest.mark.timeout(200)
 def test_replica_killed_during_repair_falls_back_without_hang(tmp_path):
     """Cascading fault: the replica sending rank 1's shard dies in the middle of the repair. Both copies
     of that shard are gone, so neither recover nor a dump is possible: the job exits with a log line."""

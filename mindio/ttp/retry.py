@@ -53,7 +53,8 @@ def uce_repair_type(state: ReportState, data_status: int) -> str:
 
 
 class RetryFlow:
-    """Mixed into the controller next to IncidentFlow; uses its rank table, state machine, ``_call``."""
+    """Mixed into the controller next to IncidentFlow; uses its rank table, state machine, ``_call``,
+    ``enabled`` strategies and ``brain``."""
 
     gen = 0
 

@@ -14,8 +14,8 @@ Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) a
 raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
 raise-uce-update (a UCE inside the optimizer update window, the shard half written), raise-unknown,
 kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process, at the start of the
-iteration (raise-uce-update: after the fence). Faults of several ranks in one iteration fire together
-(:meth:`Trainer.maybe_inject`).
+iteration (raise-uce-update: after the fence, once every rank has passed its own). Faults of several
+ranks in one iteration fire together (:meth:`Trainer.maybe_inject`).
 ``TOY_ENABLE_UCE=0``: the processor registers with enable_uce=False. Repairs append
 ``<repair_type> <need_rebuild>`` to ``DIR/repair_rank<r>``.
 Retry (HIGH_AVAILABILITY=retry): rebuild re-creates the groups, repair sends/receives one shard,
@@ -104,10 +104,16 @@ class Trainer:
         dist.all_reduce(grad, group=STATE["dp"])
         grad /= self.world
         ttp.tft_start_updating_os(-1)
-        for kind, frank, fit in a.faults:  # inside the optimizer update window
-            if kind == "raise-uce-update" and frank == rank and fit == it and not self.injected:
+        update_faults = [frank for kind, frank, fit in a.faults if kind == "raise-uce-update" and fit == it]
+        if update_faults:  # inside the optimizer update window, once every rank has passed its fence:
+            key = f"toy/updating/{it}"  # else the stop can hold some healthy ranks at the fence of this
+            a.store.add(key, 1)         # step while others update, and no common lock step is left
+            if rank in update_faults and not self.injected:
                 self.injected = True
-                self.inject(kind)
+                end = time.monotonic() + 30
+                while a.store.add(key, 0) < self.world and time.monotonic() < end:
+                    time.sleep(0.005)
+                self.inject("raise-uce-update")
         lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
         t = it + 1
         self.m.mul_(0.9).add_(g, alpha=0.1)

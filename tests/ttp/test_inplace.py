@@ -5,6 +5,7 @@ import time
 import pytest
 
 from mindio.ttp._enums import Action
+from mindio.ttp.brain import Brain
 from mindio.ttp.processor import Processor
 
 
@@ -114,6 +115,7 @@ def test_stop_round_releases_a_rank_blocked_behind_a_fenced_one():
 
     class Ctl(RetryFlow):
         action_limit = 180.0
+        enabled, brain = frozenset({"dump", "retry"}), Brain()  # no recover-in-place: no stuck-rank kill
 
         def __init__(self, mains):
             self.mains, self.calls = mains, []

@@ -51,6 +51,7 @@ __all__ = ["ElasticFlow", "ElasticActions", "plan_downgrade", "start_standby", "
 
 _log = logging.getLogger(__name__)
 EXIT_CODE_REMOVED = 77   # this rank's DP slice was removed by a downgrade; its process is no longer needed
+UPGRADE_STOP_TRIES = 3   # stops before an upgrade gives up on survivors caught at different points
 
 
 def plan_downgrade(replicas: dict, members, faulty) -> tuple[list, list, list]:
@@ -232,10 +233,21 @@ class ElasticFlow:
         marks = {}
         survivors, new = self.job_ranks(), sorted(self.removed)
         self.sm.fire(Result.UPGRADE, ranks=new)
-        replies = self._call("stop", {"timeout": 2.0}, survivors, self.action_limit)
-        steps = {r: (rep.detail.get("step"), rep.detail.get("data_status")) for r, rep in replies.items() if rep.ok}
-        lock = max((s for s, _ in steps.values()), default=0)
-        stale = [r for r in survivors if steps.get(r) != (lock, int(OsStatus.UPDATED))]
+        for attempt in range(UPGRADE_STOP_TRIES):
+            replies = self._call("stop", {"timeout": 2.0}, survivors, self.action_limit)
+            steps = {r: (rep.detail.get("step"), rep.detail.get("data_status")) for r, rep in replies.items()
+                     if rep.ok}
+            lock = max((s for s, _ in steps.values()), default=0)
+            stale = [r for r in survivors if steps.get(r) != (lock, int(OsStatus.UPDATED))]
+            if not stale or attempt == UPGRADE_STOP_TRIES - 1 or len(replies) < len(survivors):
+                break
+            # the stop reached some survivors just before their fence and others just after it: the ones
+            # past it wait in the next collective for the fenced ones. Let them all run on, stop again.
+            _log.warning("upgrade: the stop caught the survivors at different points (%s); releasing the "
+                         "fence and stopping again", {r: steps.get(r) for r in survivors[:8]})
+            _logging.event("upgrade_stop_again", steps={str(r): steps.get(r) for r in survivors[:64]})
+            self._call("unhold", {}, survivors, self.action_limit)
+            time.sleep(0.1 * (attempt + 1))
         marks["stop"] = time.monotonic()
         if stale or not self._step_ok("clean", {"timeout": self.action_limit}, survivors):
             _log.error("upgrade: survivors %s did not stop at step %d with complete state (%s)", stale[:16], lock,

@@ -299,6 +299,14 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self._cond.notify_all()
         return {}
 
+    def _do_unhold(self) -> dict:
+        """Release the fence a ``stop`` set, the main thread staying in its step (elastic.py: an upgrade
+        whose stop caught the survivors on both sides of a fence lets them run on and stops again)."""
+        with self._cond:
+            self._hold = False
+            self._cond.notify_all()
+        return {"step": self.step}
+
     # ---------------------------------------------------------------- graceful pause (controller: pause.py)
     def _do_pause_query(self) -> dict:
         """Cap the limit step at step + 1 at once (no rank can run past the pause target), answer it."""

@@ -137,3 +137,19 @@ def test_stop_round_releases_a_rank_blocked_behind_a_fenced_one():
     quiet = Ctl({0: "fenced", 1: "parked"})  # nobody running: one call, nothing torn down
     quiet._stop_all([0, 1], {"timeout": 90.0, "stop_clean": False})
     assert len(quiet.calls) == 1
+
+
+def test_unhold_lets_a_rank_held_at_its_fence_run_on():
+    """elastic.py's upgrade: a stop that caught the survivors at different points is released with
+    ``unhold`` (the main thread stays in its step), then the survivors are stopped again."""
+    p = Processor(0, 1)
+    p._hold = True  # what a stop sets
+    t = threading.Thread(target=p.start_updating_os, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while p._main != "fenced" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p._main == "fenced" and t.is_alive()
+    assert p._do_unhold() == {"step": 0}
+    t.join(10)
+    assert not t.is_alive() and p._main == "running" and int(p.data_status) != 0  # it went on into the update

@@ -123,11 +123,14 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         if self._main == "parked" and self.last_report is not None and self.link is not None:
             self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report))
 
+    def _main_in_collective(self) -> bool:
+        """Is the training main thread inside torch.distributed right now?"""
+        return _in_collective(sys._current_frames().get(self._main_ident))
+
     def _beat(self) -> P.Heartbeat:
-        frame = sys._current_frames().get(self._main_ident)
         age = -1.0 if self._progress_t is None else time.monotonic() - self._progress_t
         return P.Heartbeat(step=self.step, data_status=int(self.data_status),
-                           in_collective=_in_collective(frame), progress_age=age)
+                           in_collective=self._main_in_collective(), progress_age=age)
 
     def send_info(self) -> None:
         if self.link is not None:
@@ -231,7 +234,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         if env.sn in self._busy:
             return
         if env.body.name == "kill":
-            _log.error("controller ordered SIGKILL (hung rank): %s", env.body.params)
+            _log.error("controller ordered SIGKILL: %s", env.body.params)  # hung, or running after the stop
             _logging.event("killed_as_hung", **env.body.params)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -279,7 +282,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self.teardown(is_uce=False)
         reply = {"step": self.step, "data_status": int(self.data_status), "main": main}
         if main == "running":  # where it runs: retry.RetryFlow._kill_stuck blames ranks outside a collective
-            reply["in_collective"] = _in_collective(sys._current_frames().get(self._main_ident))
+            reply["in_collective"] = self._main_in_collective()
         return reply
 
     def _do_save(self, step: int, save_info: list) -> dict:

@@ -110,9 +110,7 @@ class Trainer:
             a.store.add(key, 1)         # step while others update, and no common lock step is left
             if rank in update_faults and not self.injected:
                 self.injected = True
-                end = time.monotonic() + 30
-                while a.store.add(key, 0) < self.world and time.monotonic() < end:
-                    time.sleep(0.005)
+                _wait_count(a.store, key, self.world)
                 self.inject("raise-uce-update")
         lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
         t = it + 1
@@ -138,10 +136,9 @@ class Trainer:
         self.injected = True
         together = len({frank for k, frank, fit in self.args.faults if fit == self.it and k != "raise-uce-update"})
         if together > 1:
-            key, end = f"toy/faults/{self.it}", time.monotonic() + 30
+            key = f"toy/faults/{self.it}"
             self.args.store.add(key, 1)
-            while self.args.store.add(key, 0) < together and time.monotonic() < end:
-                time.sleep(0.005)
+            _wait_count(self.args.store, key, together)
         self.inject(mine[0])
 
     def inject(self, kind: str) -> None:
@@ -214,6 +211,13 @@ class Trainer:
         parts = [torch.empty(SHARD) for _ in range(R)]
         dist.all_gather(parts, self.master, group=STATE["replica"])
         self.flat = torch.cat(parts)
+
+
+def _wait_count(store, key: str, n: int, timeout: float = 30.0) -> None:
+    """Wait until the counter ``key`` (``store.add``) reaches ``n``, at most ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while store.add(key, 0) < n and time.monotonic() < end:
+        time.sleep(0.005)
 
 
 def build_groups(rank: int, world: int) -> None:

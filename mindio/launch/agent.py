@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LaunchConfig", "Agent"]
 
+# after a worker fails, how long to wait for the node's other workers before reporting who failed
+EXIT_GRACE_S = 1.0
+
 
 class Agent:
     """Runs one node's workers; see the module docstring for the protocol between agents."""
@@ -241,6 +244,7 @@ class Agent:
                     return self._store.get(failed_key).decode()
                 bad = {}
             if bad:
+                bad = self._settle(bad)
                 reason = "; ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(bad.items()))
                 _logging.event("round_failed", round=rnd, node=self.cfg.node_rank, reason=reason)
                 self._store.compare_set(failed_key, "", f"node {self.cfg.node_rank}: {reason}")
@@ -259,6 +263,20 @@ class Agent:
                 return None
             time.sleep(self.cfg.monitor_interval)
         return "agent stopped by signal"
+
+    def _settle(self, bad: dict) -> dict:
+        """The failed workers, after waiting up to ``EXIT_GRACE_S`` for the others to exit too.
+
+        A worker that fails closes its sockets before its process is gone (interpreter teardown), so a
+        peer blocked in a collective with it can die first; reporting only what the first look saw would
+        name the peer's abort and not the failure that caused it."""
+        deadline = time.monotonic() + max(EXIT_GRACE_S, 2 * self.cfg.monitor_interval)
+        while True:
+            with self._lock:
+                codes = {r: p.poll() for r, p in self._workers.items()}
+            if all(c is not None for c in codes.values()) or time.monotonic() >= deadline:
+                return {r: c for r, c in codes.items() if c not in (None, 0)}
+            time.sleep(min(0.05, self.cfg.monitor_interval))
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
         return ha.tick(self, rnd, bad)

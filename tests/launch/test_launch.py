@@ -31,6 +31,9 @@ WORKER = textwrap.dedent("""
     with open(os.path.join(out, f"r{restart}-rank{rank}.json"), "w") as f:
         json.dump({"sum": t.item(), "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}, f)
     if os.environ.get("FAIL_RANK") == str(rank) and restart == 0:
+        if os.environ.get("LINGER_S"):  # close the sockets first, exit later: the peer dies before us
+            dist.destroy_process_group()
+            time.sleep(float(os.environ["LINGER_S"]))
         sys.exit(7)
     for _ in range(int(os.environ.get("STEPS", "0"))):
         dist.all_reduce(t)
@@ -93,6 +96,20 @@ def test_failed_worker_restarts_whole_job_with_fresh_store(job):
     assert p.returncode == 0, out
     assert "rank 1 exited with exit code 7" in out
     assert {"r1-rank0.json", "r1-rank1.json"} <= set(results())
+
+
+@pytest.mark.timeout(90)
+def test_the_failing_rank_is_named_when_a_peer_dies_before_it_is_reaped(job):
+    # rank 1 closes its connections, then lingers before exiting 7: rank 0's barrier fails and rank 0
+    # dies first (gloo's exception), so the agent's first look sees only rank 0 dead (CI saw this race
+    # with a plain sys.exit: the report named rank 0's abort and not the rank that failed)
+    start, _ = job
+    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), env={"FAIL_RANK": "1", "LINGER_S": "0.4"})
+    out, _ = p.communicate(timeout=80)
+    assert p.returncode == 1, out
+    line = next(ln for ln in out.splitlines() if "job failed" in ln)
+    assert "rank 1 exited with exit code 7" in line, out
+    assert "rank 0 exited with" in line, out
 
 
 @pytest.mark.timeout(90)

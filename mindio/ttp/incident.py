@@ -6,8 +6,10 @@ An incident (the dump flow; the retry strategy is in retry.py; recover/elastic b
 2. ``stop`` to every live rank: each holds its fence and answers once its main thread is quiet
    (parked in the decorator or blocked before its next optimizer update); a rank that dies meanwhile
    is dropped from the wait by the liveness sweep -- so every rank is accounted for;
-3. lock step = max step over healthy ranks; policy picks the feasible strategies (and the cluster
-   brain, if registered, chooses among them within MINDIO_WAIT_MINDX_TIME);
+3. lock step = the highest step of a healthy rank at which every shard has a usable copy
+   (policy.choose_lock_step; normally the one step every healthy rank stopped at); policy picks the
+   feasible strategies (and the cluster brain, if registered, chooses among them within
+   MINDIO_WAIT_MINDX_TIME);
 4. dump: ``save(step, save_info)`` on one usable rank per optimizer shard, then ``rename(step)`` on one
    of them -- only after every save succeeded, so the checkpoint becomes "latest" only when complete;
 5. ``exit(code)`` to every live rank: EXIT_CODE_DUMPED after a complete dump, EXIT_CODE_FAULT otherwise.
@@ -129,8 +131,15 @@ class IncidentFlow(PauseFlow):
         self._mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
                          "training stopped" if stopped else "some ranks did not confirm the stop",
                          self._error_rank_dict())
-        healthy = [v.step for v in views if v.alive and not v.faulty] or [v.step for v in views if v.alive] or [0]
-        lock = max(healthy)
+        lock = policy.choose_lock_step(views)
+        stale = policy.stale_ranks(views, lock)
+        if any(v.step != lock for v in views if v.rank in stale):
+            _log.warning("the stop caught the ranks at different steps (%s); lock step %d, the highest with a "
+                         "usable copy of every shard; retry and recover repair ranks %s from replicas",
+                         {v.rank: v.step for v in views if v.alive and not v.faulty and v.rank < 16}, lock,
+                         stale[:16])
+            _logging.event("mixed_steps", lock_step=lock, stale=stale[:64],
+                           steps={str(v.rank): v.step for v in views[:64] if v.alive})
         plan = policy.select_dump_ranks(views, lock)
         faulty = [v.rank for v in views if v.faulty]
         try:

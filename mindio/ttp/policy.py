@@ -3,6 +3,8 @@
 * :func:`classify` -- an exception message -> :class:`ReportState` (first match wins).
 * :func:`shard_key`, :func:`select_dump_ranks` -- one usable rank per optimizer shard saves the dump.
 * :func:`select_repair_sources` -- a usable replica for every rank to repair (used by retry/recover).
+* :func:`choose_lock_step`, :func:`stale_ranks` -- the step every rank goes back to, and the healthy
+  ranks whose state is at another step (a stop that reached the ranks on both sides of their fence).
 * :func:`feasible_strategies` -- the fallback order retry -> recover-in-place -> recover -> downgrade
   -> dump -> exit, restricted to what is enabled and possible.
 * :func:`find_hung_ranks` -- who is hung when the job stalls.
@@ -21,6 +23,7 @@ from ._enums import OsStatus, ReportState
 __all__ = [
     "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "classify", "is_primary", "can_do_uce_repair", "RankView",
     "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "select_repair_sources",
+    "choose_lock_step", "stale_ranks",
     "STRATEGY_ORDER", "Incident", "feasible_strategies", "find_hung_ranks",
 ]
 
@@ -186,6 +189,30 @@ def select_repair_sources(views: Iterable[RankView], lock_step: int, targets: It
                 raise ValueError(f"no usable replica of shard {key} for rank {dst} at step {lock_step}")
             plan[(dst, t)] = srcs[0]
     return plan
+
+
+def choose_lock_step(views: Iterable[RankView]) -> int:
+    """The step every rank goes back to: the highest step of a healthy rank at which every optimizer
+    shard still has a usable copy; with no such step, the highest healthy step (nothing can be dumped
+    or repaired then; the caller finds out from :func:`select_dump_ranks`).
+
+    Healthy ranks normally all stop at one step. A stop that reaches them on both sides of their fence
+    leaves some at step ``L`` (held before the update of ``L + 1``) and others at ``L + 1``; when the
+    faulty ranks took the only copy at ``L + 1`` of some shard, ``L`` is chosen and the ranks at
+    ``L + 1`` are :func:`stale_ranks`, repaired from replicas like the faulty ones."""
+    views = list(views)
+    steps = ({v.step for v in views if v.alive and not v.faulty} or {v.step for v in views if v.alive}
+             or {0})
+    for step in sorted(steps, reverse=True):
+        if select_dump_ranks(views, step).possible:
+            return step
+    return max(steps)
+
+
+def stale_ranks(views: Iterable[RankView], lock_step: int) -> list:
+    """Healthy (alive, not faulty) ranks that are not usable at ``lock_step``: their optimizer state is
+    of another step, or was caught mid-update."""
+    return sorted(v.rank for v in views if v.alive and not v.faulty and not usable(v, lock_step))
 
 
 STRATEGY_ORDER = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")

@@ -18,7 +18,8 @@ when this starts. Sequence, each step bounded (MINDIO_RECOVER_TIMEOUT, TTP_NORMA
       register    the replacement registers carrying generation g+1 (older generations are refused)
       prerepair   the replacement built its model/optimizer and parked before train()
     ENV_CLEAR -OK-> REPAIR
-      repair      replica RT_SEND -> replacement RT_RECV_REPAIR (optimizer shard + scalar state)
+      repair      replica RT_SEND -> replacement RT_RECV_REPAIR (optimizer shard + scalar state); a
+                  survivor stopped at another step than the lock step receives RT_UCE_* (retry.py)
       rollback    every rank back to the lock step
     REPAIR -OK-> NORMAL
       retry       every rank (re-)enters train()
@@ -35,6 +36,8 @@ import time
 from .. import _logging
 from . import policy
 from . import protocol as P
+from ._enums import ReportState
+from .retry import uce_repair_type
 from .states import Result, State
 
 __all__ = ["RecoverFlow", "REPLACING"]
@@ -166,14 +169,18 @@ class RecoverFlow:
             dead = sorted(r.rank for r in self.ranks.values() if not r.alive)
             survivors = sorted(r.rank for r in self.ranks.values() if r.alive)
         dead += sorted(set(range(self.world_size)) - set(self.ranks))
-        stale = [v.rank for v in views if v.rank in survivors and not (v.step == lock and v.data_status == 0)]
-        if stale or not dead:
-            _log.error("recover: survivors %s are not at the lock step %d with complete optimizer state "
-                       "(or no rank is dead: %s)", stale[:16], lock, dead)
+        if not dead:
+            _log.error("recover: no rank is dead")
             self.sm.fire(Result.FAIL, failed="lock step")
             return False
+        # survivors the stop caught at another step than the lock step (policy.choose_lock_step) or
+        # mid-update: repaired from replicas like a UCE rank (retry.py), next to the replacements
+        stale = [v.rank for v in views if v.rank in survivors and not (v.step == lock and v.data_status == 0)]
+        if stale:
+            _log.warning("recover: survivors %s are not at the lock step %d with complete optimizer state; they "
+                         "are repaired from replicas too", stale[:16], lock)
         try:
-            sources = policy.select_repair_sources(views, lock, dead)
+            sources = policy.select_repair_sources(views, lock, dead + stale)
         except ValueError as exc:
             _log.error("recover: %s", exc)
             self.sm.fire(Result.FAIL, failed="repair plan")
@@ -206,11 +213,14 @@ class RecoverFlow:
             return self._abandon_recover(everyone, "prerepair")
         marks["start"] = time.monotonic()
         self.sm.fire(Result.OK, gen=gen)
-        pairs = [{"type": t, "src": src, "dst": dst} for (dst, t), src in sorted(sources.items())]
+        status = {v.rank: v.data_status for v in views}
+        pairs = [{"type": t, "src": src, "dst": dst} if dst in dead else
+                 {"type": t, "src": src, "dst": dst, "repair_type": uce_repair_type(ReportState.RS_NORMAL, status[dst])}
+                 for (dst, t), src in sorted(sources.items())]
         involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
-        _log.warning("recover: repairing %s from replicas %s", dead,
+        _log.warning("recover: repairing %s from replicas %s", sorted(dead + stale),
                      {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
-        if not self._recover_step("repair", {"step": lock, "error_ranks": dead, "pairs": pairs,
+        if not self._recover_step("repair", {"step": lock, "error_ranks": sorted(dead + stale), "pairs": pairs,
                                              "dst_type": "RT_RECV_REPAIR"}, involved, limit, everyone):
             return self._abandon_recover(everyone, "repair")
         marks["repair"] = time.monotonic()
@@ -224,7 +234,7 @@ class RecoverFlow:
         _log.warning("%s done: every rank trains again %.3f s after the fault (%s), generation %d, lock step "
                      "%d, replaced %s", strategy, total, parts, gen, lock, dead)
         _logging.event("recover_done", strategy=strategy, total_s=round(total, 6), lock_step=lock, gen=gen,
-                       replaced=dead, **{f"{k}_s": v for k, v in parts.items()})
+                       replaced=dead, stale=stale, **{f"{k}_s": v for k, v in parts.items()})
         self._mindx_call("report_result", 0, f"{strategy} done", {r: 1 for r in dead}, strategy)
         return True
 

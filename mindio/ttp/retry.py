@@ -13,7 +13,9 @@ each bounded by TTP_NORMAL_ACTION_TIME_LIMIT (processor side: inplace.py):
     ENV_CLEAR -OK-> REPAIR
       repair    for each RS_UCE rank and optimizer type: replica source RT_SEND -> rank RT_UCE_LOWLEVEL,
                 or RT_UCE_HIGHLEVEL (need_rebuild) when the error may have hit its optimizer update
-                (:func:`uce_repair_type`); skipped for network-class errors: no state was lost
+                (:func:`uce_repair_type`); skipped for network-class errors: no state was lost. A rank
+                the stop caught at another step than the lock step (on the other side of its fence,
+                policy.choose_lock_step) or mid-update is repaired the same way (``stale`` in the event)
       rollback  every rank: iteration, scheduler, data iterator, params back to the lock step
     REPAIR -OK-> NORMAL
       retry     every rank re-enters train()
@@ -34,10 +36,11 @@ from . import protocol as P
 from ._enums import OsStatus, ReportState
 from .states import Result
 
-__all__ = ["RetryFlow", "uce_repair_type", "STOP_GRACE_S"]
+__all__ = ["RetryFlow", "uce_repair_type", "STOP_GRACE_S", "STOP_LOOK_S"]
 
 _log = logging.getLogger(__name__)
 STOP_GRACE_S = 1.0  # a rank still running this long after the stop, while others are fenced, may be blocked
+STOP_LOOK_S = 0.2   # the stop's first look: a running rank inside a collective then is blocked at once
 
 
 def uce_repair_type(state: ReportState, data_status: int) -> str:
@@ -50,6 +53,13 @@ def uce_repair_type(state: ReportState, data_status: int) -> str:
     if state == ReportState.RS_UCE_CORRUPTED or int(data_status) != int(OsStatus.UPDATED):
         return "RT_UCE_HIGHLEVEL"
     return "RT_UCE_LOWLEVEL"
+
+
+def _split(replies: dict) -> tuple[list, list]:
+    """(running, fenced) ranks of a stop round's replies."""
+    mains = {r: rep.detail.get("main") for r, rep in replies.items() if rep.ok}
+    return (sorted(r for r, m in mains.items() if m == "running"),
+            sorted(r for r, m in mains.items() if m == "fenced"))
 
 
 class RetryFlow:
@@ -67,16 +77,25 @@ class RetryFlow:
         the dump flow and in retry). So: ``stop`` with a grace of :data:`STOP_GRACE_S`; if some ranks
         are still running then while others are fenced, the fenced ones tear down (``stop_clean``: the
         framework keeps their state for a dump, ARCHITECTURE section 3), which fails the blocked
-        collective at once, and the running ranks get the full timeout. {rank: Reply}."""
+        collective at once, and the running ranks get the full timeout. The grace ends early, at a look
+        every :data:`STOP_LOOK_S`, when every running rank is inside a collective while others are fenced:
+        such a rank is almost surely waiting for a fenced one, and tearing the fenced ones down early
+        costs nothing (every rank stops anyway). {rank: Reply}."""
         grace = min(params["timeout"], STOP_GRACE_S)
-        replies = self._call("stop", dict(params, timeout=grace), live, self.action_limit)
-        mains = {r: rep.detail.get("main") for r, rep in replies.items() if rep.ok}
-        running = sorted(r for r, m in mains.items() if m == "running")
-        fenced = sorted(r for r, m in mains.items() if m == "fenced")
+        replies, ask, waited = {}, live, 0.0
+        while True:  # a look every STOP_LOOK_S until the grace is over or the running ranks are blocked
+            look = min(STOP_LOOK_S, grace - waited)
+            replies.update(self._call("stop", dict(params, timeout=look), ask, self.action_limit))
+            waited += look
+            running, fenced = _split(replies)
+            if not running or waited >= grace - 1e-6 or (
+                    fenced and all(replies[r].detail.get("in_collective") for r in running)):
+                break
+            ask = running  # a running rank outside a collective may still reach its fence
         if running and fenced and not params.get("stop_clean"):
             _log.warning("stop: ranks %s still running %.1f s after the stop while %s wait at the fence; "
                          "tearing the fenced ranks down so that a collective between them fails",
-                         running[:16], grace, fenced[:16])
+                         running[:16], waited, fenced[:16])
             _logging.event("stop_release_fenced", running=running[:64], fenced=fenced[:64])
             replies.update(self._call("stop", dict(params, stop_clean=True), fenced, self.action_limit))
         if running:
@@ -165,13 +184,15 @@ class RetryFlow:
             _logging.event("retry_refused", ranks=refused[:64])
             self.sm.fire(Result.FAIL, failed="enable_uce")
             return False
+        # ranks whose state is of another step than the lock step (the stop reached them on the other side
+        # of their fence, policy.choose_lock_step) or was caught mid-update: repaired like UCE ranks
         stale = [v.rank for v in views if v.rank not in uce and not (
-            v.alive and v.step == lock and v.data_status == 0)]
+            v.alive and v.step == lock and v.data_status == OsStatus.UPDATED)]
         if stale:
-            _log.error("retry: ranks %s are not at the lock step %d with complete optimizer state; "
-                       "they cannot simply roll back", stale[:16], lock)
-            self.sm.fire(Result.FAIL, failed="lock step")
-            return False
+            _log.warning("retry: ranks %s are not at the lock step %d with complete optimizer state (%s); "
+                         "they are repaired from replicas too", stale[:16], lock,
+                         {v.rank: (v.step, v.data_status) for v in views if v.rank in stale[:8]})
+        targets = sorted(set(uce) | set(stale))
         limit = self.action_limit
         if not self._step_ok("clean", {"timeout": limit}, live):
             self.sm.fire(Result.FAIL, failed="clean")
@@ -184,21 +205,22 @@ class RetryFlow:
         marks["rebuild"] = time.monotonic()
         self.sm.fire(Result.OK, gen=self.gen)
         kinds: dict = {}
-        if uce:
+        if targets:
             try:
-                sources = policy.select_repair_sources(views, lock, uce)
+                sources = policy.select_repair_sources(views, lock, targets)
             except ValueError as exc:
                 _log.error("retry: %s", exc)
                 self.sm.fire(Result.FAIL, failed="repair plan")
                 return False
             status = {v.rank: v.data_status for v in views}
-            kinds = {r: uce_repair_type(primary[r], status.get(r, OsStatus.UPDATED)) for r in uce}
+            kinds = {r: uce_repair_type(primary.get(r, ReportState.RS_NORMAL), status.get(r, OsStatus.UPDATED))
+                     for r in targets}
             pairs = [{"type": t, "src": src, "dst": dst, "repair_type": kinds[dst]}
                      for (dst, t), src in sorted(sources.items())]
             involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
-            _log.warning("retry: repairing %s (%s) from replicas %s", uce, kinds,
+            _log.warning("retry: repairing %s (%s) from replicas %s", targets, kinds,
                          {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
-            if not self._step_ok("repair", {"step": lock, "error_ranks": uce, "pairs": pairs}, involved):
+            if not self._step_ok("repair", {"step": lock, "error_ranks": targets, "pairs": pairs}, involved):
                 return self._abandon(live, "repair")
         marks["repair"] = time.monotonic()
         if not self._step_ok("rollback", {"step": lock}, live):
@@ -208,8 +230,8 @@ class RetryFlow:
         marks["resume"] = time.monotonic()
         total, parts = self._phases(t_incident, marks, ("decide", "clean", "rebuild", "repair", "rollback", "resume"))
         _log.warning("retry done: every rank trains again %.3f s after the fault report (%s), generation %d, "
-                     "lock step %d, repaired %s", total, parts, self.gen, lock, uce)
-        _logging.event("retry_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, repaired=uce,
+                     "lock step %d, repaired %s, stale %s", total, parts, self.gen, lock, uce, stale)
+        _logging.event("retry_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, repaired=uce, stale=stale,
                        repair_types={str(r): k for r, k in kinds.items()},
                        **{f"{k}_s": v for k, v in parts.items()})
         self._mindx_call("report_result", 0, "retry done", {r: 0 if r in uce else 1 for r in primary}, "retry")

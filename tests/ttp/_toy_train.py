@@ -14,8 +14,11 @@ Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) a
 raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
 raise-uce-update (a UCE inside the optimizer update window, the shard half written), raise-unknown,
 kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process, at the start of the
-iteration (raise-uce-update: after the fence, once every rank has passed its own). Faults of several
-ranks in one iteration fire together (:meth:`Trainer.maybe_inject`).
+iteration (raise-uce-update: after the fence, once every rank has passed its own; raise-uce-update-alone:
+after its own fence, at once). Faults of several ranks in one iteration fire together
+(:meth:`Trainer.maybe_inject`). ``TOY_STOP_BEFORE_FENCE=0/3:7``: ranks 0 and 3 reach their fence of
+iteration 7 only once the controller's stop reached them, so it holds them there (a stop that catches the
+ranks on both sides of their fence, deterministically).
 ``TOY_ENABLE_UCE=0``: the processor registers with enable_uce=False. Repairs append
 ``<repair_type> <need_rebuild>`` to ``DIR/repair_rank<r>``.
 Retry (HIGH_AVAILABILITY=retry): rebuild re-creates the groups, repair sends/receives one shard,
@@ -103,15 +106,20 @@ class Trainer:
         grad = flat.grad.detach().clone()
         dist.all_reduce(grad, group=STATE["dp"])
         grad /= self.world
+        if (rank, it) in a.stop_before_fence:  # this rank is late to its fence: it arrives once stopped
+            _wait_stopped()
         ttp.tft_start_updating_os(-1)
         update_faults = [frank for kind, frank, fit in a.faults if kind == "raise-uce-update" and fit == it]
         if update_faults:  # inside the optimizer update window, once every rank has passed its fence:
             key = f"toy/updating/{it}"  # else the stop can hold some healthy ranks at the fence of this
-            a.store.add(key, 1)         # step while others update, and no common lock step is left
+            a.store.add(key, 1)         # step while others update (raise-uce-update-alone does that)
             if rank in update_faults and not self.injected:
                 self.injected = True
                 _wait_count(a.store, key, self.world)
                 self.inject("raise-uce-update")
+        if not self.injected and ("raise-uce-update-alone", rank, it) in a.faults:
+            self.injected = True
+            self.inject("raise-uce-update")
         lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
         t = it + 1
         self.m.mul_(0.9).add_(g, alpha=0.1)
@@ -130,11 +138,12 @@ class Trainer:
         waits (at most 30 s, on the TCPStore) until all of them have reached the iteration, so that the
         stop of the first cannot hold another at the previous iteration's pause fence before its fault."""
         mine = [k for k, frank, fit in self.args.faults if frank == self.rank and fit == self.it
-                and k != "raise-uce-update"]
+                and not k.startswith("raise-uce-update")]
         if not mine or self.injected:
             return
         self.injected = True
-        together = len({frank for k, frank, fit in self.args.faults if fit == self.it and k != "raise-uce-update"})
+        together = len({frank for k, frank, fit in self.args.faults if fit == self.it
+                        and not k.startswith("raise-uce-update")})
         if together > 1:
             key = f"toy/faults/{self.it}"
             self.args.store.add(key, 1)
@@ -213,6 +222,13 @@ class Trainer:
         self.flat = torch.cat(parts)
 
 
+def _wait_stopped(timeout: float = 30.0) -> None:
+    """Wait until the controller's stop reached this rank's processor (at most ``timeout`` s)."""
+    proc, end = ttp.api._proc(), time.monotonic() + timeout
+    while not proc._hold and time.monotonic() < end:
+        time.sleep(0.005)
+
+
 def _wait_count(store, key: str, n: int, timeout: float = 30.0) -> None:
     """Wait until the counter ``key`` (``store.add``) reaches ``n``, at most ``timeout`` s."""
     end = time.monotonic() + timeout
@@ -228,11 +244,11 @@ def build_groups(rank: int, world: int) -> None:
 
 
 def stop_groups(args, ctx):
-    """Tear down every process group and drop every reference to them (ARCHITECTURE §3)."""
+    """Tear down every process group and drop every reference to them (ARCHITECTURE §3); the
+    processor's teardown collects garbage once after this callback."""
     STATE.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()
 
 
 def main() -> int:
@@ -249,6 +265,9 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
     a.faults = [(f.split(":")[0], int(f.split(":")[1]), int(f.split(":")[2])) for f in a.fault.split(",") if f]
+    # TOY_STOP_BEFORE_FENCE="0/3:7": ranks 0 and 3 reach their fence of iteration 7 only once stopped
+    ranks, _, it = os.environ.get("TOY_STOP_BEFORE_FENCE", "").partition(":")
+    a.stop_before_fence = {(int(r), int(it)) for r in ranks.split("/") if r}
     torch.manual_seed(0)
     store = dist.TCPStore("127.0.0.1", a.store_port, a.world, is_master=a.rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timedelta(seconds=120))

@@ -49,8 +49,13 @@ def test_fault_dumps_and_relaunch_is_bitwise(baseline, tmp_path, kind, rank):
     if kind.startswith("raise"):
         got = [e for e in _by_kind(events, "report_received") if e["from_rank"] == rank][0]
         assert got["t"] - fault_t < 0.5  # measured ~1 ms; generous margin for a loaded machine
-        released = [e["t"] for e in _by_kind(events, "fault_seen") if e["rank"] != rank]
-        assert len(released) == 3 and max(released) - fault_t < 1.0  # peers released, not by PG timeout
+        peers = [e for e in _by_kind(events, "fault_seen") if e["rank"] != rank]
+        # released by the faulty rank's teardown (gloo: "Connection closed by peer", a chain of at most
+        # two teardowns here) or by the controller's stop, never by the process group's timeout
+        assert {e["state"] for e in peers} == {"RS_NORMAL"}, peers
+        assert not [e for e in peers if "imed out" in e["message"] or "imeout" in e["message"]], peers
+        released = [e["t"] for e in peers]
+        assert len(released) == 3 and max(released) - fault_t < 1.0, peers  # ~0.2 s measured (quiet)
     if kind == "kill":
         dead = [e for e in _by_kind(events, "rank_dead") if e["dead_rank"] == rank][0]
         assert dead["t"] - fault_t < 4.5  # 3 missed 1 s beats = ~3.1 s measured; margin for load

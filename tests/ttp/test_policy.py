@@ -93,6 +93,43 @@ def test_repair_sources_are_usable_replicas(cluster):
         assert src % (d // r) == dst % (d // r)
 
 
+@given(_cluster())
+@settings(max_examples=300)
+def test_lock_step_is_the_highest_step_with_every_shard(cluster):
+    views, _, _, _ = cluster
+    lock = policy.choose_lock_step(views)
+    healthy = {v.step for v in views if v.alive and not v.faulty}
+    complete = [s for s in healthy if policy.select_dump_ranks(views, s).possible]
+    if complete:
+        assert lock == max(complete)
+        # every stale rank has a usable replica to be repaired from at the lock step
+        policy.select_repair_sources(views, lock, policy.stale_ranks(views, lock))
+    else:
+        assert lock == max(healthy or {v.step for v in views if v.alive} or {0})
+    for r in policy.stale_ranks(views, lock):
+        v = views[r]
+        assert v.alive and not v.faulty and not policy.usable(v, lock)
+
+
+def test_a_stop_on_both_sides_of_the_fence_locks_the_step_before_it():
+    # 4 ranks, 2 replicas (shard j on ranks j and j + 2): rank 1 failed inside its update of step 8;
+    # the stop held ranks 0 and 3 at their fence (state of step 7) while rank 2 had updated to step 8
+    entry = {"rank_list": [0, 1, 2, 3], "replica_cnt": 2}
+    U, UP = int(OsStatus.UPDATED), int(OsStatus.UPDATING)
+    views = [RankView(0, True, False, 7, U, (entry,)), RankView(1, True, True, 7, UP, (entry,)),
+             RankView(2, True, False, 8, U, (entry,)), RankView(3, True, False, 7, U, (entry,))]
+    assert not policy.select_dump_ranks(views, 8).possible  # shard 1 at step 8 was only on rank 1
+    assert policy.choose_lock_step(views) == 7
+    assert policy.stale_ranks(views, 7) == [2]
+    assert policy.select_repair_sources(views, 7, [1, 2]) == {(1, 0): 3, (2, 0): 0}
+    # all healthy ranks at one step: that step, nobody stale (the common case)
+    same = [RankView(r, True, r == 1, 8, U, (entry,)) for r in range(4)]
+    assert policy.choose_lock_step(same) == 8 and policy.stale_ranks(same, 8) == []
+    # the higher step is preferred when it is complete: the rank behind is the stale one
+    behind = [RankView(0, True, False, 7, U, (entry,))] + [RankView(r, True, False, 8, U, (entry,)) for r in (1, 2, 3)]
+    assert policy.choose_lock_step(behind) == 8 and policy.stale_ranks(behind, 8) == [0]
+
+
 def test_no_replica_info_means_own_shard():
     views = [RankView(0, step=3), RankView(1, alive=False, faulty=True, step=3)]
     plan = policy.select_dump_ranks(views, 3)

@@ -83,6 +83,9 @@ class Trainer:
         self.v = torch.zeros(SHARD)
         self.it = 0
         self.injected = False
+        # TOY_STOP_BEFORE_FENCE="0/3:7": ranks 0 and 3 reach their fence of iteration 7 only once stopped
+        ranks, _, it = os.environ.get("TOY_STOP_BEFORE_FENCE", "").partition(":")
+        self.stop_before_fence = {(int(r), int(it)) for r in ranks.split("/") if r}
         if args.resume:
             self.load(args.resume)
 
@@ -106,7 +109,7 @@ class Trainer:
         grad = flat.grad.detach().clone()
         dist.all_reduce(grad, group=STATE["dp"])
         grad /= self.world
-        if (rank, it) in a.stop_before_fence:  # this rank is late to its fence: it arrives once stopped
+        if (rank, it) in self.stop_before_fence:  # this rank is late to its fence: it arrives once stopped
             _wait_stopped()
         ttp.tft_start_updating_os(-1)
         update_faults = [frank for kind, frank, fit in a.faults if kind == "raise-uce-update" and fit == it]
@@ -265,9 +268,6 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
     a.faults = [(f.split(":")[0], int(f.split(":")[1]), int(f.split(":")[2])) for f in a.fault.split(",") if f]
-    # TOY_STOP_BEFORE_FENCE="0/3:7": ranks 0 and 3 reach their fence of iteration 7 only once stopped
-    ranks, _, it = os.environ.get("TOY_STOP_BEFORE_FENCE", "").partition(":")
-    a.stop_before_fence = {(int(r), int(it)) for r in ranks.split("/") if r}
     torch.manual_seed(0)
     store = dist.TCPStore("127.0.0.1", a.store_port, a.world, is_master=a.rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timedelta(seconds=120))

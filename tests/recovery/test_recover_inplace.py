@@ -124,6 +124,22 @@ def test_rank_stuck_after_the_stop_is_killed_and_replaced(reference, tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_survivor_ahead_of_the_lock_step_is_repaired_with_the_replacement(reference, tmp_path):
+    """Rank 1 is SIGKILLed inside its optimizer update of iteration FAULT_IT while ranks 0 and 3 are late
+    to their fence (the stop holds them there: state of step FAULT_IT) and rank 2 has already updated to
+    step FAULT_IT + 1. Shard 1 of that step died with rank 1, so the lock step is FAULT_IT: the
+    replacement of rank 1 gets its shard from rank 3, and rank 2, ahead, gets step FAULT_IT's from rank 0."""
+    code, text, events = run(tmp_path / "run", fault=f"kill-update-alone:1:{FAULT_IT}",
+                             env={"TOY_STOP_BEFORE_FENCE": f"0/3:{FAULT_IT}"})
+    assert code == 0, text[-6000:]
+    assert digest(text) == reference  # nothing lost, nothing corrupted
+    mixed = [e for e in events if e["kind"] == "mixed_steps"]
+    assert len(mixed) == 1 and mixed[0]["lock_step"] == FAULT_IT and mixed[0]["stale"] == [2], text[-6000:]
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert [(d["replaced"], d["stale"], d["lock_step"]) for d in done] == [([1], [2], FAULT_IT)], text[-6000:]
+
+
+@pytest.mark.timeout(200)
 def test_replica_killed_during_repair_falls_back_without_hang(tmp_path):
     """Cascading fault: the replica sending rank 1's shard dies in the middle of the repair. Both copies
     of that shard are gone, so neither recover nor a dump is possible: the job exits with a log line."""

@@ -14,8 +14,8 @@ Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) a
 raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
 raise-uce-update (a UCE inside the optimizer update window, the shard half written), raise-unknown,
 kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process, at the start of the
-iteration (raise-uce-update: after the fence, once every rank has passed its own; raise-uce-update-alone:
-after its own fence, at once). Faults of several ranks in one iteration fire together
+iteration (raise-uce-update: after the fence, once every rank has passed its own; raise-uce-update-alone
+and kill-update-alone: after its own fence, at once). Faults of several ranks in one iteration fire together
 (:meth:`Trainer.maybe_inject`). ``TOY_STOP_BEFORE_FENCE=0/3:7``: ranks 0 and 3 reach their fence of
 iteration 7 only once the controller's stop reached them, so it holds them there (a stop that catches the
 ranks on both sides of their fence, deterministically).
@@ -120,9 +120,10 @@ class Trainer:
                 self.injected = True
                 _wait_count(a.store, key, self.world)
                 self.inject("raise-uce-update")
-        if not self.injected and ("raise-uce-update-alone", rank, it) in a.faults:
+        alone = [k for k, frank, fit in a.faults if frank == rank and fit == it and k.endswith("-update-alone")]
+        if alone and not self.injected:  # inside its own update window, at once
             self.injected = True
-            self.inject("raise-uce-update")
+            self.inject({"raise-uce-update-alone": "raise-uce-update", "kill-update-alone": "kill"}[alone[0]])
         lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
         t = it + 1
         self.m.mul_(0.9).add_(g, alpha=0.1)
@@ -141,12 +142,12 @@ class Trainer:
         waits (at most 30 s, on the TCPStore) until all of them have reached the iteration, so that the
         stop of the first cannot hold another at the previous iteration's pause fence before its fault."""
         mine = [k for k, frank, fit in self.args.faults if frank == self.rank and fit == self.it
-                and not k.startswith("raise-uce-update")]
+                and not _in_update_window(k)]
         if not mine or self.injected:
             return
         self.injected = True
         together = len({frank for k, frank, fit in self.args.faults if fit == self.it
-                        and not k.startswith("raise-uce-update")})
+                        and not _in_update_window(k)})
         if together > 1:
             key = f"toy/faults/{self.it}"
             self.args.store.add(key, 1)
@@ -223,6 +224,11 @@ class Trainer:
         parts = [torch.empty(SHARD) for _ in range(R)]
         dist.all_gather(parts, self.master, group=STATE["replica"])
         self.flat = torch.cat(parts)
+
+
+def _in_update_window(kind: str) -> bool:
+    """Faults that fire inside the optimizer update window (Trainer.step), not at the iteration's start."""
+    return kind.startswith("raise-uce-update") or kind.endswith("-update-alone")
 
 
 def _wait_stopped(timeout: float = 30.0) -> None:

@@ -120,9 +120,14 @@ class Trainer:
                 self.injected = True
                 _wait_count(a.store, key, self.world)
                 self.inject("raise-uce-update")
+        alone = [k for k, frank, fit in a.faults if fit == it and k.endswith("-update-alone")]
+        if alone:  # the ranks the stop will not hold at their fence pass it first (a store count)
+            a.store.add(f"toy/fenced/{it}", 1)
         alone = [k for k, frank, fit in a.faults if frank == rank and fit == it and k.endswith("-update-alone")]
-        if alone and not self.injected:  # inside its own update window, at once
+        if alone and not self.injected:  # inside its own update window, once the others passed their fence
             self.injected = True
+            late = {r for r, i in self.stop_before_fence if i == it}
+            _wait_count(a.store, f"toy/fenced/{it}", self.world - len(late))
             self.inject({"raise-uce-update-alone": "raise-uce-update", "kill-update-alone": "kill"}[alone[0]])
         lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
         t = it + 1

@@ -233,8 +233,7 @@ class Agent:
             self._beat()
             if self._store.check([failed_key]):
                 return self._store.get(failed_key).decode()
-            with self._lock:
-                codes = {r: p.poll() for r, p in self._workers.items()}
+            codes = self._exit_codes()
             bad = {r: c for r, c in codes.items() if c not in (None, 0)}
             if self.cfg.high_availability:
                 reason = self._ha_tick(rnd, bad)
@@ -244,7 +243,7 @@ class Agent:
                     return self._store.get(failed_key).decode()
                 bad = {}
             if bad:
-                bad = self._settle(bad)
+                bad = self._settle()
                 reason = "; ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(bad.items()))
                 _logging.event("round_failed", round=rnd, node=self.cfg.node_rank, reason=reason)
                 self._store.compare_set(failed_key, "", f"node {self.cfg.node_rank}: {reason}")
@@ -264,7 +263,12 @@ class Agent:
             time.sleep(self.cfg.monitor_interval)
         return "agent stopped by signal"
 
-    def _settle(self, bad: dict) -> dict:
+    def _exit_codes(self) -> dict:
+        """rank -> its worker's exit code, None while it runs."""
+        with self._lock:
+            return {r: p.poll() for r, p in self._workers.items()}
+
+    def _settle(self) -> dict:
         """The failed workers, after waiting up to ``EXIT_GRACE_S`` for the others to exit too.
 
         A worker that fails closes its sockets before its process is gone (interpreter teardown), so a
@@ -272,8 +276,7 @@ class Agent:
         name the peer's abort and not the failure that caused it."""
         deadline = time.monotonic() + max(EXIT_GRACE_S, 2 * self.cfg.monitor_interval)
         while True:
-            with self._lock:
-                codes = {r: p.poll() for r, p in self._workers.items()}
+            codes = self._exit_codes()
             if all(c is not None for c in codes.values()) or time.monotonic() >= deadline:
                 return {r: c for r, c in codes.items() if c not in (None, 0)}
             time.sleep(min(0.05, self.cfg.monitor_interval))

@@ -209,10 +209,14 @@ def choose_lock_step(views: Iterable[RankView]) -> int:
     return max(steps)
 
 
-def stale_ranks(views: Iterable[RankView], lock_step: int) -> list:
-    """Healthy (alive, not faulty) ranks that are not usable at ``lock_step``: their optimizer state is
-    of another step, or was caught mid-update."""
-    return sorted(v.rank for v in views if v.alive and not v.faulty and not usable(v, lock_step))
+def stale_ranks(views: Iterable[RankView], lock_step: int, among: Iterable[int] | None = None) -> list:
+    """Ranks of ``among`` (default: the healthy ones, alive and not faulty) whose optimizer state is not
+    of ``lock_step`` and UPDATED: of another step, caught mid-update, or gone with a dead rank. Retry
+    and recover repair them from replicas."""
+    views = list(views)
+    among = {v.rank for v in views if v.alive and not v.faulty} if among is None else set(among)
+    return sorted(v.rank for v in views if v.rank in among and not (
+        v.alive and v.step == lock_step and v.data_status == OsStatus.UPDATED))
 
 
 STRATEGY_ORDER = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")

@@ -175,7 +175,7 @@ class RecoverFlow:
             return False
         # survivors the stop caught at another step than the lock step (policy.choose_lock_step) or
         # mid-update: repaired from replicas like a UCE rank (retry.py), next to the replacements
-        stale = [v.rank for v in views if v.rank in survivors and not (v.step == lock and v.data_status == 0)]
+        stale = policy.stale_ranks(views, lock, among=survivors)
         if stale:
             _log.warning("recover: survivors %s are not at the lock step %d with complete optimizer state; they "
                          "are repaired from replicas too", stale[:16], lock)

@@ -186,8 +186,7 @@ class RetryFlow:
             return False
         # ranks whose state is of another step than the lock step (the stop reached them on the other side
         # of their fence, policy.choose_lock_step) or was caught mid-update: repaired like UCE ranks
-        stale = [v.rank for v in views if v.rank not in uce and not (
-            v.alive and v.step == lock and v.data_status == OsStatus.UPDATED)]
+        stale = policy.stale_ranks(views, lock, among=[v.rank for v in views if v.rank not in uce])
         if stale:
             _log.warning("retry: ranks %s are not at the lock step %d with complete optimizer state (%s); "
                          "they are repaired from replicas too", stale[:16], lock,

@@ -129,7 +129,7 @@ def test_survivor_ahead_of_the_lock_step_is_repaired_with_the_replacement(refere
     to their fence (the stop holds them there: state of step FAULT_IT) and rank 2 has already updated to
     step FAULT_IT + 1. Shard 1 of that step died with rank 1, so the lock step is FAULT_IT: the
     replacement of rank 1 gets its shard from rank 3, and rank 2, ahead, gets step FAULT_IT's from rank 0."""
-    code, text, events = run(tmp_path / "run", fault=f"kill-update-alone:1:{FAULT_IT}",
+    code, text, events = run(tmp_path / "run", fault=f"kill-update:1:{FAULT_IT}",
                              env={"TOY_STOP_BEFORE_FENCE": f"0/3:{FAULT_IT}"})
     assert code == 0, text[-6000:]
     assert digest(text) == reference  # nothing lost, nothing corrupted

@@ -14,8 +14,8 @@ Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) a
 raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
 raise-uce-update (a UCE inside the optimizer update window, the shard half written), raise-unknown,
 kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process, at the start of the
-iteration (raise-uce-update: after the fence, once every rank has passed its own; raise-uce-update-alone
-and kill-update-alone: after its own fence, at once). Faults of several ranks in one iteration fire together
+iteration (raise-uce-update, and kill-update (SIGKILL): after the fence, once every rank that
+TOY_STOP_BEFORE_FENCE does not hold has passed its own). Faults of several ranks in one iteration fire together
 (:meth:`Trainer.maybe_inject`). ``TOY_STOP_BEFORE_FENCE=0/3:7``: ranks 0 and 3 reach their fence of
 iteration 7 only once the controller's stop reached them, so it holds them there (a stop that catches the
 ranks on both sides of their fence, deterministically).
@@ -27,7 +27,6 @@ rollback sets the iteration and re-gathers the parameters from the master shards
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import signal
@@ -110,25 +109,18 @@ class Trainer:
         dist.all_reduce(grad, group=STATE["dp"])
         grad /= self.world
         if (rank, it) in self.stop_before_fence:  # this rank is late to its fence: it arrives once stopped
-            _wait_stopped()
+            proc = ttp.api._proc()
+            _wait_until(lambda: proc._hold)
         ttp.tft_start_updating_os(-1)
-        update_faults = [frank for kind, frank, fit in a.faults if kind == "raise-uce-update" and fit == it]
-        if update_faults:  # inside the optimizer update window, once every rank has passed its fence:
-            key = f"toy/updating/{it}"  # else the stop can hold some healthy ranks at the fence of this
-            a.store.add(key, 1)         # step while others update (raise-uce-update-alone does that)
-            if rank in update_faults and not self.injected:
+        window = {frank: kind for kind, frank, fit in a.faults if fit == it and _in_update_window(kind)}
+        if window:  # inside the optimizer update window, once every rank the stop will not hold at its fence
+            key = f"toy/updating/{it}"  # (TOY_STOP_BEFORE_FENCE) has passed its own: else the stop can hold
+            a.store.add(key, 1)         # healthy ranks at the fence of this step while others update
+            if rank in window and not self.injected:
                 self.injected = True
-                _wait_count(a.store, key, self.world)
-                self.inject("raise-uce-update")
-        alone = [k for k, frank, fit in a.faults if fit == it and k.endswith("-update-alone")]
-        if alone:  # the ranks the stop will not hold at their fence pass it first (a store count)
-            a.store.add(f"toy/fenced/{it}", 1)
-        alone = [k for k, frank, fit in a.faults if frank == rank and fit == it and k.endswith("-update-alone")]
-        if alone and not self.injected:  # inside its own update window, once the others passed their fence
-            self.injected = True
-            late = {r for r, i in self.stop_before_fence if i == it}
-            _wait_count(a.store, f"toy/fenced/{it}", self.world - len(late))
-            self.inject({"raise-uce-update-alone": "raise-uce-update", "kill-update-alone": "kill"}[alone[0]])
+                late = {r for r, i in self.stop_before_fence if i == it}
+                _wait_until(lambda: a.store.add(key, 0) >= self.world - len(late))
+                self.inject("kill" if window[rank] == "kill-update" else "raise-uce-update")
         lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
         t = it + 1
         self.m.mul_(0.9).add_(g, alpha=0.1)
@@ -156,7 +148,7 @@ class Trainer:
         if together > 1:
             key = f"toy/faults/{self.it}"
             self.args.store.add(key, 1)
-            _wait_count(self.args.store, key, together)
+            _wait_until(lambda: self.args.store.add(key, 0) >= together)
         self.inject(mine[0])
 
     def inject(self, kind: str) -> None:
@@ -233,20 +225,13 @@ class Trainer:
 
 def _in_update_window(kind: str) -> bool:
     """Faults that fire inside the optimizer update window (Trainer.step), not at the iteration's start."""
-    return kind.startswith("raise-uce-update") or kind.endswith("-update-alone")
+    return kind in ("raise-uce-update", "kill-update")
 
 
-def _wait_stopped(timeout: float = 30.0) -> None:
-    """Wait until the controller's stop reached this rank's processor (at most ``timeout`` s)."""
-    proc, end = ttp.api._proc(), time.monotonic() + timeout
-    while not proc._hold and time.monotonic() < end:
-        time.sleep(0.005)
-
-
-def _wait_count(store, key: str, n: int, timeout: float = 30.0) -> None:
-    """Wait until the counter ``key`` (``store.add``) reaches ``n``, at most ``timeout`` s."""
+def _wait_until(done, timeout: float = 30.0) -> None:
+    """Poll ``done()`` until it is true, at most ``timeout`` s."""
     end = time.monotonic() + timeout
-    while store.add(key, 0) < n and time.monotonic() < end:
+    while not done() and time.monotonic() < end:
         time.sleep(0.005)
 
 

@@ -151,7 +151,7 @@ def test_a_stop_on_both_sides_of_the_fence_is_retried_at_the_step_before_it(base
     with a usable copy of every shard): rank 1 is repaired from rank 3 and rank 2, ahead, from rank 0;
     the job ends bitwise equal to the fault-free run (before: no common step, no dump, exit 76)."""
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce-update-alone:1:{FAULT_IT}"],
+    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce-update:1:{FAULT_IT}"],
               env=dict(HA, TOY_STOP_BEFORE_FENCE=f"0/3:{FAULT_IT}"))
     assert job.wait(120) == [0, 0, 0, 0], job.tail()
     events = job.events()

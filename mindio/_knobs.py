@@ -110,6 +110,10 @@ _ALL = [
     Knob("MINDIO_FAST_EXIT", _bool, True,
          "1: after an EXIT ordered by the controller (e.g. after a dump), end the process with os._exit once "
          "the framework's atexit handlers ran, skipping the interpreter teardown (seconds); 0: full teardown."),
+    Knob("MINDIO_EXIT_TIMEOUT", float, 10.0,
+         "Seconds the exit teardown (mindio/ttp/shutdown.py) waits in all for mindio's control-plane threads "
+         "to end and for the process groups it destroys to release their worker threads, before the "
+         "interpreter shuts down.", min=0.1, max=600),
     Knob("MINDIO_SECRET", str, "", "Per-job secret that signs control messages (hex); generated if empty."),
     Knob("HIGH_AVAILABILITY", _ha_list, (),
          "Comma list of strategies to enable (the job's recover-strategy list): dump, retry, recover, "

@@ -186,6 +186,12 @@ class MegatronAdapter(FrameworkAdapter):
     def stop(self) -> None:
         self.ctx.stop_requested.set()
 
+    def release(self) -> None:
+        """(process exit) Drop model, optimizer and megatron's groups: mindio then destroys the rest."""
+        ctx = self.ctx
+        ctx.model = ctx.optimizer = ctx.scheduler = None
+        _drop_megatron_groups()  # also after dist.destroy_process_group(): its globals still hold the groups
+
     def clean(self, is_uce_error: bool) -> int:
         """Keep this rank's shard and counters, drop model/optimizer and megatron's groups."""
         ctx = self.ctx

@@ -29,8 +29,9 @@ import zmq
 from .. import _knobs
 from ..errors import ConfigError, ProtocolError
 from . import protocol as P
+from . import shutdown
 
-__all__ = ["job_secret", "curve_options", "Channel", "Waker", "Link", "RELAY_PREFIX"]
+__all__ = ["job_secret", "curve_options", "context", "close_context", "Channel", "Waker", "Link", "RELAY_PREFIX"]
 
 _log = logging.getLogger(__name__)
 # A connection whose identity starts with this prefix relays for several ranks (a node agent, or the
@@ -39,6 +40,28 @@ RELAY_PREFIX = b"agent-"
 _STORE_KEY = "mindio/ttp/secret"
 _NB = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_ctx: zmq.Context | None = None
+_ctx_lock = threading.Lock()
+
+
+def context() -> zmq.Context:
+    """mindio's own zmq context (never the application's ``Context.instance()``), so that the exit
+    teardown (shutdown.py) can terminate it without waiting on sockets the application left open."""
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None or _ctx.closed:
+            _ctx = zmq.Context()
+        return _ctx
+
+
+def close_context() -> None:
+    """Close what is left of mindio's sockets and terminate its zmq context (its I/O threads end). Call
+    only once no mindio thread uses a socket any more (shutdown.py joins them first)."""
+    global _ctx
+    with _ctx_lock:
+        ctx, _ctx = _ctx, None
+    if ctx is not None and not ctx.closed:
+        ctx.destroy(linger=0)
 
 
 def _default_store():
@@ -238,7 +261,7 @@ class Link(threading.Thread):
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
         self._halt = threading.Event()
-        self._ctx = zmq.Context.instance()
+        self._ctx = context()
         self._target = 0
         self.drops = P.DropCounter()
 
@@ -253,9 +276,20 @@ class Link(threading.Thread):
         self._waker.wake()
         return done is None or done.wait(wait)
 
+    def start(self) -> None:
+        shutdown.track(self)  # stopped and joined at process exit if still running
+        super().start()
+
     def stop(self) -> None:
         self._halt.set()
         self._waker.wake()
+
+    def close(self, timeout: float) -> bool:
+        """(exit teardown) Stop and join the I/O thread, at most ``timeout`` s; whether it ended."""
+        if self.is_alive():
+            self.stop()
+            self.join(timeout)
+        return not self.is_alive()
 
     @property
     def address(self) -> str:

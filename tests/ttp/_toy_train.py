@@ -306,6 +306,7 @@ def main() -> int:
         ttp.tft_destroy_controller()
     else:
         dist.barrier(group=STATE["dp"])
+    stop_groups(None, None)  # no group outlives main(): mindio/ttp/shutdown.py
     return 0
 
 

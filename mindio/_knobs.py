@@ -80,6 +80,10 @@ _ALL = [
          "Path of a JSON-lines event log (fault seen, transitions, actions and durations); empty: off."),
     # --- control plane ---
     Knob("TTP_RETRY_TIMES", int, 10, "Processor connection attempts to a controller.", min=1, max=300),
+    Knob("MINDIO_CONTROLLER_WAIT", float, 30.0,
+         "Seconds a processor started without MINDIO_SECRET waits for the controller's rank to publish the job "
+         "secret in the job's torch.distributed store; then it fails naming the controller address.",
+         min=1, max=3600),
     Knob("TTP_NORMAL_ACTION_TIME_LIMIT", float, 180.0,
          "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),
     Knob("MINDIO_WAIT_MINDX_TIME", float, 30.0,

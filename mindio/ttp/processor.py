@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from .. import _knobs, _logging
-from ..errors import ConfigError
+from ..errors import ConfigError, NoController
 from . import protocol as P
 from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
@@ -98,8 +98,9 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         budget = _knobs.get("TTP_RETRY_TIMES") * max(1.0, 2 * self.link.interval)
         if not self.link.registered.wait(budget):
             self.link.stop()
-            raise ConnectionError(f"rank {self.rank}: no controller answered at {addr} within {budget:.0f} s "
-                                  "(is tft_start_controller running there, with the same MINDIO_SECRET?)")
+            raise NoController(f"rank {self.rank}: no controller answered at {addr} within {budget:.0f} s "
+                               "(TTP_RETRY_TIMES x 2 heartbeat intervals, MINDIO_HEARTBEAT_INTERVAL): is "
+                               "tft_start_controller running there, with the same MINDIO_SECRET?")
         _log.info("processor registered with controller at %s", self.link.address)
 
     def destroy(self, reason: str = "") -> None:

@@ -22,16 +22,17 @@ import queue
 import secrets
 import threading
 import time
+from datetime import timedelta
 from typing import Callable
 
 import zmq
 
 from .. import _knobs
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError, NoController, ProtocolError
 from . import protocol as P
 from . import shutdown
 
-__all__ = ["job_secret", "curve_options", "context", "close_context", "Channel", "Waker", "Link", "RELAY_PREFIX"]
+__all__ = ["job_secret", "published_secret", "curve_options", "context", "close_context", "Channel", "Waker", "Link", "RELAY_PREFIX"]
 
 _log = logging.getLogger(__name__)
 # A connection whose identity starts with this prefix relays for several ranks (a node agent, or the
@@ -74,8 +75,25 @@ def _default_store():
     return None
 
 
-def job_secret(create: bool) -> bytes:
-    """The 32-byte key that signs control frames (see module docstring for where it comes from)."""
+def published_secret(store, controller: str) -> str:
+    """The secret the controller's rank published in ``store``, waiting for it at most
+    MINDIO_CONTROLLER_WAIT s (not the store's own timeout: the process group's, 30 min by default)."""
+    wait = _knobs.get("MINDIO_CONTROLLER_WAIT")
+    try:
+        store.wait([_STORE_KEY], timedelta(seconds=wait))
+    except RuntimeError as exc:  # DistStoreError: the wait timed out (or the store went away)
+        raise NoController(
+            f"no controller for {controller or 'this processor'}: the job secret it publishes in the job's "
+            f"torch.distributed store (key {_STORE_KEY!r}) did not appear within {wait:.0f} s "
+            f"(MINDIO_CONTROLLER_WAIT; store: {exc}). Start one -- tft_init_controller + tft_start_controller "
+            "on its rank, or launch with mindio-run -- at that address, or give every rank the same "
+            "MINDIO_SECRET") from None
+    return store.get(_STORE_KEY).decode()
+
+
+def job_secret(create: bool, controller: str = "") -> bytes:
+    """The 32-byte key that signs control frames (see module docstring for where it comes from).
+    ``controller``: the address a processor will connect to, named when no controller publishes one."""
     text = _knobs.get("MINDIO_SECRET")
     store = _default_store()
     if not text and store is not None:
@@ -83,7 +101,7 @@ def job_secret(create: bool) -> bytes:
             text = secrets.token_hex(32)
             store.set(_STORE_KEY, text)
         else:
-            text = store.get(_STORE_KEY).decode()  # blocks until the controller's rank published it
+            text = published_secret(store, controller)
     if not text:
         if not create:
             raise ConfigError("no job secret: set MINDIO_SECRET (same value on every rank) or call "

@@ -84,6 +84,18 @@ _ALL = [
          "Seconds a processor started without MINDIO_SECRET waits for the controller's rank to publish the job "
          "secret in the job's torch.distributed store; then it fails naming the controller address.",
          min=1, max=3600),
+    Knob("MINDIO_CONTROLLER_LOST_EXIT", float, 30.0,
+         "Seconds a rank parked after a fault (tft_wait_next_action) waits with no controller reachable before "
+         "it exits with EXIT_CODE_FAULT.", min=1, max=3600),
+    Knob("MINDIO_CONTROLLER_EXIT_WAIT", float, 30.0,
+         "Seconds a process that hosts the controller waits, after an EXIT, for the controller's exit order to "
+         "reach every rank before it leaves.", min=1, max=3600),
+    Knob("MINDIO_PG_TIMEOUT", int, 120,
+         "Seconds of the store and process-group timeout of a replacement process joining the survivors' "
+         "world (recover-in-place, hot switch) when its script gives none.", min=1, max=86400),
+    Knob("MINDIO_SWITCH_BACKUP_WAIT", float, 600.0,
+         "Seconds a hot-switch backup waits, registered, for the switch to release or dismiss it before it "
+         "exits 0 (the launcher ends it sooner at a round end).", min=1, max=86400),
     Knob("TTP_NORMAL_ACTION_TIME_LIMIT", float, 180.0,
          "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),
     Knob("MINDIO_WAIT_MINDX_TIME", float, 30.0,

@@ -89,7 +89,7 @@ class IncidentFlow(PauseFlow):
 
     def _driver_loop(self) -> None:
         while not self._stop.is_set():
-            self._incident_evt.wait()
+            self._incident_evt.wait()  # idle until an incident, an upgrade or close(): nobody is awaited
             if self._stop.is_set():
                 return
             try:

@@ -209,8 +209,9 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
 
     def wait_next_action(self) -> tuple[Action, int]:
         """Park the main thread until the controller says RETRY or EXIT; EXIT(fault) if the controller
-        stays unreachable for 30 s (a parked rank never waits forever)."""
+        stays unreachable for MINDIO_CONTROLLER_LOST_EXIT s (a parked rank never waits forever)."""
         lost_since = None
+        limit = _knobs.get("MINDIO_CONTROLLER_LOST_EXIT")
         with self._cond:
             self._main = "parked"
             self._cond.notify_all()
@@ -218,8 +219,10 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
                 self._cond.wait(0.2)
                 link_ok = self.link is not None and self.link.registered.is_set()
                 lost_since = None if link_ok else (lost_since or time.monotonic())
-                if lost_since is not None and time.monotonic() - lost_since > 30:
-                    _log.error("no controller reachable for 30 s; exiting")
+                if lost_since is not None and time.monotonic() - lost_since > limit:
+                    _log.error("parked for the controller's decision, but no controller reachable (last tried: "
+                               "%s) for %.0f s (MINDIO_CONTROLLER_LOST_EXIT); exiting",
+                               self.link.address if self.link is not None else "none", limit)
                     self._next = (Action.EXIT, EXIT_CODE_FAULT)
             action, self._next = self._next, None
             self._main = "running"

@@ -16,6 +16,7 @@ from mindio.errors import ConfigError
 from mindio.launch import LaunchConfig
 from mindio.launch._bootstrap import top_level_imports
 from mindio.launch.cli import parse_args
+from tests._exits import assert_no_signal_deaths, check_codes
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
@@ -43,6 +44,19 @@ WORKER = textwrap.dedent("""
 """)
 
 
+class _Agent(subprocess.Popen):
+    """An agent whose output, once read, is checked: neither it nor a worker it reports died by a signal
+    the test did not send (``sent``: {rank: signal}; the agent itself: "agent") (tests/_exits.py)."""
+
+    sent: dict = {}
+
+    def communicate(self, *args, **kwargs):
+        out, err = super().communicate(*args, **kwargs)
+        check_codes({"agent": self.returncode}, self.sent, what="process", context=(out or "")[-4000:])
+        assert_no_signal_deaths(out or "", self.sent)
+        return out, err
+
+
 @pytest.fixture
 def job(tmp_path):
     script = tmp_path / "worker.py"
@@ -53,8 +67,8 @@ def job(tmp_path):
 
     def start(*flags, env=None, **kw):
         e = dict(os.environ, OUT_DIR=str(out), TTP_LOG_STDOUT="1", **(env or {}))
-        p = subprocess.Popen([sys.executable, "-m", "mindio.launch.cli", *flags, str(script), "--x", "1"],
-                             env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+        p = _Agent([sys.executable, "-m", "mindio.launch.cli", *flags, str(script), "--x", "1"],
+                   env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
         procs.append(p)
         return p
 
@@ -65,7 +79,7 @@ def job(tmp_path):
     for p in procs:  # end only what this test started
         if p.poll() is None:
             p.kill()
-        p.communicate()
+        subprocess.Popen.communicate(p)  # unchecked: killed here, or checked when the test read it
 
 
 @pytest.mark.timeout(90)
@@ -135,6 +149,7 @@ def test_standby_agent_replaces_a_lost_node(job):
         assert time.monotonic() < deadline, "round 0 never started"
         time.sleep(0.2)
     a1.send_signal(signal.SIGKILL)  # the node dies: its agent, and with it its workers
+    a1.sent = {"agent": "SIGKILL"}
     out0, _ = a0.communicate(timeout=120)
     outs, _ = spare.communicate(timeout=30)
     assert a0.returncode == 0, out0

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mindio._ports import free_port  # outside the ephemeral range (mindio/_ports.py)
+from tests._exits import assert_no_signal_deaths, check_codes, injected, sent_by_faults
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
@@ -41,11 +42,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check=True,
-             launcher: str = "torch.distributed.run"):
+             launcher: str = "torch.distributed.run", sent=None):
     """Run ``script`` under torch.distributed.run; return stdout; fail with the output on error.
 
     ``check=False``: return ``(returncode, output)`` instead of failing on a non-zero exit.
-    ``launcher="mindio.launch.cli"`` runs it under mindio-run instead.
+    ``launcher="mindio.launch.cli"`` runs it under mindio-run instead. Always fails if the launcher
+    died by a signal, or reports a worker that did, unless an ``--inject`` fault in ``args`` or ``sent``
+    ({rank: signal name}) explains it (tests/_exits.py).
     """
     cmd = [sys.executable, "-W", "ignore", "-m", launcher,
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
@@ -64,6 +67,8 @@ def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check
         except subprocess.TimeoutExpired:
             out = "(no output: a process still holds the pipe)"
         raise AssertionError(f"torchrun timed out after {timeout}s:\n{out[-8000:]}")
+    check_codes({launcher: proc.returncode}, what="launcher", context=out[-6000:])
+    assert_no_signal_deaths(out, sent_by_faults(injected(args), also=sent, per_node=nproc))
     if not check:
         return proc.returncode, out
     if proc.returncode != 0:

@@ -30,6 +30,8 @@ import pytest
 from _mgt_launch import (PRETRAIN, REPO, _kill_tree, free_port,
                          losses, torchrun, assert_relaunch_reproduces, SLOW_MEGATRON)
 
+from tests._exits import check_codes, injected, sent_by_faults
+
 pytestmark = SLOW_MEGATRON
 
 ITERS = 60
@@ -75,8 +77,11 @@ def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys: bool 
         for p in procs + sbs:
             if p.poll() is None:
                 _kill_tree(p)
+    out = (tmp / "rank0.out").read_text()
+    check_codes([p.returncode for p in procs], sent_by_faults(injected(args)), context=out[-4000:])
+    check_codes([p.returncode for p in sbs], what="standby", context=out[-4000:])
     return {"rc": [p.returncode for p in procs], "standby_rc": [p.returncode for p in sbs],
-            "out": (tmp / "rank0.out").read_text(), "events": _events(tmp / "events.jsonl")}
+            "out": out, "events": _events(tmp / "events.jsonl")}
 
 
 @pytest.mark.timeout(1500)

@@ -131,6 +131,18 @@ def _release_groups(deadline: float) -> None:
                      "shutdown can abort with SIGABRT (pytorch/pytorch#190489)", left)
 
 
+def _freeze_for_shutdown() -> None:
+    """One collection (garbage cycles are finalized as the interpreter's first shutdown pass would),
+    then freeze what is left: the interpreter's shutdown collections walk none of it again. Python
+    runs no ``__del__`` of objects alive at exit anyway. Measured on a process that imported torch and
+    megatron-core (load 25-30): exit 4.6-7.2 s -> 1.7-2.5 s; with the start-up objects frozen already
+    (device.freeze_startup_objects) the collection walks only the training objects."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def at_exit() -> None:
     """(atexit) Close the control plane, then release every process group (module docstring)."""
     timeout = _knobs.get("MINDIO_EXIT_TIMEOUT")
@@ -154,6 +166,8 @@ def at_exit() -> None:
                 _log.exception("exit: %s failed", getattr(release, "__qualname__", release))
         if "torch.distributed" in sys.modules:
             _release_groups(deadline)
+        if _knobs.get("MINDIO_GC_FREEZE"):
+            _freeze_for_shutdown()
     except Exception:  # an exit hook never raises: the process ends anyway, say why it was unclean
         _log.exception("exit: teardown failed")
     _log.debug("exit teardown: %.1f ms", (time.monotonic() - t0) * 1000)

@@ -76,7 +76,7 @@ class Plan:
         host, dev = [], []
         for src, off in self.storages:
             if src.numel():
-                (host if src.device.type == "cpu" else dev).append((self.data_off + off, src))
+                (host if src.is_cpu else dev).append((self.data_off + off, src))
         wait = (to_host or _device.to_host)(view, dev) if dev else None
         try:
             copy_many(view, [(off, src.numpy()) for off, src in host])
@@ -153,9 +153,11 @@ def plan(obj) -> Plan:
         if st.nbytes():
             # CPU and accelerator storages are viewed where they are (an accelerator's are copied
             # straight into the pool by write_into); other devices' are copied to the CPU here
-            if st.device.type not in ("cpu",) + _device.BACKENDS:
-                st = st.cpu()
-            src = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
+            if st.device.type != "cpu":
+                if st.device.type not in _device.BACKENDS:
+                    st = st.cpu()
+                src = torch.empty(0, dtype=torch.uint8, device=st.device)
+            src = src.set_(st, 0, (st.nbytes(),), (1,))
         srcs.append((src, off))
         entries.append(_ENTRY.pack(off, st.nbytes(), 0, 0))
         off = _round(off + st.nbytes(), _ALIGN)
@@ -260,8 +262,11 @@ def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, veri
         chunk = view[h.data_off + off: h.data_off + off + nbytes]
         if verify and h.flags & FLAG_CHECKSUMS and _native.crc32(chunk) != crc:
             raise CorruptCheckpoint(name, f"checksum mismatch in tensor storage {i} ({nbytes} bytes)")
-        if nbytes and places[i] is not None:
-            moves.append((i, h.data_off + off, nbytes, places[i]))
+        if places[i] is not None:
+            if nbytes:
+                moves.append((i, h.data_off + off, nbytes, places[i]))
+            else:
+                places[i] = None       # an empty storage: its tensors are placed by _relocate
         storages.append(torch.frombuffer(chunk, dtype=torch.uint8).untyped_storage() if nbytes
                         else torch.UntypedStorage(0))
     if moves:
@@ -274,7 +279,7 @@ def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, veri
         if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "t" and 0 <= pid[1] < len(tensors)):
             raise CorruptCheckpoint(name, f"bad tensor reference {pid!r}")
         if pid[1] not in built:
-            built[pid[1]] = _tensor(tensors[pid[1]], storages, map_location, name)
+            built[pid[1]] = _tensor(tensors[pid[1]], storages, places, map_location, name)
         return built[pid[1]]
 
     unpickler_cls = RestrictedUnpickler if weights_only else pickle.Unpickler
@@ -288,7 +293,7 @@ def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, veri
         raise CorruptCheckpoint(name, f"object skeleton cannot be rebuilt: {exc}") from exc
 
 
-def _tensor(desc, storages, map_location, name):
+def _tensor(desc, storages, places, map_location, name):
     import torch
 
     index, offset, shape, stride, dtype_name, requires_grad, is_param, device = desc
@@ -296,9 +301,10 @@ def _tensor(desc, storages, map_location, name):
     if not isinstance(dtype, torch.dtype) or not 0 <= index < len(storages):
         raise CorruptCheckpoint(name, f"bad tensor descriptor {desc!r}")
     st = storages[index]
-    t = torch.empty(0, dtype=dtype, device=st.device).set_(st, offset, shape, stride)
-    if st.device.type == "cpu":
-        t = _relocate(t, device, map_location)
+    if places[index] is None:
+        t = _relocate(torch.empty(0, dtype=dtype).set_(st, offset, shape, stride), device, map_location)
+    else:                              # already on its target device (load_buffer's placement)
+        t = torch.empty(0, dtype=dtype, device=st.device).set_(st, offset, shape, stride)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
@@ -313,22 +319,30 @@ def _placement(tensors, n: int, map_location) -> list:
     import torch
 
     places: list = [None] * n
-    if callable(map_location):
+    if callable(map_location) or (isinstance(map_location, (str, torch.device))
+                                  and torch.device(map_location).type not in _device.BACKENDS):
         return places
+    targets: dict = {}                 # saved device string -> accelerator device or None
+
+    def target(saved):
+        if saved not in targets:
+            if map_location is None:
+                dev = saved
+            elif isinstance(map_location, dict):
+                dev = map_location.get(saved, saved)
+            else:
+                dev = map_location
+            dev = torch.device(dev)
+            targets[saved] = dev if dev.type in _device.BACKENDS else None
+        return targets[saved]
+
     for desc in tensors:
         try:
-            index, saved = desc[0], desc[7]
-            if map_location is None:
-                target = saved
-            elif isinstance(map_location, dict):
-                target = map_location.get(saved, saved)
-            else:
-                target = map_location
-            target = torch.device(target)
+            index, dev = desc[0], target(desc[7])
         except (TypeError, ValueError, IndexError, KeyError, RuntimeError):
             continue
-        if isinstance(index, int) and 0 <= index < n and target.type in _device.BACKENDS:
-            places[index] = target
+        if dev is not None and isinstance(index, int) and 0 <= index < n:
+            places[index] = dev
     return places
 
 

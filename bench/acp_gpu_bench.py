@@ -26,11 +26,11 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 
 import torch
+from _store import private_store
 
 _MIB = 1 << 20
 _TENSOR_MIB = 64
@@ -192,14 +192,13 @@ def report(mib: int, r: dict) -> None:
     print(f"  ({r['t_saves'] + r['t_loads']:.0f} s for this size: saves {r['t_saves']:.0f} s, loads {r['t_loads']:.0f} s)")
 
 
-def _pool_gb(max_mib: int, run_dir: str) -> int:
+def _pool_mb(max_mib: int) -> int:
+    """Two versions of the largest state and room, within the free space of the pool's file system."""
     from mindio.acp import _config
 
-    want = -(-2 * max_mib // 1024) + 2                    # two versions of the largest size, and room
-    pdir = os.path.dirname(_config.pool_dir(run_dir)) or "/"
-    st = os.statvfs(pdir)
-    room = st.f_bavail * st.f_frsize // (1 << 30) - 2
-    return max(1, min(want, room))
+    want = (-(-2 * max_mib // 1024) + 2) << 10
+    st = os.statvfs(os.path.dirname(_config.pool_dir("/")) or "/")
+    return max(1024, min(want, (st.f_bavail * st.f_frsize >> 20) - 2048))
 
 
 def main(argv=None) -> int:
@@ -215,39 +214,26 @@ def main(argv=None) -> int:
               "False). Run it on a machine with a GPU.")
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
-    work = tempfile.mkdtemp(prefix="mindio-gpubench-", dir=args.dir or "/var/tmp")
-    run_dir = tempfile.mkdtemp(prefix="mindio-gpubench-rt-")
-    os.environ["MINDIO_ACP_DIR"] = run_dir               # a private daemon, stopped at the end
-    pool_gb = _pool_gb(max(sizes), run_dir)
-    os.environ["MINDIO_ACP_POOL_MB"] = str(pool_gb * 1024)
+    pool_mb = _pool_mb(max(sizes))
     warnings.filterwarnings("ignore")
     from mindio import _native, acp
     from mindio.acp import api
 
     torch.zeros(1, device="cuda")                       # CUDA in use before initialize(), as in training
     t0 = time.perf_counter()
-    assert acp.initialize() == 0
-    took = time.perf_counter() - t0
-    dev = api._client.device
-    view, t1 = api._client.loadview, time.perf_counter()
-    while view is not None and view.populated < view.size and time.perf_counter() - t1 < 120:
-        time.sleep(0.05)            # a job connects long before it loads: start from the steady state
-    pre = acp.server_stat().get("prefaulted", 0)
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name} ({props.total_memory >> 30} GiB), torch {torch.__version__} (CUDA {torch.version.cuda}), "
-          f"{os.cpu_count()} CPUs, mindio {_native.BACKEND} core")
-    print(f"pool {pool_gb} GiB: initialize() {took:.2f} s, of which page-locked registration "
-          f"{dev.register_s.get('cuda', float('nan')):.2f} s (path: {dev.paths.get('cuda', 'none')}); "
-          f"copy-on-write load view faulted in {time.perf_counter() - t1:.1f} s more (background); the daemon "
-          f"had faulted in {pre / (1 << 30):.1f} GiB of its mapping at the first save (background); dir {work}")
-    try:
+    with private_store(args.dir, pool_mb=pool_mb, prefix="mindio-gpubench") as store:
+        dev = api._client.device
+        pre = acp.server_stat().get("prefaulted", 0)
+        props = torch.cuda.get_device_properties(0)
+        print(f"{props.name} ({props.total_memory >> 30} GiB), torch {torch.__version__} (CUDA {torch.version.cuda}), "
+              f"{os.cpu_count()} CPUs, mindio {_native.BACKEND} core")
+        print(f"pool {pool_mb >> 10} GiB: initialize() {store.init_s:.2f} s, of which page-locked registration "
+              f"{dev.register_s.get('cuda', float('nan')):.2f} s (path: {dev.paths.get('cuda', 'none')}); "
+              f"copy-on-write load view faulted in {store.view_s:.1f} s more (background); the daemon had faulted "
+              f"in {pre / (1 << 30):.1f} GiB of its mapping at the first save (background); dir {store.work}")
         for mib in sizes:
-            report(mib, bench_size(mib, work, args.repeat, args.torch_max, acp))
+            report(mib, bench_size(mib, store.work, args.repeat, args.torch_max, acp))
         print(f"\nbench took {time.perf_counter() - t0:.0f} s")
-    finally:
-        acp.shutdown_server()
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 
 

@@ -100,22 +100,10 @@ def _close_control_plane(deadline: float) -> bool:
 
 
 def _release_groups(deadline: float) -> None:
-    import torch.distributed as dist
-
     from . import device
 
-    groups = device.all_groups()
-    if groups:
-        try:
-            dist.destroy_process_group()  # every group, the default one last
-        except (RuntimeError, ValueError) as exc:  # destroyed in part already: the rest one by one
-            _log.info("exit: destroy_process_group: %s; destroying groups one by one", exc)
-            for g in groups:
-                try:
-                    dist.destroy_process_group(g)
-                except (RuntimeError, ValueError):
-                    pass
-        device.release(groups)  # our references, dropped in parallel: an unreferenced group goes now
+    groups = device.destroy_all()
+    device.release(groups)  # our references, dropped in parallel: an unreferenced group goes now
     if not device.wait_released(max(0.1, deadline - time.monotonic())):
         _log.warning("exit: process groups still being destroyed after MINDIO_EXIT_TIMEOUT=%.0f s (their "
                      "worker threads wait for a collective with a peer); the interpreter shutdown may abort",

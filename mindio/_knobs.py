@@ -119,6 +119,13 @@ _ALL = [
          "recover_strategy; docs/ttp.md); empty: the built-in table mindio/ttp/fault_table.json."),
     Knob("MINDIO_CONTROLLER_EXTERNAL", _bool, False,
          "1: the launcher hosts the controller; the example training scripts start none in rank 0."),
+    Knob("MINDIO_DECISION_TIMEOUT", float, 300.0,
+         "mindio-run with --high-availability: seconds a worker death may wait for the controller's decision "
+         "(replace the rank, or end the job) before the agent fails the round anyway.", min=1, max=86400),
+    Knob("MINDIO_PRELOAD", str, "",
+         "mindio-run: comma list of extra modules its warm worker interpreters import before they know their "
+         "rank (only modules that read no rank variable at import; torch, numpy, megatron.core and mindio "
+         "always are)."),
     Knob("MINDIO_STANDBY", _bool, False,
          "1: this process is a standby for a rank an elastic downgrade removed (the example training scripts "
          "register it with the controller and wait for the scale-out; docs/elastic.md)."),

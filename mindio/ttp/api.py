@@ -70,6 +70,10 @@ def tft_init_controller(rank: int, world_size: int, enable_local_copy: bool, ena
     if not -1 <= rank < world_size or not 1 <= world_size <= 100000:
         raise ConfigError(f"tft_init_controller: rank {rank} must be in [-1, world_size) and world_size "
                           f"{world_size} in [1, 100000]")
+    if enable_arf:  # a controller a script starts can never replace a process: say so now, not at the fault
+        from ..launch.needs import require_replacer
+
+        require_replacer("worker reboot (tft_init_controller(enable_arf=True), --enable-worker-reboot)")
     enabled = set(_knobs.get("HIGH_AVAILABILITY")) or (
         {"dump"} | ({"recover"} if enable_arf else set()) | ({"elastic-training"} if enable_zit else set()))
     _rt.controller_init = {"rank": rank, "world_size": world_size, "enabled": enabled}
@@ -117,6 +121,10 @@ def tft_destroy_controller():
 # ----------------------------------------------------------------------------- processor
 def tft_init_processor(rank: int, world_size: int, enable_local_copy: bool, enable_tls=True, tls_info='',
                        enable_uce=True, enable_arf=False, enable_zit=False):
+    if enable_arf:
+        from ..launch.needs import require_replacer
+
+        require_replacer("worker reboot (tft_init_processor(enable_arf=True), --enable-worker-reboot)")
     curve = transport.curve_options(enable_tls, tls_info, server=False)
     proc = Processor(rank, world_size, enable_uce=enable_uce, enable_arf=enable_arf, enable_zit=enable_zit,
                      curve=curve)

@@ -1,0 +1,151 @@
+"""Why a worker failed, told the way torchrun tells it, and which failure came first.
+
+Worker side (:mod:`mindio.launch._bootstrap`): an exception that escapes the training script is printed
+without the launcher's own frames (the traceback starts at the script) and recorded in the worker's
+error file, ``TORCHELASTIC_ERROR_FILE``, in the JSON format of torch.distributed.elastic's
+``ErrorHandler`` (what ``@record`` writes; a script decorated with ``@record`` keeps its own file).
+
+Agent side: :func:`read` turns a failed worker's exit code and error file into a :class:`Failure`; every
+agent posts its failures to node 0's store (agent.py), so :func:`first` can name the root cause of a
+round -- the earliest failure that is not a consequence of another (a peer's "connection closed",
+a collective timeout, a signal the agents sent) -- whichever node it ran on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+__all__ = ["Failure", "describe", "first", "read", "record", "summary", "trim"]
+
+_MAX_FILE = 1 << 20  # an error file larger than this is read only in part
+_MAX_TRACE_LINES = 40  # lines of a root cause's traceback other nodes print
+# what a rank sees when a peer it waits for in a collective failed (gloo, TCPStore)
+_SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+              "distnetworkerror", "distbackenderror", "connection refused")
+
+
+def describe(code: int) -> str:
+    """``exit code 7`` / ``signal SIGKILL``."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+# ----------------------------------------------------------------------------------- worker side
+def trim(tb, skip: tuple):
+    """``tb`` without its leading frames from files in ``skip`` (the bootstrap, runpy)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in skip:
+        tb = tb.tb_next
+    return tb
+
+
+def record(exc: BaseException, tb, path: str) -> None:
+    """Write ``exc`` to ``path`` as torch's ErrorHandler does, unless the script's own ``@record``
+    already wrote it. Never raises: the exit of the worker must not depend on its error file."""
+    if not path or os.path.exists(path):
+        return
+    data = {"message": {
+        "message": f"{type(exc).__name__}: {exc}",
+        "extraInfo": {"py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+                      "timestamp": str(int(time.time())), "mindio_time": time.time(),
+                      "host": socket.gethostname()},
+    }}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------------ agent side
+@dataclass
+class Failure:
+    """One worker's failure: which rank, how it ended and, from its error file, why."""
+
+    rank: int
+    code: int
+    node: int = 0
+    host: str = ""
+    error: str = ""         # "Type: message" from the error file; "" without one
+    trace: str = ""         # its traceback (launcher frames already trimmed)
+    time: float = 0.0       # when it failed (the error file's time, else when its agent saw it)
+    late: bool = False      # it ended after its training had finished (ha.py)
+
+    @property
+    def secondary(self) -> bool:
+        """A consequence of another failure: killed by the agents, or a peer's lost connection or a
+        collective timeout seen by a rank that was waiting for the failed one."""
+        if self.code in (-signal.SIGTERM, -signal.SIGKILL) and not self.error:
+            return True
+        low = self.error.lower()
+        return any(s in low for s in _SECONDARY)
+
+    def line(self) -> str:
+        where = f" (node {self.node}{', ' + self.host if self.host else ''})"
+        why = f": {self.error.splitlines()[0][:300]}" if self.error else ""
+        when = " after its training finished" if self.late else ""
+        return f"rank {self.rank}{where} exited with {describe(self.code)}{when}{why}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text) -> "Failure":
+        return cls(**json.loads(text))
+
+
+def read(rank: int, code: int, error_file: str | None, node: int = 0) -> Failure:
+    """The failure of ``rank`` that ended with ``code``, with its error file's message when it wrote one."""
+    f = Failure(rank=rank, code=code, node=node, host=socket.gethostname(), time=time.time())
+    if not error_file or not os.path.isfile(error_file):
+        return f
+    try:
+        with open(error_file, encoding="utf-8", errors="replace") as fp:
+            data = json.loads(fp.read(_MAX_FILE))
+        msg = data.get("message", "")
+        if isinstance(msg, dict):  # torch's ErrorHandler format
+            info = msg.get("extraInfo") or {}
+            f.error = str(msg.get("message", ""))
+            f.trace = str(info.get("py_callstack", ""))
+            f.time = float(info.get("mindio_time") or info.get("timestamp") or f.time)
+            f.host = str(info.get("host") or f.host)
+        else:  # the plain {"message": str, "timestamp": int} format
+            f.error, f.time = str(msg), float(data.get("timestamp") or f.time)
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass  # a torn or foreign file: the exit code still says how it ended
+    return f
+
+
+def first(failures) -> Failure | None:
+    """The root cause: the earliest failure that is not a consequence of another (else the earliest)."""
+    failures = list(failures)
+    if not failures:
+        return None
+    return min(failures, key=lambda f: (f.secondary, f.time, f.rank))
+
+
+def summary(failures) -> str:
+    """One line: the root cause, then how many other ranks failed."""
+    root = first(failures)
+    if root is None:
+        return ""
+    others = sorted({f.rank for f in failures} - {root.rank})
+    more = f"; also failed: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others[:16]))}" if others else ""
+    return root.line() + more
+
+
+def root_trace(failure: Failure) -> str:
+    """The last lines of the root cause's traceback, for the consoles of other nodes."""
+    lines = failure.trace.rstrip().splitlines()
+    if len(lines) > _MAX_TRACE_LINES:
+        lines = ["  ..."] + lines[-_MAX_TRACE_LINES:]
+    return "\n".join(lines)

@@ -104,15 +104,11 @@ def _redirect(fd: int, path: str | None) -> None:
 
 def _report(exc: BaseException) -> None:
     """Print ``exc`` from the script's first frame on, and record it for the agent (failures.py)."""
-    import traceback
-
     from . import failures
 
-    files = (os.path.abspath(__file__), runpy.__file__)
-    skip = tuple(os.path.realpath(p) for p in files) + files + ("<frozen runpy>",)
-    tb = failures.trim(exc.__traceback__, skip)
-    traceback.print_exception(type(exc), exc, tb)
-    failures.record(exc, tb, os.environ.get("TORCHELASTIC_ERROR_FILE", ""))
+    trace = failures.format_exception(exc)
+    sys.stderr.write(trace)
+    failures.record(exc, trace)
     from .._extras import hint
 
     h = hint(exc)

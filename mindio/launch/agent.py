@@ -268,15 +268,21 @@ class Agent:
         log.warning("rank %d: switched-out process %d exited with %s", rank, old.pid, old.poll())
         _logging.event("switched_out_exit", switched_rank=rank, old_pid=old.pid, code=old.poll())
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, settle: bool = False) -> dict:
         """SIGTERM (or the signal that stopped the agent, forwarded as torchrun does) to every worker;
-        SIGKILL after ``--shutdown-timeout`` seconds."""
+        SIGKILL after ``--shutdown-timeout`` seconds. ``settle``: the workers were told to exit (the
+        controller ended the job): they get ``EXIT_GRACE_S`` to do so first. Returns {rank: exit code} of
+        the workers that had exited before they were signalled (the others' ends are the agent's doing)."""
         switch.stop(self)  # hot-switch backups not released
         if self._hosted is not None:
             self._hosted.close()
             self._hosted = None
+        if settle:
+            self._settle()
         with self._lock:
-            live = [p for p in self._workers.values() if p.poll() is None]
+            procs = dict(self._workers)
+            live = [p for p in procs.values() if p.poll() is None]
+            ended = {r: p.returncode for r, p in procs.items() if p not in live}
         for p in live:
             p.send_signal(self._signal or signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.term_grace
@@ -291,6 +297,7 @@ class Agent:
         self._workers = {}
         if self._logs is not None:
             self._logs.stop()
+        return ended
 
     # --- rounds -------------------------------------------------------------------------------
     def _join(self, rnd: int) -> None:
@@ -365,12 +372,11 @@ class Agent:
     def record_failures(self, rnd: int, codes: dict) -> None:
         """(main loop) Workers of this node that exited non-zero ({rank: code}): read their error files
         and post them (``round/<n>/failures/<node>``) for every agent's summary."""
-        known = {(f.rank, f.code, f.time) for f in self._failures}
+        if not codes:
+            return
         base = self.cfg.node_rank * self.cfg.nproc_per_node
         for rank, code in sorted(codes.items()):
-            f = failures.read(rank, code, self._logs.error_file(rank - base), node=self.cfg.node_rank)
-            if (f.rank, f.code, f.time) not in known:
-                self._failures.append(f)
+            self._failures.append(failures.read(rank, code, self._logs.error_file(rank - base), node=self.cfg.node_rank))
         try:
             self._store.set(f"round/{rnd}/failures/{self.cfg.node_rank}",
                             json.dumps([json.loads(f.to_json()) for f in self._failures]))
@@ -449,7 +455,7 @@ class Agent:
         for name in self.cfg.signals:
             signal.signal(getattr(signal, name), self._on_signal)
         self._logs = WorkerLogs(self.cfg)
-        self._spares.fill()  # interpreters warm up while the agents rendezvous
+        self._spares.fill(self.cfg.nproc_per_node)  # every first worker warms up while the agents rendezvous
         try:
             if self._store is None:
                 self._connect()
@@ -477,7 +483,9 @@ class Agent:
                 reason = self._monitor(rnd)
                 if reason is None:
                     return self._finished(rnd)
-                self._stop_workers()
+                codes = self._stop_workers(settle="the controller ended the job" in reason)
+                seen = {f.rank for f in self._failures}
+                self.record_failures(rnd, {r: c for r, c in codes.items() if c and r not in seen})
                 _logging.event("workers_stopped", round=rnd, node=self.cfg.node_rank, reason=reason)
                 code = self._report_round(rnd, reason)
                 if code is not None:
@@ -507,7 +515,8 @@ class Agent:
         every worker restarts (``--max-restarts``)."""
         fails = self.round_failures(rnd)
         dumped = self._hosted_code == EXIT_CODE_DUMPED or any(f.code == EXIT_CODE_DUMPED for f in fails)
-        causes = [f for f in fails if f.code != EXIT_CODE_DUMPED]
+        # a worker that exited 75 after the dump is no cause, unless its error file names the fault it saw
+        causes = [f for f in fails if f.code != EXIT_CODE_DUMPED or f.error]
         cause = failures.summary(causes) or reason
         if causes and "controller" in reason:
             cause += f" ({reason.partition(': ')[2] or reason})"

@@ -1,9 +1,11 @@
 """Why a worker failed, told the way torchrun tells it, and which failure came first.
 
-Worker side (:mod:`mindio.launch._bootstrap`): an exception that escapes the training script is printed
+Worker side: an exception that escapes the training script (mindio.launch._bootstrap) is printed
 without the launcher's own frames (the traceback starts at the script) and recorded in the worker's
 error file, ``TORCHELASTIC_ERROR_FILE``, in the JSON format of torch.distributed.elastic's
-``ErrorHandler`` (what ``@record`` writes; a script decorated with ``@record`` keeps its own file).
+``ErrorHandler`` (what ``@record`` writes; a script decorated with ``@record`` keeps its own file). A
+fault that ``tft_exception_handler`` caught and that ended the process (exit 75 after a dump, 76) is
+recorded too (mindio.ttp.decorator), so the launcher can name it.
 
 Agent side: :func:`read` turns a failed worker's exit code and error file into a :class:`Failure`; every
 agent posts its failures to node 0's store (agent.py), so :func:`first` can name the root cause of a
@@ -47,23 +49,47 @@ def trim(tb, skip: tuple):
     return tb
 
 
-def record(exc: BaseException, tb, path: str) -> None:
-    """Write ``exc`` to ``path`` as torch's ErrorHandler does, unless the script's own ``@record``
-    already wrote it. Never raises: the exit of the worker must not depend on its error file."""
-    if not path or os.path.exists(path):
+def launcher_frames() -> tuple:
+    """The file names of the frames that run a script under mindio-run (the bootstrap, runpy)."""
+    import runpy
+
+    from . import _bootstrap
+
+    files = (os.path.abspath(_bootstrap.__file__), runpy.__file__)
+    return tuple(os.path.realpath(p) for p in files) + files + ("<frozen runpy>",)
+
+
+def format_exception(exc: BaseException) -> str:
+    """``exc``'s traceback as Python prints it, from the script's first frame on."""
+    return "".join(traceback.format_exception(type(exc), exc, trim(exc.__traceback__, launcher_frames())))
+
+
+def record(exc: BaseException, trace: str, path: str | None = None, replace: bool = False) -> None:
+    """Write ``exc`` (and its formatted ``trace``) to the error file ``path`` (default:
+    TORCHELASTIC_ERROR_FILE) as torch's ErrorHandler does. ``replace=False`` keeps a file the script's
+    own ``@record`` wrote. Never raises: the exit of the worker must not depend on its error file."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "") if path is None else path
+    if not path or (not replace and os.path.exists(path)):
         return
     data = {"message": {
         "message": f"{type(exc).__name__}: {exc}",
-        "extraInfo": {"py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
-                      "timestamp": str(int(time.time())), "mindio_time": time.time(),
+        "extraInfo": {"py_callstack": trace, "timestamp": str(int(time.time())), "mindio_time": time.time(),
                       "host": socket.gethostname()},
     }}
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "w") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             json.dump(data, f)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails if the script's @record wrote it meanwhile
+            os.unlink(tmp)
     except OSError:
-        pass
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 # ------------------------------------------------------------------------------------ agent side

@@ -36,9 +36,10 @@ class Spares:
             stdin=subprocess.PIPE, env=self._env, text=True,
         )
 
-    def fill(self) -> None:
+    def fill(self, count: int | None = None) -> None:
+        """Keep ``count`` (default ``--warm-spares``) interpreters warming or waiting."""
         self._pool = [p for p in self._pool if p.poll() is None]
-        while len(self._pool) < self._cfg.warm_spares:
+        while len(self._pool) < max(count or 0, self._cfg.warm_spares):
             self._pool.append(self._start())
 
     def take(self, env: dict, argv, stdout: str | None = None, stderr: str | None = None) -> subprocess.Popen:

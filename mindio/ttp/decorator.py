@@ -30,6 +30,7 @@ import time
 import traceback
 
 from .. import _knobs, _logging
+from ..launch import failures as _launcher
 from . import policy
 from . import reboot as _reboot
 from ._enums import Action, OsStatus, ReportState
@@ -127,6 +128,7 @@ def tft_exception_handler(func):
                     raise
                 message = f"{type(exc).__name__}: {exc}"
                 state = classify_exception(exc, proc.data_status)
+                fault = (exc, _launcher.format_exception(exc))  # for the launcher, if this fault ends the process
                 traceback.clear_frames(exc.__traceback__)  # frames hold model / group references
                 exc.__traceback__ = None
             proc.report(state, message)
@@ -136,6 +138,7 @@ def tft_exception_handler(func):
                 _log.warning("RETRY: re-entering %s", getattr(func, "__name__", "train"))
                 _logging.event("train_resumed", step=proc.step, gen=proc.gen)
                 continue
+            _launcher.record(*fault, replace=True)  # TORCHELASTIC_ERROR_FILE: the launcher names this fault
             exit_process(proc, code)
 
     return wrapper

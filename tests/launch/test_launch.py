@@ -130,16 +130,23 @@ def test_workers_get_torchrun_environment_and_logs(job):
     assert ours["none_*/attempt_0/1/stdout.log"] == "hello from rank 1\n"
 
 
-@pytest.mark.timeout(120)
-def test_failed_worker_restarts_whole_job_with_fresh_store(job):
+@pytest.mark.timeout(150)
+def test_failed_worker_restarts_whole_job_and_its_exception_is_named(job):
+    """Round 0: rank 1 raises. The summary names its exception and rank, its traceback starts at the
+    script's frame (no launcher frames), and every worker restarts in round 1 (a fresh store), which ends
+    the job with 0."""
     start, results = job
     p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), "--max-restarts", "1",
-              env={"FAIL_RANK": "1"})
-    out, _ = p.communicate(timeout=110)
+              env={"FAIL_RANK": "1", "FAIL_HOW": "raise"})
+    out, _ = p.communicate(timeout=140)
     assert p.returncode == 0, out
     line = next(ln for ln in out.splitlines() if "round 0 failed" in ln)
-    assert "rank 1 (node 0" in line and "exited with exit code 7" in line, out
+    assert "rank 1 (node 0, " in line and "exited with exit code 1: ValueError: bad batch on rank 1" in line, out
     assert line.endswith("restarting every worker (restart 1 of 1)"), line
+    trace = out[out.index("Traceback"):]
+    frames = [ln for ln in trace.splitlines() if ln.startswith('  File "')]
+    assert frames[0].startswith(f'  File "{job[0].dir / "worker.py"}"'), trace  # the script's frame comes first
+    assert "_bootstrap" not in out and "runpy" not in out, out
     assert {"r1-rank0.json", "r1-rank1.json"} <= set(results())
 
 
@@ -156,20 +163,6 @@ def test_the_failing_rank_is_named_when_a_peer_dies_before_it_is_reaped(job):
     line = next(ln for ln in out.splitlines() if "job failed" in ln)
     assert line.startswith("mindio-run: job failed: rank 1 (node 0, "), out
     assert "exited with exit code 7; also failed: rank 0" in line, out
-
-
-@pytest.mark.timeout(90)
-def test_failure_names_the_exception_without_launcher_frames(job):
-    start, _ = job
-    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), env={"FAIL_RANK": "0", "FAIL_HOW": "raise"})
-    out, _ = p.communicate(timeout=80)
-    assert p.returncode == 1, out
-    line = next(ln for ln in out.splitlines() if "job failed" in ln)
-    assert "rank 0 (node 0, " in line and "exited with exit code 1: ValueError: bad batch on rank 0" in line, out
-    trace = out[out.index("Traceback"):]
-    frames = [ln for ln in trace.splitlines() if ln.startswith('  File "')]
-    assert frames[0].startswith(f'  File "{job[0].dir / "worker.py"}"'), trace  # the script's frame comes first
-    assert "_bootstrap" not in out and "runpy" not in out, out
 
 
 @pytest.mark.timeout(150)
@@ -270,19 +263,21 @@ ARF = textwrap.dedent("""
 
 
 @pytest.mark.timeout(120)
-def test_worker_reboot_without_the_launcher_flag_fails_at_start(job, tmp_path):
-    """A job that asks for worker reboot (enable_arf, the scripts' --enable-worker-reboot) under mindio-run
-    without --high-availability: nothing could replace a dead rank, so it fails at start, one line naming
-    the flag to add (before: it trained, and its first dead rank ended the job with 76)."""
+def test_worker_reboot_under_torchrun_fails_at_start(job, tmp_path):
+    """A job that asks for worker reboot (enable_arf, the scripts' --enable-worker-reboot) under torchrun:
+    nothing could replace a dead rank, so it fails at start, one line naming what to use (before: it
+    trained, and its first dead rank ended the job with 76). Under mindio-run without
+    --high-availability: test_launch_megatron.py, on the Megatron example."""
     start, _ = job
     script = tmp_path / "arf.py"
     script.write_text(ARF)
-    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), target=script)
+    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), target=script,
+              launcher="torch.distributed.run")
     out, _ = p.communicate(timeout=110)
     assert p.returncode == 1, out
-    line = next(ln for ln in out.splitlines() if "job failed" in ln)
-    assert "ConfigError: worker reboot" in line and "add `--high-availability dump,recover-in-place` to mindio-run" \
-        in line, out
+    assert "ConfigError: worker reboot (tft_init_controller(enable_arf=True), --enable-worker-reboot) replaces " \
+           "failed processes, which torchrun cannot do: launch the job with `mindio-run --high-availability " \
+           "dump,recover-in-place`" in out, out
 
 
 @pytest.mark.timeout(60)

@@ -152,7 +152,7 @@ class Agent:
                 timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout),
             )
             self._store.set(f"round/{rnd}/port", str(self._worker_store.port))
-        self._wait_key(f"round/{rnd}/port", "the port of round's worker store", "node 0's agent")
+        self._wait_key(f"round/{rnd}/port", f"the port of round {rnd}'s worker store", "node 0's agent")
         return int(self._store.get(f"round/{rnd}/port"))
 
     def _wait_key(self, key: str, what: str, whom: str) -> None:
@@ -222,7 +222,7 @@ class Agent:
         if self.cfg.high_availability:
             if self.cfg.node_rank == 0 and gen is None:
                 self._hosted = ha.HostedController(self, rnd)
-            self._store.wait([f"round/{rnd}/ttp"])
+            self._wait_key(f"round/{rnd}/ttp", "the address of the controller it hosts", "node 0's agent")
             self._ttp = json.loads(self._store.get(f"round/{rnd}/ttp"))
         if gen is not None and self.takeover_kind == elastic.KIND:  # a vacant node after a downgrade
             elastic.start_standbys(self)  # its ranks offer themselves back to the controller (upgrade)
@@ -431,7 +431,12 @@ class Agent:
         if self.cfg.high_availability:
             return self._wait_for_takeover(me)
         while not self._stopping:
-            for node in self._lost_nodes():
+            try:
+                lost = self._lost_nodes()
+            except (RuntimeError, OSError) as exc:  # node 0's store is gone: the job ended
+                log.info("standby agent: job store unreachable (%s); leaving", str(exc).splitlines()[0])
+                return None
+            for node in lost:
                 stale = self._store.get(f"agent/{node}/beat").decode()
                 if self._store.compare_set(f"claim/{node}/{stale}", "", me).decode() != me:
                     continue  # another standby took this node

@@ -283,8 +283,7 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
     with agent._lock:
         procs = {r: agent._workers[r] for r in bad}
     new = {r: c for r, c in bad.items() if procs[r] not in agent._reported}
-    if new:
-        agent.record_failures(rnd, new)  # their error files, for the summary of every agent
+    failed = None
     for rank, code in new.items():
         agent._reported.add(procs[rank])
         agent._dead_since = agent._dead_since or time.monotonic()
@@ -292,12 +291,14 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
         log.error("rank %d %s; telling the controller", rank, why)
         _logging.event("worker_exited", round=rnd, dead_rank=rank, code=code)
         if agent._hosted is not None:
-            failed = agent._hosted.report_death(rank, why)
-            if failed:
-                return failed
+            failed = failed or agent._hosted.report_death(rank, why)
         else:
             i = store.add(f"round/{rnd}/deaths", 1)
             store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
+    if new:  # after the reports (they are on the recovery's critical path): their error files, for the summary
+        agent.record_failures(rnd, new)
+    if failed:
+        return failed
     agent.late_ranks |= {r for r in bad if r not in agent.late_ranks and store.check([f"round/{rnd}/late/{r}"])}
     switch.poll(agent, rnd)  # a hot-switch backup that exited before it was released
     if agent._refill:

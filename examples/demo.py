@@ -98,7 +98,7 @@ def main() -> int:
     fault_t = next((t for t, l in retry if "inject" in l), None)
     resumed_t = next((t for t, l in retry if fault_t is not None and t > fault_t
                       and re.search(r"iteration\s+5/", l)), None)
-    restarted = any("restarting all workers" in l for _, l in retry)
+    restarted = any(re.search(r"(restarting|relaunching) every worker", l) for _, l in retry)
 
     print("\n[3/4] recover in place: rank 3 is SIGKILLed at step 7; only that process is started again")
     rc, recover = mindio_run(COMMON + ["--enable-high-availability", "--inject", "kill:rank=3,step=7"],

@@ -59,7 +59,6 @@ __all__ = ["LaunchConfig", "Agent"]
 
 # after a worker fails, how long to wait for the node's other workers before reporting who failed
 EXIT_GRACE_S = 1.0
-EXIT_CODE_DUMPED = 75  # mindio.ttp._enums.EXIT_CODE_DUMPED (not imported: the agent stays light)
 
 
 class Agent:
@@ -516,35 +515,13 @@ class Agent:
         return 0
 
     def _report_round(self, rnd: int, reason: str) -> int | None:
-        """Say how round ``rnd`` ended, on one line; the agent's exit code when the job ends, None when
-        every worker restarts (``--max-restarts``)."""
-        fails = self.round_failures(rnd)
-        dumped = self._hosted_code == EXIT_CODE_DUMPED or any(f.code == EXIT_CODE_DUMPED for f in fails)
-        # a worker that exited 75 after the dump is no cause, unless its error file names the fault it saw
-        causes = [f for f in fails if f.code != EXIT_CODE_DUMPED or f.error]
-        cause = failures.summary(causes) or reason
-        if causes and "controller" in reason:
-            cause += f" ({reason.partition(': ')[2] or reason})"
-        restart = not self._stopping and rnd < self.cfg.max_restarts
-        more = f"restart {rnd + 1} of {self.cfg.max_restarts}"
-        if dumped:
-            what = f"a last-words checkpoint was written (workers exited {EXIT_CODE_DUMPED}) after: {cause}"
-            if restart:
-                print(f"mindio-run: round {rnd}: {what}; relaunching every worker to resume from it ({more})",
-                      file=sys.stderr)
-                return None
-            print(f"mindio-run: job stopped: {what}; run it again (or with --max-restarts) to resume from it",
-                  file=sys.stderr)
-            return EXIT_CODE_DUMPED
-        if restart:
-            print(f"mindio-run: round {rnd} failed: {cause}; restarting every worker ({more})", file=sys.stderr)
-            return None
-        print(f"mindio-run: job failed: {cause} (restarts used: {rnd} of {self.cfg.max_restarts})", file=sys.stderr)
-        root = failures.first(causes)
-        if root is not None and root.node != self.cfg.node_rank and root.trace:
-            print(f"mindio-run: root cause, from node {root.node} ({root.host}):\n{failures.root_trace(root)}",
-                  file=sys.stderr)
-        return 1
+        """Say how round ``rnd`` ended (failures.outcome); the agent's exit code when the job ends, None
+        when every worker restarts (``--max-restarts``)."""
+        text, code = failures.outcome(self.round_failures(rnd), reason, rnd, self.cfg.max_restarts,
+                                      stopping=self._stopping, dumped=self._hosted_code == failures.EXIT_CODE_DUMPED,
+                                      node=self.cfg.node_rank)
+        print(text, file=sys.stderr)
+        return code
 
     def _leave(self) -> None:
         """Node 0 hosts the stores: it leaves last (bounded by ``leave_timeout``), so no agent reads a

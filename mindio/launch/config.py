@@ -28,8 +28,9 @@ class LaunchConfig:
     """Whole-job restarts allowed after a failure (torchrun semantics)."""
     monitor_interval: float = 0.1
     """Seconds between checks of the workers and the other agents."""
-    rdzv_timeout: float = 300.0
-    """Seconds to wait for all agents to join a round."""
+    rdzv_timeout: float = 600.0
+    """Seconds to wait for all agents to join a round, or for node 0's store (``--rdzv-conf join_timeout``,
+    torchrun's default)."""
     node_lost_after: float = 3.0
     """Seconds without a beat from an agent before its node is declared lost."""
     term_grace: float = 3.0

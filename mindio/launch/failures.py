@@ -22,10 +22,13 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 
-__all__ = ["Failure", "describe", "first", "read", "record", "summary", "trim"]
+__all__ = ["Failure", "describe", "first", "read", "record", "summary", "outcome", "trim"]
+
+EXIT_CODE_DUMPED = 75  # mindio.ttp._enums.EXIT_CODE_DUMPED (not imported: the agent stays light)
 
 _MAX_FILE = 1 << 20  # an error file larger than this is read only in part
 _MAX_TRACE_LINES = 40  # lines of a root cause's traceback other nodes print
+_MAX_ERROR, _MAX_TRACE = 2000, 16000  # characters of a failure kept (and posted to the store)
 # what a rank sees when a peer it waits for in a collective failed (gloo, TCPStore)
 _SECONDARY = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
               "distnetworkerror", "distbackenderror", "connection refused")
@@ -140,12 +143,12 @@ def read(rank: int, code: int, error_file: str | None, node: int = 0) -> Failure
         msg = data.get("message", "")
         if isinstance(msg, dict):  # torch's ErrorHandler format
             info = msg.get("extraInfo") or {}
-            f.error = str(msg.get("message", ""))
-            f.trace = str(info.get("py_callstack", ""))
+            f.error = str(msg.get("message", ""))[:_MAX_ERROR]
+            f.trace = str(info.get("py_callstack", ""))[-_MAX_TRACE:]
             f.time = float(info.get("mindio_time") or info.get("timestamp") or f.time)
             f.host = str(info.get("host") or f.host)
         else:  # the plain {"message": str, "timestamp": int} format
-            f.error, f.time = str(msg), float(data.get("timestamp") or f.time)
+            f.error, f.time = str(msg)[:_MAX_ERROR], float(data.get("timestamp") or f.time)
     except (OSError, ValueError, TypeError, AttributeError):
         pass  # a torn or foreign file: the exit code still says how it ended
     return f
@@ -175,3 +178,35 @@ def root_trace(failure: Failure) -> str:
     if len(lines) > _MAX_TRACE_LINES:
         lines = ["  ..."] + lines[-_MAX_TRACE_LINES:]
     return "\n".join(lines)
+
+
+def outcome(fails, reason: str, rnd: int, max_restarts: int, stopping: bool = False, dumped: bool = False,
+            node: int = 0) -> tuple[str, int | None]:
+    """How round ``rnd`` ended, for the console, and the agent's exit code (None: every worker restarts).
+
+    A round whose workers exited 75 (or whose controller said so: ``dumped``) ended with a last-words
+    checkpoint: that is said, and relaunched while restarts remain (the script resumes from it); with
+    none left the agent exits 75 too. Otherwise the round failed: the root cause of ``fails`` (any node's)
+    is named, else ``reason``; a root cause from another node than ``node`` comes with its traceback."""
+    fails = list(fails)
+    dumped = dumped or any(f.code == EXIT_CODE_DUMPED for f in fails)
+    # a worker that exited 75 after the dump is no cause, unless its error file names the fault it saw
+    causes = [f for f in fails if f.code != EXIT_CODE_DUMPED or f.error]
+    cause = summary(causes) or reason
+    if causes and "controller" in reason:
+        cause += f" ({reason.partition(': ')[2] or reason})"
+    restart = not stopping and rnd < max_restarts
+    more = f"restart {rnd + 1} of {max_restarts}"
+    if dumped:
+        what = f"a last-words checkpoint was written (workers exited {EXIT_CODE_DUMPED}) after: {cause}"
+        if restart:
+            return f"mindio-run: round {rnd}: {what}; relaunching every worker to resume from it ({more})", None
+        return (f"mindio-run: job stopped: {what}; run it again (or with --max-restarts) to resume from it",
+                EXIT_CODE_DUMPED)
+    if restart:
+        return f"mindio-run: round {rnd} failed: {cause}; restarting every worker ({more})", None
+    text = f"mindio-run: job failed: {cause} (restarts used: {rnd} of {max_restarts})"
+    root = first(causes)
+    if root is not None and root.node != node and root.trace:
+        text += f"\nmindio-run: root cause, from node {root.node} ({root.host}):\n{root_trace(root)}"
+    return text, 1

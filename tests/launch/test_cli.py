@@ -118,3 +118,39 @@ def test_warm_interpreters_import_only_what_cannot_read_the_rank(tmp_path):
     assert names == ["os", "json", "helper", "torch.distributed", "megatron.core", "mindio", "megatron.training"]
     assert preloadable(names) == ["torch.distributed", "megatron.core", "mindio"]
     assert preloadable(names, extra=("helper",)) == ["helper", "torch.distributed", "megatron.core", "mindio"]
+
+
+def test_root_cause_and_round_outcome_wording(tmp_path):
+    """failures.read parses torchrun's error-file format; the root cause is the earliest failure that is not
+    a peer's consequence; a round that ended with a dump is said to, and relaunched, or exits 75."""
+    import json
+
+    from mindio.launch import failures
+
+    err = tmp_path / "error.json"  # what torch's @record (ErrorHandler.record_exception) writes
+    err.write_text(json.dumps({"message": {"message": "ValueError: bad batch", "extraInfo": {
+        "py_callstack": "Traceback ...\nValueError: bad batch\n", "timestamp": "100"}}}))
+    root = failures.read(3, 1, str(err), node=1)
+    assert (root.error, root.time, root.node) == ("ValueError: bad batch", 100.0, 1)
+    peer = failures.Failure(rank=0, code=1, error="RuntimeError: [gloo] Connection closed by peer", time=99.0)
+    killed = failures.Failure(rank=2, code=-9, time=98.0)  # SIGKILLed without an error: the agents' doing
+    assert failures.first([peer, killed, root]) is root
+    assert failures.first([failures.read(5, 7, None)]).line().startswith("rank 5 (node 0, ")
+
+    text, code = failures.outcome([peer, root], "node 1: ...", rnd=0, max_restarts=0, node=0)
+    assert code == 1 and text.splitlines()[0] == (
+        f"mindio-run: job failed: rank 3 (node 1, {root.host}) exited with exit code 1: ValueError: bad batch; "
+        f"also failed: rank 0 (restarts used: 0 of 0)")
+    assert "root cause, from node 1" in text and "ValueError: bad batch" in text.splitlines()[-1]
+    text, code = failures.outcome([peer, root], "node 1: ...", rnd=0, max_restarts=2, node=1)
+    assert code is None and text.endswith("restarting every worker (restart 1 of 2)") and "\n" not in text
+
+    dumped = [failures.Failure(rank=r, code=75) for r in (0, 2, 3)] + [
+        failures.Failure(rank=1, code=75, error="ValueError: injected")]
+    text, code = failures.outcome(dumped, "node 0: the controller ended the job (exit code 75)", rnd=0,
+                                  max_restarts=1)
+    assert code is None and text.startswith("mindio-run: round 0: a last-words checkpoint was written (workers "
+                                            "exited 75) after: rank 1 (node 0")
+    assert "ValueError: injected" in text and text.endswith("relaunching every worker to resume from it (restart 1 of 1)")
+    text, code = failures.outcome(dumped, "x", rnd=1, max_restarts=1)
+    assert code == 75 and text.startswith("mindio-run: job stopped: a last-words checkpoint was written")

@@ -108,7 +108,7 @@ def _report(exc: BaseException) -> None:
 
     trace = failures.format_exception(exc)
     sys.stderr.write(trace)
-    failures.record(exc, trace)
+    failures.record(f"{type(exc).__name__}: {exc}", trace)
     from .._extras import hint
 
     h = hint(exc)

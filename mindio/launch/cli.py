@@ -200,7 +200,14 @@ def main(argv=None) -> None:
     except ConfigError as exc:  # found at start (interfaces, ports): one line, no traceback
         print(f"mindio-run: error: {exc}", file=sys.stderr)
         code = 1
-    sys.exit(code)
+    # The agent has stopped its workers and spares, closed its files and left the stores: what remains is
+    # the interpreter's teardown of torch & co. (1-3 s on a loaded host), which the job's end must not wait for.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -67,17 +67,21 @@ def format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, trim(exc.__traceback__, launcher_frames())))
 
 
-def record(exc: BaseException, trace: str, path: str | None = None, replace: bool = False) -> None:
-    """Write ``exc`` (and its formatted ``trace``) to the error file ``path`` (default:
+def record(message: str, trace: str, path: str | None = None, replace: bool = False,
+           when: float | None = None, consequence: bool = False) -> None:
+    """Write ``message`` ("Type: text") and the formatted ``trace`` to the error file ``path`` (default:
     TORCHELASTIC_ERROR_FILE) as torch's ErrorHandler does. ``replace=False`` keeps a file the script's
-    own ``@record`` wrote. Never raises: the exit of the worker must not depend on its error file."""
+    own ``@record`` wrote. ``when``: the time it happened (default now); ``consequence``: mindio knows it
+    was caused by another rank's failure (a FORCE STOP, a peer's closed connection). Never raises: the
+    exit of the worker must not depend on its error file."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE", "") if path is None else path
     if not path or (not replace and os.path.exists(path)):
         return
+    when = time.time() if when is None else when
     data = {"message": {
-        "message": f"{type(exc).__name__}: {exc}",
-        "extraInfo": {"py_callstack": trace, "timestamp": str(int(time.time())), "mindio_time": time.time(),
-                      "host": socket.gethostname()},
+        "message": message,
+        "extraInfo": {"py_callstack": trace, "timestamp": str(int(when)), "mindio_time": when,
+                      "mindio_consequence": consequence, "host": socket.gethostname()},
     }}
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -108,12 +112,13 @@ class Failure:
     trace: str = ""         # its traceback (launcher frames already trimmed)
     time: float = 0.0       # when it failed (the error file's time, else when its agent saw it)
     late: bool = False      # it ended after its training had finished (ha.py)
+    consequence: bool = False  # its worker knew it was caused by another rank's failure (mindio.ttp)
 
     @property
     def secondary(self) -> bool:
         """A consequence of another failure: killed by the agents, or a peer's lost connection or a
         collective timeout seen by a rank that was waiting for the failed one."""
-        if self.code in (-signal.SIGTERM, -signal.SIGKILL) and not self.error:
+        if self.consequence or (self.code in (-signal.SIGTERM, -signal.SIGKILL) and not self.error):
             return True
         low = self.error.lower()
         return any(s in low for s in _SECONDARY)
@@ -147,6 +152,7 @@ def read(rank: int, code: int, error_file: str | None, node: int = 0) -> Failure
             f.trace = str(info.get("py_callstack", ""))[-_MAX_TRACE:]
             f.time = float(info.get("mindio_time") or info.get("timestamp") or f.time)
             f.host = str(info.get("host") or f.host)
+            f.consequence = bool(info.get("mindio_consequence"))
         else:  # the plain {"message": str, "timestamp": int} format
             f.error, f.time = str(msg)[:_MAX_ERROR], float(data.get("timestamp") or f.time)
     except (OSError, ValueError, TypeError, AttributeError):

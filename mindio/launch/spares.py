@@ -52,12 +52,15 @@ class Spares:
         return proc
 
     def close(self) -> None:
+        """End the spares at once: one still warming up (importing torch) would read its EOF only when
+        done, seconds later, and hold the agent's exit that long; none holds any state."""
         for p in self._pool:
             if p.poll() is None:
                 try:
-                    p.stdin.close()  # EOF: the spare exits 0 on its own
+                    p.stdin.close()
                 except OSError:
                     pass
+                p.terminate()
         deadline = time.monotonic() + 5
         for p in self._pool:
             try:

@@ -128,7 +128,10 @@ def tft_exception_handler(func):
                     raise
                 message = f"{type(exc).__name__}: {exc}"
                 state = classify_exception(exc, proc.data_status)
-                fault = (exc, _launcher.format_exception(exc))  # for the launcher, if this fault ends the process
+                # for the launcher (TORCHELASTIC_ERROR_FILE), if this fault ends the process
+                # (strings only: the exception must not outlive its cleared frames)
+                fault = dict(message=message, trace=_launcher.format_exception(exc), when=time.time(),
+                             consequence=state is ReportState.RS_NORMAL)
                 traceback.clear_frames(exc.__traceback__)  # frames hold model / group references
                 exc.__traceback__ = None
             proc.report(state, message)
@@ -138,7 +141,7 @@ def tft_exception_handler(func):
                 _log.warning("RETRY: re-entering %s", getattr(func, "__name__", "train"))
                 _logging.event("train_resumed", step=proc.step, gen=proc.gen)
                 continue
-            _launcher.record(*fault, replace=True)  # TORCHELASTIC_ERROR_FILE: the launcher names this fault
+            _launcher.record(**fault, replace=True)  # the launcher's summary names this fault
             exit_process(proc, code)
 
     return wrapper

@@ -134,7 +134,9 @@ def test_root_cause_and_round_outcome_wording(tmp_path):
     assert (root.error, root.time, root.node) == ("ValueError: bad batch", 100.0, 1)
     peer = failures.Failure(rank=0, code=1, error="RuntimeError: [gloo] Connection closed by peer", time=99.0)
     killed = failures.Failure(rank=2, code=-9, time=98.0)  # SIGKILLed without an error: the agents' doing
-    assert failures.first([peer, killed, root]) is root
+    # stopped by the controller because of another rank's fault: mindio's decorator records it as a consequence
+    forced = failures.Failure(rank=4, code=75, error="RuntimeError: FORCE STOP: ...", consequence=True, time=1.0)
+    assert failures.first([peer, killed, forced, root]) is root
     assert failures.first([failures.read(5, 7, None)]).line().startswith("rank 5 (node 0, ")
 
     text, code = failures.outcome([peer, root], "node 1: ...", rnd=0, max_restarts=0, node=0)

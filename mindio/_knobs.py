@@ -2,7 +2,9 @@
 
 Read a value with ``knobs.get("TTP_LOG_LEVEL")``; a malformed or out-of-range value raises
 :class:`mindio.errors.ConfigError` naming the variable, the bad value and the allowed range.
-``python -m mindio._knobs`` prints the table.
+``python -m mindio._knobs`` prints the table: first the settings a user may set, then the variables
+``mindio-run`` / torchrun set for their workers (``internal``: read, never to be set by hand).
+tests/unit/test_knobs.py checks that every variable read in mindio/ is declared here.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Knob:
     min: float | None = None
     max: float | None = None
     choices: tuple | None = None
+    internal: bool = False  # set by the launcher for its workers (mindio-run or torchrun), not by a user
 
     def read(self, environ=None) -> Any:
         env = os.environ if environ is None else environ
@@ -152,6 +155,31 @@ _ALL = [
     Knob("MINDIO_DRILL_DIR", str, "",
          "Directory shared by a job's processes where --inject records fired faults (once per job, "
          "also across replaced processes); unset: once per process and first launch only."),
+    # --- native core ---
+    Knob("MINDIO_NATIVE", lambda t: t.strip().lower(), "",
+         "python: use the pure-Python fallback of the native core even when the Cython one is built "
+         "(read once, at the first import of mindio._native).", choices=("", "python", "cython")),
+    # --- replacement processes ---
+    Knob("MINDIO_PG_TIMEOUT", int, 120,
+         "Seconds a replacement process (recover-in-place / recover) waits in the rendezvous of its "
+         "default process group when the training script gives no timeout.", min=1, max=86400),
+    # --- set by mindio-run / torchrun for their workers (read, never set by hand) ---
+    Knob("MINDIO_REBOOT_GEN", int, 0, "Generation a replacement process joins (0: not a replacement).",
+         min=0, internal=True),
+    Knob("MINDIO_REBOOT_TYPE", str, "arf", "What started a replacement process: arf or hot switch.",
+         internal=True),
+    Knob("MINDIO_SWITCH_BACKUP", str, "", "Store key a hot-switch backup process waits on.", internal=True),
+    Knob("MINDIO_SWITCH_BACKUP_WAIT", float, 600.0,
+         "Seconds a hot-switch backup waits to be released before giving up.", min=1, max=86400, internal=True),
+    Knob("MINDIO_AGENT_STORE", str, "", "host:port of the node agent's TCPStore.", internal=True),
+    Knob("MINDIO_AGENT_PID", int, 0, "Process id of the worker's node agent (kill-node drills).", internal=True),
+    Knob("MINDIO_NODE_RANK", int, 0, "Node rank of the worker's agent.", internal=True),
+    Knob("MINDIO_WORKER_WARMUP_S", float, 0.0, "Seconds a warm worker spent importing before its assignment.",
+         internal=True),
+    Knob("RANK", int, 0, "Global rank of the worker (torchrun's contract).", internal=True),
+    Knob("LOCAL_RANK", int, 0, "Rank of the worker on its node (torchrun's contract).", internal=True),
+    Knob("GROUP_RANK", int, 0, "Node rank of the worker (torchrun's contract).", internal=True),
+    Knob("TORCHELASTIC_RESTART_COUNT", int, 0, "How many times the launcher restarted the job.", internal=True),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _ALL}
@@ -167,7 +195,10 @@ def get(name: str, environ=None) -> Any:
 
 
 def table() -> str:
-    return "\n".join(f"{k.name:32} {k.allowed():60} {k.doc}" for k in _ALL)
+    rows = [f"{k.name:32} {k.allowed():60} {k.doc}" for k in _ALL if not k.internal]
+    rows.append("\nset by mindio-run / torchrun for their workers (read by mindio, not to be set by hand):")
+    rows += [f"{k.name:32} {k.doc}" for k in _ALL if k.internal]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

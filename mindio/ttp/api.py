@@ -201,7 +201,9 @@ def tft_register_exception_handler(fault_pattern: str, fault_type, fault_handle=
     """Add a pattern (checked before the reference table); ``fault_handle(exc)`` runs when it matches."""
     if not isinstance(fault_pattern, str) or not fault_pattern:
         raise ConfigError("fault_pattern must be a non-empty string")
-    _rt.user_patterns.append((fault_pattern, ReportState(fault_type), fault_handle))
+    state = ReportState[fault_type] if isinstance(fault_type, str) and fault_type in ReportState.__members__ \
+        else ReportState(fault_type)  # a name ("RS_RETRY", as MindSpeed-LLM passes it), a member or a value
+    _rt.user_patterns.append((fault_pattern, state, fault_handle))
 
 
 # ----------------------------------------------------------------------------- main-thread helpers

@@ -4,7 +4,7 @@ Protocol (main thread of every rank):
 
 1. ``train()`` raises. The message ``"<Type>: <text>"`` is classified (policy.classify: user patterns
    of ``tft_register_exception_handler`` first, then the reference table, then peer-failure patterns;
-   first match wins). A matching user pattern's ``fault_handle(exc)`` runs first, if given.
+   first match wins). A matching user pattern's ``fault_handle(str(exc))`` runs first, if given.
 2. Report it to the controller at once (this wakes the controller: < 100 ms).
 3. Tear down this rank's collectives: the registered stop and clean callbacks destroy the process groups
    and drop every reference to them; the traceback's frames are cleared and garbage is collected, so
@@ -15,6 +15,13 @@ Protocol (main thread of every rank):
    exit callback, wait for an in-process controller to finish, then ``SystemExit(code)`` -- EXIT_CODE_DUMPED
    after a complete dump, EXIT_CODE_FAULT otherwise; once the atexit handlers registered after
    ``train()`` was first entered have run, the process ends with ``os._exit(code)`` (:func:`_finish`).
+
+The callbacks get the arguments given to ``tft_set_step_args``; until it is called, the decorated
+``train()``'s positional arguments (as in the reference: a tuple after ``set_mindio_export_version``,
+a list otherwise).
+
+When ``train()`` returns, the processor leaves (BYE: the controller counts it as finished, not
+failed), as the reference's decorator destroys it; a later ``tft_destroy_processor`` is a no-op.
 
 Without a started processor the decorator is transparent: the exception propagates unchanged.
 ``KeyboardInterrupt``, ``SystemExit`` and :class:`mindio.errors.AbortTraining` are never caught.
@@ -30,6 +37,7 @@ import time
 import traceback
 
 from .. import _knobs, _logging
+from . import compat as _compat
 from . import policy
 from . import reboot as _reboot
 from ._enums import Action, OsStatus, ReportState
@@ -50,7 +58,7 @@ def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED) 
     for pattern, _s, handle in _rt.user_patterns:
         if pattern in message and handle is not None:
             try:
-                handle(exc)
+                handle(str(exc))  # the error text, as the reference passes it
             except Exception:
                 _log.exception("fault handle for pattern %r failed", pattern)
             break
@@ -113,6 +121,8 @@ def tft_exception_handler(func):
             _finish_registered = True
             atexit.register(_finish)
         proc = _rt.processor
+        if proc is not None and proc.step_args is None:  # the reference's default callback arguments
+            proc.step_args = args if _compat.get_mindio_export_version() else list(args)
         if _reboot.should_park(proc):  # a replacement process waits to be repaired first (reboot.py)
             action, code = proc.wait_next_action()
             if action is not Action.RETRY:
@@ -121,7 +131,7 @@ def tft_exception_handler(func):
         while True:
             proc = _rt.processor
             try:
-                return func(*args, **kwargs)
+                result = func(*args, **kwargs)
             except Exception as exc:
                 if proc is None:
                     raise
@@ -129,6 +139,12 @@ def tft_exception_handler(func):
                 state = classify_exception(exc, proc.data_status)
                 traceback.clear_frames(exc.__traceback__)  # frames hold model / group references
                 exc.__traceback__ = None
+            else:
+                if proc is not None:  # as the reference: train() is done, this rank leaves (BYE, no fault)
+                    proc.destroy(reason="train() returned")
+                    if _rt.processor is proc:
+                        _rt.processor = None
+                return result
             proc.report(state, message)
             proc.teardown(is_uce=state in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED))
             action, code = proc.wait_next_action()

@@ -224,6 +224,11 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self._main = "running"
             return action
 
+    def decision_pending(self) -> bool:
+        """Has the controller's RETRY/EXIT arrived without the main thread taking it yet?"""
+        with self._cond:
+            return self._next is not None
+
     # ---------------------------------------------------------------- controller actions (link thread)
     def _on_message(self, env: P.Envelope) -> None:
         if env.type is not P.MsgType.ACTION:

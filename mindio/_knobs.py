@@ -73,12 +73,15 @@ def _ha_list(text: str) -> tuple:
 
 _ALL = [
     # --- logging (reference names) ---
-    Knob("TTP_LOG_PATH", str, "logs", "Directory of mindio's log files (file name ttp_log.log)."),
-    Knob("TTP_LOG_LEVEL", _upper, "INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Knob("TTP_LOG_PATH", str, "",
+         "Directory for mindio's log files (ttp_log.log[.<pid>], every line at TTP_LOG_LEVEL); empty: no "
+         "file, WARNING and above go to stderr only. (The reference's default is 'logs'.)"),
+    Knob("TTP_LOG_LEVEL", _upper, "INFO", "Level of the log file (and of stderr with TTP_LOG_STDOUT=1).",
+         choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     Knob("TTP_LOG_MODE", _upper, "PER_PROC",
          "ONLY_ONE: all processes write one log; PER_PROC: one file per process (ttp_log.log.<pid>).",
          choices=("ONLY_ONE", "PER_PROC")),
-    Knob("TTP_LOG_STDOUT", _bool, False, "1: log to stderr only, write no log file."),
+    Knob("TTP_LOG_STDOUT", _bool, False, "1: every line at TTP_LOG_LEVEL to stderr, no log file."),
     Knob("MINDIO_EVENT_LOG", str, "",
          "Path of a JSON-lines event log (fault seen, transitions, actions and durations); empty: off."),
     # --- control plane ---

@@ -37,10 +37,11 @@ import time
 import traceback
 
 from .. import _knobs, _logging
+from ..errors import describe
 from . import compat as _compat
 from . import policy
 from . import reboot as _reboot
-from ._enums import Action, OsStatus, ReportState
+from ._enums import EXIT_MEANINGS, Action, OsStatus, ReportState
 from ._runtime import state as _rt
 
 __all__ = ["tft_exception_handler", "classify_exception", "exit_process"]
@@ -103,7 +104,7 @@ def exit_process(proc, code: int):
     if ctl is not None:
         ctl.final.wait(30)  # its exit action must reach every rank before this process goes
     proc.destroy()
-    _log.warning("exiting with code %d", code)
+    _log.warning("exiting with code %d: %s", code, EXIT_MEANINGS.get(code, "ordered by the controller"))
     for handler in logging.getLogger("mindio").handlers:
         handler.flush()
     global _ordered_exit
@@ -135,7 +136,7 @@ def tft_exception_handler(func):
             except Exception as exc:
                 if proc is None:
                     raise
-                message = f"{type(exc).__name__}: {exc}"
+                message = describe(exc, where=not str(exc))  # never a bare "AssertionError: "
                 state = classify_exception(exc, proc.data_status)
                 traceback.clear_frames(exc.__traceback__)  # frames hold model / group references
                 exc.__traceback__ = None

@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from .. import _knobs, _logging
-from ..errors import ConfigError
+from ..errors import ConfigError, describe
 from . import protocol as P
 from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
@@ -261,7 +261,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             reply = P.Reply(ok=True, detail=handler(**params) or {})
         except Exception as exc:
             _log.exception("action %s failed", name)
-            reply = P.Reply(ok=False, code=1, detail={"error": f"{type(exc).__name__}: {exc}"[:2000]})
+            reply = P.Reply(ok=False, code=1, detail={"error": describe(exc)[:2000]})
         _logging.event("action_done", action=name, sn=env.sn, ok=reply.ok, duration_s=round(time.monotonic() - t0, 6))
         self._replies[env.sn] = reply
         while len(self._replies) > 256:

@@ -46,6 +46,10 @@ def _names(checkpoint_name: Union[str, List[str]]) -> list:
 
 
 class CheckpointHelper:
+    """MindIO ACP's per-rank checkpoint helper: ``CheckpointHelper(rank)`` is one object per rank.
+    Save, tracker and load methods for Megatron-style checkpoint code; what differs from the reference
+    is in docs/migration.md."""
+
     _instances: dict = {}
     _instances_lock = threading.Lock()
 

@@ -26,13 +26,21 @@ _export_version: str | None = None
 
 def set_mindio_export_version(framework_type: str) -> None:
     """Name the framework driving the API: ``"MindSpeed"`` or ``"MindSpeed-LLM"`` (the reference
-    accepts only these two and so does mindio: anything else raises :class:`ConfigError`).
+    accepts only these two and so does mindio).
 
     Effect: until :func:`tft_set_step_args` is called, the callbacks receive the decorated ``train()``'s
     positional arguments as a tuple (a list otherwise), as in the reference. Unlike the reference,
     ``tft_set_step_args`` still works after it, and it does not turn
     ``TTP_STOP_CLEAN_BEFORE_DUMP`` on (the reference needs the NPU stopped before a dump; mindio's
     ranks dump without a teardown): export it yourself if your save callback needs it.
+
+    Args:
+        framework_type: ``"MindSpeed"`` or ``"MindSpeed-LLM"``.
+
+    Returns:
+        None.
+    Raises:
+        ConfigError: another name.
     """
     global _export_version
     if framework_type not in FRAMEWORKS:
@@ -44,18 +52,26 @@ def set_mindio_export_version(framework_type: str) -> None:
 
 
 def get_mindio_export_version() -> str | None:
-    """The name given to :func:`set_mindio_export_version`, or None if it was never called."""
+    """The name given to :func:`set_mindio_export_version`.
+
+    Returns:
+        The name, or None if it was never called.
+    """
     return _export_version
 
 
 def tft_wait_repair_action() -> int:
-    """Wait until this rank's repair and rollback are done; 0 (``Action.RETRY``): train again,
-    1 (``Action.EXIT``): leave.
+    """Wait until this rank's repair and rollback are done.
 
     The reference waits in two calls: :func:`tft_wait_next_action` until stop and clean finish, then
     this one until repair and rollback finish. mindio's ``tft_wait_next_action`` hands out RETRY only
     once every rank is repaired and rolled back, so after it this returns 0 at once; when a decision is
     still pending (``tft_wait_next_action`` was not called) it waits like ``tft_wait_next_action``.
+
+    Returns:
+        0 (``Action.RETRY``): train again; 1 (``Action.EXIT``): leave.
+    Raises:
+        RuntimeError: no processor in this process.
     """
     proc = _rt.processor
     if proc is None:
@@ -68,7 +84,11 @@ def tft_wait_repair_action() -> int:
 
 def get_device():
     """The accelerator device index this rank uses (``torch.accelerator.current_device_index()``), or
-    None on a CPU-only process. The reference returns the NPU device the processor was started on."""
+    None on a CPU-only process. The reference returns the NPU device the processor was started on.
+
+    Returns:
+        int or None.
+    """
     import torch
 
     accelerator = getattr(torch, "accelerator", None)

@@ -113,7 +113,23 @@ def exit_process(proc, code: int):
 
 
 def tft_exception_handler(func):
-    """Decorate the framework's ``train()`` (see module docstring for the protocol)."""
+    """Decorate the framework's ``train()``: a fault inside it is reported and recovered from.
+
+    When the decorated function raises, the error is classified (:func:`tft_register_exception_handler`
+    patterns, then the reference table: ``UCE ERROR``, ``HBM MULTI BIT ECC``, ``FORCE STOP``, ``HCCL ...``;
+    a peer's failure is no fault of this rank), reported to the controller, this rank's groups are torn
+    down (the **stop** and **clean** callbacks), and the thread parks until the controller decides:
+    RETRY calls ``func`` again with the same arguments (the state was repaired and rolled back to the
+    lock step); EXIT runs the **exit** callback and ends the process with the controller's code
+    (75 after a dump, 76 otherwise; ``SystemExit``). When ``func`` returns, the processor leaves (BYE)
+    and its result is returned. Without a started processor the wrapper is transparent.
+
+    Args:
+        func: the training function (e.g. Megatron's ``train``).
+
+    Returns:
+        The wrapped function.
+    """
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -129,6 +145,7 @@ def tft_exception_handler(func):
             if action is not Action.RETRY:
                 exit_process(proc, code)
             _logging.event("train_resumed", step=proc.step, gen=proc.gen, reboot=True)
+            proc.first_step_pending = True
         while True:
             proc = _rt.processor
             try:
@@ -152,6 +169,7 @@ def tft_exception_handler(func):
             if action is Action.RETRY:
                 _log.warning("RETRY: re-entering %s", getattr(func, "__name__", "train"))
                 _logging.event("train_resumed", step=proc.step, gen=proc.gen)
+                proc.first_step_pending = True
                 continue
             exit_process(proc, code)
 

@@ -87,6 +87,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self._busy: set[int] = set()
         self.link: Link | None = None
         self.last_report: P.Report | None = None
+        self.first_step_pending = True  # set again when training resumes after a recovery (decorator)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, addr: str, key: bytes) -> None:
@@ -162,6 +163,9 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self.step, self.data_status = step, OsStatus.UPDATED
         self._progress_t = time.monotonic()
         _logging.set_context(step=step)
+        if self.first_step_pending:  # the first step of this process, or after a recovery (mindio timeline)
+            self.first_step_pending = False
+            _logging.event("step_done", step=step)
 
     def pause_train(self, cur_step: int) -> None:
         self._progress_t = time.monotonic()

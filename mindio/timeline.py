@@ -168,15 +168,16 @@ def _bar(e: dict):
     return None
 
 
-def _panel(svg: _Svg, inc: Incident, top: float, width: float, title: str) -> float:
-    """Draw one incident at ``top``; return the height used."""
+def _panel(svg: _Svg, inc: Incident, top: float, width: float, title: str, window=None) -> float:
+    """Draw one incident at ``top`` (over ``window`` = (t0, t1) when given); return the height used."""
     ranks = sorted({lane for e in inc.events if isinstance(lane := _lane_of(e), int)}
                    | {e["dead_rank"] for e in inc.events if isinstance(e.get("dead_rank"), int)})
     lanes = ["controller"] + (["launcher"] if any(_lane_of(e) == "launcher" for e in inc.events) else []) + ranks
     left, head = 120.0, 44.0
     height = {lane: 50.0 if lane == "controller" else 40.0 for lane in lanes}
-    t0, t1 = inc.start - 0.3, max(inc.end, inc.start + 0.5) + 0.3
-    scale = (width - left - 20) / (t1 - t0)
+    span = max(inc.end - inc.start, 0.5)
+    t0, t1 = window or (inc.start - 0.04 * span, inc.start + 1.04 * span)
+    scale = (width - left - 60) / (t1 - t0)
     x = lambda t: left + (min(max(t, t0), t1) - t0) * scale  # noqa: E731
     y_of, y = {}, top + head
     for lane in lanes:
@@ -184,13 +185,14 @@ def _panel(svg: _Svg, inc: Incident, top: float, width: float, title: str) -> fl
     lanes_bottom = y
     svg.text(10, top + 16, title, size=14, weight="bold")
     step = _tick_step(t1 - t0)
+    first = inc.start + math.ceil((t0 - inc.start) / step) * step
     for i in range(int((t1 - t0) / step) + 1):
-        t = inc.start + i * step
+        t = first + i * step
         if t > t1:
             break
         svg.add(f'<line x1="{x(t):.1f}" y1="{top + head - 6:.1f}" x2="{x(t):.1f}" '
                 f'y2="{lanes_bottom:.1f}" stroke="#e0e0e0"/>')
-        svg.text(x(t), top + head - 10, f"+{i * step:g} s", size=10, anchor="middle", color="#666")
+        svg.text(x(t), top + head - 10, f"{round(t - inc.start, 6):+g} s", size=10, anchor="middle", color="#666")
     for lane, y in y_of.items():
         name = f"rank {lane}" if isinstance(lane, int) else lane
         svg.text(10, y + height[lane] / 2 + 4, name, size=12, weight="bold" if lane == "controller" else "normal")
@@ -210,9 +212,19 @@ def _panel(svg: _Svg, inc: Incident, top: float, width: float, title: str) -> fl
                  f"decision: {d.get('strategy')} (lock step {d.get('lock_step')}, faulty {d.get('faulty')})")
         svg.text(x(d["t"]) + 8, y_of["controller"] + 21, f"decision: {d.get('strategy')} @ step {d.get('lock_step')}",
                  size=10, weight="bold")
+    for e in inc.events:  # a relaunched job: from the launcher's new round until every rank registered
+        if e["kind"] == "round_start" and "launcher" in y_of:
+            ready = next((n["t"] for n in inc.events if n["t"] > e["t"] and n["kind"] == "transition"
+                          and n.get("dst") == "NORMAL"), inc.end)
+            svg.rect(x(e["t"]), y_of["launcher"] + 4, x(ready) - x(e["t"]), 15, "#c7e9c0",
+                     f"round {e.get('round')}: workers start, load, register: {_fmt(ready - e['t'])}")
+            if x(ready) - x(e["t"]) > 200:
+                svg.text((x(e["t"]) + x(ready)) / 2, y_of["launcher"] + 15,
+                         f"relaunch: workers start, load the checkpoint, register {_fmt(ready - e['t'])}",
+                         size=10, anchor="middle")
     for e in inc.events:
         lane = _lane_of(e)
-        if lane not in y_of:
+        if lane not in y_of or not t0 <= e["t"] <= t1:
             continue
         y = y_of[lane]
         bar = _bar(e)
@@ -237,7 +249,8 @@ def _panel(svg: _Svg, inc: Incident, top: float, width: float, title: str) -> fl
             kind, color, label, tip = shape
             svg.mark(x(e["t"]), y + 28, kind, color, tip)
             if label:
-                svg.text(x(e["t"]) + 7, y + 17, label, size=9, color=color)
+                svg.text(x(e["t"]) + 7, y + (38 if e["kind"] == "fault_injected" else 17), label, size=9,
+                         color=color)
         elif lane in ("controller", "launcher") and e["kind"] not in ("transition", "decision", "report_received"):
             svg.mark(x(e["t"]), y + (46 if lane == "controller" else 20), "dot", "#555", f"{e['kind']}: " + ", ".join(
                 f"{k}={v}" for k, v in e.items() if k not in ("t", "pid", "kind", "rank"))[:300])
@@ -278,7 +291,12 @@ def render_svg(events: list, title: str = "mindio recovery timeline", width: int
     svg, top = _Svg(), 34.0
     svg.text(10, 22, title, size=16, weight="bold")
     for i, inc in enumerate(found, 1):
-        top += _panel(svg, inc, top, width, f"incident {i} of {len(found)}" if len(found) > 1 else "incident")
+        name = f"incident {i} of {len(found)}" if len(found) > 1 else "incident"
+        top += _panel(svg, inc, top, width, name)
+        busy = [e["t"] for e in inc.events if e["kind"] in ("action", "decision") + DONE_KINDS]
+        if busy and max(busy) - inc.start < 0.4 * (inc.end - inc.start):  # e.g. a dump, then a long relaunch
+            top += _panel(svg, inc, top, width, f"{name}, zoomed on the controller's work",
+                          (inc.start - 0.05, max(busy) + 0.1))
     if not found:
         svg.text(10, top + 20, "the event log is empty")
         top += 40

@@ -85,6 +85,12 @@ _ALL = [
     Knob("MINDIO_EVENT_LOG", str, "",
          "Path of a JSON-lines event log (fault seen, transitions, actions and durations); empty: off."),
     # --- control plane ---
+    Knob("MINDIO_STATUS_PORT", int, 0,
+         "Port of the controller's status and metrics server (GET /status for `mindio status`, GET /metrics "
+         "for Prometheus) on the controller's address; 0: none (mindio/ttp/status.py).", min=0, max=65535),
+    Knob("MINDIO_STATUS_ADDR", str, "",
+         "host:port of a job's status server, for `mindio status` (default: TTP_ADDR or 127.0.0.1, and "
+         "MINDIO_STATUS_PORT)."),
     Knob("TTP_RETRY_TIMES", int, 10, "Processor connection attempts to a controller.", min=1, max=300),
     Knob("TTP_NORMAL_ACTION_TIME_LIMIT", float, 180.0,
          "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),

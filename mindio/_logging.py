@@ -111,13 +111,35 @@ def setup(rank=None, force: bool = False) -> logging.Logger:
     return root
 
 
+_listeners: list = []
+
+
+def add_listener(func) -> None:
+    """Call ``func(record)`` for every event of this process (mindio.ttp.status counts incidents so),
+    whether or not MINDIO_EVENT_LOG is set. A listener must be quick and must not raise."""
+    _listeners.append(func)
+
+
+def remove_listener(func) -> None:
+    if func in _listeners:
+        _listeners.remove(func)
+
+
 def event(kind: str, **fields) -> None:
-    """Append ``{"t": time, "kind": kind, "rank": ..., **fields}`` to MINDIO_EVENT_LOG, if set."""
+    """Append ``{"t": time, "kind": kind, "rank": ..., **fields}`` to MINDIO_EVENT_LOG, if set, and hand
+    it to the listeners."""
     global _event_file
     path = _knobs.get("MINDIO_EVENT_LOG")
-    if not path:
+    if not path and not _listeners:
         return
     record = {"t": time.time(), "pid": os.getpid(), "kind": kind, "rank": _context["rank"], **fields}
+    for listener in list(_listeners):
+        try:
+            listener(record)
+        except Exception:  # an observer must never break the flow that reports to it
+            logging.getLogger(__name__).exception("event listener failed on %s", kind)
+    if not path:
+        return
     line = json.dumps(record, default=str) + "\n"
     with _lock:
         if _event_file is None or _event_file.name != path:

@@ -139,7 +139,7 @@ class Agent:
             node = 0 if host else self._store.add("rdzv/next_node", 1)
             standby = node >= cfg.nnodes
             self.cfg = dataclasses.replace(cfg, node_rank=0 if standby else node, standby=standby, dynamic_rank=False)
-            _logging.setup(rank="standby" if standby else f"agent{node}", force=True)
+            _logging.set_context(node="-" if standby else node, rank="standby" if standby else "agent")
             log.info("c10d rendezvous: this agent is %s", "a standby" if standby else f"node {node}")
 
     def _new_worker_store(self, rnd: int) -> int:
@@ -441,6 +441,7 @@ class Agent:
                     continue  # another standby took this node
                 self._store.add("standby/claimed", 1)
                 self.cfg = dataclasses.replace(self.cfg, node_rank=node, standby=False)
+                _logging.set_context(node=node, rank="agent")
                 self._beat()
                 rnd = int(self._store.get("job/round"))
                 if self._store.add(f"round/{rnd}/joined", 0) >= self.cfg.nnodes:

@@ -192,7 +192,10 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     cfg = parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # tee'd worker lines reach the console as they come
-    _logging.setup(rank="standby" if cfg.standby else f"agent{cfg.node_rank}")
+    # the agent's lines: "[<node>/agent]" ("[-/standby]" until a standby takes a node)
+    _logging.set_context(node="-" if cfg.standby or cfg.dynamic_rank else cfg.node_rank,
+                         rank="standby" if cfg.standby else "agent")
+    _logging.setup()
     from .agent import Agent
 
     try:

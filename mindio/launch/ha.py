@@ -377,6 +377,7 @@ def wait_for_takeover(agent, me: str):
                 gen, agent.takeover_kind = order["gen"], order.get("kind", "recover")  # elastic.py: "elastic"
                 agent._store.add("standby/claimed", 1)
                 agent.cfg = dataclasses.replace(agent.cfg, node_rank=node, standby=False)
+                _logging.set_context(node=node, rank="agent")
                 agent._beat()
                 print(f"mindio-run: standby takes over node {node} in round {rnd} (generation {gen}, "
                       f"{agent.takeover_kind})", file=sys.stderr)

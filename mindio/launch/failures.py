@@ -169,13 +169,21 @@ def first(failures) -> Failure | None:
 
 
 def summary(failures) -> str:
-    """One line: the root cause, then how many other ranks failed."""
+    """One line: the root cause, then the other ranks that failed on their own, then those that failed
+    as a consequence (of a peer's failure: connection closed, FORCE STOP, the agents' signals)."""
+    failures = list(failures)
     root = first(failures)
     if root is None:
         return ""
-    others = sorted({f.rank for f in failures} - {root.rank})
-    more = f"; also failed: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others[:16]))}" if others else ""
-    return root.line() + more
+
+    def ranks(fs) -> str:
+        rs = sorted({f.rank for f in fs} - {root.rank})
+        return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:16]))}{' ...' if len(rs) > 16 else ''}" \
+            if rs else ""
+
+    own, then = ranks(f for f in failures if not f.secondary), ranks(f for f in failures if f.secondary)
+    return root.line() + (f"; also failed: {own}" if own else "") + \
+        (f"; then {then} failed as a consequence" if then else "")
 
 
 def root_trace(failure: Failure) -> str:
@@ -196,8 +204,8 @@ def outcome(fails, reason: str, rnd: int, max_restarts: int, stopping: bool = Fa
     is named, else ``reason``; a root cause from another node than ``node`` comes with its traceback."""
     fails = list(fails)
     dumped = dumped or any(f.code == EXIT_CODE_DUMPED for f in fails)
-    # a worker that exited 75 after the dump is no cause, unless its error file names the fault it saw
-    causes = [f for f in fails if f.code != EXIT_CODE_DUMPED or f.error]
+    # a worker that exited 75 after the dump is no cause, unless its error file names a fault of its own
+    causes = [f for f in fails if f.code != EXIT_CODE_DUMPED or (f.error and not f.secondary)]
     cause = summary(causes) or reason
     if causes and "controller" in reason:
         cause += f" ({reason.partition(': ')[2] or reason})"

@@ -142,17 +142,18 @@ def test_root_cause_and_round_outcome_wording(tmp_path):
     text, code = failures.outcome([peer, root], "node 1: ...", rnd=0, max_restarts=0, node=0)
     assert code == 1 and text.splitlines()[0] == (
         f"mindio-run: job failed: rank 3 (node 1, {root.host}) exited with exit code 1: ValueError: bad batch; "
-        f"also failed: rank 0 (restarts used: 0 of 0)")
+        f"then rank 0 failed as a consequence (restarts used: 0 of 0)")
     assert "root cause, from node 1" in text and "ValueError: bad batch" in text.splitlines()[-1]
     text, code = failures.outcome([peer, root], "node 1: ...", rnd=0, max_restarts=2, node=1)
     assert code is None and text.endswith("restarting every worker (restart 1 of 2)") and "\n" not in text
 
-    dumped = [failures.Failure(rank=r, code=75) for r in (0, 2, 3)] + [
-        failures.Failure(rank=1, code=75, error="ValueError: injected")]
+    dumped = [failures.Failure(rank=r, code=75, error="RuntimeError: FORCE STOP", consequence=True) for r in (0, 2)] \
+        + [failures.Failure(rank=3, code=75), failures.Failure(rank=1, code=75, error="ValueError: injected")]
     text, code = failures.outcome(dumped, "node 0: the controller ended the job (exit code 75)", rnd=0,
                                   max_restarts=1)
     assert code is None and text.startswith("mindio-run: round 0: a last-words checkpoint was written (workers "
                                             "exited 75) after: rank 1 (node 0")
-    assert "ValueError: injected" in text and text.endswith("relaunching every worker to resume from it (restart 1 of 1)")
+    assert "ValueError: injected (the controller ended the job (exit code 75)); relaunching every worker to resume " \
+        "from it (restart 1 of 1)" in text, text  # ranks that only exited 75 after the dump are no failures
     text, code = failures.outcome(dumped, "x", rnd=1, max_restarts=1)
     assert code == 75 and text.startswith("mindio-run: job stopped: a last-words checkpoint was written")

@@ -162,7 +162,7 @@ def test_the_failing_rank_is_named_when_a_peer_dies_before_it_is_reaped(job):
     assert p.returncode == 1, out
     line = next(ln for ln in out.splitlines() if "job failed" in ln)
     assert line.startswith("mindio-run: job failed: rank 1 (node 0, "), out
-    assert "exited with exit code 7; also failed: rank 0" in line, out
+    assert "exited with exit code 7; then rank 0 failed as a consequence" in line, out
 
 
 @pytest.mark.timeout(150)

@@ -35,6 +35,7 @@ def test_a_dump_and_relaunch_is_reported_as_planned(tmp_path):
     code, text, _ = run(tmp_path / "run", fault="raise-unknown:1:5", strategies="dump", extra=["--max-restarts", "1"])
     assert code == 0, text[-6000:]
     line = next(ln for ln in text.splitlines() if ln.startswith("mindio-run: round 0"))
+    print("\n" + line)
     assert "a last-words checkpoint was written (workers exited 75) after: rank 1 (node 0, " in line, line
     assert "ValueError: injected unknown error" in line, line
     assert line.endswith("relaunching every worker to resume from it (restart 1 of 1)"), line

@@ -14,7 +14,7 @@ import threading
 import time
 
 from ..errors import CheckpointError, ConfigError, ServerUnavailable
-from . import _storage, api
+from . import _secure, _storage, api
 
 __all__ = ["open_file", "create_file", "register_checker", "async_save", "SaveHandle"]
 
@@ -108,13 +108,14 @@ class _WriteableFileWrapper:
 
 
 def open_file(path) -> _ReadableFileWrapper:
-    return _ReadableFileWrapper(os.path.abspath(os.fspath(path)))
+    return _ReadableFileWrapper(api._resolve(path))
 
 
 def create_file(path, mode: int = 0o600) -> _WriteableFileWrapper:
+    """A writer whose bytes become ``path`` on close, with ``mode`` less the umask (as open() does)."""
     if not isinstance(mode, int) or not 0 <= mode <= 0o777:
         raise ConfigError(f"create_file mode={mode!r}: expected an int in [0o000, 0o777]")
-    return _WriteableFileWrapper(api._target(path), mode)
+    return _WriteableFileWrapper(api._target(path), mode & ~_secure.umask())
 
 
 def _count_files(directory: str) -> int:

@@ -74,10 +74,21 @@ def private_dir(path: str) -> str:
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
-        os.chmod(path, 0o700, follow_symlinks=False)    # the umask may have removed our own bits
+        created = True
     except FileExistsError:
-        pass
-    _check_dir(path, os.lstat(path))
+        created = False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            _check_dir(path, os.lstat(path))        # raises: a link, or not a directory
+        raise
+    try:
+        if created:
+            os.fchmod(fd, 0o700)                    # the umask may have removed our own bits
+        _check_dir(path, os.fstat(fd))
+    finally:
+        os.close(fd)
     _check_parents(path)
     return path
 

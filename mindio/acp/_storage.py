@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import secrets
 import socket
@@ -26,6 +27,7 @@ __all__ = ["atomic_write", "atomic_write_direct", "atomic_torch_save", "marker_p
            "remove_marker", "Journal", "is_internal_name", "is_target_error", "target_problem", "sweep_temps",
            "file_mode", "fsync_dir"]
 
+log = logging.getLogger(__name__)
 _CHUNK = 64 << 20
 _NAME_MAX = 255            # bytes in one file name (Linux file systems)
 _PID_LIMIT = 1 << 22       # pids are below this (pid_max); journal seqs (microsecond times) far above
@@ -135,6 +137,8 @@ def _create_temp(path: str, tag: str, flags: int = 0) -> tuple:
             if attempt == 0 and _own_file(tmp):
                 _unlink(tmp)
             else:
+                log.warning("temporary file name %s is taken by something that is not a file of ours "
+                            "(planted by another user?): left alone, using another name", tmp)
                 tmp = temp_path(path, f"{tag}-{secrets.token_hex(4)}")
     raise FileExistsError(errno.EEXIST, f"cannot create a temporary file next to {path}: every name tried exists")
 

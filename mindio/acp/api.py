@@ -361,3 +361,4 @@ def reset() -> None:
             _client.close()
         _client, _cfg, _server_info, _retry_after = None, None, None, 0.0
         _counts.clear()
+        _lost.clear()       # the next initialize() learns them again from the daemon

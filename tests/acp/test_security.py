@@ -184,22 +184,19 @@ def test_squatted_pool_dir_is_refused(acp_env, monkeypatch, caplog):
     straight to storage and persist, and the squatter finds no checkpoint byte anywhere it looks."""
     pool = _config.pool_dir(acp_env["run"])
     _attacker("import os, sys; os.mkdir(sys.argv[1]); os.chmod(sys.argv[1], 0o777)", pool)
+    old = os.umask(0o077)
     try:
-        os.umask(old := os.umask(0o077))
         api.reset()
         assert acp.initialize() == -1
         assert any(pool in r.message and "owned by uid 65534" in r.message for r in caplog.records)
         path = os.path.join(acp_env["ck"], "model.pt")
-        os.umask(0o077)
-        try:
-            assert acp.save(OBJ, path) == 2
-        finally:
-            os.umask(old)
+        assert acp.save(OBJ, path) == 2
         assert torch.equal(acp.load(path, open_way="fopen")["w"], OBJ["w"])
         assert os.listdir(pool) == []
         found = _attacker(SCAN, SECRET.hex(), pool, acp_env["run"], acp_env["ck"], "/dev/shm")
         assert "READ" not in found, found
     finally:
+        os.umask(old)
         shutil.rmtree(pool, ignore_errors=True)
 
 
@@ -249,10 +246,10 @@ CONNECT = """
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(20)
         s.connect(sys.argv[1])
-        s.sendall(struct.pack(">I", len(body)) + body)
-        try:
+        try:                            # the daemon may close before, during or after our request
+            s.sendall(struct.pack(">I", len(body)) + body)
             print("REPLY" if s.recv(100) else "closed")
-        except ConnectionResetError:
+        except (BrokenPipeError, ConnectionResetError):
             print("closed")
 """
 
@@ -298,10 +295,10 @@ def test_forged_journal_records_are_refused(acp_env, home):
     assert log.count("refused journal record") == 3
     assert "outside this daemon's pool directory" in log and "not an absolute, normalized path" in log
     assert "malformed record" in log
-    assert acp.lost_checkpoints() == [] and snapshot() == before
+    assert bashrc not in {rec["path"] for rec in acp.lost_checkpoints()} and snapshot() == before
 
 
-def test_temp_files_never_follow_a_planted_link(acp_env, home, monkeypatch):
+def test_temp_files_never_follow_a_planted_link(acp_env, home, caplog):
     """In a checkpoint directory others can write (mode 777, no sticky bit), another user plants
     symbolic links to the victim's .bashrc at the names of the victim's next temp file and in-progress
     marker: the saves succeed and .bashrc is untouched (O_EXCL|O_NOFOLLOW; markers made anew)."""
@@ -315,6 +312,7 @@ def test_temp_files_never_follow_a_planted_link(acp_env, home, monkeypatch):
         _attacker("import os, sys\nfor p in sys.argv[2:]: os.symlink(sys.argv[1], p)", bashrc, *links)
         assert all(os.path.islink(p) for p in links)
         assert acp.save(OBJ, direct, open_way="fopen") == 2
+        assert any(links[0] in r.message and "not a file of ours" in r.message for r in caplog.records)
         assert acp.save(OBJ, pooled) == 1 and acp.flush() == 0
         for path in (direct, pooled):
             assert torch.equal(acp.load(path, open_way="fopen")["w"], OBJ["w"])

@@ -32,6 +32,7 @@ import threading
 import time
 
 from .. import _knobs, _logging
+from ..errors import CheckpointError
 from . import format as fmt
 from ._secure import open_private
 from ._state import FAILED, PENDING, PERSISTED, PERSISTING, SUPERSEDED, Entry, Region
@@ -230,7 +231,7 @@ class Persister:
         else:
             entry.state, entry.not_before = FAILED, time.monotonic() + _FAILED_RETRY_S
             if entry.attempts == self._retries:
-                target = is_target_error(exc)
+                target = is_target_error(exc) or isinstance(exc, CheckpointError)   # path, or a bad image
                 self._stats["target_errors" if target else "persist_failures"] += 1
                 self._consecutive += 0 if target else 1
                 log.error("persisting %s failed %d times (%s%s); its data stays in memory and is retried "

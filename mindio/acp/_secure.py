@@ -94,11 +94,14 @@ def private_dir(path: str) -> str:
 
 
 def check_private_fd(fd: int, path: str) -> os.stat_result:
-    """Verify an open file: a regular file owned by the caller with no group/other access."""
+    """Verify an open file: a regular file owned by the caller. Group/other bits (a file an older
+    mindio created 0644 in the private directory) are removed."""
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise InsecurePath(path, f"is not a private file of yours (owner {_who(st.st_uid)}, "
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise InsecurePath(path, f"is not a file of yours (owner {_who(st.st_uid)}, "
                            f"mode {stat.S_IMODE(st.st_mode):04o})", "remove it")
+    if st.st_mode & 0o077:
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o700)
     return st
 
 

@@ -219,7 +219,8 @@ def sweep_temps(records: list) -> list:
     process has). Only regular files owned by the caller. Returns the removed paths."""
     seqs: dict = {}
     for rec in records:
-        seqs.setdefault(os.path.dirname(rec["path"]), set()).add(str(rec["c"]))
+        if isinstance(rec.get("path"), str) and os.path.isabs(rec["path"]) and isinstance(rec.get("c"), int):
+            seqs.setdefault(os.path.dirname(rec["path"]), set()).add(str(rec["c"]))
     removed = []
     for directory, known in seqs.items():
         try:

@@ -286,13 +286,14 @@ def test_forged_journal_records_are_refused(acp_env, home):
                {"c": 10 ** 15 + 1, "path": "relative/x.pt", "file": os.path.join(_config.pool_dir(acp_env["run"]),
                                                                                   "pool-1-1"),
                 "off": 0, "size": 15, "kind": "raw"},
-               {"c": 10 ** 15 + 2, "path": bashrc, "file": 5, "off": 0, "size": 15, "kind": "raw"}]
+               {"c": 10 ** 15 + 2, "path": bashrc, "file": 5, "off": 0, "size": 15, "kind": "raw"},
+               {"c": 10 ** 15 + 3, "kind": "raw"}]
     with open(os.path.join(acp_env["run"], "journal.jsonl"), "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     api.reset()
     assert acp.initialize() == 0 and acp.flush() == 0
     log = _log(acp_env["run"])
-    assert log.count("refused journal record") == 3
+    assert log.count("refused journal record") == 4
     assert "outside this daemon's pool directory" in log and "not an absolute, normalized path" in log
     assert "malformed record" in log
     assert bashrc not in {rec["path"] for rec in acp.lost_checkpoints()} and snapshot() == before

@@ -48,9 +48,9 @@ def _check_dir(path: str, st: os.stat_result) -> None:
                            f"run 'chmod 700 {path}' if every file in it is yours, or remove it")
 
 
-def _check_parents(path: str) -> None:
+def _check_parents(path: str, sticky: bool) -> None:
     """No ancestor may let another user rename or replace ``path``: each is owned by root or the
-    caller, and one writable by others must be sticky (as /tmp and /dev/shm are)."""
+    caller, and (``sticky``) one writable by others must be sticky (as /tmp and /dev/shm are)."""
     me = os.geteuid()
     parent = os.path.dirname(path)
     while True:
@@ -58,7 +58,7 @@ def _check_parents(path: str) -> None:
         if st.st_uid not in (0, me):
             raise InsecurePath(path, f"lies in {parent}, owned by {_who(st.st_uid)}, who can replace it",
                                "set MINDIO_ACP_DIR to a directory under a parent owned by you or root")
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        if sticky and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             raise InsecurePath(path, f"lies in {parent} (mode {stat.S_IMODE(st.st_mode):04o}), which other "
                                "users can write without the sticky bit: they can replace it",
                                "set MINDIO_ACP_DIR to a directory under a private parent")
@@ -67,9 +67,14 @@ def _check_parents(path: str) -> None:
         parent = os.path.dirname(parent)
 
 
-def private_dir(path: str) -> str:
+def private_dir(path: str, sticky_parents: bool = True) -> str:
     """Create ``path`` with mode 0700 (parents as needed), or verify the existing one; return it
-    with every symbolic link of its parents resolved. Raises InsecurePath when it is not private."""
+    with every symbolic link of its parents resolved. Raises InsecurePath when it is not private.
+
+    ``sticky_parents=False`` (the pool directory) accepts a parent others may write without the
+    sticky bit, as Kubernetes mounts /dev/shm (emptyDir, 0777): the pool reaches clients as a
+    descriptor and every file in it is opened checked by descriptor, so a renamed directory can
+    only make mindio refuse, never read or write someone else's bytes."""
     path = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     try:
@@ -89,7 +94,7 @@ def private_dir(path: str) -> str:
         _check_dir(path, os.fstat(fd))
     finally:
         os.close(fd)
-    _check_parents(path)
+    _check_parents(path, sticky_parents)
     return path
 
 

@@ -77,7 +77,7 @@ class Daemon(Operations):
         except BlockingIOError:
             log.info("another mindio-acp-server owns %s; exiting", self.dir)
             return False
-        self.pool_dir = _secure.private_dir(_config.pool_dir(self.dir))
+        self.pool_dir = _secure.private_dir(_config.pool_dir(self.dir), sticky_parents=False)
         self.journal_path = os.path.join(self.dir, "journal.jsonl")
         pending, every = Journal.load(self.journal_path)
         for path in sweep_temps(every):

@@ -382,3 +382,18 @@ def test_paths_resolve_like_the_os(acp_env):
     assert sorted(os.listdir(other)) == ["by_mindio.pt", "by_torch.pt", "direct.pt", "sub"]
     assert sorted(os.listdir(here)) == ["link"]
     assert torch.equal(acp.load(os.path.join(here, "link", "..", "by_mindio.pt"))["w"], OBJ["w"])
+
+
+def test_pool_dir_accepts_a_kubernetes_style_dev_shm(tmp_path):
+    """/dev/shm mounted 0777 without the sticky bit (Kubernetes emptyDir) still holds the pool dir;
+    the runtime dir is not accepted there."""
+    from mindio.acp import _secure
+    from mindio.errors import InsecurePath
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    os.chmod(shm, 0o777)
+    pool = _secure.private_dir(str(shm / "pool"), sticky_parents=False)
+    assert stat.S_IMODE(os.stat(pool).st_mode) == 0o700
+    with pytest.raises(InsecurePath, match="without the sticky bit"):
+        _secure.private_dir(str(shm / "run"))

@@ -115,3 +115,5 @@ def test_bad_commits_are_refused_and_free_their_blocks(acp_env):
     stat = acp.server_stat()
     assert stat["free"] == free and stat["state"] == "ok" and stat["persist_failures"] == 0
     assert acp.flush() == 0 and os.listdir(acp_env["ck"]) == []
+    with open(os.path.join(acp_env["run"], "server.log")) as f:
+        assert f.read().count("refused commit of") == 5          # each refusal logged with its reason

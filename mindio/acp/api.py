@@ -76,13 +76,14 @@ def initialize(server_info: dict | None = None) -> int:
         try:
             _client = Client(cfg, _config.runtime_dir(), server_info)
             _client.connect()
+            lost = _client.request({"op": "lost"})["lost"]
         except (CheckpointError, OSError) as exc:   # unreachable, or an insecure runtime directory
             log.error("mindio.acp.initialize failed: %s; saves will write storage directly (next attempt "
                       "in %.0f s at the earliest)", exc, _RETRY_S)
             _client = None
             _retry_after = time.monotonic() + _RETRY_S
             return -1
-        for rec in _client.request({"op": "lost"})["lost"]:
+        for rec in lost:
             if rec not in _lost:
                 _lost.append(rec)
                 log.error("checkpoint %s was acknowledged but LOST when the daemon died (%s); the previous "

@@ -115,29 +115,37 @@ class Client:
         self._map_pool(self.hello["pool"], self.hello["pool_bytes"], self.hello.get("regions", []))
 
     def _start_daemon(self) -> None:
+        """Launch a daemon and connect to it. A launch that finds another daemon holding the
+        directory waits up to a second for its socket (it may be starting), else is repeated (that
+        one is exiting: its socket is already gone) until it has left; all within _START_TIMEOUT_S."""
         env = dict(os.environ, MINDIO_ACP_DIR=self.dir)
         cmd = [sys.executable, "-m", "mindio.acp.server", "--dir", self.dir,
                "--config", json.dumps(self.server_info), "--detach"]
-        try:
-            subprocess.run(cmd, env=env, timeout=_START_TIMEOUT_S, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        except subprocess.CalledProcessError as exc:
-            raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: "
-                                    f"{exc.stderr.decode(errors='replace').strip()}") from None
-        except (subprocess.SubprocessError, OSError) as exc:
-            raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: {exc}") from exc
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
             try:
-                self._sock = self._dial()
-                log.info("started mindio-acp-server (runtime dir %s)", self.dir)
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise ServerUnavailable(
-                        f"mindio-acp-server did not come up in {self.dir} within {_START_TIMEOUT_S:.0f} s; "
-                        f"see {os.path.join(self.dir, 'server.log')}") from None
-                time.sleep(0.05)
+                rc = subprocess.run(cmd, env=env, timeout=_START_TIMEOUT_S, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE)
+            except (subprocess.SubprocessError, OSError) as exc:
+                raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: {exc}") from exc
+            launched = time.monotonic()
+            if rc.returncode not in (0, 3):
+                raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: "
+                                        f"{rc.stderr.decode(errors='replace').strip()}")
+            while True:
+                try:
+                    self._sock = self._dial()
+                    log.info("started mindio-acp-server (runtime dir %s)", self.dir)
+                    return
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise ServerUnavailable(
+                            f"mindio-acp-server did not come up in {self.dir} within {_START_TIMEOUT_S:.0f} s; "
+                            f"see {os.path.join(self.dir, 'server.log')}") from None
+                    if rc.returncode == 3 and time.monotonic() - launched > 1.0:
+                        break                   # the holder is leaving: launch again once it is gone
+                    time.sleep(0.05)
+            time.sleep(0.1)
 
     def _map_pool(self, path: str, size: int, regions: list) -> None:
         self.pool = mmap.mmap(self._pool_fd, size, flags=mmap.MAP_SHARED)   # the daemon's file (fd)

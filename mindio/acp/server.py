@@ -63,6 +63,7 @@ class Daemon(Operations):
         self.conns = 0
         self.last_active = time.monotonic()
         self.stopping = threading.Event()
+        self.leaving = False            # set (under the lock) once the daemon decided to exit
         self._ids = 0
         self._last_seq = 0
         self.prefaulted = 0
@@ -95,6 +96,7 @@ class Daemon(Operations):
         self.server.bind(self.sock_path)
         os.chmod(self.sock_path, 0o600)
         self.server.listen(64)
+        self.last_active = time.monotonic()      # idle time counts from here, not from a slow start-up
         for target in (self._accept_loop, self._prefault, self._monitor):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         self.persist.start(self.cfg.persist_threads())
@@ -146,6 +148,9 @@ class Daemon(Operations):
     def _serve(self, conn: socket.socket) -> None:
         state = {"allocs": {}, "leases": {}}
         with self.lock:
+            if self.leaving:                # exit decided: the client retries with a new daemon
+                conn.close()
+                return
             self.conns += 1
             self.last_active = time.monotonic()
         try:
@@ -205,8 +210,9 @@ class Daemon(Operations):
 
     def _monitor(self) -> None:
         while not self.stopping.wait(0.5):
-            with self.lock:
+            with self.lock:         # decided with the connection count it reads: no client slips in
                 idle = self.conns == 0 and not self.busy() and time.monotonic() - self.last_active > self.idle_exit
+                self.leaving = self.leaving or idle
             if idle:
                 log.info("idle for %.0f s with nothing left to persist: exiting", self.idle_exit)
                 self.shutdown(give_up=True)
@@ -219,6 +225,8 @@ class Daemon(Operations):
         if self.stopping.is_set():
             return
         self.stopping.set()
+        with self.lock:
+            self.leaving = True
         self._close_listener()
         self.persist.drain()
         with self.lock:
@@ -263,6 +271,8 @@ def main(argv=None) -> int:
                 status = ready.read()
             if status.startswith("ok"):
                 return 0
+            if status.startswith("owned"):      # another daemon holds the directory (maybe exiting)
+                return 3
             print(f"mindio-acp-server failed to start: {status or 'it died during start-up'}", file=sys.stderr)
             return 1
         os.close(ready_r)
@@ -285,7 +295,7 @@ def main(argv=None) -> int:
             os.write(ready_w, f"{type(exc).__name__}: {exc}".encode())
         return 1
     if ready_w is not None:
-        os.write(ready_w, b"ok")
+        os.write(ready_w, b"ok" if started else b"owned")
         os.close(ready_w)
     if not started:
         return 0

@@ -117,3 +117,22 @@ def test_bad_commits_are_refused_and_free_their_blocks(acp_env):
     assert acp.flush() == 0 and os.listdir(acp_env["ck"]) == []
     with open(os.path.join(acp_env["run"], "server.log")) as f:
         assert f.read().count("refused commit of") == 5          # each refusal logged with its reason
+
+
+def test_a_client_arriving_while_the_daemon_exits_gets_a_new_one(acp_env, monkeypatch):
+    """The daemon stopped listening and is still persisting before it exits (it holds the runtime
+    directory's lock): a client arriving now launches daemons until the old one has left and is
+    served by a new one within seconds (it used to wait 60 s for a socket that no daemon would open)."""
+    import time
+
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "3")
+    assert acp.initialize() == 0
+    path = os.path.join(acp_env["ck"], "m.pt")
+    assert acp.save({"w": torch.ones(3)}, path) == 1           # persisted only after 3 s
+    old = api._client.hello["pid"]
+    acp.shutdown_server()                                      # leaves once the file is persisted
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "0")
+    started = time.monotonic()
+    assert acp.initialize() == 0
+    assert api._client.hello["pid"] != old and time.monotonic() - started < 30
+    assert torch.equal(acp.load(path, open_way="fopen")["w"], torch.ones(3))

@@ -146,7 +146,11 @@ _ALL = [
          "training goes on (docs/elastic.md)."),
     # --- checkpoint store ---
     Knob("MINDIO_ACP_DIR", str, "",
-         "Runtime directory of the per-user acp daemon (socket, lock, journal); default /tmp/mindio-acp-<uid>."),
+         "Runtime directory of the per-user acp daemon (socket, lock, journal); default $XDG_RUNTIME_DIR/mindio-acp "
+         "when XDG_RUNTIME_DIR is set, else /tmp/mindio-acp-<uid>. Created 0700; refused unless private to you."),
+    Knob("XDG_RUNTIME_DIR", str, "",
+         "Standard per-user runtime directory (set by systemd-logind); the acp runtime directory defaults to "
+         "$XDG_RUNTIME_DIR/mindio-acp when set."),
     Knob("MINDIO_ACP_IDLE_EXIT", float, 600.0,
          "Seconds an idle daemon with nothing to persist waits before exiting.", min=1, max=86400),
     Knob("MINDIO_ACP_LOAD_VIEW", _bool, True,

@@ -64,6 +64,15 @@ class CorruptCheckpoint(CheckpointError):
         self.reason = reason
 
 
+class InsecurePath(CheckpointError):
+    """A directory or file the checkpoint store would use is not private to the caller (another user
+    owns it, others can access it, or it is a symbolic link); ``path`` names it."""
+
+    def __init__(self, path, problem: str, remedy: str):
+        super().__init__(f"{path} {problem}: refusing to use it; {remedy}")
+        self.path = str(path)
+
+
 class ServerUnavailable(CheckpointError):
     """The mindio-acp-server daemon cannot be reached or declared itself unserviceable."""
 

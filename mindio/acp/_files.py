@@ -14,7 +14,7 @@ import threading
 import time
 
 from ..errors import CheckpointError, ConfigError, ServerUnavailable
-from . import _storage, api
+from . import _secure, _storage, api
 
 __all__ = ["open_file", "create_file", "register_checker", "async_save", "SaveHandle"]
 
@@ -109,17 +109,18 @@ class _WriteableFileWrapper:
 
 def open_file(path) -> _ReadableFileWrapper:
     """Open a checkpoint file for reading, from the memory pool when it is there: ``read(offset=0,
-    count=-1)`` returns bytes, ``close()``; usable as a context manager."""
-    return _ReadableFileWrapper(os.path.abspath(os.fspath(path)))
+    count=-1)`` returns bytes, ``close()``; usable as a context manager. The path resolves as the OS
+    resolves it."""
+    return _ReadableFileWrapper(api._resolve(path))
 
 
 def create_file(path, mode: int = 0o600) -> _WriteableFileWrapper:
     """Create a file through the store: ``write(bytes)`` appends, ``close()`` commits it (persisted in
-    the background), ``drop()`` discards it; usable as a context manager. ``mode`` (default 0o600) is
-    the file's permission bits on storage."""
+    the background), ``drop()`` discards it; usable as a context manager. ``mode`` (default 0o600)
+    less the umask (as open() applies it) is the file's permission bits on storage."""
     if not isinstance(mode, int) or not 0 <= mode <= 0o777:
         raise ConfigError(f"create_file mode={mode!r}: expected an int in [0o000, 0o777]")
-    return _WriteableFileWrapper(api._target(path), mode)
+    return _WriteableFileWrapper(api._target(path), mode & ~_secure.umask())
 
 
 def _count_files(directory: str) -> int:

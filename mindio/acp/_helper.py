@@ -26,7 +26,7 @@ import time
 from typing import Callable, List, Union
 
 from ..errors import CheckpointError, ConfigError
-from . import _files, api
+from . import _files, _storage, api
 
 __all__ = ["CheckpointHelper"]
 
@@ -99,11 +99,9 @@ class CheckpointHelper:
             raise ConfigError(f"iteration_dir {iteration_dir!r} is not a directory")
 
         def done(result: int, step: int) -> None:
-            if result == 0:
-                tmp = f"{tracker_filename}.tmp.{os.getpid()}"
-                with open(tmp, "w") as f:
-                    f.write(str(step))
-                os.replace(tmp, tracker_filename)
+            if result == 0:     # temp file (O_EXCL|O_NOFOLLOW), fsync, rename, directory fsync
+                _storage.atomic_write(os.path.realpath(tracker_filename), [str(step).encode()],
+                                      mode=_storage.file_mode())
             else:
                 _log.error("rank %d: iteration %d: %s did not hold %d persisted files within %d s; tracker "
                            "%s not updated", self.rank, step, iteration_dir, total_file_count, TRACKER_TIMEOUT_S,

@@ -185,6 +185,19 @@ _ALL = [
     Knob("MINDIO_NATIVE", lambda t: t.strip().lower(), "",
          "python: use the pure-Python fallback of the native core even when the Cython one is built "
          "(read once, at the first import of mindio._native).", choices=("", "python", "cython")),
+    # --- mindio-run: variables of torch/torchrun it honours as torchrun does (docs/launch.md) ---
+    Knob("GLOO_SOCKET_IFNAME", str, "",
+         "gloo's network interface(s). mindio-run checks that each named one exists with an IPv4 address, or "
+         "sets it for a multi-node job to the interface of --local-addr, else the one routing to --master-addr."),
+    Knob("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", float, 3.0,
+         "mindio-run: default of --shutdown-timeout (seconds between the stop signal and SIGKILL of workers; "
+         "torchrun's default is 30).", min=0, max=3600),
+    Knob("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", str, "",
+         "Prefix of the worker lines --tee copies to the console (${role_name}, ${rank}, ${local_rank}); "
+         "default [<role><local rank>]:, as torchrun."),
+    Knob("TORCH_NCCL_ASYNC_ERROR_HANDLING", str, "1", "Passed to the workers (default 1), as torchrun does."),
+    Knob("CUDA_VISIBLE_DEVICES", str, "",
+         "Passed to the workers; with --virtual-local-rank each worker gets only its own entry, as torchrun."),
     # --- replacement processes ---
     Knob("MINDIO_PG_TIMEOUT", int, 120,
          "Seconds a replacement process (recover-in-place / recover) waits in the rendezvous of its "
@@ -206,6 +219,9 @@ _ALL = [
     Knob("LOCAL_RANK", int, 0, "Rank of the worker on its node (torchrun's contract).", internal=True),
     Knob("GROUP_RANK", int, 0, "Node rank of the worker (torchrun's contract).", internal=True),
     Knob("TORCHELASTIC_RESTART_COUNT", int, 0, "How many times the launcher restarted the job.", internal=True),
+    Knob("TORCHELASTIC_ERROR_FILE", str, "",
+         "Where a worker records the exception (or the fault) that ended it, in torchrun's error-file format; "
+         "the launcher's failure summary reads it (torchrun's contract).", internal=True),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _ALL}

@@ -160,13 +160,14 @@ def parse_args(argv=None):
             ranks = frozenset(int(x) for x in a.local_ranks_filter.split(","))
         except ValueError:
             p.error(f"--local-ranks-filter {a.local_ranks_filter!r}: expected a comma list of local ranks, e.g. 0,1")
+    from .. import _knobs
+
     grace = a.shutdown_timeout
     if grace is None:
         try:
-            grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or 3.0)
-        except ValueError:
-            p.error(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={os.environ['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']!r}: expected seconds")
-    from .. import _knobs
+            grace = _knobs.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+        except ConfigError as exc:
+            p.error(str(exc))
 
     try:
         return LaunchConfig(

@@ -51,9 +51,9 @@ def _names(value) -> set:
 
 
 _PATTERNS = (
-    # mindio-run agent (launch/ha.py, launch/agent.py): "rank 1 exited with signal SIGABRT",
-    # "rank 1 replacement exited with signal SIGKILL"
-    re.compile(r"rank (?P<rank>\d+) (?:replacement )?exited with signal (?P<sig>SIG[A-Z0-9]+)"),
+    # mindio-run agent (launch/ha.py, launch/failures.py): "rank 1 exited with signal SIGABRT",
+    # "rank 1 replacement exited with signal SIGKILL", "rank 1 (node 0, host) exited with signal SIGABRT"
+    re.compile(r"rank (?P<rank>\d+)(?: \([^)]*\))? (?:replacement )?exited with signal (?P<sig>SIG[A-Z0-9]+)"),
     # a switched-out process or a hot-switch backup: "... exited with -6"
     re.compile(r"rank (?P<rank>\d+): switched-out process \d+ exited with (?P<code>-\d+)"),
     re.compile(r"backup of rank (?P<rank>\d+) \(pid \d+\) exited with (?P<code>-\d+)"),

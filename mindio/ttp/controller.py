@@ -120,6 +120,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
         self._held_reports: list = []  # reports received while a passive backup (see _take_over)
         self._poller: zmq.Poller | None = None
+        self.status_server = None  # status.py's server, when MINDIO_STATUS_PORT is set
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
@@ -160,6 +161,10 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             t = threading.Thread(target=target, name=f"mindio-ctl-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        status_port = _knobs.get("MINDIO_STATUS_PORT")
+        if status_port and not self.backup:  # mindio status / Prometheus (status.py): one read-only observer
+            from . import status
+            self.status_server = status.serve(self, bind_ip, status_port)
         _log.info("controller %s listening on %s (world %d, strategies %s)",
                   "backup" if self.backup else "primary", self.address, self.world_size, sorted(self.enabled))
 
@@ -167,8 +172,13 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self.close(timeout=4)
 
     def close(self, timeout: float) -> bool:
-        """Stop the threads and join them, at most ``timeout`` s in all; whether every one ended (the
-        I/O thread closes the socket as it ends)."""
+        """Stop the status server and the threads and join them, at most ``timeout`` s in all; whether
+        every one ended (the I/O thread closes the socket as it ends). Called again: nothing more."""
+        server, self.status_server = self.status_server, None
+        if server is not None:
+            server.observer.close()
+            server.shutdown()
+            server.server_close()
         self._stop.set()
         self._incident_evt.set()
         self._waker.wake()

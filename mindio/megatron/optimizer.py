@@ -12,7 +12,7 @@ test that checks the replicas bit for bit after every step).
 
 What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
 
-1. Two upstream bugs on the torch-Adam path (no TE/Apex), present in 0.16.1 and 0.19.2:
+1. Three upstream bugs on the torch-Adam path (no TE/Apex), the first two present in 0.16.1 and 0.19.2:
    - ``_set_main_param_and_optimizer_states`` iterates the *destination* keys, so a checkpoint
      without a ``step`` key raises ``KeyError``, and it copies into leaf parameters outside
      ``no_grad`` (``RuntimeError: a leaf Variable that requires grad ...``). Fixed: copy the keys
@@ -20,6 +20,11 @@ What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
    - ``load_state_dict`` assigns ONE shared ``step`` tensor to every param state; torch Adam then
      increments it once per param per step and the bias correction drifts silently after a restore.
      Fixed: every param state gets its own copy.
+   - loading a ``dp_reshardable`` checkpoint (Megatron-LM's default distributed-optimizer format):
+     ``load_state_dict`` sets Adam's step from the checkpoint's param groups, then the param-state
+     load copies each param's ``step`` entry over it -- an entry the format does not store (a
+     LocalNonpersistentObject: the rank's own current step, 0 in a fresh job). Fixed: an existing
+     ``step`` is kept.
 2. ``shard_state()`` / ``load_shard_state()``: this rank's shard (fp32 main params, exp_avg,
    exp_avg_sq, step, per param in bucket order) as a flat, ordered list of tensors, for
    repair (point-to-point send/recv), for dump checkpoints and for keeping state across a rebuild.
@@ -61,7 +66,11 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
             if key == "param":
                 main_param.copy_(value)
             elif key == "step":
-                optim_state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+                # bug 3: the step of a loaded param state is this rank's own (a LocalNonpersistentObject
+                # of the dp_reshardable format); the checkpoint's step came with load_state_dict
+                # (param_groups) and must not be overwritten. Each param keeps its own tensor.
+                if "step" not in optim_state:
+                    optim_state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone()
             elif key in optim_state:
                 optim_state[key].copy_(value)
             elif isinstance(value, torch.Tensor):

@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mindio import _knobs
 from mindio.adapter import FrameworkAdapter, RepairRole, recv_state, repair_pairs, send_state
 from mindio.adapter.transfer import restore_rng
 
@@ -180,6 +179,10 @@ class TrainingContext:
             self.load_rng_state(state["rng"])
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
 def _capture_raw_rng() -> tuple:
     import random
 
@@ -218,6 +221,51 @@ def _is_group_holder(value: Any) -> bool:
     return any(isinstance(g, dist.ProcessGroup) for g in items)
 
 
+def _drop_autograd_graphs(model) -> int:
+    """Forget the autograd graphs the model keeps between steps (megatron's MoE token dispatcher
+    keeps the routing probabilities of the last forward, a tensor whose graph reaches the params'
+    gradient accumulators, whose DDP hooks reach the model again: a cycle through C++ autograd nodes
+    that Python's garbage collector cannot free; measured: the whole model and its process groups
+    stayed alive after clean and EP peers stayed blocked). Non-leaf tensors held by a module or by a
+    plain helper object of a module are set to None. Returns how many."""
+    dropped = 0
+
+    def forget(obj) -> None:
+        nonlocal dropped
+        for name, value in list(vars(obj).items()):
+            if torch.is_tensor(value) and value.grad_fn is not None:
+                setattr(obj, name, None)
+                dropped += 1
+
+    for chunk in model or ():
+        for module in chunk.modules():
+            forget(module)
+            for value in list(vars(module).values()):
+                if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+                    forget(value)
+    return dropped
+
+
+def _drop_moe_tracker_groups(seen: set) -> list:
+    """megatron's MoE aux-loss tracker (moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER) keeps the last
+    reduce/avg groups of every MoE layer in a module global: a surviving reference (measured: an EP peer
+    then stays blocked in the token dispatcher's all-gather until the stop times out). Cleared here; the
+    next forward sets them again. Returns the groups found (not yet in ``seen``)."""
+    import sys
+
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    found = []
+    for entry in (getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None) or {}).values():
+        for key in ("reduce_group", "avg_group"):
+            g = entry.get(key) if isinstance(entry, dict) else None
+            if isinstance(g, dist.ProcessGroup):
+                if id(g) not in seen:
+                    seen.add(id(g))
+                    found.append(g)
+                entry[key] = None
+    return found
+
+
 def _drop_megatron_groups() -> int:
     """Destroy every process group megatron's parallel state holds and clear those globals.
 
@@ -238,6 +286,7 @@ def _drop_megatron_groups() -> int:
     for name, value in list(vars(ps).items()):
         if name.startswith("_") and _is_group_holder(value):
             setattr(ps, name, None)
+    found += _drop_moe_tracker_groups(seen)
     world = dist.group.WORLD if dist.is_initialized() else None
     for g in found:
         if g is not world:
@@ -258,23 +307,34 @@ class MegatronAdapter(FrameworkAdapter):
         self.ctx.stop_requested.set()
 
     def clean(self, is_uce_error: bool) -> int:
-        """Keep this rank's shard and counters, drop model/optimizer and megatron's groups."""
+        """Keep this rank's shard, counters and checkpoint state dict, drop model/optimizer and
+        megatron's groups.
+
+        What is kept references the live tensors (no copy; nothing else uses them once the objects are
+        dropped): the optimizer shards, for rebuild_groups() and a repair sender, and Megatron's
+        sharded state dict (model weights too, detached from their grad buffers), for a dump that
+        follows the fault -- the ranks whose training raised have always been cleaned by then."""
         ctx = self.ctx
         try:
             if ctx.optimizer is not None:
                 try:
-                    groups_ = [[t.detach().clone() for t in g] for g in ctx.shard_groups()]
+                    groups_ = [[t.detach() for t in g] for g in ctx.shard_groups()]
                     ctx._kept = {"shard_groups": groups_,
                                  "shards": [t for g in groups_ for t in g],
-                                 "scalars": ctx.scalar_state(),
-                                 # a dump after clean needs Megatron's state dict (model weights too)
-                                 "checkpoint": (checkpoint.snapshot(ctx)
-                                                if _knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP") else None)}
+                                 "scalars": ctx.scalar_state()}
                 except Exception as exc:  # corrupted state (e.g. after a UCE): repair restores it
                     ctx._kept = None
-                    _log.warning("clean: this rank's optimizer state could not be kept (%s: %s); "
-                                 "it needs a repair from a replica or a checkpoint",
-                                 type(exc).__name__, exc)
+                    # a string, never the exception: a log record holding its traceback would keep
+                    # the optimizer and its process groups alive (peers would stay blocked)
+                    _log.warning("clean: this rank's optimizer state could not be kept (%s); "
+                                 "it needs a repair from a replica or a checkpoint", _describe(exc))
+                if ctx._kept is not None and not is_uce_error:  # a UCE rank never dumps
+                    try:
+                        ctx._kept["checkpoint"] = checkpoint.snapshot(ctx)
+                    except Exception as exc:
+                        _log.warning("clean: no checkpoint state kept (%s): this rank cannot write a "
+                                     "dump", _describe(exc))
+            _drop_autograd_graphs(ctx.model)
             ctx.model = ctx.optimizer = ctx.scheduler = None
             dropped = _drop_megatron_groups()
             # no gc here: the caller (mindio's processor teardown) collects once after all callbacks

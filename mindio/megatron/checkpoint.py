@@ -191,11 +191,37 @@ def sharded_state_dict(ctx, is_loading: bool = False) -> Dict[str, Any]:
     return sd
 
 
+def _mark_and_detach(sd: Dict[str, Any]) -> Dict[str, Any]:
+    """Mark every model item that belongs to the MoE experts (``_mindio_expert``: their params, and
+    their extra-state objects, megatron's keys ``...mlp.experts...``) and detach every tensor, so that
+    the state dict keeps no grad buffer (``main_grad``) and no autograd graph alive."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
+
+    def model_item(x):
+        if isinstance(x, (ShardedBase, ShardedTensorFactory)):
+            x._mindio_expert = ".experts." in x.key or (torch.is_tensor(x.data) and is_expert_param(x.data))
+        return x
+
+    def detach(x):
+        if isinstance(x, (ShardedBase, ShardedTensorFactory)) and torch.is_tensor(x.data):
+            x.data = x.data.detach()
+        return x
+
+    for key in _model_keys(sd):
+        dict_list_map_inplace(model_item, sd[key])
+    dict_list_map_inplace(detach, sd)
+    return sd
+
+
+def _model_keys(sd: Dict[str, Any]) -> List[str]:
+    return [k for k in sd if k == "model" or (k.startswith("model") and k[5:].isdigit())]
+
+
 def snapshot(ctx) -> Dict[str, Any]:
-    """What a later dump needs once the model and optimizer objects are gone (clean() keeps it when
-    TTP_STOP_CLEAN_BEFORE_DUMP is set): the state dict and which params are expert params."""
-    experts = {id(p) for chunk in ctx.model for p in chunk.parameters() if is_expert_param(p)}
-    return {"state_dict": sharded_state_dict(ctx), "experts": experts}
+    """Megatron's state dict of ``ctx``, ready for a dump once the model and optimizer objects are
+    gone (clean() keeps it): expert items marked, tensors detached (views, no copy)."""
+    return _mark_and_detach(sharded_state_dict(ctx))
 
 
 def _set_replica(x, owned: bool, keep_model_parts: bool) -> None:
@@ -211,16 +237,15 @@ def _set_replica(x, owned: bool, keep_model_parts: bool) -> None:
         x.replica_id = dp
 
 
-def _assign(sd: Dict[str, Any], writers: Writers, experts: set) -> None:
-    """Rewrite every replica_id of ``sd`` so that this rank writes exactly what ``writers`` says."""
+def _assign(sd: Dict[str, Any], writers: Writers) -> None:
+    """Rewrite every replica_id of ``sd`` (a :func:`snapshot`) so that this rank writes exactly what
+    ``writers`` says."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
     def model_item(x):
         if isinstance(x, (ShardedBase, ShardedTensorFactory)):
-            # expert params, and the experts' extra state objects (megatron's MoE keys: "...mlp.experts.")
-            expert = id(x.data) in experts or ".experts." in x.key
-            t = 1 if expert and len(writers.slice) > 1 else 0
+            t = 1 if x._mindio_expert and len(writers.slice) > 1 else 0
             _set_replica(x, writers.slice[t], keep_model_parts=True)
         return x
 
@@ -232,7 +257,7 @@ def _assign(sd: Dict[str, Any], writers: Writers, experts: set) -> None:
             return x
         return fix
 
-    for key in [k for k in sd if k == "model" or (k.startswith("model") and k[5:].isdigit())]:
+    for key in _model_keys(sd):
         dict_list_map_inplace(model_item, sd[key])
     opt = sd["optimizer"]
     if isinstance(opt, dict) and set(opt) == set(range(len(opt))) and len(opt) > 1:  # ChainedOptimizer
@@ -243,8 +268,8 @@ def _assign(sd: Dict[str, Any], writers: Writers, experts: set) -> None:
     _set_replica(sd["rng_state"], writers.slice[0], keep_model_parts=False)
 
 
-def _write(ctx, sd: Dict[str, Any], experts: set, writers: Writers, directory: Path) -> None:
-    _assign(sd, writers, experts)
+def _write(sd: Dict[str, Any], writers: Writers, directory: Path) -> None:
+    _assign(sd, writers)
     common = torch_dist.write_local(sd, directory, dist.get_rank(), writers.save_id, writers.ranks)
     if writers.common:
         torch_dist.write_common(common, directory)
@@ -256,8 +281,7 @@ def save_checkpoint(ctx, root: Optional[Path] = None) -> float:
     t0 = time.perf_counter()
     root = Path(root or ctx.args.save)
     directory = checkpoint_dir(root, ctx.iteration)
-    experts = {id(p) for chunk in ctx.model for p in chunk.parameters() if is_expert_param(p)}
-    _write(ctx, sharded_state_dict(ctx), experts, _periodic_writers(ctx, ctx.iteration), directory)
+    _write(snapshot(ctx), _periodic_writers(ctx, ctx.iteration), directory)
     dist.barrier()
     if dist.get_rank() == 0:
         torch_dist.finalize(directory, 0)
@@ -278,15 +302,13 @@ def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bo
     if ctx.iteration != step:
         raise RuntimeError(f"dump for step {step} asked, but this rank's state is at iteration {ctx.iteration}")
     if ctx.optimizer is not None:
-        sd = sharded_state_dict(ctx)
-        experts = {id(p) for chunk in ctx.model for p in chunk.parameters() if is_expert_param(p)}
+        sd = snapshot(ctx)
     elif ctx._kept is not None and ctx._kept.get("checkpoint") is not None:
-        sd, experts = ctx._kept["checkpoint"]["state_dict"], ctx._kept["checkpoint"]["experts"]
+        sd = ctx._kept["checkpoint"]  # kept by clean(), which ran when this rank's training raised
     else:
-        raise RuntimeError("dump: this rank's model and optimizer were dropped by clean() and no checkpoint "
-                           "snapshot was kept; set TTP_STOP_CLEAN_BEFORE_DUMP=1 only together with the "
-                           "snapshot (MegatronAdapter keeps it then)")
-    _write(ctx, sd, experts, writers, checkpoint_dir(Path(root or ctx.args.save), step))
+        raise RuntimeError(f"dump of step {step}: rank {dist.get_rank()} has neither its model and optimizer "
+                           "nor the state clean() keeps (clean could not read it; see its warning)")
+    _write(sd, writers, checkpoint_dir(Path(root or ctx.args.save), step))
     _log.info("dump checkpoint of step %d written by rank %d", step, dist.get_rank())
     return True
 

@@ -12,7 +12,7 @@ test that checks the replicas bit for bit after every step).
 
 What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
 
-1. Three upstream bugs on the torch-Adam path (no TE/Apex), the first two present in 0.16.1 and 0.19.2:
+1. Four upstream bugs on the torch-Adam path (no TE/Apex), the first two present in 0.16.1 and 0.19.2:
    - ``_set_main_param_and_optimizer_states`` iterates the *destination* keys, so a checkpoint
      without a ``step`` key raises ``KeyError``, and it copies into leaf parameters outside
      ``no_grad`` (``RuntimeError: a leaf Variable that requires grad ...``). Fixed: copy the keys
@@ -25,6 +25,10 @@ What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
      load copies each param's ``step`` entry over it -- an entry the format does not store (a
      LocalNonpersistentObject: the rank's own current step, 0 in a fresh job). Fixed: an existing
      ``step`` is kept.
+   - ``state_dict()`` of an optimizer that has not stepped yet fails (``assert len(steps) == 1`` over an
+     empty Adam state), so megatron's ``sharded_state_dict(is_loading=True)`` -- Megatron-LM's way of
+     loading a checkpoint into a freshly built model -- fails. Fixed: the Adam state is allocated first
+     (zeros, step 0: what torch Adam allocates at its first step).
 2. ``shard_state()`` / ``load_shard_state()``: this rank's shard (fp32 main params, exp_avg,
    exp_avg_sq, step, per param in bucket order) as a flat, ordered list of tensors, for
    repair (point-to-point send/recv), for dump checkpoints and for keeping state across a rebuild.
@@ -80,6 +84,11 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         _unshare_steps(self.optimizer)
+
+    # -- upstream bug 4 ---------------------------------------------------------------------
+    def state_dict(self):
+        self.ensure_state()  # upstream asserts one step value over an empty Adam state
+        return super().state_dict()
 
     # -- shard state ------------------------------------------------------------------------
     def _param_states(self):

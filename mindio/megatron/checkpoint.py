@@ -175,6 +175,9 @@ def sharded_state_dict(ctx, is_loading: bool = False) -> Dict[str, Any]:
     meta = dict(SHARDED_STATE_DICT_METADATA)
     for opt in distributed_optimizers(ctx.optimizer):
         opt.ensure_state()  # megatron's state_dict needs the Adam state, even before the first step
+        if is_loading:  # the checkpoint brings Adam's step; a destroyed one (NaN) would fail megatron's check
+            for state in opt.optimizer.state.values():
+                state["step"] = torch.zeros((), dtype=torch.float32)
     sd: Dict[str, Any] = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": ctx.iteration,
                           "args": _checkpoint_args(ctx), "num_floating_point_operations_so_far": 0,
                           "content_metadata": dict(meta)}

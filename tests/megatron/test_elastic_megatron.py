@@ -3,8 +3,10 @@
 DP=4 with optimizer replicas (2 instances: ranks [0,1] and [2,3], each a full sharded copy). The drill
 SIGKILLs rank 3 at step 7 and no standby exists: the controller removes the instance [2,3] (rank 2 exits
 77), rebuilds a 2-rank world and training goes on at DP=2 with 2 micro-batches per step (same global
-batch). Two standby processes, started by the test at the beginning (warm, like spares) and released once
-the downgrade is done ("a node came back"), register for ranks 2 and 3: the controller pauses the
+batch; each step paced by _elastic_paced.py while downgraded, up to 4 s and cut short at the upgrade's
+fence: unpaced, the 54 remaining steps took ~1.5 s and the job could end before the standbys came up on
+a loaded machine). Two standby processes, started by the test at the beginning (warm, like spares) and
+released once the downgrade is done ("a node came back"), register for ranks 2 and 3: the controller pauses the
 survivors at a step, rebuilds the 4-rank world, repairs the new ranks from their replicas, rolls back and
 training goes on at DP=4; ``--check-replicas`` checks after every step that every replica of every
 optimizer shard is bitwise identical (digests all-gathered across each replica pair). With
@@ -90,7 +92,7 @@ def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     run = _launch_elastic(tmp_path, ARGS + ["--seed", 1234, "--check-replicas", "--inject", "kill:rank=3,step=7",
-                                            "--save", ckpt])
+                                            "--save", ckpt], script=PACED, env_extra={"ELASTIC_TEST_PACE": "4"})
     out, evs = run["out"], run["events"]
     assert run["rc"] == [0, 0, 77, -9] and run["standby_rc"] == [0, 0], (run["rc"], run["standby_rc"], out[-4000:])
     down = [e for e in evs if e["kind"] == "downgrade_done"]

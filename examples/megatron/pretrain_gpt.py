@@ -273,7 +273,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     ctx.consumed_samples += args.global_batch_size
     if args.enable_high_availability:
         ttp.tft_end_updating_os(ctx.iteration)  # mindio: state is complete for this step
-    ctx.record_step_rng()  # mindio: the RNG a rollback to this step restores on every stage
+        ctx.record_step_rng()  # mindio: the RNG a rollback to this step restores on every stage
     opt_param_scheduler.step(increment=args.global_batch_size)
     loss = torch.zeros(1)
     if ps.is_pipeline_last_stage():
@@ -378,16 +378,19 @@ def setup_high_availability(ctx) -> None:
 
 # ------------------------------------------------------------------------------------ pretrain
 def report_memory(ctx) -> None:
-    """Optimizer-state bytes on rank 0 (fp32 main params + 2 Adam moments) vs 12*P*R/d."""
-    from megatron.core import parallel_state as ps
-
+    """Optimizer-state bytes on rank 0 (fp32 main params + 2 Adam moments) vs 12*P*R/d, summed over the
+    distributed optimizers (dense params over the DP group; MoE expert params over the expert-DP group)."""
     if not ctx.args.use_distributed_optimizer:
         return
     state = sum(t.numel() * t.element_size() for i, t in enumerate(ctx.shard_tensors()) if i % 4 != 3)
-    params = sum(p.numel() for c in ctx.model for p in c.parameters())
-    d = ps.get_data_parallel_world_size(with_context_parallel=True)
-    print_rank_0(f"optimizer-state-bytes: {state} on rank 0 (P={params}, R={ctx.replica_cnt}, "
-                 f"d={d}, 12*P*R/d={12 * params * ctx.replica_cnt / d:.0f})")
+    groups = ctx.layout["groups"]
+    params = [0] * len(groups)
+    for c in ctx.model:
+        for p in c.parameters():
+            params[1 if len(groups) > 1 and mio.digest.is_expert_param(p) else 0] += p.numel()
+    formula = sum(12 * n * ctx.replica_cnt / d for n, (_, d) in zip(params, groups))
+    print_rank_0(f"optimizer-state-bytes: {state} on rank 0 (P={sum(params)}, R={ctx.replica_cnt}, "
+                 f"d={groups[0][1]}, 12*P*R/d={formula:.0f})")
 
 
 def prepare(args) -> None:

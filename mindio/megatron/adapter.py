@@ -341,8 +341,9 @@ class MegatronAdapter(FrameworkAdapter):
             if _log.isEnabledFor(logging.DEBUG):  # a heap scan: only when asked for
                 gc.collect()
                 world = dist.group.WORLD if dist.is_initialized() else None
-                alive = [o for o in gc.get_objects()
-                         if isinstance(o, dist.ProcessGroup) and o is not world]
+                # ProcessGroup objects are not tracked by the collector: look at what tracked objects hold
+                alive = {id(r) for o in gc.get_objects() for r in gc.get_referents(o)
+                         if isinstance(r, dist.ProcessGroup) and r is not world}
                 _log.debug("clean: %d process groups still referenced", len(alive))
             _log.info("clean: %d megatron process groups destroyed", dropped)
             return 0

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -331,18 +330,9 @@ def write_tracker(root: Path, iteration: int) -> None:
     if acp is not None and acp.flush() != 0:
         raise RuntimeError(f"the checkpoint of iteration {iteration} could not be persisted (mindio.acp.flush "
                            "failed; see the log): the tracker file is not updated")
-    root = Path(root)
-    tmp = root / f".{TRACKER}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / TRACKER)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    from mindio.acp._storage import atomic_write, file_mode
+
+    atomic_write(str(Path(root) / TRACKER), [str(iteration).encode()], file_mode())
 
 
 def read_tracker(root: Path) -> Optional[int]:

@@ -52,6 +52,8 @@ from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, Te
                                                   WriteItemType)
 from torch.distributed.checkpoint.storage import WriteResult
 
+from mindio.acp._storage import atomic_write, file_mode
+
 __all__ = ["COMMON", "write_local", "write_common", "finalize", "read_local", "read_common",
            "has_index", "SAFE_GLOBALS"]
 
@@ -93,30 +95,15 @@ def _store(path: Path, data: bytes) -> None:
     """``data`` to ``path``: through the mindio store when available, else atomically to storage."""
     acp = _acp()
     if acp is not None:
-        with acp.create_file(str(path), mode=0o666 & ~_umask()) as f:
+        with acp.create_file(str(path), mode=file_mode()) as f:
             f.write(data)
         return
     _atomic_write(path, data)
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it (os.umask would, for every thread, for a moment)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """The store's atomic write: exclusive temp file, fsync, rename, directory fsync, the umask's mode."""
+    atomic_write(str(path), [data], file_mode())
 
 
 def _fetch(path: Path) -> bytes:

@@ -4,13 +4,18 @@
         --train-iters 50 --enable-high-availability          # DP=4, each shard on 2 ranks
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
         --tensor-model-parallel-size 2 --save ckpt --save-interval 10
+    torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
+        --pipeline-model-parallel-size 2 --global-batch-size 8 --enable-high-availability   # PP2 x DP2
+    torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
+        --num-experts 4 --expert-model-parallel-size 2 --enable-high-availability          # MoE, EP2
 
 megatron-core 0.16.1 has no ``megatron.training``, so ``pretrain()``, ``train()``,
 ``train_step()`` and the arguments are written here with Megatron's names and flags. Lines marked
 ``# mindio:`` are the integration points (docs/megatron.md lists them). Defaults are tiny (2 layers,
 hidden 64, sequence 64) and deterministic: fixed seeds, deterministic algorithms, data order
 derived from the number of consumed samples; ``state-digest: <sha256>`` is printed after every
-save and at the end so that runs compare bit for bit.
+save and at the end so that runs compare bit for bit. Layout flags are Megatron-LM's (tensor, pipeline,
+virtual pipeline, expert parallelism); checkpoints are Megatron's torch_dist format (docs/megatron.md).
 """
 
 from __future__ import annotations

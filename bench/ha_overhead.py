@@ -1,18 +1,22 @@
 """Overhead of --enable-high-availability for examples/megatron/pretrain_gpt.py, on this machine.
 
-Runs the example at the same DP size in three configurations, alternating them for several
-rounds so that machine noise hits all alike, and prints ratios against the baseline:
+Runs the example at one parallel layout (``--pp`` pipeline stages x DP = nproc/pp, TP1) in three
+configurations, alternating them for several rounds so that machine noise hits all alike, and prints
+ratios against the baseline:
 
     off       no high availability: one copy of each optimizer shard (ZeRO-1 over DP)
     replicas  --replica-cnt 2 without mindio.ttp: the replica optimizer alone
     on        --enable-high-availability: replicas (R=2) + controller, processors, update reports
 
 Step time = median of the per-step times printed by rank 0, warm-up steps excluded.
-Memory: optimizer-state bytes per rank (fp32 main params + Adam moments) measured from the live
-shards, against the formula 12*P*(R-1)/d for the extra bytes of the replicas.
+Memory: optimizer-state bytes of rank 0 (fp32 main params + Adam moments) measured from the live
+shards. Formula: a rank holds ``12*P*R/d`` bytes (P = params of its model-parallel slice -- with
+pipeline parallelism its stage --, d = DP size, R = replica count), so the replicas add
+``12*P*(R-1)/d``; the bench prints measured extra / formula (1.0000 when they match).
 
     python bench/ha_overhead.py                  # DP=4, 60 steps, 3 rounds
     python bench/ha_overhead.py --nproc 2 --iters 100 --rounds 5
+    python bench/ha_overhead.py --pp 2           # TP1 x PP2 x DP2 (2 micro-batches per step)
 """
 
 from __future__ import annotations
@@ -35,6 +39,14 @@ CONFIGS = {
     "replicas": ["--replica-cnt", "2"],
     "on": ["--enable-high-availability"],
 }
+
+
+def layout(nproc: int, pp: int) -> list:
+    """The example's flags for TP1 x PP ``pp`` x DP nproc/pp; with PP, 2 micro-batches per step (the
+    pipeline has something to overlap)."""
+    if pp == 1:
+        return []
+    return ["--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(2 * 2 * nproc // pp)]
 
 
 def run(nproc: int, iters: int, extra, timeout: float = 600, attempts: int = 2) -> str:
@@ -85,7 +97,8 @@ def parse(out: str, warmup: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=4, help="DP size (TP=1)")
+    ap.add_argument("--nproc", type=int, default=4, help="ranks (TP=1; DP = nproc / pp)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
@@ -96,7 +109,7 @@ def main():
     mem, rss = {}, {}
     for r in range(args.rounds):
         for name, extra in CONFIGS.items():
-            s, m, x = parse(run(args.nproc, args.iters, extra), args.warmup)
+            s, m, x = parse(run(args.nproc, args.iters, layout(args.nproc, args.pp) + extra), args.warmup)
             steps[name] += s
             per_round[name].append(statistics.median(s))
             mem[name], rss[name] = m, x
@@ -104,16 +117,21 @@ def main():
 
     base = statistics.median(steps["off"])
     best = min(per_round["off"])
-    print(f"\nDP={args.nproc}, {args.iters} steps x {args.rounds} rounds, warm-up {args.warmup} "
+    print(f"\nTP1 x PP{args.pp} x DP{args.nproc // args.pp}, {args.iters} steps x {args.rounds} rounds, warm-up {args.warmup} "
           f"excluded; step time (ms) and ratio to 'off': median over all steps | best round")
     for name in CONFIGS:
         med, fast = statistics.median(steps[name]), min(per_round[name])
         print(f"  {name:8s} {med:8.2f} ms  x{med / base:.3f}   | {fast:8.2f} ms  x{fast / best:.3f}")
+    print("\noptimizer state of rank 0, measured vs 12*P*R/d:")
+    for name in CONFIGS:
+        b, p, r, d = mem[name]
+        formula = 12 * p * r / d
+        print(f"  {name:8s} {b:10d} B  vs {formula:10.0f} B (P={p}, R={r}, d={d}): x{b / formula:.4f}")
     (b_off, p, _, d), (b_on, _, r_on, _) = mem["off"], mem["on"]
     formula = 12 * p * (r_on - 1) / d
-    print(f"\noptimizer state per rank: off {b_off} B, on {b_on} B; extra {b_on - b_off} B vs "
-          f"12*P*(R-1)/d = {formula:.0f} B (P={p}, R={r_on}, d={d}): "
-          f"ratio {(b_on - b_off) / formula:.4f}")
+    print(f"extra of 'on': {b_on - b_off} B vs 12*P*(R-1)/d = {formula:.0f} B: x{(b_on - b_off) / formula:.4f} "
+          "(a DP shard is cut at element boundaries of megatron's padded buckets, so a rank may hold a few "
+          "params more or less than P/d)")
     print("rank-0 peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
 
 

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 
 __all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "grad_norms", "digests", "have_megatron",
-           "assert_relaunch_reproduces", "SLOW_MEGATRON"]
+           "assert_relaunch_reproduces", "SLOW_MEGATRON", "LAYOUTS", "LAYOUT_ITERS", "layout_args",
+           "layout_reference"]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -124,3 +125,29 @@ SLOW_MEGATRON = [
     pytest.mark.slow,
     pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
 ]
+
+
+# The parallel layouts of test_layouts_megatron.py and the elastic PP test (4 ranks each). Every one of them
+# shares one fault-free reference run per session (layout_reference).
+LAYOUTS = {
+    "tp1pp2dp2": ["--pipeline-model-parallel-size", 2, "--global-batch-size", 8],
+    "moe_ep2dp2": ["--num-experts", 4, "--expert-model-parallel-size", 2],
+    # no DP replica exists: --replica-cnt 1; 4 layers in 2 virtual stages per pipeline rank (interleaved)
+    "tp2pp2dp1_vpp2": ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, "--num-layers", 4,
+                       "--num-layers-per-virtual-pipeline-stage", 1, "--global-batch-size", 4, "--replica-cnt", 1],
+}
+LAYOUT_ITERS = 20
+
+
+def layout_args(layout: str, ha_flag: str = "--enable-high-availability") -> list:
+    return ["--use-distributed-optimizer", ha_flag, "--train-iters", LAYOUT_ITERS, "--seed", 1234,
+            *LAYOUTS[layout]]
+
+
+def layout_reference(fault_free_run, layout: str) -> str:
+    """Output of the fault-free run of ``layout`` (torchrun, high availability on, no fault), once per
+    session. Its losses and digest are those of any run of the layout with the same seed and replica
+    count: the flags that only switch on mindio (which strategies, which launcher) change no number."""
+    args = layout_args(layout)
+    key = (str(PRETRAIN), "torch.distributed.run", tuple(map(str, args)))
+    return fault_free_run(key, lambda d: torchrun(PRETRAIN, args, timeout=400))

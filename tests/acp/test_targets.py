@@ -127,22 +127,22 @@ def test_journal_rewrite_fsyncs_its_directory(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["journal.jsonl"]
 
 
-class _Unpicklable:
+class _NotBytes:
     def __reduce__(self):
         raise RuntimeError("cannot pickle this")
 
 
-def test_megatron_write_object_fsyncs_and_cleans_up(tmp_path, monkeypatch):
-    """mindio.megatron's write_object, through its torch.save path: the directory is fsynced after
+def test_megatron_checkpoint_bytes_fsync_and_clean_up(tmp_path, monkeypatch):
+    """mindio.megatron's torch_dist byte writer without the ACP store: the directory is fsynced after
     the rename, and a failing write leaves no temp file behind."""
-    from mindio.megatron.checkpoint import write_object
+    from mindio.megatron import torch_dist
 
     monkeypatch.setenv("MINDIO_ACP_DISABLE", "1")
     api.reset()
-    monkeypatch.setattr("mindio.megatron.checkpoint._acp", lambda: None)    # no ACP store: torch.save
+    monkeypatch.setattr(torch_dist, "_acp", lambda: None)    # no ACP store: atomic write to storage
     seen = _fsynced_dirs(monkeypatch)
-    write_object({"a": torch.ones(3)}, tmp_path / "common.pt")
-    assert _ident(tmp_path) in seen and torch.equal(torch.load(tmp_path / "common.pt")["a"], torch.ones(3))
-    with pytest.raises(RuntimeError, match="cannot pickle"):
-        write_object({"a": torch.ones(3), "bad": _Unpicklable()}, tmp_path / "other.pt")
+    torch_dist._store(tmp_path / "common.pt", b"0123456789")
+    assert _ident(tmp_path) in seen and (tmp_path / "common.pt").read_bytes() == b"0123456789"
+    with pytest.raises(TypeError):
+        torch_dist._store(tmp_path / "other.pt", _NotBytes())      # not bytes: fails inside the write
     assert sorted(os.listdir(tmp_path)) == ["common.pt"]

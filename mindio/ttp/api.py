@@ -17,6 +17,7 @@ process group exists (call init_process_group first), else through MINDIO_SECRET
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -65,18 +66,58 @@ def _ctl() -> Controller:
 
 
 
+# ----------------------------------------------------------------------------- launcher
+_REPLACING = {"recover", "recover-in-place"}
+
+
+def _hosted_elsewhere() -> bool:
+    """Does a launcher (mindio-run's node-0 agent) or another process host this job's controller?
+    (MINDIO_CONTROLLER_EXTERNAL, set for the workers with TTP_ADDR, TTP_PORT and MINDIO_SECRET)"""
+    return bool(_knobs.get("MINDIO_CONTROLLER_EXTERNAL"))
+
+
+def _check_replacer(asked_by: str) -> None:
+    """Worker reboot (recover-in-place / recover) replaces a failed process, which only a launcher can:
+    fail now, with what to change, instead of exiting with EXIT_CODE_FAULT at the first fault."""
+    if _hosted_elsewhere():
+        return  # mindio-run --high-availability (or the process that hosts the controller) replaces
+    if os.environ.get("MINDIO_AGENT_STORE"):  # a worker of mindio-run that hosts no controller
+        fix = ("add --high-availability recover-in-place,dump to the mindio-run command line (its agent then "
+               "hosts the controller and restarts a failed rank)")
+    else:
+        fix = ("launch the job with mindio-run --high-availability recover-in-place,dump instead of torchrun "
+               "(which cannot restart one rank)")
+    raise ConfigError(f"{asked_by} asks for worker reboot (recover-in-place / recover), which needs a launcher "
+                      f"that replaces a failed process: {fix}, or turn worker reboot off")
+
+
 # ----------------------------------------------------------------------------- controller
 def tft_init_controller(rank: int, world_size: int, enable_local_copy: bool, enable_arf=False, enable_zit=False):
     if not -1 <= rank < world_size or not 1 <= world_size <= 100000:
         raise ConfigError(f"tft_init_controller: rank {rank} must be in [-1, world_size) and world_size "
                           f"{world_size} in [1, 100000]")
-    enabled = set(_knobs.get("HIGH_AVAILABILITY")) or (
-        {"dump"} | ({"recover"} if enable_arf else set()) | ({"elastic-training"} if enable_zit else set()))
-    _rt.controller_init = {"rank": rank, "world_size": world_size, "enabled": enabled}
     _logging.setup(rank=rank)
+    if rank >= 0 and _hosted_elsewhere():
+        _log.info("tft_init_controller: this job's controller is hosted outside the training ranks "
+                  "(MINDIO_CONTROLLER_EXTERNAL=1, mindio-run --high-availability); rank %d starts none", rank)
+        _rt.controller_init = None
+        _rt.controller_external = True
+        return
+    asked = set(_knobs.get("HIGH_AVAILABILITY"))
+    if enable_arf:
+        _check_replacer("tft_init_controller(enable_arf=True)")
+    if asked & _REPLACING:
+        _check_replacer(f"HIGH_AVAILABILITY={','.join(sorted(asked))}")
+    # HIGH_AVAILABILITY and the flags both ask (the reference: the variable turns the script's flags on);
+    # the processors' flags add theirs once they registered (Controller.job_strategies)
+    enabled = (asked or {"dump"}) | (_REPLACING if enable_arf else set()) | (
+        {"elastic-training"} if enable_zit else set())
+    _rt.controller_init = {"rank": rank, "world_size": world_size, "enabled": enabled}
 
 
 def _start(bind_ip, port, enable_tls, tls_info, primary=None):
+    if _rt.controller_external:
+        return  # tft_init_controller: the launcher hosts it
     if _rt.controller_init is None:
         raise RuntimeError("call tft_init_controller before starting a controller")
     if not 1024 <= int(port) <= 65535 or bind_ip in ("", "0.0.0.0"):
@@ -117,6 +158,10 @@ def tft_destroy_controller():
 # ----------------------------------------------------------------------------- processor
 def tft_init_processor(rank: int, world_size: int, enable_local_copy: bool, enable_tls=True, tls_info='',
                        enable_uce=True, enable_arf=False, enable_zit=False):
+    if enable_arf:
+        _check_replacer("tft_init_processor(enable_arf=True)")
+    if set(_knobs.get("HIGH_AVAILABILITY")) & _REPLACING:
+        _check_replacer(f"HIGH_AVAILABILITY={','.join(_knobs.get('HIGH_AVAILABILITY'))}")
     curve = transport.curve_options(enable_tls, tls_info, server=False)
     proc = Processor(rank, world_size, enable_uce=enable_uce, enable_arf=enable_arf, enable_zit=enable_zit,
                      curve=curve)
@@ -126,6 +171,12 @@ def tft_init_processor(rank: int, world_size: int, enable_local_copy: bool, enab
 
 
 def tft_start_processor(master_ip: str, port: int, local_ip=''):
+    if _hosted_elsewhere() and os.environ.get("TTP_PORT"):  # mindio-run tells its workers where it is
+        hosted = (_knobs.get("TTP_ADDR") or _knobs.get("CONTROLLER_ADDR") or master_ip, _knobs.get("TTP_PORT"))
+        if hosted != (master_ip, int(port)):
+            _log.info("tft_start_processor: the controller is hosted at %s:%d (TTP_ADDR, TTP_PORT); connecting "
+                      "there, not to %s:%s", hosted[0], hosted[1], master_ip, port)
+        master_ip, port = hosted
     if not 1024 <= int(port) <= 65535:
         raise ConfigError(f"controller port {port} must be in [1024, 65535]")
     _proc().start(f"tcp://{master_ip}:{int(port)}", transport.job_secret(create=False))

@@ -269,6 +269,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             _logging.event("report_received", from_rank=env.rank, state=state.name, step=body.step)
             with self._lock:
                 r = self.ranks[env.rank]
+                state = self._secondary(env.rank, state, body.message)
                 r.last_seen, r.step = now, body.step
                 if r.alive:
                     self._seen[env.rank] = None
@@ -367,6 +368,21 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                                    rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
             self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
+            _log.info("every rank registered; the job's strategies: %s (asked for by the controller: %s, by "
+                      "the ranks' tft_init_processor flags: %s)", sorted(self.brain.enabled(self.job_strategies())),
+                      sorted(self.enabled), sorted(self._ranks_ask()))
+
+    def job_strategies(self) -> set:
+        """The strategies the job asked for, in any of the reference ways: the controller's list
+        (HIGH_AVAILABILITY, or dump + tft_init_controller's enable_arf / enable_zit, or the launcher's
+        --high-availability) and what its processors registered with (policy.strategies_of:
+        enable_uce -> retry, enable_arf -> recover-in-place / recover, enable_zit -> elastic-training)."""
+        return self.enabled | self._ranks_ask()
+
+    def _ranks_ask(self) -> set:
+        with self._lock:
+            features = [r.features for r in self.ranks.values() if r.registered]
+        return policy.strategies_of(features)
 
     def _take_over(self, now: float, n: int) -> None:
         _log.warning("primary controller lost; backup %s takes over with %d/%d ranks", self.address, n, self.world_size)

@@ -40,13 +40,16 @@ __all__ = ["tft_exception_handler", "classify_exception", "exit_process"]
 _log = logging.getLogger(__name__)
 
 
-def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED) -> ReportState:
+def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED,
+                       during_incident: bool = False) -> ReportState:
+    """ReportState of ``exc`` (policy.classify); ``during_incident``: the controller has already
+    stopped this rank, so a collective timeout or a destroyed group is a peer's failure reaching it."""
     message = f"{type(exc).__name__}: {exc}"
     start, end = _rt.update_window
     repairable = policy.can_do_uce_repair(time.time_ns(), start, end) if start is not None \
         else data_status == OsStatus.UPDATED
     patterns = [(p, s) for p, s, _h in _rt.user_patterns]
-    state = policy.classify(message, patterns, uce_repairable=repairable)
+    state = policy.classify(message, patterns, uce_repairable=repairable, during_incident=during_incident)
     for pattern, _s, handle in _rt.user_patterns:
         if pattern in message and handle is not None:
             try:
@@ -126,7 +129,7 @@ def tft_exception_handler(func):
                 if proc is None:
                     raise
                 message = f"{type(exc).__name__}: {exc}"
-                state = classify_exception(exc, proc.data_status)
+                state = classify_exception(exc, proc.data_status, during_incident=proc.stopped)
                 traceback.clear_frames(exc.__traceback__)  # frames hold model / group references
                 exc.__traceback__ = None
             proc.report(state, message)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from .. import _knobs, _logging
 from . import policy
@@ -73,6 +74,22 @@ class IncidentFlow(PauseFlow):
                 inc["seen"].setdefault(rank, time.monotonic())
                 if message:
                     inc["messages"][rank] = message
+
+    def _secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
+        """(I/O thread, under the lock) ``state`` of a report, or RS_NORMAL when it is secondary: an
+        RS_UNKNOWN from a rank not already faulty, while an incident is open, whose message is what the
+        incident itself causes on its peers -- a collective timed out waiting for a stopped or torn-down
+        rank, a closed connection, an aborted or destroyed group (policy.secondary_in_incident). Such a
+        rank stays healthy: its state is usable for the dump and repair, as the reference treats a
+        FORCE STOP."""
+        inc = self._incident
+        if inc is None or state is not ReportState.RS_UNKNOWN or rank in inc["primary"] \
+                or not policy.secondary_in_incident(message):
+            return state
+        _log.warning("rank %d: %s -- after the incident of rank %s began: secondary, not a new fault", rank,
+                     message[:200], inc["first"])
+        _logging.event("secondary_error", from_rank=rank, message=message[:300], first=inc["first"])
+        return ReportState.RS_NORMAL
 
     def _error_rank_dict(self) -> dict:
         with self._lock:  # the I/O thread adds ranks to the incident while the driver reads it
@@ -151,10 +168,20 @@ class IncidentFlow(PauseFlow):
             primary = dict(inc["primary"])
             seen, messages = dict(inc.get("seen", {})), dict(inc.get("messages", {}))
         dead = frozenset(v.rank for v in views if not v.alive)
+        lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
-                                   spare_available=self.can_replace("recover", dead))  # recover.py
-        enabled = self.brain.enabled(self.enabled) | ({"dump"} if graceful else set())
+                                   spare_available=self.can_replace("recover", dead),  # recover.py
+                                   in_place_possible=not lacking)
+        enabled = self.brain.enabled(self.job_strategies()) | ({"dump"} if graceful else set())
         feasible = policy.feasible_strategies(enabled, incident)
+        if lacking and not graceful:
+            blocked = [s for s in policy.feasible_strategies(enabled, replace(incident, in_place_possible=True))
+                       if s not in feasible]
+            if blocked:
+                _log.warning("%s would be possible, but they call the repair and rollback handlers on every rank "
+                             "and ranks %s did not register %s (tft_register_repair_handler, "
+                             "tft_register_rollback_handler)", blocked, sorted(lacking)[:16],
+                             lacking[min(lacking)])
         alive = {v.rank: v.alive for v in views}
         faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
                                   seen.get(r, inc["t0"])) for r in sorted(set(primary) | set(faulty))]
@@ -170,7 +197,8 @@ class IncidentFlow(PauseFlow):
         _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, level %s, order %s, "
                      "feasible %s)", latency, strategy, lock, faulty[:16], verdict.level, order, feasible)
         _logging.event("decision", **self.last_decision)
-        if "retry" in enabled and not graceful and "retry" not in feasible:
+        retryable = bool(primary) and set(primary.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
+        if "retry" in enabled and retryable and not graceful and "retry" not in feasible and not lacking:
             _log.warning("retry is enabled but not possible for this incident (reports %s, dead %s, every "
                          "shard of a UCE rank has a usable replica: %s); using %s",
                          {r: s.name for r, s in list(primary.items())[:16]}, sorted(incident.dead)[:16],

@@ -44,12 +44,13 @@ from .elastic_rank import ElasticActions
 from .reboot import RebootActions, adopt as _adopt_reboot
 from .transport import Link
 
-__all__ = ["Processor", "CALLBACK_NAMES"]
+__all__ = ["Processor", "CALLBACK_NAMES", "IN_PLACE_CALLBACKS"]
 
 _log = logging.getLogger(__name__)
 CALLBACK_NAMES = ("save_ckpt", "rename", "exit", "stop", "clean", "rebuild_group", "repair", "rollback",
                   "stream_sync", "zit_downgrade_rebuild", "zit_upgrade_rebuild", "zit_upgrade_repair",
                   "zit_upgrade_rollback", "decrypt")
+IN_PLACE_CALLBACKS = ("repair", "rollback")  # what retry and recover call on a rank besides mindio's defaults
 
 
 def _in_collective(frame) -> bool:
@@ -172,6 +173,11 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self._limit = None
             self._cond.notify_all()
 
+    @property
+    def stopped(self) -> bool:
+        """Has the controller stopped this rank (an incident is under way)?"""
+        return self._hold or self._force
+
     # ---------------------------------------------------------------- decorator side
     def report(self, state: ReportState, message: str) -> None:
         self.last_report = P.Report(state=int(state), message=message[:4000], step=self.step)
@@ -181,11 +187,16 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report), wait=0.1)
 
     def teardown(self, is_uce: bool) -> None:
-        """Release this rank's collectives: device stop, stop + clean callbacks (the framework destroys
-        its process groups and drops every reference to them), one garbage collection, then the groups'
-        last references are dropped in parallel (``device.release``) so gloo closes its sockets and
-        peers blocked in a collective with this rank fail at once (ARCHITECTURE §3)."""
+        """Release this rank's collectives: device stop, the stop + clean callbacks (a framework drops
+        its own references to its process groups there), then mindio destroys every group still
+        registered -- all of them, the default group included, when the job registered no such
+        callbacks -- one garbage collection, and the groups' last references are dropped in parallel
+        (``device.release``) so gloo closes its sockets and peers blocked in a collective with this
+        rank fail at once (ARCHITECTURE §3). A group the training code itself still refers to stays
+        open until that reference goes; its peers then fail at the group's timeout, which the
+        controller counts as secondary (policy.classify)."""
         ms = {}
+        self.remember_world()  # a default group made after tft_start_processor: rebuild needs its store
         groups = device.all_groups()  # destroyed in parallel once the framework dropped its references
         try:  # nccl: communicator abort; hccl: stop_device; gloo: nothing (device.py)
             device.backend_for().stop()
@@ -201,10 +212,13 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
                 except Exception as exc:  # a failed teardown must not stop the report/park protocol
                     _log.error("%s callback failed: %s", name, exc)
                 ms[name] = round((time.monotonic() - t0) * 1000, 2)
+        left = device.destroy_groups()  # what the callbacks left (no callbacks: every group)
+        if left:
+            _log.info("teardown: destroyed %d process group(s) left after the stop/clean callbacks", left)
         device.release(groups, unreferenced_only=True)  # dropped by the callbacks: released now
         ms["gc"] = round(device.collect(), 2)  # the one collection of this teardown (device.py)
         device.release(groups)  # the groups the collection freed from reference cycles
-        _logging.event("teardown", **{f"{k}_ms": v for k, v in ms.items()})
+        _logging.event("teardown", destroyed=left, **{f"{k}_ms": v for k, v in ms.items()})
 
     def wait_next_action(self) -> tuple[Action, int]:
         """Park the main thread until the controller says RETRY or EXIT; EXIT(fault) if the controller
@@ -271,18 +285,52 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             raise RuntimeError(f"no {name} callback registered (tft_register_{name}_handler)")
         return self.callbacks[name]
 
-    def _do_stop(self, timeout: float = 60.0, stop_clean: bool = False) -> dict:
+    def _do_stop(self, timeout: float = 60.0, stop_clean: bool = False, look: float | None = None) -> dict:
+        """Hold the fence; reply once the main thread is quiet, or after ``timeout`` s, or -- with
+        ``look`` -- as soon as it has been running that long and is inside a collective (blocked, most
+        likely waiting for a rank the fence holds: retry.RetryFlow._stop_all)."""
         with self._cond:
             self._hold = True
-            end = time.monotonic() + timeout
-            while self._main == "running" and time.monotonic() < end:
-                self._cond.wait(0.05)
-            main = self._main
+            self._cond.notify_all()
+        main = self._wait_quiet(timeout, look)
         if stop_clean and main == "fenced":  # TTP_STOP_CLEAN_BEFORE_DUMP: fenced ranks tear down too
             self.teardown(is_uce=False)
+        return self._stop_reply(main)
+
+    def _do_wait_quiet(self, timeout: float = 60.0) -> dict:
+        """(after ``stop``, to a rank that was still running) Reply once the main thread is quiet, or
+        after ``timeout`` s."""
+        return self._stop_reply(self._wait_quiet(timeout))
+
+    def _do_teardown(self) -> dict:
+        """(after ``stop``) A rank held at its fence releases its collectives (stop + clean callbacks,
+        every group destroyed), its main thread staying at the fence: a peer that passed its own fence
+        and waits for this rank in a collective fails at once (retry.RetryFlow._stop_all)."""
+        if self._main == "fenced":
+            self.teardown(is_uce=False)
+        return self._stop_reply(self._main)
+
+    def _wait_quiet(self, timeout: float, look: float | None = None) -> str:
+        """Wait until the main thread is parked or fenced, at most ``timeout`` s (see ``_do_stop`` for
+        ``look``); returns where it is."""
+        t0 = time.monotonic()
+        with self._cond:
+            while self._main == "running":
+                now = time.monotonic()
+                if now - t0 >= timeout or (look is not None and now - t0 >= look and self._main_in_collective()):
+                    break
+                self._cond.wait(min(0.05, t0 + timeout - now))
+            return self._main
+
+    def _stop_reply(self, main: str) -> dict:
+        """What the controller decides from: step, optimizer-state status, where the main thread is
+        (and, running, whether inside a collective), and the recovery handlers this rank lacks."""
         reply = {"step": self.step, "data_status": int(self.data_status), "main": main}
         if main == "running":  # where it runs: retry.RetryFlow._kill_stuck blames ranks outside a collective
             reply["in_collective"] = self._main_in_collective()
+        missing = [name for name in IN_PLACE_CALLBACKS if name not in self.callbacks]
+        if missing:  # retry / recover need them on every rank (policy.Incident.in_place_possible)
+            reply["missing"] = missing
         return reply
 
     def _do_save(self, step: int, save_info: list) -> dict:

@@ -109,7 +109,8 @@ def test_fence_blocks_updates_until_exit(plane):
         threading.Timer(1.0, lambda: ctl._call("exit", {"code": 75}, [0], 5.0)).start()
         p.start_updating_os(-1)
     t.join()
-    assert done["stop"][0].detail == {"step": 5, "data_status": 0, "main": "fenced"}
+    # no repair / rollback handler registered: named, so the controller knows retry cannot run here
+    assert done["stop"][0].detail == {"step": 5, "data_status": 0, "main": "fenced", "missing": ["repair", "rollback"]}
     assert p.wait_next_action()[1] == 75
 
 

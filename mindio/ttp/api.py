@@ -87,8 +87,10 @@ def _check_replacer(asked_by: str) -> None:
     else:
         fix = ("launch the job with mindio-run --high-availability recover-in-place,dump instead of torchrun "
                "(which cannot restart one rank)")
-    raise ConfigError(f"{asked_by} asks for worker reboot (recover-in-place / recover), which needs a launcher "
-                      f"that replaces a failed process: {fix}, or turn worker reboot off")
+    message = (f"{asked_by} asks for worker reboot (recover-in-place / recover), which needs a launcher that "
+               f"replaces a failed process: {fix}, or turn worker reboot off")
+    _log.error(message)  # as the reference: an ERROR log, then the exception
+    raise ConfigError(message)
 
 
 # ----------------------------------------------------------------------------- controller

@@ -62,6 +62,7 @@ class _Rank:
     registered: bool = True
     features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
     gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
+    left: bool = False  # said BYE: its late heartbeats are answered "BYE", never "register again"
 
 
 class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):
@@ -261,6 +262,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                     self._seen.move_to_end(env.rank)
                 r.in_collective, r.progress_age = body.in_collective, body.progress_age
             state = "UNKNOWN" if (r is None or not r.registered) and env.rank >= 0 else self.sm.state.value
+            if r is not None and r.left:  # a beat sent after its BYE: it must not register again (then die)
+                state = "BYE"
             self._chan.send_raw(self._ack(env.rank, state), ident)
         elif env.type is P.MsgType.REGISTER:
             self._on_register(ident, env.rank, body, now, env.gen)
@@ -288,6 +291,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             with self._cond:
                 self.ranks[env.rank].alive = False
                 self.ranks[env.rank].registered = False
+                self.ranks[env.rank].left = True
                 self._registered -= 1
                 self._cond.notify_all()
         elif env.type is P.MsgType.REPLY:
@@ -309,7 +313,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
             r = get(rank)
             if r is None or not r.registered:
-                unknown.append(rank)
+                if r is None or not r.left:
+                    unknown.append(rank)
                 continue
             if replaced and replaced.get(rank, -1) > env.gen:
                 continue  # a replaced rank's old process: refused (recover.py counts per-rank frames)

@@ -135,15 +135,12 @@ class IncidentFlow(PauseFlow):
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
         params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
         replies = self._stop_all(live, params)  # retry.py: a rank blocked behind a fenced one is released
-        with self._lock:
-            for rank, rep in replies.items():
-                if rep.ok:
-                    self.ranks[rank].step = rep.detail.get("step", self.ranks[rank].step)
-                    self.ranks[rank].data_status = rep.detail.get("data_status", 0)
-            views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
-                                     tuple(r.replica)) for r in self.ranks.values()]
-        missing = sorted(set(self.job_ranks()) - set(self.ranks))  # job_ranks: elastic.py (removed ranks)
-        views += [policy.RankView(r, alive=False, faulty=True) for r in missing]
+        views = self._views(replies)
+        fenced = [r for r, rep in replies.items() if rep.ok and rep.detail.get("main") == "fenced"]
+        top, behind = policy.ranks_to_advance(views, fenced)
+        if behind:  # retry.py: they finish the update every other holder of their shards did
+            self._advance(top, behind, replies, params)
+            views = self._views(replies)
         stopped = all(r in replies and replies[r].ok for r in live)
         self._mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
                          "training stopped" if stopped else "some ranks did not confirm the stop",
@@ -222,6 +219,18 @@ class IncidentFlow(PauseFlow):
                      reason="no dump possible" if ctx["plan"].missing else "exit chosen")
         self._exit(EXIT_CODE_FAULT)
         return False
+
+    def _views(self, replies: dict) -> list:
+        """What the decision sees of every rank of the job after the stop round's ``replies``."""
+        with self._lock:
+            for rank, rep in replies.items():
+                if rep.ok:
+                    self.ranks[rank].step = rep.detail.get("step", self.ranks[rank].step)
+                    self.ranks[rank].data_status = rep.detail.get("data_status", 0)
+            views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
+                                     tuple(r.replica)) for r in self.ranks.values()]
+        missing = sorted(set(self.job_ranks()) - set(self.ranks))  # job_ranks: elastic.py (removed ranks)
+        return views + [policy.RankView(r, alive=False, faulty=True) for r in missing]
 
     # ------------------------------------------------------------------ strategies
     def implemented_strategies(self) -> tuple:

@@ -140,7 +140,7 @@ class InPlaceActions:
         with self._cond:
             if self._main != "parked":
                 raise RuntimeError(f"main thread is {self._main}, not parked: cannot re-enter train()")
-            self._hold, self._limit = False, None
+            self._hold, self._allow, self._limit = False, None, None
             self._next = (Action.RETRY, 0)
             self._cond.notify_all()
         return {}

@@ -4,7 +4,8 @@
 * :func:`shard_key`, :func:`select_dump_ranks` -- one usable rank per optimizer shard saves the dump.
 * :func:`select_repair_sources` -- a usable replica for every rank to repair (used by retry/recover).
 * :func:`choose_lock_step`, :func:`stale_ranks` -- the step every rank goes back to, and the healthy
-  ranks whose state is at another step (a stop that reached the ranks on both sides of their fence).
+  ranks whose state is at another step (a stop that reached the ranks on both sides of their fence);
+  :func:`ranks_to_advance` -- the ranks held one update behind that should finish it.
 * :func:`strategies_of` -- the strategies a job's processors ask for with their enable flags.
 * :func:`feasible_strategies` -- the fallback order retry -> recover-in-place -> recover -> downgrade
   -> dump -> exit, restricted to what is enabled and possible.
@@ -25,7 +26,7 @@ __all__ = [
     "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "INCIDENT_SECONDARY_PATTERNS", "classify",
     "secondary_in_incident", "is_primary", "can_do_uce_repair", "RankView",
     "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "select_repair_sources",
-    "choose_lock_step", "stale_ranks",
+    "choose_lock_step", "stale_ranks", "ranks_to_advance",
     "STRATEGY_ORDER", "strategies_of", "Incident", "feasible_strategies", "find_hung_ranks",
 ]
 
@@ -236,6 +237,27 @@ def stale_ranks(views: Iterable[RankView], lock_step: int, among: Iterable[int] 
     among = {v.rank for v in views if v.alive and not v.faulty} if among is None else set(among)
     return sorted(v.rank for v in views if v.rank in among and not (
         v.alive and v.step == lock_step and v.data_status == OsStatus.UPDATED))
+
+
+def ranks_to_advance(views: Iterable[RankView], fenced: Iterable[int]) -> tuple[int, list]:
+    """(step S, ranks) when healthy ranks the stop held at their fence one step behind the highest
+    healthy step S (state of S - 1, UPDATED, the update of S not started) would make a copy of every
+    shard usable at S by finishing that update, and nothing is possible at S without them; else
+    ``(S, [])``. Such a rank passed the collectives that precede its update of S (its gradients are
+    complete: every rank at S passed them too), so letting it finish is what the reference's prelock
+    does ("each healthy rank finishes its update up to the lock step"). Seen with a plain DP loop: the
+    last copy of a shard held before its update while every other rank had updated."""
+    views = list(views)
+    fenced = set(fenced)
+    healthy = [v for v in views if v.alive and not v.faulty]
+    top = max((v.step for v in healthy), default=0)
+    if select_dump_ranks(views, top).possible:
+        return top, []
+    behind = sorted(v.rank for v in healthy if v.rank in fenced and v.step == top - 1
+                    and v.data_status == OsStatus.UPDATED)
+    advanced = [RankView(v.rank, v.alive, v.faulty, top, v.data_status, v.replica) if v.rank in behind else v
+                for v in views]
+    return top, (behind if behind and select_dump_ranks(advanced, top).possible else [])
 
 
 STRATEGY_ORDER = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")

@@ -12,8 +12,12 @@ since the last step progress); the controller uses the last two to find hung ran
 Actions (ACTION name -> what this rank does; every reply is cached by sn, a repeated sn replays it):
 
 * ``stop``   hold the fence (no new optimizer update starts), wait until the main thread is quiet
-             (parked in the decorator or blocked at the fence) or ``timeout``, reply {step, data_status,
-             main}; with ``stop_clean`` (TTP_STOP_CLEAN_BEFORE_DUMP) a fenced rank runs stop+clean too.
+             (parked in the decorator or blocked at the fence), or ``timeout``, or ``look`` s inside a
+             collective; reply {step, data_status, main, in_collective, missing handlers}; with
+             ``stop_clean`` (TTP_STOP_CLEAN_BEFORE_DUMP) a fenced rank runs stop+clean too.
+* ``teardown``, ``wait_quiet``, ``advance``: the rest of the stop round (retry.RetryFlow._stop_all): a
+             fenced rank tears its groups down; wait for a running one; a rank held before an update
+             every other holder of its shards made finishes it.
 * ``save``   run the save-ckpt callback ``func(step, save_info, args, ctx)``.
 * ``rename`` run the rename callback ``func(step, args, ctx)``.
 * ``exit``   hand EXIT(code) to the main thread (a fenced main thread gets ``RuntimeError("FORCE STOP")``).
@@ -79,6 +83,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self.repair_type = "unknown"
         self._cond = threading.Condition()
         self._hold = False
+        self._allow: int | None = None  # while held: an update up to this step may still start (advance)
         self._limit: int | None = None
         self._next: tuple[Action, int] | None = None
         self._main = "running"
@@ -142,7 +147,8 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         """Block while the controller holds the fence or ``next_step`` is beyond the limit step."""
         with self._cond:
             while self._next is None and not self._force and (
-                    self._hold or (self._limit is not None and next_step > self._limit)):
+                    (self._hold and (self._allow is None or next_step > self._allow))
+                    or (self._limit is not None and next_step > self._limit)):
                 self._main = "fenced"
                 self._cond.notify_all()
                 self._cond.wait(0.5)
@@ -310,6 +316,24 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self.teardown(is_uce=False)
         return self._stop_reply(self._main)
 
+    def _do_advance(self, step: int, timeout: float = 60.0) -> dict:
+        """(after ``stop``) A rank held at its fence before its update of ``step`` finishes that update
+        -- every peer that holds its shards did (policy.ranks_to_advance) -- and is held at its next
+        fence, or parks when its next collective fails (its peers tore their groups down). Reply once
+        it is quiet again, at most after ``timeout`` s."""
+        t0 = time.monotonic()
+        with self._cond:
+            if self._main != "fenced" or self.step != step - 1:
+                return self._stop_reply(self._main)  # not held before that update (any more)
+            self._allow = step
+            self._cond.notify_all()
+            while time.monotonic() - t0 < timeout and not (
+                    self._main == "parked" or (self._main == "fenced" and self.step >= step)):
+                self._cond.wait(0.05)
+            main = self._main
+        _log.info("advanced to step %d at the controller's request (main thread %s)", self.step, main)
+        return self._stop_reply(main)
+
     def _wait_quiet(self, timeout: float, look: float | None = None) -> str:
         """Wait until the main thread is parked or fenced, at most ``timeout`` s (see ``_do_stop`` for
         ``look``); returns where it is."""
@@ -354,7 +378,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         """Release the fence a ``stop`` set, the main thread staying in its step (elastic.py: an upgrade
         whose stop caught the survivors on both sides of a fence lets them run on and stops again)."""
         with self._cond:
-            self._hold = False
+            self._hold, self._allow = False, None
             self._cond.notify_all()
         return {"step": self.step}
 

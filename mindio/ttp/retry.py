@@ -89,6 +89,22 @@ class RetryFlow:
         grace = min(params["timeout"], STOP_GRACE_S)
         replies = self._call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace)), live,
                              self.action_limit)
+        return self._release_running(replies, params)
+
+    def _advance(self, step: int, ranks: list, replies: dict, params: dict) -> dict:
+        """Ranks the stop held at their fence one update behind finish the update of ``step`` (policy.
+        ranks_to_advance: without them no step has a usable copy of every shard), then stop again at
+        their next fence or park; ``replies`` is updated. Sent once, like the stop round's actions."""
+        _log.warning("stop: ranks %s were held at their fence before the update of step %d, which every other "
+                     "holder of their shards made; letting them finish it", ranks[:16], step)
+        _logging.event("advance", step=step, ranks=ranks[:64])
+        grace = min(params["timeout"], STOP_GRACE_S)
+        more = self._call("advance", {"step": step, "timeout": grace}, ranks, self.action_limit)
+        replies.update(self._release_running(more, params))
+        return replies
+
+    def _release_running(self, replies: dict, params: dict) -> dict:
+        """Steps 2 and 3 of :meth:`_stop_all` for the ranks ``replies`` says still run."""
         running, fenced = _split(replies)
         if running and fenced and not params.get("stop_clean"):
             _log.warning("stop: ranks %s still running after the stop while %s wait at the fence; tearing the "

@@ -1,7 +1,7 @@
 """A user's own training loop, written only against the reference ``tft_*`` API (as MindSpeed-LLM calls
 it), and nothing of mindio's internals: no stop, clean or rebuild handler, no process-group handling.
 
-    torchrun --nproc-per-node 4 tests/dropin/plain_loop.py --out DIR [--steps 10] [--fault KIND:RANK:STEP]
+    torchrun --nproc-per-node 4 tests/dropin/plain_loop.py --out DIR [--steps 10] [--fault KIND:RANK:STEP] [--repair]
     mindio-run --nproc-per-node 4 tests/dropin/plain_loop.py --out DIR ...
 
 Every rank holds the whole model (a 2-layer MLP) and its Adam state; gradients are summed with one
@@ -11,12 +11,15 @@ batch of step ``s`` is derived from ``s``, so a resumed or repaired run sees the
 uninterrupted run saw.
 
 Handlers: save (``DIR/ckpt/step_<s>/rank<r>.pt``) and rename (``DIR/ckpt/latest``, one line appended to
-``DIR/renames``); with ``--enable-uce``, repair (the replica sends its model and optimizer state to the
-rank being repaired, point to point) and rollback (the step counter back to the lock step).
-``--fault`` (once per job, a marker file in DIR): ``unknown`` raises ``RuntimeError("Other ERROR ...")``
+``DIR/renames``); with ``--repair``, repair (the replica sends its model and optimizer state to the rank
+being repaired, point to point) and rollback (the step counter back to the lock step); with
+``--stop-clean``, stop and clean handlers that leave the process groups alone (each call is appended to
+``DIR/handlers_rank<r>``). ``--keep-group``: the all-reduce runs on a group the loop creates and keeps
+(``--pg-timeout`` s, default 60). ``--enable-arf``: ``tft_init_processor(enable_arf=True)``.
+``--fault KIND:RANK:STEP[,...]`` (each once per job, a marker file in DIR): ``unknown`` raises ``RuntimeError("Other ERROR ...")``
 at the start of the step, ``uce`` overwrites the rank's parameters and optimizer state with NaN and
-raises ``RuntimeError("UCE ERROR ...")``, ``kill`` SIGKILLs the rank. The time of the fault goes to
-``DIR/fault_t``; the time every rank is training again after a recovery can be read from each rank's
+raises ``RuntimeError("UCE ERROR ...")``, ``kill`` SIGKILLs the rank. The time of the (latest) fault
+goes to ``DIR/fault_t``; the time every rank is training again after a recovery can be read from each rank's
 ``DIR/trained_rank<r>`` (time of each finished step). At the end every rank writes
 ``DIR/final_rank<r>.pt``.
 """
@@ -34,10 +37,10 @@ import torch.distributed as dist
 
 from mindio.ttp import (RepairType, tft_destroy_controller, tft_destroy_processor, tft_end_updating_os,
                         tft_exception_handler, tft_init_controller, tft_init_processor,
-                        tft_register_rename_handler, tft_register_repair_handler,
+                        tft_register_clean_handler, tft_register_rename_handler, tft_register_repair_handler,
                         tft_register_rollback_handler, tft_register_save_ckpt_handler,
-                        tft_set_optimizer_replica, tft_start_controller, tft_start_processor,
-                        tft_start_updating_os)
+                        tft_register_stop_handler, tft_set_optimizer_replica, tft_start_controller,
+                        tft_start_processor, tft_start_updating_os)
 
 
 class Job:
@@ -46,6 +49,8 @@ class Job:
     def __init__(self, args):
         self.args = args
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(list(range(self.world)), timeout=timedelta(seconds=args.pg_timeout)) \
+            if args.keep_group else None
         torch.manual_seed(0)
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
@@ -65,7 +70,7 @@ class Job:
         self.opt.zero_grad()
         loss.backward()
         grads = torch.cat([p.grad.reshape(-1) for p in self.model.parameters()])
-        dist.all_reduce(grads)
+        dist.all_reduce(grads, group=self.group)
         grads /= self.world
         offset = 0
         for p in self.model.parameters():
@@ -79,12 +84,14 @@ class Job:
             f.write(f"{step} {time.time()!r}\n")
 
     def maybe_fault(self, step: int) -> None:
-        kind, _, where = self.args.fault.partition(":")
-        rank, _, at = where.partition(":")
-        if not kind or int(rank) != self.rank or int(at) != step:
-            return
+        for fault in filter(None, self.args.fault.split(",")):
+            kind, rank, at = fault.split(":")
+            if int(rank) == self.rank and int(at) == step:
+                self.fault(kind, step, os.path.join(self.args.out, f"fault_fired_{kind}_{rank}_{at}"))
+
+    def fault(self, kind: str, step: int, marker: str) -> None:
         try:  # once per job: a replacement process or a retried step must not fault again
-            os.close(os.open(os.path.join(self.args.out, "fault_fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
         with open(os.path.join(self.args.out, "fault_t"), "w") as f:
@@ -140,29 +147,48 @@ class Job:
     def rollback(self, step, args, ctx):
         self.step = step
 
+    def stop(self, args, ctx):
+        self.note("stop")
+
+    def clean(self, is_uce_error, args, ctx):
+        self.note(f"clean {is_uce_error}")
+        return 0
+
+    def note(self, what: str) -> None:
+        with open(os.path.join(self.args.out, f"handlers_rank{self.rank}"), "a") as f:
+            f.write(what + "\n")
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--fault", default="", help="KIND:RANK:STEP, KIND in unknown, uce, kill")
-    p.add_argument("--enable-uce", action="store_true", help="register with enable_uce and repair handlers")
+    p.add_argument("--fault", default="", help="KIND:RANK:STEP[,...], KIND in unknown, uce, kill")
+    p.add_argument("--repair", action="store_true", help="register the repair and rollback handlers")
+    p.add_argument("--stop-clean", action="store_true", help="register stop and clean handlers (no group handling)")
+    p.add_argument("--keep-group", action="store_true", help="all-reduce on a group the loop keeps")
+    p.add_argument("--pg-timeout", type=float, default=60.0)
+    p.add_argument("--enable-arf", action="store_true", help="tft_init_processor(enable_arf=True)")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("TTP_PORT", "8000"))
     if rank == 0:
         tft_init_controller(rank, world, enable_local_copy=False)
         tft_start_controller(addr, port, enable_tls=False)
-    tft_init_processor(rank, world, enable_local_copy=False, enable_tls=False, enable_uce=args.enable_uce)
+    tft_init_processor(rank, world, enable_local_copy=False, enable_tls=False, enable_uce=True,
+                       enable_arf=args.enable_arf)
     tft_start_processor(addr, port)
     tft_set_optimizer_replica(rank, [{"rank_list": list(range(world)), "replica_cnt": 2, "replica_shift": 0}])
     job = Job(args)
     tft_register_save_ckpt_handler(job.save)
     tft_register_rename_handler(job.rename)
-    if args.enable_uce:
+    if args.repair:
         tft_register_repair_handler(job.repair)
         tft_register_rollback_handler(job.rollback)
+    if args.stop_clean:
+        tft_register_stop_handler(job.stop)
+        tft_register_clean_handler(job.clean)
 
     @tft_exception_handler
     def train():

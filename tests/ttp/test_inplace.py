@@ -185,3 +185,29 @@ def test_unhold_lets_a_rank_held_at_its_fence_run_on():
     assert p._do_unhold() == {"step": 0}
     t.join(10)
     assert not t.is_alive() and p._main == "running" and int(p.data_status) != 0  # it went on into the update
+
+
+def test_advance_lets_a_rank_held_before_its_update_finish_it():
+    """``advance(step)``: a rank the stop held at its fence before the update of ``step`` makes it, then is
+    held at its next fence; a rank not held there is left alone (policy.ranks_to_advance)."""
+    p = Processor(0, 1)
+    p.end_updating_os(4)
+    p._hold = True  # what a stop sets
+
+    def main():  # the fence of step 5, the update, the fence of step 6
+        p.start_updating_os(-1)
+        p.end_updating_os(5)
+        p.start_updating_os(-1)
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while p._main != "fenced" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p._main == "fenced" and p.step == 4
+    reply = p._do_advance(5, timeout=20.0)
+    assert (reply["step"], reply["main"], reply["data_status"]) == (5, "fenced", 0) and t.is_alive()
+    assert p._do_advance(7, timeout=0.1)["step"] == 5  # not one update behind 7: nothing happens
+    p._do_unhold()
+    t.join(10)
+    assert not t.is_alive()

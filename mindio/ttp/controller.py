@@ -118,6 +118,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._seen: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ack_version: tuple = ()
         self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
+        self._starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged (watch.py)
         self._held_reports: list = []  # reports received while a passive backup (see _take_over)
         self._poller: zmq.Poller | None = None
 

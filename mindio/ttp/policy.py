@@ -240,18 +240,19 @@ def stale_ranks(views: Iterable[RankView], lock_step: int, among: Iterable[int] 
 
 
 def ranks_to_advance(views: Iterable[RankView], fenced: Iterable[int]) -> tuple[int, list]:
-    """(step S, ranks) when healthy ranks the stop held at their fence one step behind the highest
-    healthy step S (state of S - 1, UPDATED, the update of S not started) would make a copy of every
-    shard usable at S by finishing that update, and nothing is possible at S without them; else
-    ``(S, [])``. Such a rank passed the collectives that precede its update of S (its gradients are
+    """(step S, ranks) when no step has a usable copy of every shard (:func:`choose_lock_step` finds
+    none), but healthy ranks the stop held at their fence one step behind the highest healthy step S
+    (state of S - 1, UPDATED, the update of S not started) would make one at S by finishing that update;
+    else ``(S, [])``. Such a rank passed the collectives that precede its update of S (its gradients are
     complete: every rank at S passed them too), so letting it finish is what the reference's prelock
     does ("each healthy rank finishes its update up to the lock step"). Seen with a plain DP loop: the
-    last copy of a shard held before its update while every other rank had updated."""
+    last copy of a shard held before its update while every other rank had updated. Only then: with a
+    step possible (the ranks on both sides of their fence, docs/ttp.md §5b) nothing is risked."""
     views = list(views)
     fenced = set(fenced)
     healthy = [v for v in views if v.alive and not v.faulty]
     top = max((v.step for v in healthy), default=0)
-    if select_dump_ranks(views, top).possible:
+    if select_dump_ranks(views, choose_lock_step(views)).possible:
         return top, []
     behind = sorted(v.rank for v in healthy if v.rank in fenced and v.step == top - 1
                     and v.data_status == OsStatus.UPDATED)

@@ -143,6 +143,10 @@ def test_the_last_copy_held_one_update_behind_is_advanced():
     # possible without it: rank 3 stays where the stop held it (stale, repaired by retry)
     ok = views[:1] + [RankView(1, True, False, 5, U, (entry,))] + views[2:]
     assert policy.ranks_to_advance(ok, fenced=[3]) == (5, [])
+    # a lower step is possible (the stop on both sides of the fence, lock 7): nobody is advanced
+    both = [RankView(0, True, False, 7, U, (entry,)), RankView(1, True, True, 7, int(OsStatus.UPDATING), (entry,)),
+            RankView(2, True, False, 8, U, (entry,)), RankView(3, True, False, 7, U, (entry,))]
+    assert policy.ranks_to_advance(both, fenced=[0, 3]) == (8, [])
     # the rank behind was caught mid-update: finishing is no longer a clean update
     mid = views[:3] + [RankView(3, True, False, 4, int(OsStatus.UPDATING), (entry,))]
     assert policy.ranks_to_advance(mid, fenced=[3]) == (5, [])
@@ -158,7 +162,7 @@ def test_advanced_ranks_complete_every_shard(cluster, fenced):
         v = by_rank[r]
         assert r in fenced and v.alive and not v.faulty and v.step == top - 1 and v.data_status == OsStatus.UPDATED
     if ranks:
-        assert not policy.select_dump_ranks(views, top).possible
+        assert not policy.select_dump_ranks(views, policy.choose_lock_step(views)).possible
         moved = [RankView(v.rank, v.alive, v.faulty, top, v.data_status, v.replica) if v.rank in ranks else v
                  for v in views]
         assert policy.select_dump_ranks(moved, top).possible

@@ -2,7 +2,9 @@
 
 Read a value with ``knobs.get("TTP_LOG_LEVEL")``; a malformed or out-of-range value raises
 :class:`mindio.errors.ConfigError` naming the variable, the bad value and the allowed range.
-``python -m mindio._knobs`` prints the table.
+``python -m mindio._knobs`` prints the table: first the settings a user may set, then the variables
+``mindio-run`` / torchrun set for their workers (``internal``: read, never to be set by hand).
+tests/unit/test_knobs.py checks that every variable read in mindio/ is declared here.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Knob:
     min: float | None = None
     max: float | None = None
     choices: tuple | None = None
+    internal: bool = False  # set by the launcher for its workers (mindio-run or torchrun), not by a user
 
     def read(self, environ=None) -> Any:
         env = os.environ if environ is None else environ
@@ -70,15 +73,24 @@ def _ha_list(text: str) -> tuple:
 
 _ALL = [
     # --- logging (reference names) ---
-    Knob("TTP_LOG_PATH", str, "logs", "Directory of mindio's log files (file name ttp_log.log)."),
-    Knob("TTP_LOG_LEVEL", _upper, "INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Knob("TTP_LOG_PATH", str, "",
+         "Directory for mindio's log files (ttp_log.log[.<pid>], every line at TTP_LOG_LEVEL); empty: no "
+         "file, WARNING and above go to stderr only. (The reference's default is 'logs'.)"),
+    Knob("TTP_LOG_LEVEL", _upper, "INFO", "Level of the log file (and of stderr with TTP_LOG_STDOUT=1).",
+         choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     Knob("TTP_LOG_MODE", _upper, "PER_PROC",
          "ONLY_ONE: all processes write one log; PER_PROC: one file per process (ttp_log.log.<pid>).",
          choices=("ONLY_ONE", "PER_PROC")),
-    Knob("TTP_LOG_STDOUT", _bool, False, "1: log to stderr only, write no log file."),
+    Knob("TTP_LOG_STDOUT", _bool, False, "1: every line at TTP_LOG_LEVEL to stderr, no log file."),
     Knob("MINDIO_EVENT_LOG", str, "",
          "Path of a JSON-lines event log (fault seen, transitions, actions and durations); empty: off."),
     # --- control plane ---
+    Knob("MINDIO_STATUS_PORT", int, 0,
+         "Port of the controller's status and metrics server (GET /status for `mindio status`, GET /metrics "
+         "for Prometheus) on the controller's address; 0: none (mindio/ttp/status.py).", min=0, max=65535),
+    Knob("MINDIO_STATUS_ADDR", str, "",
+         "host:port of a job's status server, for `mindio status` (default: TTP_ADDR or 127.0.0.1, and "
+         "MINDIO_STATUS_PORT)."),
     Knob("TTP_RETRY_TIMES", int, 10, "Processor connection attempts to a controller.", min=1, max=300),
     Knob("TTP_NORMAL_ACTION_TIME_LIMIT", float, 180.0,
          "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),
@@ -127,13 +139,23 @@ _ALL = [
          "training goes on (docs/elastic.md)."),
     # --- checkpoint store ---
     Knob("MINDIO_ACP_DIR", str, "",
-         "Runtime directory of the per-user acp daemon (socket, lock, journal); default /tmp/mindio-acp-<uid>."),
+         "Runtime directory of the per-user acp daemon (socket, lock, journal); default $XDG_RUNTIME_DIR/mindio-acp "
+         "when XDG_RUNTIME_DIR is set, else /tmp/mindio-acp-<uid>. Created 0700; refused unless private to you."),
+    Knob("XDG_RUNTIME_DIR", str, "",
+         "Standard per-user runtime directory (set by systemd-logind); the acp runtime directory defaults to "
+         "$XDG_RUNTIME_DIR/mindio-acp when set."),
     Knob("MINDIO_ACP_IDLE_EXIT", float, 600.0,
          "Seconds an idle daemon with nothing to persist waits before exiting.", min=1, max=86400),
     Knob("MINDIO_ACP_LOAD_VIEW", _bool, True,
          "1: each trainer maps the pool a second time, copy-on-write, pre-faulted in the background, so loads "
          "are zero-copy with no page faults (costs page tables + ~0.4 CPU-s per GiB of pool per process); "
          "0: each load maps its region afresh."),
+    Knob("MINDIO_ACP_PIN_POOL", _bool, True,
+         "1: a process that saves or loads CUDA/NPU tensors registers its mapping of the pool as page-locked "
+         "memory once (at connect when CUDA/NPU is already in use, else at its first device copy), so device "
+         "copies are DMA straight into/out of the pool; the whole pool stays pinned while the process lives "
+         "(docs/acp.md, GPU state); 0: device copies go through two reusable 64 MiB pinned staging buffers "
+         "per device."),
     Knob("MINDIO_ACP_DISABLE", _bool, False, "1: never use the daemon; save writes directly to storage."),
     Knob("MINDIO_ACP_POOL_MB", int, 0,
          "Pool size in MiB for a daemon this process starts (0: from server_info; small values for tests).",
@@ -152,6 +174,31 @@ _ALL = [
     Knob("MINDIO_DRILL_DIR", str, "",
          "Directory shared by a job's processes where --inject records fired faults (once per job, "
          "also across replaced processes); unset: once per process and first launch only."),
+    # --- native core ---
+    Knob("MINDIO_NATIVE", lambda t: t.strip().lower(), "",
+         "python: use the pure-Python fallback of the native core even when the Cython one is built "
+         "(read once, at the first import of mindio._native).", choices=("", "python", "cython")),
+    # --- replacement processes ---
+    Knob("MINDIO_PG_TIMEOUT", int, 120,
+         "Seconds a replacement process (recover-in-place / recover) waits in the rendezvous of its "
+         "default process group when the training script gives no timeout.", min=1, max=86400),
+    # --- set by mindio-run / torchrun for their workers (read, never set by hand) ---
+    Knob("MINDIO_REBOOT_GEN", int, 0, "Generation a replacement process joins (0: not a replacement).",
+         min=0, internal=True),
+    Knob("MINDIO_REBOOT_TYPE", str, "arf", "What started a replacement process: arf or hot switch.",
+         internal=True),
+    Knob("MINDIO_SWITCH_BACKUP", str, "", "Store key a hot-switch backup process waits on.", internal=True),
+    Knob("MINDIO_SWITCH_BACKUP_WAIT", float, 600.0,
+         "Seconds a hot-switch backup waits to be released before giving up.", min=1, max=86400, internal=True),
+    Knob("MINDIO_AGENT_STORE", str, "", "host:port of the node agent's TCPStore.", internal=True),
+    Knob("MINDIO_AGENT_PID", int, 0, "Process id of the worker's node agent (kill-node drills).", internal=True),
+    Knob("MINDIO_NODE_RANK", int, 0, "Node rank of the worker's agent.", internal=True),
+    Knob("MINDIO_WORKER_WARMUP_S", float, 0.0, "Seconds a warm worker spent importing before its assignment.",
+         internal=True),
+    Knob("RANK", int, 0, "Global rank of the worker (torchrun's contract).", internal=True),
+    Knob("LOCAL_RANK", int, 0, "Rank of the worker on its node (torchrun's contract).", internal=True),
+    Knob("GROUP_RANK", int, 0, "Node rank of the worker (torchrun's contract).", internal=True),
+    Knob("TORCHELASTIC_RESTART_COUNT", int, 0, "How many times the launcher restarted the job.", internal=True),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _ALL}
@@ -167,7 +214,10 @@ def get(name: str, environ=None) -> Any:
 
 
 def table() -> str:
-    return "\n".join(f"{k.name:32} {k.allowed():60} {k.doc}" for k in _ALL)
+    rows = [f"{k.name:32} {k.allowed():60} {k.doc}" for k in _ALL if not k.internal]
+    rows.append("\nset by mindio-run / torchrun for their workers (read by mindio, not to be set by hand):")
+    rows += [f"{k.name:32} {k.doc}" for k in _ALL if k.internal]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

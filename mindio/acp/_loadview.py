@@ -31,6 +31,8 @@ import weakref
 
 import numpy as np
 
+from ._poolfile import madvise as _madvise
+
 __all__ = ["LoadView"]
 
 _MADV_DONTNEED = 4
@@ -41,26 +43,11 @@ _STEP = 64 << 20
 _PRESENT = np.uint64(1 << 63)
 _FILE = np.uint64(1 << 61)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def _madvise(addr: int, length: int, advice: int) -> None:
-    """madvise through ctypes, which releases the GIL for the call (mmap.madvise does not)."""
-    if _libc.madvise(addr, length, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
 
 class LoadView:
-    def __init__(self, path: str, size: int, first=()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int, size: int, first=()):
+        """``fd``: the pool file's descriptor (handed over by the daemon; the caller keeps it)."""
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.size = size
         self._anchor = (ctypes.c_char * size).from_buffer(self.map)   # pins the mapping for its address
         self.addr = ctypes.addressof(self._anchor)

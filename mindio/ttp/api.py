@@ -465,9 +465,11 @@ def tft_register_stop_handler(func: Callable, ctx=None):
     """
     _register("stop", func, ctx)
 def tft_register_clean_handler(func: Callable, ctx=None):
-    """Register the **clean** callback ``func(is_uce_error, args, ctx)``: destroy this
-    rank's process groups and drop every reference to them, so peers blocked with it are released and
-    new groups can be built. It returns 0 (ok), 1 (failed) or 2 (no rebuild needed).
+    """Register the **clean** callback ``func(is_uce_error, args, ctx)``: drop every
+    reference the framework's own objects hold to process groups (a DDP module, a group kept in a
+    global); after it mindio destroys every group still registered, the default one included, so peers
+    blocked with this rank are released and new groups can be built (without a clean callback mindio does
+    that alone). It returns 0 (ok), 1 (failed) or 2 (no rebuild needed).
 
     Args:
         func: the callback.

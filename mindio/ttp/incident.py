@@ -136,11 +136,6 @@ class IncidentFlow(PauseFlow):
         params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
         replies = self._stop_all(live, params)  # retry.py: a rank blocked behind a fenced one is released
         views = self._views(replies)
-        fenced = [r for r, rep in replies.items() if rep.ok and rep.detail.get("main") == "fenced"]
-        top, behind = policy.ranks_to_advance(views, fenced)
-        if behind:  # retry.py: they finish the update every other holder of their shards did
-            self._advance(top, behind, replies, params)
-            views = self._views(replies)
         stopped = all(r in replies and replies[r].ok for r in live)
         self._mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
                          "training stopped" if stopped else "some ranks did not confirm the stop",

@@ -5,7 +5,7 @@
 * :func:`select_repair_sources` -- a usable replica for every rank to repair (used by retry/recover).
 * :func:`choose_lock_step`, :func:`stale_ranks` -- the step every rank goes back to, and the healthy
   ranks whose state is at another step (a stop that reached the ranks on both sides of their fence);
-  :func:`ranks_to_advance` -- the ranks held one update behind that should finish it.
+  :func:`ranks_to_advance` -- the ranks held before an update another rank made or started.
 * :func:`strategies_of` -- the strategies a job's processors ask for with their enable flags.
 * :func:`feasible_strategies` -- the fallback order retry -> recover-in-place -> recover -> downgrade
   -> dump -> exit, restricted to what is enabled and possible.
@@ -240,25 +240,18 @@ def stale_ranks(views: Iterable[RankView], lock_step: int, among: Iterable[int] 
 
 
 def ranks_to_advance(views: Iterable[RankView], fenced: Iterable[int]) -> tuple[int, list]:
-    """(step S, ranks) when no step has a usable copy of every shard (:func:`choose_lock_step` finds
-    none), but healthy ranks the stop held at their fence one step behind the highest healthy step S
-    (state of S - 1, UPDATED, the update of S not started) would make one at S by finishing that update;
-    else ``(S, [])``. Such a rank passed the collectives that precede its update of S (its gradients are
-    complete: every rank at S passed them too), so letting it finish is what the reference's prelock
-    does ("each healthy rank finishes its update up to the lock step"). Seen with a plain DP loop: the
-    last copy of a shard held before its update while every other rank had updated. Only then: with a
-    step possible (the ranks on both sides of their fence, docs/ttp.md §5b) nothing is risked."""
+    """(step S, ranks): the healthy ranks the stop held at their fence before an update S that another
+    live rank already made or started (S = the furthest such update: a rank's step, plus one while its
+    update is under way); their state is of step S - 1, UPDATED. Such a rank passed the collectives that
+    precede the update of S (its gradients are complete: the rank that made or started S passed them with
+    it), so it may finish that update -- the reference's prelock: "lock step = the highest step; each
+    healthy rank finishes its update up to it". A peer blocked in a collective inside that update waits
+    for exactly this rank and completes with it. ``(S, [])`` when none."""
     views = list(views)
     fenced = set(fenced)
-    healthy = [v for v in views if v.alive and not v.faulty]
-    top = max((v.step for v in healthy), default=0)
-    if select_dump_ranks(views, choose_lock_step(views)).possible:
-        return top, []
-    behind = sorted(v.rank for v in healthy if v.rank in fenced and v.step == top - 1
-                    and v.data_status == OsStatus.UPDATED)
-    advanced = [RankView(v.rank, v.alive, v.faulty, top, v.data_status, v.replica) if v.rank in behind else v
-                for v in views]
-    return top, (behind if behind and select_dump_ranks(advanced, top).possible else [])
+    started = max((v.step + (v.data_status != OsStatus.UPDATED) for v in views if v.alive), default=0)
+    return started, sorted(v.rank for v in views if v.rank in fenced and v.alive and not v.faulty
+                           and v.step == started - 1 and v.data_status == OsStatus.UPDATED)
 
 
 STRATEGY_ORDER = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")

@@ -55,9 +55,14 @@ def uce_repair_type(state: ReportState, data_status: int) -> str:
     return "RT_UCE_LOWLEVEL"
 
 
+def _mains(replies: dict) -> dict:
+    """{rank: where its main thread is} of a stop round's successful replies."""
+    return {r: rep.detail.get("main") for r, rep in replies.items() if rep.ok}
+
+
 def _split(replies: dict) -> tuple[list, list]:
     """(running, fenced) ranks of a stop round's replies."""
-    mains = {r: rep.detail.get("main") for r, rep in replies.items() if rep.ok}
+    mains = _mains(replies)
     return (sorted(r for r, m in mains.items() if m == "running"),
             sorted(r for r, m in mains.items() if m == "fenced"))
 
@@ -79,29 +84,38 @@ class RetryFlow:
         1. ``stop`` to every live rank: each holds its fence and answers once its main thread is quiet,
            at the latest after :data:`STOP_GRACE_S`, or already after :data:`STOP_LOOK_S` when it is
            running inside a collective then (almost surely waiting for a fenced rank);
-        2. if some ranks still run while others are fenced, ``teardown`` to the fenced ones (the
+        2. ``advance`` to the ranks held before an update another rank made or started
+           (policy.ranks_to_advance, the reference's prelock): they finish it, and a peer blocked in a
+           collective of that update completes with them; the ranks that were running are looked at
+           again (``wait_quiet`` for one grace);
+        3. if some ranks still run while others are fenced, ``teardown`` to the fenced ones (the
            framework keeps their state for a dump, ARCHITECTURE section 3), which fails the blocked
            collective at once;
-        3. the ranks still running: :meth:`_kill_stuck`, then ``wait_quiet`` with the stop's full
+        4. the ranks still running: :meth:`_kill_stuck`, then ``wait_quiet`` with the stop's full
            timeout.
 
         {rank: Reply} (the latest reply of each rank)."""
         grace = min(params["timeout"], STOP_GRACE_S)
         replies = self._call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace)), live,
                              self.action_limit)
+        if not params.get("stop_clean"):  # torn down at the stop (TTP_STOP_CLEAN_BEFORE_DUMP): held as they are
+            self._advance(replies, grace)
         return self._release_running(replies, params)
 
-    def _advance(self, step: int, ranks: list, replies: dict, params: dict) -> dict:
-        """Ranks the stop held at their fence one update behind finish the update of ``step`` (policy.
-        ranks_to_advance: without them no step has a usable copy of every shard), then stop again at
-        their next fence or park; ``replies`` is updated. Sent once, like the stop round's actions."""
-        _log.warning("stop: ranks %s were held at their fence before the update of step %d, which every other "
-                     "holder of their shards made; letting them finish it", ranks[:16], step)
-        _logging.event("advance", step=step, ranks=ranks[:64])
-        grace = min(params["timeout"], STOP_GRACE_S)
-        more = self._call("advance", {"step": step, "timeout": grace}, ranks, self.action_limit)
-        replies.update(self._release_running(more, params))
-        return replies
+    def _advance(self, replies: dict, grace: float) -> None:
+        """Step 2 of :meth:`_stop_all`; ``replies`` is updated."""
+        views = self._views(replies)  # incident.py
+        step, behind = policy.ranks_to_advance(views, [r for r, m in _mains(replies).items() if m == "fenced"])
+        if not behind:
+            return
+        running = sorted(r for r, m in _mains(replies).items() if m == "running")
+        _log.warning("stop: ranks %s were held at their fence before the update of step %d, which another rank "
+                     "made or started; letting them finish it%s", behind[:16], step,
+                     f" (ranks {running[:16]} were running)" if running else "")
+        _logging.event("advance", step=step, ranks=behind[:64], running=running[:64])
+        replies.update(self._call("advance", {"step": step, "timeout": grace}, behind, self.action_limit))
+        if running:
+            replies.update(self._call("wait_quiet", {"timeout": grace}, running, self.action_limit))
 
     def _release_running(self, replies: dict, params: dict) -> dict:
         """Steps 2 and 3 of :meth:`_stop_all` for the ranks ``replies`` says still run."""

@@ -6,6 +6,7 @@ import pytest
 
 from mindio.ttp._enums import Action
 from mindio.ttp.brain import Brain
+from mindio.ttp.policy import RankView
 from mindio.ttp.processor import Processor
 
 
@@ -109,9 +110,10 @@ def test_registration_carries_the_enable_flags_and_the_controller_honours_them()
 
 def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_fenced_one():
     """One ``stop`` to every rank (each answers once quiet, at the latest after the grace, or after the
-    look when it runs inside a collective); a rank still running while another waits at its fence:
-    ``teardown`` to the fenced one (the blocked collective fails), then ``wait_quiet`` with the full
-    timeout to the running one. Each action is sent once (before: a ``stop`` every STOP_LOOK_S)."""
+    look when it runs inside a collective); ranks held before an update another rank made: ``advance``;
+    a rank still running while another waits at its fence: ``teardown`` to the fenced one (the blocked
+    collective fails), then ``wait_quiet`` with the full timeout to the running one. Each action is sent
+    once (before: a ``stop`` every STOP_LOOK_S)."""
     from mindio.ttp import protocol as P
     from mindio.ttp.retry import STOP_GRACE_S, STOP_LOOK_S, RetryFlow
 
@@ -119,17 +121,24 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
         action_limit = 180.0
         brain = Brain()
 
-        def __init__(self, mains):
-            self.mains, self.calls = mains, []
+        def __init__(self, mains, steps=None):
+            self.mains, self.calls, self.steps = mains, [], steps or {}
 
         def job_strategies(self):
             return {"dump", "retry"}  # no recover-in-place: no stuck-rank kill
 
+        def _views(self, replies):
+            return [RankView(r, True, False, rep.detail["step"], rep.detail["data_status"]) for r, rep in replies.items()]
+
         def _call(self, name, params, ranks, timeout, fail_fast=False):
             self.calls.append((name, dict(params), sorted(ranks)))
-            if name == "teardown":  # the fenced rank tore down: the blocked rank fails and parks
+            if name in ("teardown", "advance"):  # the blocked rank's collective fails / completes: it parks
                 self.mains.update({r: "parked" for r in self.mains if self.mains[r] == "running"})
-            return {r: P.Reply(ok=True, detail={"main": self.mains[r], "step": 6, "data_status": 0}) for r in ranks}
+            if name == "advance":  # the held ranks made their update and parked at their next collective
+                self.mains.update({r: "parked" for r in ranks})
+                self.steps.update({r: params["step"] for r in ranks})
+            return {r: P.Reply(ok=True, detail={"main": self.mains[r], "step": self.steps.get(r, 6),
+                                                "data_status": 0}) for r in ranks}
 
     stop = ("stop", {"timeout": STOP_GRACE_S, "look": STOP_LOOK_S, "stop_clean": False})
     ctl = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "parked"})
@@ -144,6 +153,14 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
     quiet = Ctl({0: "fenced", 1: "parked"})  # nobody running: one call, nothing torn down
     quiet._stop_all([0, 1], {"timeout": 90.0, "stop_clean": False})
     assert quiet.calls == [stop + ([0, 1],)]
+    # ranks 0 and 3 held before the update of step 6 that rank 2 made and is still gathering after (blocked
+    # with rank 3): they finish it (the reference's prelock), rank 2 completes with them; nothing torn down
+    behind = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "fenced"}, steps={0: 5, 3: 5})
+    replies = behind._stop_all([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
+    assert behind.calls == [stop + ([0, 1, 2, 3],), ("advance", {"step": 6, "timeout": STOP_GRACE_S}, [0, 3]),
+                            ("wait_quiet", {"timeout": STOP_GRACE_S}, [2])]
+    assert {r: (rep.detail["main"], rep.detail["step"]) for r, rep in replies.items()} == {
+        0: ("parked", 6), 1: ("parked", 6), 2: ("parked", 6), 3: ("parked", 6)}
 
 
 def test_stop_answers_early_for_a_main_thread_blocked_in_a_collective():

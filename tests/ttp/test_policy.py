@@ -130,42 +130,44 @@ def test_a_stop_on_both_sides_of_the_fence_locks_the_step_before_it():
     assert policy.choose_lock_step(behind) == 8 and policy.stale_ranks(behind, 8) == [0]
 
 
-def test_the_last_copy_held_one_update_behind_is_advanced():
-    # plain DP loop, 4 ranks, 2 replicas: rank 1 failed at the start of step 6; rank 3, the other copy of
-    # its shard, was held at its fence before its update of step 5 while ranks 0 and 2 had made it
+def test_ranks_held_before_an_update_another_rank_made_finish_it():
     entry = {"rank_list": [0, 1, 2, 3], "replica_cnt": 2}
-    U = int(OsStatus.UPDATED)
+    U, UP = int(OsStatus.UPDATED), int(OsStatus.UPDATING)
+    # plain DP loop: rank 1 failed at the start of step 6; rank 3, the other copy of its shard, was held
+    # before its update of step 5, which ranks 0 and 2 had made
     views = [RankView(0, True, False, 5, U, (entry,)), RankView(1, True, True, 5, U, (entry,)),
              RankView(2, True, False, 5, U, (entry,)), RankView(3, True, False, 4, U, (entry,))]
-    assert not policy.select_dump_ranks(views, 5).possible and not policy.select_dump_ranks(views, 4).possible
     assert policy.ranks_to_advance(views, fenced=[3]) == (5, [3])
     assert policy.ranks_to_advance(views, fenced=[]) == (5, [])  # running or parked: nothing to advance
-    # possible without it: rank 3 stays where the stop held it (stale, repaired by retry)
-    ok = views[:1] + [RankView(1, True, False, 5, U, (entry,))] + views[2:]
-    assert policy.ranks_to_advance(ok, fenced=[3]) == (5, [])
-    # a lower step is possible (the stop on both sides of the fence, lock 7): nobody is advanced
-    both = [RankView(0, True, False, 7, U, (entry,)), RankView(1, True, True, 7, int(OsStatus.UPDATING), (entry,)),
+    # rank 1 failed inside its update of step 8 (started it: its gradients were complete), rank 2 made it,
+    # ranks 0 and 3 were held before it: both finish it
+    both = [RankView(0, True, False, 7, U, (entry,)), RankView(1, True, True, 7, UP, (entry,)),
             RankView(2, True, False, 8, U, (entry,)), RankView(3, True, False, 7, U, (entry,))]
-    assert policy.ranks_to_advance(both, fenced=[0, 3]) == (8, [])
-    # the rank behind was caught mid-update: finishing is no longer a clean update
-    mid = views[:3] + [RankView(3, True, False, 4, int(OsStatus.UPDATING), (entry,))]
+    assert policy.ranks_to_advance(both, fenced=[0, 3]) == (8, [0, 3])
+    # a faulty rank that started the update is enough; a dead one is not known well enough to count
+    started = [RankView(0, True, False, 7, U, (entry,)), RankView(1, True, True, 7, UP, (entry,))]
+    assert policy.ranks_to_advance(started, fenced=[0]) == (8, [0])
+    dead = [RankView(0, True, False, 7, U, (entry,)), RankView(1, False, True, 7, UP, (entry,))]
+    assert policy.ranks_to_advance(dead, fenced=[0]) == (7, [])
+    # caught mid-update, or two updates behind: not advanced
+    mid = views[:3] + [RankView(3, True, False, 4, UP, (entry,))]
     assert policy.ranks_to_advance(mid, fenced=[3]) == (5, [])
+    two = views[:3] + [RankView(3, True, False, 3, U, (entry,))]
+    assert policy.ranks_to_advance(two, fenced=[3]) == (5, [])
 
 
 @given(_cluster(), st.sets(st.integers(0, 15)))
 @settings(max_examples=200)
-def test_advanced_ranks_complete_every_shard(cluster, fenced):
+def test_advanced_ranks_are_one_update_behind_a_rank_that_started_it(cluster, fenced):
     views, _, _, _ = cluster
-    top, ranks = policy.ranks_to_advance(views, fenced)
+    step, ranks = policy.ranks_to_advance(views, fenced)
     by_rank = {v.rank: v for v in views}
     for r in ranks:  # healthy, fenced, one clean update behind
         v = by_rank[r]
-        assert r in fenced and v.alive and not v.faulty and v.step == top - 1 and v.data_status == OsStatus.UPDATED
-    if ranks:
-        assert not policy.select_dump_ranks(views, policy.choose_lock_step(views)).possible
-        moved = [RankView(v.rank, v.alive, v.faulty, top, v.data_status, v.replica) if v.rank in ranks else v
-                 for v in views]
-        assert policy.select_dump_ranks(moved, top).possible
+        assert r in fenced and v.alive and not v.faulty and v.step == step - 1 and v.data_status == OsStatus.UPDATED
+    if ranks:  # some live rank made or started the update of ``step``
+        assert any(v.alive and (v.step >= step or (v.step == step - 1 and v.data_status != OsStatus.UPDATED))
+                   for v in views)
 
 
 def test_ranks_ask_for_strategies_with_their_flags():

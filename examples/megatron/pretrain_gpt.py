@@ -355,10 +355,7 @@ def setup_high_availability(ctx) -> None:
     # TTP_PORT when set; else next to the job's store port (a fixed default collides between jobs)
     port = (_knobs.get("TTP_PORT") if os.environ.get("TTP_PORT")
             else int(os.environ.get("MASTER_PORT", 29500)) + 1)
-    if rank == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
-        if args.enable_hbmfault_repair and not os.environ.get("HIGH_AVAILABILITY"):
-            # --enable-hbmfault-repair: the controller may retry (UCE / network errors), else dump
-            os.environ["HIGH_AVAILABILITY"] = "dump,retry" + (",recover" if args.enable_worker_reboot else "")
+    if rank == 0:  # (under mindio-run --high-availability its agent hosts the controller: these start none)
         if not args.save:  # mindio: nowhere to write a last-words checkpoint: the controller must not plan one
             wanted = _knobs.get("HIGH_AVAILABILITY") or (("dump",) + ("recover",) * args.enable_worker_reboot
                                                          + ("elastic-training",) * args.enable_elastic_training)
@@ -368,6 +365,9 @@ def setup_high_availability(ctx) -> None:
         ttp.tft_init_controller(rank, world, False, enable_arf=args.enable_worker_reboot,
                                 enable_zit=args.enable_elastic_training)
         ttp.tft_start_controller(addr, port, enable_tls=False)
+    # the controller enables what the processors register with: --enable-hbmfault-repair -> retry,
+    # --enable-worker-reboot -> recover-in-place (needs mindio-run --high-availability; refused at start
+    # otherwise), --enable-elastic-training -> elastic training
     ttp.tft_init_processor(rank, world, False, enable_tls=False,
                            enable_uce=args.enable_hbmfault_repair,
                            enable_arf=args.enable_worker_reboot,
@@ -496,7 +496,7 @@ def finish(ctx) -> str:
     print_rank_0(f"max-rss-MiB: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
     if args.enable_high_availability:
         ttp.tft_destroy_processor()
-        if dist.get_rank() == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
+        if dist.get_rank() == 0:
             ttp.tft_destroy_controller()
     dist.destroy_process_group()
     return digest

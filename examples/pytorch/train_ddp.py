@@ -255,7 +255,7 @@ def main():
         port = (_knobs.get("TTP_PORT") if os.environ.get("TTP_PORT")
                 else int(os.environ.get("MASTER_PORT", 29500)) + 1)
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        if rank == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
+        if rank == 0:  # (none when mindio-run --high-availability hosts it)
             ttp.tft_init_controller(rank, world, False)
             ttp.tft_start_controller(addr, port, enable_tls=False)
         ttp.tft_init_processor(rank, world, False, enable_tls=False)
@@ -274,7 +274,7 @@ def main():
         print(f"state-digest: {digest}", flush=True)
     if args.enable_high_availability:
         ttp.tft_destroy_processor()
-        if rank == 0 and not _knobs.get("MINDIO_CONTROLLER_EXTERNAL"):
+        if rank == 0:
             ttp.tft_destroy_controller()
     trainer.model = trainer.optimizer = None  # DDP holds the group: release it before destroying
     dist.barrier()

@@ -32,6 +32,9 @@ class ReportState(enum.IntEnum):
 
 
 class RepairType(enum.IntEnum):
+    """``repair_info["repair_type"]`` of the repair handler. A member equals its value (the reference's
+    enum) and also its name: a handler written against the reference (``== RepairType.RT_SEND``) and
+    one that compares names (``== "RT_SEND"``) both work; it prints as its name."""
     RT_SEND = 0
     RT_UCE_HIGHLEVEL = 1
     RT_UCE_LOWLEVEL = 2
@@ -39,6 +42,20 @@ class RepairType(enum.IntEnum):
     RT_ROLLBACK = 4
     RT_LOAD_CKPT = 5
     RT_LOAD_REBUILD = 6
+
+    def __eq__(self, other):
+        return self.name == other if isinstance(other, str) else int.__eq__(self, other)
+
+    def __ne__(self, other):
+        return self.name != other if isinstance(other, str) else int.__ne__(self, other)
+
+    __hash__ = int.__hash__
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        return format(self.name, spec)
 
 
 class Action(enum.IntEnum):

@@ -8,6 +8,7 @@ class _State:
     def __init__(self) -> None:
         self.controller = None          # controller.Controller, when this process hosts one
         self.controller_init = None     # kwargs of tft_init_controller until tft_start_controller
+        self.controller_external = False  # tft_init_controller found the controller hosted elsewhere
         self.processor = None           # processor.Processor
         self.callbacks: dict = {}       # name -> (func, ctx); shared with the processor
         self.user_patterns: list = []   # [(pattern, ReportState, fault_handle)]

@@ -7,11 +7,14 @@ Protocol (controller side; the processor side is in processor.py):
 2. The controller's I/O thread hands each REPLY to :meth:`on_reply`; the engine counts the replies it
    still expects and wakes the caller only when none is left (or when the I/O thread reports a death),
    so 100k replies do not cost 100k wake-ups.
-3. Every 2 heartbeat intervals the action is sent again to the live ranks that have not answered (a
-   frame lost across a reconnect or a failover); processors replay their cached reply for a known sn
-   and ignore a sn they are still running, so an action never runs twice on a rank. No resend while the
-   controller's own inbound queue is behind (``backlog()``): the missing replies may be sitting in it,
-   and resending to 100k ranks then only doubles the work (a resend storm).
+3. An action is sent once. Only ranks that have not answered (and are alive) get it again -- a frame
+   lost across a reconnect or a failover -- first after 2 heartbeat intervals (plus the action's own
+   ``timeout`` parameter, within which a processor answers), then after twice the
+   previous wait (at most :data:`RESEND_MAX_S`), each resend logged with the ranks it went to;
+   processors replay their cached reply for a known sn and ignore a sn they are still running, so an
+   action never runs twice on a rank. No resend while the controller's own inbound queue is behind
+   (``backlog()``): the missing replies may be sitting in it, and resending to 100k ranks then only
+   doubles the work (a resend storm).
 4. ``call`` returns {rank: Reply} when every live target answered, or at the deadline
    (TTP_NORMAL_ACTION_TIME_LIMIT for recovery actions); ranks that died meanwhile are simply absent.
    One log line and one ``action`` event (with its duration, the failed and the missing ranks) per call.
@@ -27,9 +30,10 @@ from typing import Callable
 from .. import _logging
 from . import protocol as P
 
-__all__ = ["ActionEngine"]
+__all__ = ["ActionEngine", "RESEND_MAX_S"]
 
 _log = logging.getLogger(__name__)
+RESEND_MAX_S = 30.0  # longest wait between two resends of an action to ranks that have not answered
 
 
 @dataclass
@@ -73,13 +77,19 @@ class ActionEngine:
             self.sn += 1
             pend = self._pending = _Pending(self.sn, name, targets, outstanding=len(targets), fail_fast=fail_fast)
         body = P.Action(name, params)
-        waiting, last_send = set(targets), -1e9
+        # an action that carries a timeout is answered within it: no resend before then
+        waiting, last_send, gap = set(targets), -1e9, self.resend + float(params.get("timeout") or 0)
         while True:
             now = time.monotonic()
-            due = now - last_send >= self.resend
+            due = now - last_send >= gap
             if due and (last_send < 0 or not self._backlog()):
                 if last_send >= 0:
                     self.resends += 1
+                    _log.warning("action %s sn=%d: no reply from %d rank(s) %s within %.1f s; sending it to them "
+                                 "again", name, pend.sn, len(waiting), sorted(waiting)[:16], now - t0)
+                    _logging.event("action_resent", action=name, sn=pend.sn, ranks=sorted(waiting)[:64],
+                                   after_s=round(now - t0, 3))
+                    gap = min(2 * gap, max(self.resend, RESEND_MAX_S))
                 self._send_many(waiting, body, pend.sn)
                 last_send, due = now, False
             with self._cond:
@@ -88,8 +98,7 @@ class ActionEngine:
                 if not waiting or now - t0 >= timeout or pend.failed:
                     break
                 # resend due but our inbound queue is behind: look again in 0.25 s, not in a busy loop
-                self._cond.wait(0.25 if due else max(0.01, min(self.resend - (now - last_send), t0 + timeout - now,
-                                                               0.5)))
+                self._cond.wait(0.25 if due else max(0.01, min(gap - (now - last_send), t0 + timeout - now, 0.5)))
         with self._cond:
             self._pending = None
         dt = time.monotonic() - t0

@@ -17,6 +17,7 @@ process group exists (call init_process_group first), else through MINDIO_SECRET
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -65,6 +66,29 @@ def _ctl() -> Controller:
 
 
 
+# ----------------------------------------------------------------------------- launcher
+_REPLACING = {"recover", "recover-in-place"}
+
+
+def _hosted_elsewhere() -> bool:
+    """Does a launcher (mindio-run's node-0 agent) or another process host this job's controller?
+    (MINDIO_CONTROLLER_EXTERNAL, set for the workers with TTP_ADDR, TTP_PORT and MINDIO_SECRET)"""
+    return bool(_knobs.get("MINDIO_CONTROLLER_EXTERNAL"))
+
+
+def _check_replacer(asked_by: str) -> None:
+    """Worker reboot (recover-in-place / recover) replaces a failed process, which only a launcher can:
+    fail now, with what to change (mindio.launch.needs), instead of exiting with EXIT_CODE_FAULT at the
+    first fault. As the reference: an ERROR log line, then the exception."""
+    from ..launch.needs import require_replacer
+
+    try:
+        require_replacer(f"worker reboot ({asked_by})")
+    except ConfigError as exc:
+        _log.error("%s", exc)
+        raise
+
+
 # ----------------------------------------------------------------------------- controller
 def tft_init_controller(rank: int, world_size: int, enable_local_copy: bool, enable_arf=False, enable_zit=False):
     """Prepare this process to host the job's controller; start it with :func:`tft_start_controller`.
@@ -74,32 +98,47 @@ def tft_init_controller(rank: int, world_size: int, enable_local_copy: bool, ena
         world_size: number of training ranks, 1 to 100000.
         enable_local_copy: accepted for the reference; mindio keeps no local copy of the optimizer state
             (its copies are the replicas on other ranks, :func:`tft_set_optimizer_replica`).
-        enable_arf: add ``recover`` (process replacement) to the strategies when ``HIGH_AVAILABILITY`` is unset.
-        enable_zit: add ``elastic-training`` likewise.
+        enable_arf: add ``recover-in-place`` and ``recover`` (process replacement) to the strategies.
+        enable_zit: add ``elastic-training``.
 
-    The strategies the controller may use are ``HIGH_AVAILABILITY`` (a comma list) when set, else ``dump``
-    plus what ``enable_arf`` / ``enable_zit`` add. Also configures mindio's logging for this process.
+    The strategies the controller may use are ``HIGH_AVAILABILITY`` (a comma list) when set, else ``dump``,
+    plus what ``enable_arf`` / ``enable_zit`` add, plus what the processors ask for when they register
+    (``enable_uce`` on every rank: ``retry``; docs/quickstart.md). Under ``mindio-run --high-availability``
+    (``MINDIO_CONTROLLER_EXTERNAL=1``) the launcher hosts the controller: a training rank (``rank`` >= 0)
+    then prepares none, and :func:`tft_start_controller` starts none. Also configures mindio's logging.
 
     Returns:
         None.
     Raises:
         ConfigError: ``rank`` outside [-1, world_size) or ``world_size`` outside [1, 100000];
-            a malformed ``HIGH_AVAILABILITY``.
+            a malformed ``HIGH_AVAILABILITY``; worker reboot (``enable_arf`` or ``recover*`` in
+            ``HIGH_AVAILABILITY``) without a launcher that replaces processes (the message says what to add).
     """
     if not -1 <= rank < world_size or not 1 <= world_size <= 100000:
         raise ConfigError(f"tft_init_controller: rank {rank} must be in [-1, world_size) and world_size "
                           f"{world_size} in [1, 100000]")
-    if enable_arf:  # a controller a script starts can never replace a process: say so now, not at the fault
-        from ..launch.needs import require_replacer
-
-        require_replacer("worker reboot (tft_init_controller(enable_arf=True), --enable-worker-reboot)")
-    enabled = set(_knobs.get("HIGH_AVAILABILITY")) or (
-        {"dump"} | ({"recover"} if enable_arf else set()) | ({"elastic-training"} if enable_zit else set()))
-    _rt.controller_init = {"rank": rank, "world_size": world_size, "enabled": enabled}
     _logging.setup(rank=rank)
+    if rank >= 0 and _hosted_elsewhere():
+        _log.info("tft_init_controller: this job's controller is hosted outside the training ranks "
+                  "(MINDIO_CONTROLLER_EXTERNAL=1, mindio-run --high-availability); rank %d starts none", rank)
+        _rt.controller_init = None
+        _rt.controller_external = True
+        return
+    asked = set(_knobs.get("HIGH_AVAILABILITY"))
+    if enable_arf:
+        _check_replacer("tft_init_controller(enable_arf=True), --enable-worker-reboot")
+    if asked & _REPLACING:
+        _check_replacer(f"HIGH_AVAILABILITY={','.join(sorted(asked))}")
+    # HIGH_AVAILABILITY and the flags both ask (the reference: the variable turns the script's flags on);
+    # the processors' flags add theirs once they registered (Controller.job_strategies)
+    enabled = (asked or {"dump"}) | (_REPLACING if enable_arf else set()) | (
+        {"elastic-training"} if enable_zit else set())
+    _rt.controller_init = {"rank": rank, "world_size": world_size, "enabled": enabled}
 
 
 def _start(bind_ip, port, enable_tls, tls_info, primary=None):
+    if _rt.controller_external:
+        return  # tft_init_controller: the launcher hosts it
     if _rt.controller_init is None:
         raise RuntimeError("call tft_init_controller before starting a controller")
     if not 1024 <= int(port) <= 65535 or bind_ip in ("", "0.0.0.0"):
@@ -189,21 +228,23 @@ def tft_init_processor(rank: int, world_size: int, enable_local_copy: bool, enab
         world_size: number of training ranks, at most 100000.
         enable_local_copy: accepted for the reference (see :func:`tft_init_controller`).
         enable_tls, tls_info: as :func:`tft_start_controller`; a processor needs ``server_public``.
-        enable_uce: this rank may be repaired in place (step retry); the controller retries only when
-            every rank involved registered with it.
-        enable_arf: this rank may be replaced by a new process (recover / recover-in-place).
+        enable_uce: this rank may be repaired in place (step retry); with it on every rank the
+            controller enables retry (which also needs the repair and rollback handlers on every rank).
+        enable_arf: this rank may be replaced by a new process (recover / recover-in-place); needs
+            ``mindio-run --high-availability`` (refused at once elsewhere, saying what to add).
         enable_zit: this rank takes part in elastic training (downgrade / upgrade).
 
     Returns:
         None.
     Raises:
-        ConfigError: ``rank`` / ``world_size`` out of range, bad or missing CURVE keys; ``enable_arf``
-            without a launcher that replaces processes (mindio.launch.needs: says which flag to add).
+        ConfigError: ``rank`` / ``world_size`` out of range, bad or missing CURVE keys; worker reboot
+            asked for (``enable_arf``, ``recover*`` in ``HIGH_AVAILABILITY``) where no launcher replaces
+            processes.
     """
     if enable_arf:
-        from ..launch.needs import require_replacer
-
-        require_replacer("worker reboot (tft_init_processor(enable_arf=True), --enable-worker-reboot)")
+        _check_replacer("tft_init_processor(enable_arf=True), --enable-worker-reboot")
+    if set(_knobs.get("HIGH_AVAILABILITY")) & _REPLACING:
+        _check_replacer(f"HIGH_AVAILABILITY={','.join(_knobs.get('HIGH_AVAILABILITY'))}")
     curve = transport.curve_options(enable_tls, tls_info, server=False)
     proc = Processor(rank, world_size, enable_uce=enable_uce, enable_arf=enable_arf, enable_zit=enable_zit,
                      curve=curve)
@@ -222,7 +263,8 @@ def tft_start_processor(master_ip: str, port: int, local_ip=''):
         local_ip: accepted for the reference; the connection's own address is used.
 
     The job secret comes from ``MINDIO_SECRET`` or the torch.distributed store (``init_process_group``
-    first).
+    first). Under ``mindio-run --high-availability`` (``MINDIO_CONTROLLER_EXTERNAL=1``) the processor
+    connects to the controller the launcher hosts (``TTP_ADDR``, ``TTP_PORT``) whatever is passed here.
 
     Returns:
         None.
@@ -231,6 +273,12 @@ def tft_start_processor(master_ip: str, port: int, local_ip=''):
             address and what to check).
         ConfigError: ``port`` out of range; no secret available.
     """
+    if _hosted_elsewhere() and os.environ.get("TTP_PORT"):  # mindio-run tells its workers where it is
+        hosted = (_knobs.get("TTP_ADDR") or _knobs.get("CONTROLLER_ADDR") or master_ip, _knobs.get("TTP_PORT"))
+        if hosted != (master_ip, int(port)):
+            _log.info("tft_start_processor: the controller is hosted at %s:%d (TTP_ADDR, TTP_PORT); connecting "
+                      "there, not to %s:%s", hosted[0], hosted[1], master_ip, port)
+        master_ip, port = hosted
     if not 1024 <= int(port) <= 65535:
         raise ConfigError(f"controller port {port} must be in [1024, 65535]")
     addr = f"tcp://{master_ip}:{int(port)}"
@@ -414,9 +462,11 @@ def tft_register_stop_handler(func: Callable, ctx=None):
     """
     _register("stop", func, ctx)
 def tft_register_clean_handler(func: Callable, ctx=None):
-    """Register the **clean** callback ``func(is_uce_error, args, ctx)``: destroy this
-    rank's process groups and drop every reference to them, so peers blocked with it are released and
-    new groups can be built. It returns 0 (ok), 1 (failed) or 2 (no rebuild needed).
+    """Register the **clean** callback ``func(is_uce_error, args, ctx)``: drop every
+    reference the framework's own objects hold to process groups (a DDP module, a group kept in a
+    global); after it mindio destroys every group still registered, the default one included, so peers
+    blocked with this rank are released and new groups can be built (without a clean callback mindio does
+    that alone). It returns 0 (ok), 1 (failed) or 2 (no rebuild needed).
 
     Args:
         func: the callback.

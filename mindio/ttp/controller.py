@@ -63,6 +63,7 @@ class _Rank:
     registered: bool = True
     features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
     gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
+    left: bool = False  # said BYE: its late heartbeats are answered "BYE", never "register again"
 
 
 class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):
@@ -118,6 +119,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._seen: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ack_version: tuple = ()
         self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
+        self._starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged (watch.py)
         self._held_reports: list = []  # reports received while a passive backup (see _take_over)
         self._poller: zmq.Poller | None = None
         self.status_server = None  # status.py's server, when MINDIO_STATUS_PORT is set
@@ -284,6 +286,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                     self._seen.move_to_end(env.rank)
                 r.in_collective, r.progress_age = body.in_collective, body.progress_age
             state = "UNKNOWN" if (r is None or not r.registered) and env.rank >= 0 else self.sm.state.value
+            if r is not None and r.left:  # a beat sent after its BYE: it must not register again (then die)
+                state = "BYE"
             self._chan.send_raw(self._ack(env.rank, state), ident)
         elif env.type is P.MsgType.REGISTER:
             self._on_register(ident, env.rank, body, now, env.gen)
@@ -292,6 +296,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             _logging.event("report_received", from_rank=env.rank, state=state.name, step=body.step)
             with self._lock:
                 r = self.ranks[env.rank]
+                state = self._secondary(env.rank, state, body.message)
                 r.last_seen, r.step = now, body.step
                 if r.alive:
                     self._seen[env.rank] = None
@@ -310,6 +315,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             with self._cond:
                 self.ranks[env.rank].alive = False
                 self.ranks[env.rank].registered = False
+                self.ranks[env.rank].left = True
                 self._registered -= 1
                 self._cond.notify_all()
         elif env.type is P.MsgType.REPLY:
@@ -331,7 +337,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
             r = get(rank)
             if r is None or not r.registered:
-                unknown.append(rank)
+                if r is None or not r.left:
+                    unknown.append(rank)
                 continue
             if replaced and replaced.get(rank, -1) > env.gen:
                 continue  # a replaced rank's old process: refused (recover.py counts per-rank frames)
@@ -390,6 +397,21 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                                    rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
             self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
+            _log.info("every rank registered; the job's strategies: %s (asked for by the controller: %s, by "
+                      "the ranks' tft_init_processor flags: %s)", sorted(self.brain.enabled(self.job_strategies())),
+                      sorted(self.enabled), sorted(self._ranks_ask()))
+
+    def job_strategies(self) -> set:
+        """The strategies the job asked for, in any of the reference ways: the controller's list
+        (HIGH_AVAILABILITY, or dump + tft_init_controller's enable_arf / enable_zit, or the launcher's
+        --high-availability) and what its processors registered with (policy.strategies_of:
+        enable_uce -> retry, enable_arf -> recover-in-place / recover, enable_zit -> elastic-training)."""
+        return self.enabled | self._ranks_ask()
+
+    def _ranks_ask(self) -> set:
+        with self._lock:
+            features = [r.features for r in self.ranks.values() if r.registered]
+        return policy.strategies_of(features)
 
     def _take_over(self, now: float, n: int) -> None:
         _log.warning("primary controller lost; backup %s takes over with %d/%d ranks", self.address, n, self.world_size)

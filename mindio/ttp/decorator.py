@@ -50,13 +50,20 @@ __all__ = ["tft_exception_handler", "classify_exception", "exit_process"]
 _log = logging.getLogger(__name__)
 
 
-def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED) -> ReportState:
+def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED,
+                       during_incident: bool = False) -> ReportState:
+    """ReportState of ``exc`` (policy.classify); ``during_incident``: the controller has already
+    stopped this rank, so a collective timeout or a destroyed group is a peer's failure reaching it."""
     message = f"{type(exc).__name__}: {exc}"
     start, end = _rt.update_window
     repairable = policy.can_do_uce_repair(time.time_ns(), start, end) if start is not None \
         else data_status == OsStatus.UPDATED
     patterns = [(p, s) for p, s, _h in _rt.user_patterns]
-    state = policy.classify(message, patterns, uce_repairable=repairable)
+    state = policy.classify(message, patterns, uce_repairable=repairable, during_incident=during_incident)
+    if during_incident and state is ReportState.RS_NORMAL and \
+            policy.classify(message, patterns, uce_repairable=repairable) is not state:
+        _log.warning("secondary error (the controller had stopped this rank already): %s", message[:300])
+        _logging.event("secondary_error", message=message[:300])
     for pattern, _s, handle in _rt.user_patterns:
         if pattern in message and handle is not None:
             try:
@@ -158,7 +165,7 @@ def tft_exception_handler(func):
                 if proc is None:
                     raise
                 message = describe(exc, where=not str(exc))  # never a bare "AssertionError: "
-                state = classify_exception(exc, proc.data_status)
+                state = classify_exception(exc, proc.data_status, during_incident=proc.stopped)
                 # for the launcher (TORCHELASTIC_ERROR_FILE), if this fault ends the process
                 # (strings only: the exception must not outlive its cleared frames)
                 fault = dict(message=message, trace=_launcher.format_exception(exc), when=time.time(),

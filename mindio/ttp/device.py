@@ -58,8 +58,8 @@ import torch.distributed as dist
 from .. import _logging
 
 __all__ = ["DeviceBackend", "GlooBackend", "NcclBackend", "HcclBackend", "backend_for",
-           "teardown", "kill_hung", "all_groups", "destroy_all", "freeze_startup_objects", "collect", "release",
-           "forget_default_arguments"]
+           "teardown", "kill_hung", "all_groups", "destroy_all", "destroy_groups", "group_settings",
+           "freeze_startup_objects", "collect", "release", "forget_default_arguments"]
 
 _log = logging.getLogger(__name__)
 
@@ -71,6 +71,48 @@ def all_groups() -> list:
     world = dist.group.WORLD
     groups = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not world]
     return groups + [world]
+
+
+def destroy_groups() -> int:
+    """Destroy every process group torch.distributed still registers, the default one included
+    (``dist.destroy_process_group()`` clears its registry: ``_world.pg_map``, names, tags, the C++
+    group registry); returns how many there were. A group is gone for good -- its gloo connections
+    closed, peers blocked in a collective with this rank released -- only once nothing else refers to
+    it (module docstring): :func:`release` drops the caller's references."""
+    if not dist.is_available():
+        return 0
+    c10d = dist.distributed_c10d
+    left = list(c10d._world.pg_map)
+    if not left:
+        return 0
+    try:
+        dist.destroy_process_group()  # every group, the default one included
+    except (RuntimeError, ValueError) as exc:  # no default group any more: destroy the rest one by one
+        _log.info("destroy_process_group: %s; destroying groups one by one", exc)
+        for g in left:
+            try:
+                dist.destroy_process_group(g)
+            except (RuntimeError, ValueError, AssertionError):
+                pass
+        c10d._world.pg_map.clear()
+    return len(left)
+
+
+def group_settings(group=None) -> dict:
+    """What re-creating ``group`` (default: the default group) with the same behaviour needs:
+    ``{"backend", "timeout", "device_id"}`` (the timeout its backend was created with, e.g. the
+    user's ``init_process_group(timeout=...)``); empty without a default group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return {}
+    pg = group or dist.group.WORLD
+    out = {"backend": str(dist.get_backend(pg)), "device_id": getattr(pg, "bound_device_id", None)}
+    for device_type in getattr(pg, "_device_types", ()):
+        try:
+            out["timeout"] = pg._get_backend(device_type).options._timeout
+            break
+        except (AttributeError, RuntimeError):
+            continue
+    return out
 
 
 _frozen = False
@@ -180,19 +222,10 @@ def release(groups: list, unreferenced_only: bool = False) -> int:
 
 
 def destroy_all() -> list:
-    """``destroy_process_group()`` for every group of this process (one by one if some were destroyed
-    already); returns the groups (:func:`all_groups` before), whose references the caller then releases."""
+    """:func:`destroy_groups`, returning the groups (:func:`all_groups` before) whose references the
+    caller then releases."""
     groups = all_groups()
-    if groups:
-        try:
-            dist.destroy_process_group()  # every group, the default one included
-        except (RuntimeError, ValueError) as exc:  # partly destroyed already: do the rest one by one
-            _log.info("destroy_process_group: %s; destroying groups one by one", exc)
-            for g in groups:
-                try:
-                    dist.destroy_process_group(g)
-                except (RuntimeError, ValueError):
-                    pass
+    destroy_groups()
     return groups
 
 
@@ -220,7 +253,8 @@ class DeviceBackend:
         only once *no* reference to a group remains, hence ``drop_references`` (it must clear every
         framework global, model/optimizer handle that holds a group) before ``gc.collect()``.
         """
-        groups = destroy_all()  # held until the references are dropped, then released in parallel
+        groups = all_groups()  # held until the references are dropped, then released in parallel
+        destroy_groups()
         if drop_references is not None:
             drop_references()
         count = len(groups)

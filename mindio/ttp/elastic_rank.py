@@ -44,9 +44,7 @@ class ElasticActions:
             device.backend_for().clean()
         members = sorted(int(r) for r in members)
         self.members = None if members == list(range(self.world_size)) else members
-        store = dist.PrefixStore(f"mindio/gen{gen}/", self._base_store)
-        dist.init_process_group(self._pg_backend, store=store, rank=self.torch_rank(), world_size=len(members),
-                                timeout=self._pg_timeout)
+        self._init_default_group(gen, self.torch_rank(), len(members))
         device.backend_for().reinit()
         self.gen = gen
         if kind == "downgrade":
@@ -110,7 +108,7 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
     proc = api._proc()
     proc.standby = True
     proc._base_store = base
-    proc._pg_backend = backend
+    proc._pg_settings = {"backend": backend}
     if register is not None:
         register()
     api.tft_start_processor(controller_ip, controller_port)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from .. import _knobs, _logging
 from . import policy
@@ -74,6 +75,22 @@ class IncidentFlow(PauseFlow):
                 if message:
                     inc["messages"][rank] = message
 
+    def _secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
+        """(I/O thread, under the lock) ``state`` of a report, or RS_NORMAL when it is secondary: an
+        RS_UNKNOWN from a rank not already faulty, while an incident is open, whose message is what the
+        incident itself causes on its peers -- a collective timed out waiting for a stopped or torn-down
+        rank, a closed connection, an aborted or destroyed group (policy.secondary_in_incident). Such a
+        rank stays healthy: its state is usable for the dump and repair, as the reference treats a
+        FORCE STOP."""
+        inc = self._incident
+        if inc is None or state is not ReportState.RS_UNKNOWN or rank in inc["primary"] \
+                or not policy.secondary_in_incident(message):
+            return state
+        _log.warning("rank %d: %s -- after the incident of rank %s began: secondary, not a new fault", rank,
+                     message[:200], inc["first"])
+        _logging.event("secondary_error", from_rank=rank, message=message[:300], first=inc["first"])
+        return ReportState.RS_NORMAL
+
     def _error_rank_dict(self) -> dict:
         with self._lock:  # the I/O thread adds ranks to the incident while the driver reads it
             primary = dict((self._incident or {"primary": {}})["primary"])
@@ -118,15 +135,7 @@ class IncidentFlow(PauseFlow):
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
         params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
         replies = self._stop_all(live, params)  # retry.py: a rank blocked behind a fenced one is released
-        with self._lock:
-            for rank, rep in replies.items():
-                if rep.ok:
-                    self.ranks[rank].step = rep.detail.get("step", self.ranks[rank].step)
-                    self.ranks[rank].data_status = rep.detail.get("data_status", 0)
-            views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
-                                     tuple(r.replica)) for r in self.ranks.values()]
-        missing = sorted(set(self.job_ranks()) - set(self.ranks))  # job_ranks: elastic.py (removed ranks)
-        views += [policy.RankView(r, alive=False, faulty=True) for r in missing]
+        views = self._views(replies)
         stopped = all(r in replies and replies[r].ok for r in live)
         self._mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
                          "training stopped" if stopped else "some ranks did not confirm the stop",
@@ -151,10 +160,20 @@ class IncidentFlow(PauseFlow):
             primary = dict(inc["primary"])
             seen, messages = dict(inc.get("seen", {})), dict(inc.get("messages", {}))
         dead = frozenset(v.rank for v in views if not v.alive)
+        lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
-                                   spare_available=self.can_replace("recover", dead))  # recover.py
-        enabled = self.brain.enabled(self.enabled) | ({"dump"} if graceful else set())
+                                   spare_available=self.can_replace("recover", dead),  # recover.py
+                                   in_place_possible=not lacking)
+        enabled = self.brain.enabled(self.job_strategies()) | ({"dump"} if graceful else set())
         feasible = policy.feasible_strategies(enabled, incident)
+        if lacking and not graceful:
+            blocked = [s for s in policy.feasible_strategies(enabled, replace(incident, in_place_possible=True))
+                       if s not in feasible]
+            if blocked:
+                _log.warning("%s would be possible, but they call the repair and rollback handlers on every rank "
+                             "and ranks %s did not register %s (tft_register_repair_handler, "
+                             "tft_register_rollback_handler)", blocked, sorted(lacking)[:16],
+                             lacking[min(lacking)])
         alive = {v.rank: v.alive for v in views}
         faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
                                   seen.get(r, inc["t0"])) for r in sorted(set(primary) | set(faulty))]
@@ -170,7 +189,8 @@ class IncidentFlow(PauseFlow):
         _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, level %s, order %s, "
                      "feasible %s)", latency, strategy, lock, faulty[:16], verdict.level, order, feasible)
         _logging.event("decision", **self.last_decision)
-        if "retry" in enabled and not graceful and "retry" not in feasible:
+        retryable = bool(primary) and set(primary.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
+        if "retry" in enabled and retryable and not graceful and "retry" not in feasible and not lacking:
             _log.warning("retry is enabled but not possible for this incident (reports %s, dead %s, every "
                          "shard of a UCE rank has a usable replica: %s); using %s",
                          {r: s.name for r, s in list(primary.items())[:16]}, sorted(incident.dead)[:16],
@@ -194,6 +214,18 @@ class IncidentFlow(PauseFlow):
                      reason="no dump possible" if ctx["plan"].missing else "exit chosen")
         self._exit(EXIT_CODE_FAULT)
         return False
+
+    def _views(self, replies: dict) -> list:
+        """What the decision sees of every rank of the job after the stop round's ``replies``."""
+        with self._lock:
+            for rank, rep in replies.items():
+                if rep.ok:
+                    self.ranks[rank].step = rep.detail.get("step", self.ranks[rank].step)
+                    self.ranks[rank].data_status = rep.detail.get("data_status", 0)
+            views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
+                                     tuple(r.replica)) for r in self.ranks.values()]
+        missing = sorted(set(self.job_ranks()) - set(self.ranks))  # job_ranks: elastic.py (removed ranks)
+        return views + [policy.RankView(r, alive=False, faulty=True) for r in missing]
 
     # ------------------------------------------------------------------ strategies
     def implemented_strategies(self) -> tuple:

@@ -31,11 +31,12 @@ import torch.distributed as dist
 
 from .. import _logging
 from . import device
-from ._enums import Action, OsStatus
+from ._enums import Action, OsStatus, RepairType
 
 __all__ = ["InPlaceActions"]
 
 _log = logging.getLogger(__name__)
+_PG_TIMEOUT = timedelta(seconds=120)  # a rebuilt default group whose first one's timeout is unknown
 
 
 class InPlaceActions:
@@ -43,15 +44,25 @@ class InPlaceActions:
 
     gen = 0
     _base_store = None
-    _pg_backend = "gloo"
-    _pg_timeout = timedelta(seconds=120)
+    _pg_settings: dict = {}
     _force = False
 
     def remember_world(self) -> None:
-        """(start-up) Keep the job's store and backend: a rebuild re-creates the world on them."""
-        if dist.is_available() and dist.is_initialized():
+        """(start-up, and before a teardown) Keep the job's store, backend and group timeout once: a
+        rebuild re-creates the default group on them (same rank and world size, a new generation)."""
+        if self._base_store is None and dist.is_available() and dist.is_initialized():
             self._base_store = dist.distributed_c10d._get_default_store()
-            self._pg_backend = str(dist.get_backend())
+            self._pg_settings = device.group_settings()
+
+    def _init_default_group(self, gen: int, rank: int, world_size: int) -> None:
+        """A new default group of generation ``gen`` on the job's store (prefix ``mindio/gen<gen>/``:
+        keys of an older generation never meet it), with the first default group's backend, timeout
+        and device."""
+        settings = self._pg_settings
+        dist.init_process_group(settings.get("backend", "gloo"),
+                                store=dist.PrefixStore(f"mindio/gen{gen}/", self._base_store), rank=rank,
+                                world_size=world_size, timeout=settings.get("timeout") or _PG_TIMEOUT,
+                                device_id=settings.get("device_id"))
 
     def _check_force_stop(self) -> None:
         """(main thread, under ``_cond``) Raise FORCE STOP when the clean action asked for it."""
@@ -80,9 +91,7 @@ class InPlaceActions:
         t0 = time.monotonic()
         if dist.is_initialized():  # a rank that never tore down (should not happen after clean)
             device.backend_for().clean()
-        store = dist.PrefixStore(f"mindio/gen{gen}/", self._base_store)
-        dist.init_process_group(self._pg_backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=self._pg_timeout)
+        self._init_default_group(gen, self.rank, self.world_size)
         device.backend_for().reinit()
         self.gen = gen
         if "rebuild_group" in self.callbacks:
@@ -112,7 +121,7 @@ class InPlaceActions:
             else:
                 continue
             src, dst = torch_rank(pair["src"]), torch_rank(pair["dst"])
-            info = {"type": pair["type"], "repair_type": kind, "src": [src], "dst": [dst],
+            info = {"type": pair["type"], "repair_type": RepairType[kind], "src": [src], "dst": [dst],
                     "rank_list": sorted({src, dst})}
             need_rebuild = kind in ("RT_UCE_HIGHLEVEL", "RT_LOAD_REBUILD")  # model/optimizer rebuilt first
             func(step, need_rebuild, [torch_rank(r) for r in error_ranks], info, self.step_args, ctx)
@@ -131,7 +140,7 @@ class InPlaceActions:
         with self._cond:
             if self._main != "parked":
                 raise RuntimeError(f"main thread is {self._main}, not parked: cannot re-enter train()")
-            self._hold, self._limit = False, None
+            self._hold, self._allow, self._limit = False, None, None
             self._next = (Action.RETRY, 0)
             self._cond.notify_all()
         return {}

@@ -12,12 +12,19 @@ sends in its REGISTER: two containers on one machine with separate pid namespace
 share a hostname, never match. A rank that leaves normally sends BYE first; to never mistake that exit
 for a fault, an exit is acted on only after :attr:`PidProbe.GRACE` seconds, by which time the BYE (sent
 before the process exits) has been read.
+
+The probe also tells a silent rank that is *starved* from one that is gone (:meth:`PidProbe.runnable`):
+on a loaded host a rank's link thread may not run for seconds (seen: 2-3.6 s at load 20-30 on 2 cores),
+and 3 missed heartbeats then declared a live rank dead and ended the job. A same-host rank whose
+process is alive and not stopped is given up to ``MINDIO_HANG_TIMEOUT`` (watch.py), then SIGKILLed
+through its pidfd and declared dead.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import signal
 
 from .. import _knobs
 
@@ -65,6 +72,32 @@ class PidProbe:
         self._fds[fd] = (rank, pid)
         self._by_rank[rank] = fd
         poller.register(fd, 1)  # zmq.POLLIN
+        return True
+
+    def runnable(self, rank: int) -> int:
+        """The pid of ``rank``'s watched process when it is alive and not stopped (running, runnable,
+        sleeping, in I/O: a silent rank that is only starved of CPU), else 0 (not watched, gone, a
+        zombie, or stopped by a signal or a tracer). The pidfd pins the pid: it names no other process."""
+        fd = self._by_rank.get(rank)
+        if fd is None:
+            return 0
+        pid = self._fds[fd][1]
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return 0
+        return 0 if state in ("T", "t", "Z", "X", "x") else pid
+
+    def kill(self, rank: int) -> bool:
+        """SIGKILL ``rank``'s watched process through its pidfd (never another process); True if sent."""
+        fd = self._by_rank.get(rank)
+        if fd is None:
+            return False
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            return False
         return True
 
     def unwatch(self, rank: int, poller) -> None:

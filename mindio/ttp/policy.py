@@ -4,7 +4,9 @@
 * :func:`shard_key`, :func:`select_dump_ranks` -- one usable rank per optimizer shard saves the dump.
 * :func:`select_repair_sources` -- a usable replica for every rank to repair (used by retry/recover).
 * :func:`choose_lock_step`, :func:`stale_ranks` -- the step every rank goes back to, and the healthy
-  ranks whose state is at another step (a stop that reached the ranks on both sides of their fence).
+  ranks whose state is at another step (a stop that reached the ranks on both sides of their fence);
+  :func:`ranks_to_advance` -- the ranks held before an update another rank made or started.
+* :func:`strategies_of` -- the strategies a job's processors ask for with their enable flags.
 * :func:`feasible_strategies` -- the fallback order retry -> recover-in-place -> recover -> downgrade
   -> dump -> exit, restricted to what is enabled and possible.
 * :func:`find_hung_ranks` -- who is hung when the job stalls.
@@ -21,10 +23,11 @@ from typing import Iterable, Mapping, Sequence
 from ._enums import OsStatus, ReportState
 
 __all__ = [
-    "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "classify", "is_primary", "can_do_uce_repair", "RankView",
+    "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "INCIDENT_SECONDARY_PATTERNS", "classify",
+    "secondary_in_incident", "is_primary", "can_do_uce_repair", "RankView",
     "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "select_repair_sources",
-    "choose_lock_step", "stale_ranks",
-    "STRATEGY_ORDER", "Incident", "feasible_strategies", "find_hung_ranks",
+    "choose_lock_step", "stale_ranks", "ranks_to_advance",
+    "STRATEGY_ORDER", "strategies_of", "Incident", "feasible_strategies", "find_hung_ranks",
 ]
 
 # The reference table (SPEC §2); first match wins. HBM MULTI BIT ECC is resolved by timing in classify().
@@ -46,13 +49,21 @@ SECONDARY_PATTERNS: tuple[str, ...] = (
     "NCCL communicator was aborted", "ProcessGroupNCCL is aborted", "process group has been destroyed",
     "peer closed", "Socket Timeout",
 )
+# Once an incident has begun, these mean the same: a rank's collective timed out waiting for a peer that
+# was stopped or tore its groups down, or its own group was aborted or destroyed under it by the
+# recovery. Before an incident a timeout is a fault of its own (something hung).
+INCIDENT_SECONDARY_PATTERNS: tuple[str, ...] = (
+    "Timed out", "timed out", "Timeout", "timeout", "aborted", "Aborted", "destroyed",
+    "process group has not been initialized", "Invalid process group",
+)
 
 
 def classify(message: str, user_patterns: Sequence[tuple[str, ReportState]] = (),
-             uce_repairable: bool = True) -> ReportState:
+             uce_repairable: bool = True, during_incident: bool = False) -> ReportState:
     """ReportState for an exception message. User patterns (tft_register_exception_handler) are tried
     first, so a user can override the reference table; then the reference table, then the secondary
-    (peer-failure) patterns; anything else is RS_UNKNOWN. ``uce_repairable`` False turns an
+    (peer-failure) patterns -- with ``during_incident`` (a recovery has begun) also
+    :data:`INCIDENT_SECONDARY_PATTERNS`; anything else is RS_UNKNOWN. ``uce_repairable`` False turns an
     ``HBM MULTI BIT ECC`` into RS_UCE_CORRUPTED (the error hit inside the optimizer update window)."""
     for pattern, state in user_patterns:
         if pattern in message:
@@ -65,7 +76,16 @@ def classify(message: str, user_patterns: Sequence[tuple[str, ReportState]] = ()
     for pattern in SECONDARY_PATTERNS:
         if pattern in message:
             return ReportState.RS_NORMAL
+    if during_incident and secondary_in_incident(message):
+        return ReportState.RS_NORMAL
     return ReportState.RS_UNKNOWN
+
+
+def secondary_in_incident(message: str) -> bool:
+    """Is ``message`` what a rank sees because of an incident already under way (a peer's failure or
+    the recovery's own stop/teardown), not a fault of its own? (:data:`INCIDENT_SECONDARY_PATTERNS`
+    and the always-secondary peer-failure patterns)"""
+    return any(p in message for p in SECONDARY_PATTERNS) or any(p in message for p in INCIDENT_SECONDARY_PATTERNS)
 
 
 def is_primary(state: ReportState) -> bool:
@@ -219,7 +239,39 @@ def stale_ranks(views: Iterable[RankView], lock_step: int, among: Iterable[int] 
         v.alive and v.step == lock_step and v.data_status == OsStatus.UPDATED))
 
 
+def ranks_to_advance(views: Iterable[RankView], fenced: Iterable[int]) -> tuple[int, list]:
+    """(step S, ranks): the healthy ranks the stop held at their fence before an update S that another
+    live rank already made or started (S = the furthest such update: a rank's step, plus one while its
+    update is under way); their state is of step S - 1, UPDATED. Such a rank passed the collectives that
+    precede the update of S (its gradients are complete: the rank that made or started S passed them with
+    it), so it may finish that update -- the reference's prelock: "lock step = the highest step; each
+    healthy rank finishes its update up to it". A peer blocked in a collective inside that update waits
+    for exactly this rank and completes with it. ``(S, [])`` when none."""
+    views = list(views)
+    fenced = set(fenced)
+    started = max((v.step + (v.data_status != OsStatus.UPDATED) for v in views if v.alive), default=0)
+    return started, sorted(v.rank for v in views if v.rank in fenced and v.alive and not v.faulty
+                           and v.step == started - 1 and v.data_status == OsStatus.UPDATED)
+
+
 STRATEGY_ORDER = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")
+
+
+def strategies_of(features: Iterable[Mapping]) -> set:
+    """The strategies a job's processors ask for with their ``tft_init_processor`` flags: ``retry``
+    when every one registered with ``enable_uce`` (the reference default; one that turned it off
+    refuses a retry anyway), ``recover-in-place`` and ``recover`` when any registered with
+    ``enable_arf``, ``elastic-training`` when any registered with ``enable_zit``. Processors that sent
+    no flags ask for nothing."""
+    feats = [f for f in features if f]
+    out = set()
+    if feats and all(f.get("uce", True) for f in feats):
+        out.add("retry")
+    if any(f.get("arf") for f in feats):
+        out |= {"recover-in-place", "recover"}
+    if any(f.get("zit") for f in feats):
+        out.add("elastic-training")
+    return out
 
 
 @dataclass(frozen=True)
@@ -230,6 +282,7 @@ class Incident:
     repair_possible: bool = False        # every faulty rank's shards have a usable replica
     dump_possible: bool = False
     spare_available: bool = False
+    in_place_possible: bool = True       # every live rank registered the repair and rollback handlers
 
 
 _RETRYABLE = {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
@@ -242,12 +295,12 @@ def feasible_strategies(enabled: Iterable[str], incident: Incident) -> list[str]
     out = []
     only_network = bool(states) and states == {ReportState.RS_HCCL_FAILED} and not incident.dead
     if "retry" in on and not incident.dead and states and states <= _RETRYABLE and (
-            incident.repair_possible or only_network):
+            incident.repair_possible or only_network) and incident.in_place_possible:
         out.append("retry")
     if incident.repair_possible and (incident.dead or states):
-        if "recover-in-place" in on:
+        if "recover-in-place" in on and incident.in_place_possible:
             out.append("recover-in-place")
-        if "recover" in on and incident.spare_available:
+        if "recover" in on and incident.spare_available and incident.in_place_possible:
             out.append("recover")
         if "elastic-training" in on or "downgrade" in on:
             out.append("downgrade")

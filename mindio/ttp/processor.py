@@ -12,8 +12,12 @@ since the last step progress); the controller uses the last two to find hung ran
 Actions (ACTION name -> what this rank does; every reply is cached by sn, a repeated sn replays it):
 
 * ``stop``   hold the fence (no new optimizer update starts), wait until the main thread is quiet
-             (parked in the decorator or blocked at the fence) or ``timeout``, reply {step, data_status,
-             main}; with ``stop_clean`` (TTP_STOP_CLEAN_BEFORE_DUMP) a fenced rank runs stop+clean too.
+             (parked in the decorator or blocked at the fence), or ``timeout``, or ``look`` s inside a
+             collective; reply {step, data_status, main, in_collective, missing handlers}; with
+             ``stop_clean`` (TTP_STOP_CLEAN_BEFORE_DUMP) a fenced rank runs stop+clean too.
+* ``teardown``, ``wait_quiet``, ``advance``: the rest of the stop round (retry.RetryFlow._stop_all): a
+             fenced rank tears its groups down; wait for a running one; a rank held before an update
+             every other holder of its shards made finishes it.
 * ``save``   run the save-ckpt callback ``func(step, save_info, args, ctx)``.
 * ``rename`` run the rename callback ``func(step, args, ctx)``.
 * ``exit``   hand EXIT(code) to the main thread (a fenced main thread gets ``RuntimeError("FORCE STOP")``).
@@ -44,12 +48,13 @@ from .elastic_rank import ElasticActions
 from .reboot import RebootActions, adopt as _adopt_reboot
 from .transport import Link
 
-__all__ = ["Processor", "CALLBACK_NAMES"]
+__all__ = ["Processor", "CALLBACK_NAMES", "IN_PLACE_CALLBACKS"]
 
 _log = logging.getLogger(__name__)
 CALLBACK_NAMES = ("save_ckpt", "rename", "exit", "stop", "clean", "rebuild_group", "repair", "rollback",
                   "stream_sync", "zit_downgrade_rebuild", "zit_upgrade_rebuild", "zit_upgrade_repair",
                   "zit_upgrade_rollback", "decrypt")
+IN_PLACE_CALLBACKS = ("repair", "rollback")  # what retry and recover call on a rank besides mindio's defaults
 
 
 def _in_collective(frame) -> bool:
@@ -78,6 +83,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self.repair_type = "unknown"
         self._cond = threading.Condition()
         self._hold = False
+        self._allow: int | None = None  # while held: an update up to this step may still start (advance)
         self._limit: int | None = None
         self._next: tuple[Action, int] | None = None
         self._main = "running"
@@ -143,7 +149,8 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         """Block while the controller holds the fence or ``next_step`` is beyond the limit step."""
         with self._cond:
             while self._next is None and not self._force and (
-                    self._hold or (self._limit is not None and next_step > self._limit)):
+                    (self._hold and (self._allow is None or next_step > self._allow))
+                    or (self._limit is not None and next_step > self._limit)):
                 self._main = "fenced"
                 self._cond.notify_all()
                 self._cond.wait(0.5)
@@ -177,6 +184,11 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self._limit = None
             self._cond.notify_all()
 
+    @property
+    def stopped(self) -> bool:
+        """Has the controller stopped this rank (an incident is under way)?"""
+        return self._hold or self._force
+
     # ---------------------------------------------------------------- decorator side
     def report(self, state: ReportState, message: str) -> None:
         self.last_report = P.Report(state=int(state), message=message[:4000], step=self.step)
@@ -186,11 +198,16 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report), wait=0.1)
 
     def teardown(self, is_uce: bool) -> None:
-        """Release this rank's collectives: device stop, stop + clean callbacks (the framework destroys
-        its process groups and drops every reference to them), one garbage collection, then the groups'
-        last references are dropped in parallel (``device.release``) so gloo closes its sockets and
-        peers blocked in a collective with this rank fail at once (ARCHITECTURE §3)."""
+        """Release this rank's collectives: device stop, the stop + clean callbacks (a framework drops
+        its own references to its process groups there), then mindio destroys every group still
+        registered -- all of them, the default group included, when the job registered no such
+        callbacks -- one garbage collection, and the groups' last references are dropped in parallel
+        (``device.release``) so gloo closes its sockets and peers blocked in a collective with this
+        rank fail at once (ARCHITECTURE §3). A group the training code itself still refers to stays
+        open until that reference goes; its peers then fail at the group's timeout, which the
+        controller counts as secondary (policy.classify)."""
         ms = {}
+        self.remember_world()  # a default group made after tft_start_processor: rebuild needs its store
         groups = device.all_groups()  # destroyed in parallel once the framework dropped its references
         try:  # nccl: communicator abort; hccl: stop_device; gloo: nothing (device.py)
             device.backend_for().stop()
@@ -206,10 +223,13 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
                 except Exception as exc:  # a failed teardown must not stop the report/park protocol
                     _log.error("%s callback failed: %s", name, exc)
                 ms[name] = round((time.monotonic() - t0) * 1000, 2)
+        left = device.destroy_groups()  # what the callbacks left (no callbacks: every group)
+        if left:
+            _log.info("teardown: destroyed %d process group(s) left after the stop/clean callbacks", left)
         device.release(groups, unreferenced_only=True)  # dropped by the callbacks: released now
         ms["gc"] = round(device.collect(), 2)  # the one collection of this teardown (device.py)
         device.release(groups)  # the groups the collection freed from reference cycles
-        _logging.event("teardown", **{f"{k}_ms": v for k, v in ms.items()})
+        _logging.event("teardown", destroyed=left, **{f"{k}_ms": v for k, v in ms.items()})
 
     def wait_next_action(self) -> tuple[Action, int]:
         """Park the main thread until the controller says RETRY or EXIT; EXIT(fault) if the controller
@@ -284,18 +304,70 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             raise RuntimeError(f"no {name} callback registered (tft_register_{name}_handler)")
         return self.callbacks[name]
 
-    def _do_stop(self, timeout: float = 60.0, stop_clean: bool = False) -> dict:
+    def _do_stop(self, timeout: float = 60.0, stop_clean: bool = False, look: float | None = None) -> dict:
+        """Hold the fence; reply once the main thread is quiet, or after ``timeout`` s, or -- with
+        ``look`` -- as soon as it has been running that long and is inside a collective (blocked, most
+        likely waiting for a rank the fence holds: retry.RetryFlow._stop_all)."""
         with self._cond:
             self._hold = True
-            end = time.monotonic() + timeout
-            while self._main == "running" and time.monotonic() < end:
-                self._cond.wait(0.05)
-            main = self._main
+            self._cond.notify_all()
+        main = self._wait_quiet(timeout, look)
         if stop_clean and main == "fenced":  # TTP_STOP_CLEAN_BEFORE_DUMP: fenced ranks tear down too
             self.teardown(is_uce=False)
+        return self._stop_reply(main)
+
+    def _do_wait_quiet(self, timeout: float = 60.0) -> dict:
+        """(after ``stop``, to a rank that was still running) Reply once the main thread is quiet, or
+        after ``timeout`` s."""
+        return self._stop_reply(self._wait_quiet(timeout))
+
+    def _do_teardown(self) -> dict:
+        """(after ``stop``) A rank held at its fence releases its collectives (stop + clean callbacks,
+        every group destroyed), its main thread staying at the fence: a peer that passed its own fence
+        and waits for this rank in a collective fails at once (retry.RetryFlow._stop_all)."""
+        if self._main == "fenced":
+            self.teardown(is_uce=False)
+        return self._stop_reply(self._main)
+
+    def _do_advance(self, step: int, timeout: float = 60.0) -> dict:
+        """(after ``stop``) A rank held at its fence before its update of ``step`` finishes that update
+        -- every peer that holds its shards did (policy.ranks_to_advance) -- and is held at its next
+        fence, or parks when its next collective fails (its peers tore their groups down). Reply once
+        it is quiet again, at most after ``timeout`` s."""
+        t0 = time.monotonic()
+        with self._cond:
+            if self._main != "fenced" or self.step != step - 1:
+                return self._stop_reply(self._main)  # not held before that update (any more)
+            self._allow = step
+            self._cond.notify_all()
+            while time.monotonic() - t0 < timeout and not (
+                    self._main == "parked" or (self._main == "fenced" and self.step >= step)):
+                self._cond.wait(0.05)
+            main = self._main
+        _log.info("advanced to step %d at the controller's request (main thread %s)", self.step, main)
+        return self._stop_reply(main)
+
+    def _wait_quiet(self, timeout: float, look: float | None = None) -> str:
+        """Wait until the main thread is parked or fenced, at most ``timeout`` s (see ``_do_stop`` for
+        ``look``); returns where it is."""
+        t0 = time.monotonic()
+        with self._cond:
+            while self._main == "running":
+                now = time.monotonic()
+                if now - t0 >= timeout or (look is not None and now - t0 >= look and self._main_in_collective()):
+                    break
+                self._cond.wait(min(0.05, t0 + timeout - now))
+            return self._main
+
+    def _stop_reply(self, main: str) -> dict:
+        """What the controller decides from: step, optimizer-state status, where the main thread is
+        (and, running, whether inside a collective), and the recovery handlers this rank lacks."""
         reply = {"step": self.step, "data_status": int(self.data_status), "main": main}
         if main == "running":  # where it runs: retry.RetryFlow._kill_stuck blames ranks outside a collective
             reply["in_collective"] = self._main_in_collective()
+        missing = [name for name in IN_PLACE_CALLBACKS if name not in self.callbacks]
+        if missing:  # retry / recover need them on every rank (policy.Incident.in_place_possible)
+            reply["missing"] = missing
         return reply
 
     def _do_save(self, step: int, save_info: list) -> dict:
@@ -319,7 +391,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         """Release the fence a ``stop`` set, the main thread staying in its step (elastic.py: an upgrade
         whose stop caught the survivors on both sides of a fence lets them run on and stops again)."""
         with self._cond:
-            self._hold = False
+            self._hold, self._allow = False, None
             self._cond.notify_all()
         return {"step": self.step}
 

@@ -19,6 +19,7 @@ Then, with no change to the training script beyond what MindIO already asks for:
    have used (``default_pg`` over the env:// store, as torch does, or the store the script passes) --
    exactly the store the survivors re-create their world on (inplace.remember_world). The
    framework's normal init order then creates its subgroups, matching the survivors' rebuild handler.
+   Once: later calls (mindio's own rebuilds of a later incident, inplace.py) pass through unchanged.
 2. ``tft_is_reboot_node()`` is true and ``tft_get_reboot_type()`` names the type: the script skips
    loading a checkpoint (its state comes from the replicas).
 3. The processor registers carrying generation ``g`` (:func:`adopt`); a rank of an older generation is
@@ -45,6 +46,7 @@ _log = logging.getLogger(__name__)
 class _State:
     base_store = None      # the store the survivors' world lives on (before the generation prefix)
     installed = False
+    joined = False         # the script's own init_process_group joined the survivors' world
     parked_once = False
     switch_released = False  # a hot-switch backup was told to join (await_switch)
 
@@ -80,6 +82,10 @@ def install() -> None:
     @functools.wraps(original)
     def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
                            store=None, group_name="", pg_options=None, device_id=None, **kw):
+        if state.joined:  # the script's first default group joined; later ones are mindio's own rebuilds
+            return original(backend=backend, init_method=init_method, timeout=timeout, world_size=world_size,
+                            rank=rank, store=store, group_name=group_name, pg_options=pg_options,
+                            device_id=device_id, **kw)
         await_switch()  # a hot-switch backup: wait here (registered) until the switch releases it
         if store is None:
             from datetime import timedelta
@@ -101,6 +107,7 @@ def install() -> None:
         if timeout is None:
             kwargs.pop("timeout")
         original(**kwargs)
+        state.joined = True
         _log.info("joined generation %d in %.3f s", gen, time.monotonic() - t0)
 
     c10d.init_process_group = init_process_group

@@ -55,9 +55,14 @@ def uce_repair_type(state: ReportState, data_status: int) -> str:
     return "RT_UCE_LOWLEVEL"
 
 
+def _mains(replies: dict) -> dict:
+    """{rank: where its main thread is} of a stop round's successful replies."""
+    return {r: rep.detail.get("main") for r, rep in replies.items() if rep.ok}
+
+
 def _split(replies: dict) -> tuple[list, list]:
     """(running, fenced) ranks of a stop round's replies."""
-    mains = {r: rep.detail.get("main") for r, rep in replies.items() if rep.ok}
+    mains = _mains(replies)
     return (sorted(r for r, m in mains.items() if m == "running"),
             sorted(r for r, m in mains.items() if m == "fenced"))
 
@@ -69,39 +74,61 @@ class RetryFlow:
     gen = 0
 
     def _stop_all(self, live: list, params: dict) -> dict:
-        """The incident's stop round, never held up by the fence itself.
+        """The incident's stop round, never held up by the fence itself; each action sent once.
 
         A rank that passed its fence (``tft_start_updating_os``) just before the stop reached it can
         be blocked in a collective with a peer the stop caught *at* its fence: the peer waits for the
         fence, the rank for the peer, until the stop's deadline (90 s by default; seen under load, in
-        the dump flow and in retry). So: ``stop`` with a grace of :data:`STOP_GRACE_S`; if some ranks
-        are still running then while others are fenced, the fenced ones tear down (``stop_clean``: the
-        framework keeps their state for a dump, ARCHITECTURE section 3), which fails the blocked
-        collective at once, and the running ranks get the full timeout. The grace ends early, at a look
-        every :data:`STOP_LOOK_S`, when every running rank is inside a collective while others are fenced:
-        such a rank is almost surely waiting for a fenced one, and tearing the fenced ones down early
-        costs nothing (every rank stops anyway). {rank: Reply}."""
+        the dump flow and in retry). So:
+
+        1. ``stop`` to every live rank: each holds its fence and answers once its main thread is quiet,
+           at the latest after :data:`STOP_GRACE_S`, or already after :data:`STOP_LOOK_S` when it is
+           running inside a collective then (almost surely waiting for a fenced rank);
+        2. ``advance`` to the ranks held before an update another rank made or started
+           (policy.ranks_to_advance, the reference's prelock): they finish it, and a peer blocked in a
+           collective of that update completes with them; the ranks that were running are looked at
+           again (``wait_quiet`` for one grace);
+        3. if some ranks still run while others are fenced, ``teardown`` to the fenced ones (the
+           framework keeps their state for a dump, ARCHITECTURE section 3), which fails the blocked
+           collective at once;
+        4. the ranks still running: :meth:`_kill_stuck`, then ``wait_quiet`` with the stop's full
+           timeout.
+
+        {rank: Reply} (the latest reply of each rank)."""
         grace = min(params["timeout"], STOP_GRACE_S)
-        replies, ask, waited = {}, live, 0.0
-        while True:  # a look every STOP_LOOK_S until the grace is over or the running ranks are blocked
-            look = min(STOP_LOOK_S, grace - waited)
-            replies.update(self._call("stop", dict(params, timeout=look), ask, self.action_limit))
-            waited += look
-            running, fenced = _split(replies)
-            if not running or waited >= grace - 1e-6 or (
-                    fenced and all(replies[r].detail.get("in_collective") for r in running)):
-                break
-            ask = running  # a running rank outside a collective may still reach its fence
+        replies = self._call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace)), live,
+                             self.action_limit)
+        if not params.get("stop_clean"):  # torn down at the stop (TTP_STOP_CLEAN_BEFORE_DUMP): held as they are
+            self._advance(replies, grace)
+        return self._release_running(replies, params)
+
+    def _advance(self, replies: dict, grace: float) -> None:
+        """Step 2 of :meth:`_stop_all`; ``replies`` is updated."""
+        views = self._views(replies)  # incident.py
+        step, behind = policy.ranks_to_advance(views, [r for r, m in _mains(replies).items() if m == "fenced"])
+        if not behind:
+            return
+        running = sorted(r for r, m in _mains(replies).items() if m == "running")
+        _log.warning("stop: ranks %s were held at their fence before the update of step %d, which another rank "
+                     "made or started; letting them finish it%s", behind[:16], step,
+                     f" (ranks {running[:16]} were running)" if running else "")
+        _logging.event("advance", step=step, ranks=behind[:64], running=running[:64])
+        replies.update(self._call("advance", {"step": step, "timeout": grace}, behind, self.action_limit))
+        if running:
+            replies.update(self._call("wait_quiet", {"timeout": grace}, running, self.action_limit))
+
+    def _release_running(self, replies: dict, params: dict) -> dict:
+        """Steps 2 and 3 of :meth:`_stop_all` for the ranks ``replies`` says still run."""
+        running, fenced = _split(replies)
         if running and fenced and not params.get("stop_clean"):
-            _log.warning("stop: ranks %s still running %.1f s after the stop while %s wait at the fence; "
-                         "tearing the fenced ranks down so that a collective between them fails",
-                         running[:16], waited, fenced[:16])
+            _log.warning("stop: ranks %s still running after the stop while %s wait at the fence; tearing the "
+                         "fenced ranks down so that a collective between them fails", running[:16], fenced[:16])
             _logging.event("stop_release_fenced", running=running[:64], fenced=fenced[:64])
-            replies.update(self._call("stop", dict(params, stop_clean=True), fenced, self.action_limit))
+            replies.update(self._call("teardown", {}, fenced, self.action_limit))
         if running:
             running = self._kill_stuck(running, params, replies)
         if running:
-            replies.update(self._call("stop", params, running, self.action_limit))
+            replies.update(self._call("wait_quiet", {"timeout": params["timeout"]}, running, self.action_limit))
         return replies
 
     def _kill_stuck(self, running: list, params: dict, replies: dict) -> list:
@@ -115,12 +142,12 @@ class RetryFlow:
         are SIGKILLed and replaced like dead ranks, and the others get the window again (a rank waiting
         for a killed one fails at once). Otherwise the running ranks get the full stop timeout."""
         window = _knobs.get("MINDIO_STOP_STUCK_S")
-        if window <= 0 or "recover-in-place" not in self.brain.enabled(self.enabled):
+        if window <= 0 or "recover-in-place" not in self.brain.enabled(self.job_strategies()):
             return running
         if any(not rep.ok for r, rep in replies.items() if r not in running):
             return running  # some rank did not confirm its stop: nothing says the others are released
         for _ in range(len(running)):
-            more = self._call("stop", dict(params, timeout=window), running, self.action_limit)
+            more = self._call("wait_quiet", {"timeout": window}, running, self.action_limit)
             replies.update(more)
             still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == "running")
             outside = [r for r in still if not more[r].detail.get("in_collective")]

@@ -4,7 +4,9 @@ A rank is declared dead when it has been silent for ``misses * interval`` s of t
 could observe (``_sweep`` on the I/O thread; time in which that thread did not run -- its process
 stopped or starved -- is not counted, ``_stalled``, and nothing is declared while its own inbound queue
 is behind), or at once when another detector reports it (``declare_dead``: the same-host pid probe,
-the launcher agent, a lost node). A rank making no progress outside a collective for
+the launcher agent, a lost node). A silent rank whose process runs on this host and is alive and not
+stopped is starved of CPU, not dead: it gets up to ``MINDIO_HANG_TIMEOUT`` s (``_starved``), then is
+SIGKILLed through its pidfd and declared dead. A rank making no progress outside a collective for
 ``MINDIO_HANG_TIMEOUT`` s is ordered SIGKILLed. ``heard`` tells whether ranks still beat (ha.py uses it
 before it declares a lost node's ranks dead).
 """
@@ -52,14 +54,18 @@ class LivenessWatch:
             self._lagging = True
             return
         self._lagging = False
-        dead = []
+        dead, starved = [], []
         while self._seen:
             r = self.ranks[next(iter(self._seen))]
             if r.alive and now - r.last_seen <= limit:
                 break
             self._seen.popitem(last=False)
-            if r.alive:
+            if r.alive and self._starved(r, now):
+                starved.append(r.rank)
+            elif r.alive:
                 dead.append(r)
+        for rank in starved:  # looked at again once the ranks that beat meanwhile are behind it
+            self._seen[rank] = None
         if dead:  # one log line for a mass death (a lost node or switch), one event per rank
             _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.misses,
                        now - dead[0].last_seen, [r.rank for r in dead[:16]], " ..." if len(dead) > 16 else "")
@@ -76,6 +82,27 @@ class LivenessWatch:
                     self.ranks[rank].alive = False
                     self.ranks[rank].faulty = True
                 self._open_incident(rank, None)
+
+    def _starved(self, r, now: float) -> bool:
+        """Is silent rank ``r`` only starved of CPU? Its process runs on this host and is alive and not
+        stopped (pidprobe.PidProbe.runnable), and it has been silent for less than MINDIO_HANG_TIMEOUT
+        (0: no such grace). Past that it is SIGKILLed through its pidfd (a process whose link thread
+        cannot run for that long is hung) and declared dead by the caller."""
+        silent = now - r.last_seen
+        pid = self._probe.runnable(r.rank) if self.hang_timeout > 0 else 0
+        if not pid:
+            return False
+        if silent < self.hang_timeout:
+            if self._starved_logged.get(r.rank) != r.last_seen:
+                self._starved_logged[r.rank] = r.last_seen
+                _log.warning("rank %d silent for %.1f s, but its process %d on this host is alive and not stopped: "
+                             "starved of CPU, not dead (hung after MINDIO_HANG_TIMEOUT=%.0f s)", r.rank, silent,
+                             pid, self.hang_timeout)
+                _logging.event("rank_starved", starved_rank=r.rank, pid=pid, silent_s=round(silent, 3))
+            return True
+        _log.error("rank %d silent for %.0f s with its process %d alive: hung; SIGKILL", r.rank, silent, pid)
+        self._probe.kill(r.rank)
+        return False
 
     def declare_dead(self, ranks, cause: str, log: bool = True, **detail) -> list[int]:
         """(any thread) Ranks ``ranks`` are dead because of ``cause`` ("heartbeat": missed beats, "pid": the

@@ -130,19 +130,22 @@ def test_rank_stuck_after_the_stop_is_killed_and_replaced(reference, tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_survivor_ahead_of_the_lock_step_is_repaired_with_the_replacement(reference, tmp_path):
+def test_survivors_held_before_an_update_another_made_finish_it_before_the_replacement(reference, tmp_path):
     """Rank 1 is SIGKILLed inside its optimizer update of iteration FAULT_IT while ranks 0 and 3 are late
     to their fence (the stop holds them there: state of step FAULT_IT) and rank 2 has already updated to
-    step FAULT_IT + 1. Shard 1 of that step died with rank 1, so the lock step is FAULT_IT: the
-    replacement of rank 1 gets its shard from rank 3, and rank 2, ahead, gets step FAULT_IT's from rank 0."""
+    step FAULT_IT + 1. Ranks 0 and 3 finish that update (``advance``, the reference's prelock; rank 2's
+    all-gather completes with rank 3), so the lock step is FAULT_IT + 1 with nothing stale, and the
+    replacement of rank 1 gets that step's shard from rank 3. (Before the prelock: lock step FAULT_IT,
+    rank 2 repaired back to it.)"""
     code, text, events = run(tmp_path / "run", fault=f"kill-update:1:{FAULT_IT}",
                              env={"TOY_STOP_BEFORE_FENCE": f"0/3:{FAULT_IT}"})
     assert code == 0, text[-6000:]
     assert digest(text) == reference  # nothing lost, nothing corrupted
-    mixed = [e for e in events if e["kind"] == "mixed_steps"]
-    assert len(mixed) == 1 and mixed[0]["lock_step"] == FAULT_IT and mixed[0]["stale"] == [2], text[-6000:]
+    advanced = [e for e in events if e["kind"] == "advance"]
+    assert [(a["step"], a["ranks"]) for a in advanced] == [(FAULT_IT + 1, [0, 3])], text[-6000:]
+    assert not [e for e in events if e["kind"] == "mixed_steps"]
     done = [e for e in events if e["kind"] == "recover_done"]
-    assert [(d["replaced"], d["stale"], d["lock_step"]) for d in done] == [([1], [2], FAULT_IT)], text[-6000:]
+    assert [(d["replaced"], d["stale"], d["lock_step"]) for d in done] == [([1], [], FAULT_IT + 1)], text[-6000:]
 
 
 @pytest.mark.timeout(200)

@@ -81,6 +81,19 @@ def test_silent_rank_declared_dead_within_misses(plane):
 
 
 @pytest.mark.timeout(30)
+def test_a_peer_timeout_after_the_incident_began_is_secondary(plane):
+    """Once an incident has begun, a peer's collective timeout reported as RS_UNKNOWN (its processor did
+    not know of the incident yet) is secondary, never a new fault: the incident keeps one faulty rank."""
+    ctl, procs, _ = plane
+    procs[1].report(ReportState.RS_UNKNOWN, "RuntimeError: Other ERROR")
+    assert _until(lambda: ctl._incident is not None)
+    procs[0].report(ReportState.RS_UNKNOWN, "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                                            "waiting 60000ms for recv operation to complete")
+    assert _until(lambda: ctl.final.is_set(), 20.0)
+    assert ctl.last_decision["faulty"] == [1] and not ctl.ranks[0].faulty
+
+
+@pytest.mark.timeout(30)
 def test_bye_is_not_a_fault(plane):
     ctl, procs, _ = plane
     procs[1].destroy(reason="finished")
@@ -109,7 +122,8 @@ def test_fence_blocks_updates_until_exit(plane):
         threading.Timer(1.0, lambda: ctl._call("exit", {"code": 75}, [0], 5.0)).start()
         p.start_updating_os(-1)
     t.join()
-    assert done["stop"][0].detail == {"step": 5, "data_status": 0, "main": "fenced"}
+    # no repair / rollback handler registered: named, so the controller knows retry cannot run here
+    assert done["stop"][0].detail == {"step": 5, "data_status": 0, "main": "fenced", "missing": ["repair", "rollback"]}
     assert p.wait_next_action()[1] == 75
 
 

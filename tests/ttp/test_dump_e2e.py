@@ -31,6 +31,8 @@ def _by_kind(events, kind):
 def test_fault_dumps_and_relaunch_is_bitwise(baseline, tmp_path, kind, rank):
     out = str(tmp_path / "run")
     env = {"MINDIO_HANG_TIMEOUT": "3"} if kind == "hang" else {}
+    if kind == "raise-uce":  # the toy registers repair handlers: with enable_uce (the default) a UCE is retried
+        env["TOY_ENABLE_UCE"] = "0"
     job = Job(out, args=["--steps", str(STEPS), "--fault", f"{kind}:{rank}:{FAULT_IT}"], env=env)
     codes = job.wait(120)
     expect = [EXIT_CODE_DUMPED] * 4

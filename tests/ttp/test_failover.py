@@ -34,7 +34,7 @@ def test_backup_takes_over_and_dumps(tmp_path, monkeypatch):
         backup = Controller(rank=1, world_size=4, enabled={"dump"}, key=job_secret(create=False), backup=True)
         backup.start("127.0.0.1", backup_port, primary=f"tcp://127.0.0.1:{port}")
         out = str(tmp_path / "run")
-        job = Job(out, ctl_port=port, env={"MINDIO_SECRET": secret},
+        job = Job(out, ctl_port=port, env={"MINDIO_SECRET": secret, "TOY_ENABLE_UCE": "0"},  # a dump, not a retry
                   args=["--external-controller", "--steps", "170", "--step-sleep", "0.1",
                         "--fault", "raise-uce:2:150"])
         deadline = time.monotonic() + 120

@@ -6,6 +6,7 @@ import pytest
 
 from mindio.ttp._enums import Action
 from mindio.ttp.brain import Brain
+from mindio.ttp.policy import RankView
 from mindio.ttp.processor import Processor
 
 
@@ -107,64 +108,84 @@ def test_registration_carries_the_enable_flags_and_the_controller_honours_them()
     assert ctl.uce_refused() == []
 
 
-def test_stop_round_releases_a_rank_blocked_behind_a_fenced_one():
-    """A rank still running after the grace while another waits at its fence: the fenced one tears
-    down (stop_clean) and the running one gets the full timeout; no rank waits for the deadline. A
-    running rank seen inside a collective at the first look ends the grace at once."""
+def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_fenced_one():
+    """One ``stop`` to every rank (each answers once quiet, at the latest after the grace, or after the
+    look when it runs inside a collective); ranks held before an update another rank made: ``advance``;
+    a rank still running while another waits at its fence: ``teardown`` to the fenced one (the blocked
+    collective fails), then ``wait_quiet`` with the full timeout to the running one. Each action is sent
+    once (before: a ``stop`` every STOP_LOOK_S)."""
     from mindio.ttp import protocol as P
     from mindio.ttp.retry import STOP_GRACE_S, STOP_LOOK_S, RetryFlow
 
     class Ctl(RetryFlow):
         action_limit = 180.0
-        enabled, brain = frozenset({"dump", "retry"}), Brain()  # no recover-in-place: no stuck-rank kill
+        brain = Brain()
 
-        def __init__(self, mains, inside=()):
-            self.mains, self.inside, self.calls = mains, set(inside), []
+        def __init__(self, mains, steps=None):
+            self.mains, self.calls, self.steps = mains, [], steps or {}
+
+        def job_strategies(self):
+            return {"dump", "retry"}  # no recover-in-place: no stuck-rank kill
+
+        def _views(self, replies):
+            return [RankView(r, True, False, rep.detail["step"], rep.detail["data_status"]) for r, rep in replies.items()]
 
         def _call(self, name, params, ranks, timeout, fail_fast=False):
             self.calls.append((name, dict(params), sorted(ranks)))
-            if params.get("stop_clean"):  # the fenced rank tore down: the blocked rank fails and parks
+            if name in ("teardown", "advance"):  # the blocked rank's collective fails / completes: it parks
                 self.mains.update({r: "parked" for r in self.mains if self.mains[r] == "running"})
-            return {r: P.Reply(ok=True, detail={"main": self.mains[r], "step": 6, "data_status": 0,
-                                                "in_collective": self.mains[r] == "running" and r in self.inside})
-                    for r in ranks}
+            if name == "advance":  # the held ranks made their update and parked at their next collective
+                self.mains.update({r: "parked" for r in ranks})
+                self.steps.update({r: params["step"] for r in ranks})
+            return {r: P.Reply(ok=True, detail={"main": self.mains[r], "step": self.steps.get(r, 6),
+                                                "data_status": 0}) for r in ranks}
 
-    # rank 2 runs outside a collective (it may still reach its fence): the grace in full
+    stop = ("stop", {"timeout": STOP_GRACE_S, "look": STOP_LOOK_S, "stop_clean": False})
     ctl = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "parked"})
     replies = ctl._stop_all([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
-    looks = ctl.calls[:-2]  # one look every STOP_LOOK_S for the whole grace, then the fenced rank tears down
-    assert looks[0] == ("stop", {"timeout": STOP_LOOK_S, "stop_clean": False}, [0, 1, 2, 3])
-    assert all(c[0] == "stop" and c[2] == [2] and c[1]["timeout"] <= STOP_LOOK_S for c in looks[1:])
-    assert sum(c[1]["timeout"] for c in looks) == pytest.approx(STOP_GRACE_S) and len(looks) > 1
-    assert ctl.calls[-2:] == [("stop", {"timeout": 90.0, "stop_clean": True}, [0]),
-                              ("stop", {"timeout": 90.0, "stop_clean": False}, [2])]
+    assert ctl.calls == [stop + ([0, 1, 2, 3],), ("teardown", {}, [0]), ("wait_quiet", {"timeout": 90.0}, [2])]
     assert {r: rep.detail["main"] for r, rep in replies.items()} == {0: "fenced", 1: "parked", 2: "parked",
                                                                      3: "parked"}
-    # rank 2 waits inside a collective while rank 0 is fenced: the fenced rank tears down after the look
-    blocked = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "parked"}, inside={2})
-    blocked._stop_all([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
-    assert blocked.calls == [("stop", {"timeout": STOP_LOOK_S, "stop_clean": False}, [0, 1, 2, 3]),
-                             ("stop", {"timeout": 90.0, "stop_clean": True}, [0]),
-                             ("stop", {"timeout": 90.0, "stop_clean": False}, [2])]
-    # inside a collective but nobody fenced (waiting for the faulty rank's teardown): the grace in full
-    waiting = Ctl({1: "parked", 2: "running"}, inside={2})
+    # running but nobody fenced (waiting for the faulty rank's teardown): it gets the full timeout
+    waiting = Ctl({1: "parked", 2: "running"})
     waiting._stop_all([1, 2], {"timeout": 90.0, "stop_clean": False})
-    assert sum(c[1]["timeout"] for c in waiting.calls[:-1]) == pytest.approx(STOP_GRACE_S)
-    assert waiting.calls[-1] == ("stop", {"timeout": 90.0, "stop_clean": False}, [2])
-
-    class Late(Ctl):  # rank 3 reaches its fence only at the second look; rank 2 waits for it in a collective
-        def _call(self, name, params, ranks, timeout, fail_fast=False):
-            if len(self.calls) == 1:
-                self.mains[3] = "fenced"
-            return super()._call(name, params, ranks, timeout, fail_fast)
-
-    late = Late({0: "parked", 1: "parked", 2: "running", 3: "running"}, inside={2})
-    late._stop_all([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
-    assert [(c[1]["timeout"], c[1]["stop_clean"], c[2]) for c in late.calls] == [
-        (STOP_LOOK_S, False, [0, 1, 2, 3]), (STOP_LOOK_S, False, [2, 3]), (90.0, True, [3]), (90.0, False, [2])]
+    assert waiting.calls == [stop + ([1, 2],), ("wait_quiet", {"timeout": 90.0}, [2])]
     quiet = Ctl({0: "fenced", 1: "parked"})  # nobody running: one call, nothing torn down
     quiet._stop_all([0, 1], {"timeout": 90.0, "stop_clean": False})
-    assert len(quiet.calls) == 1
+    assert quiet.calls == [stop + ([0, 1],)]
+    # ranks 0 and 3 held before the update of step 6 that rank 2 made and is still gathering after (blocked
+    # with rank 3): they finish it (the reference's prelock), rank 2 completes with them; nothing torn down
+    behind = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "fenced"}, steps={0: 5, 3: 5})
+    replies = behind._stop_all([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
+    assert behind.calls == [stop + ([0, 1, 2, 3],), ("advance", {"step": 6, "timeout": STOP_GRACE_S}, [0, 3]),
+                            ("wait_quiet", {"timeout": STOP_GRACE_S}, [2])]
+    assert {r: (rep.detail["main"], rep.detail["step"]) for r, rep in replies.items()} == {
+        0: ("parked", 6), 1: ("parked", 6), 2: ("parked", 6), 3: ("parked", 6)}
+
+
+def test_stop_answers_early_for_a_main_thread_blocked_in_a_collective():
+    """The processor side of the stop round: quiet -> at once; running inside torch.distributed -> after
+    ``look``; running elsewhere -> after ``timeout``. The reply says where the main thread is."""
+    ns: dict = {}
+    # a function whose frame looks like torch.distributed's (Processor._main_in_collective reads the file name)
+    exec(compile("def blocked(ev):\n    ev.wait(30)\n", "/site-packages/torch/distributed/fake.py", "exec"), ns)
+    p = Processor(0, 1)
+    p._main = "parked"
+    t0 = time.monotonic()
+    assert p._do_stop(timeout=20.0, look=0.2)["main"] == "parked" and time.monotonic() - t0 < 10
+    release = threading.Event()
+    for target, args, look, expect in ((ns["blocked"], (release,), 0.2, True), (release.wait, (30,), 0.2, False)):
+        t = threading.Thread(target=target, args=args, daemon=True)
+        t.start()
+        p._main_ident, p._main = t.ident, "running"
+        t0 = time.monotonic()
+        reply = p._do_stop(timeout=1.0 if not expect else 20.0, look=look)
+        took = time.monotonic() - t0
+        assert reply["main"] == "running" and reply["in_collective"] is expect, reply
+        assert (took < 10) if expect else (took >= 1.0)  # inside a collective: answered at the look
+        release.set()
+        t.join(10)
+        release.clear()
 
 
 def test_unhold_lets_a_rank_held_at_its_fence_run_on():
@@ -181,3 +202,29 @@ def test_unhold_lets_a_rank_held_at_its_fence_run_on():
     assert p._do_unhold() == {"step": 0}
     t.join(10)
     assert not t.is_alive() and p._main == "running" and int(p.data_status) != 0  # it went on into the update
+
+
+def test_advance_lets_a_rank_held_before_its_update_finish_it():
+    """``advance(step)``: a rank the stop held at its fence before the update of ``step`` makes it, then is
+    held at its next fence; a rank not held there is left alone (policy.ranks_to_advance)."""
+    p = Processor(0, 1)
+    p.end_updating_os(4)
+    p._hold = True  # what a stop sets
+
+    def main():  # the fence of step 5, the update, the fence of step 6
+        p.start_updating_os(-1)
+        p.end_updating_os(5)
+        p.start_updating_os(-1)
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while p._main != "fenced" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p._main == "fenced" and p.step == 4
+    reply = p._do_advance(5, timeout=20.0)
+    assert (reply["step"], reply["main"], reply["data_status"]) == (5, "fenced", 0) and t.is_alive()
+    assert p._do_advance(7, timeout=0.1)["step"] == 5  # not one update behind 7: nothing happens
+    p._do_unhold()
+    t.join(10)
+    assert not t.is_alive()

@@ -103,3 +103,51 @@ def test_other_host_or_namespace_is_not_watched():
         if child.poll() is None:
             child.kill()
         probe.close(poller)
+
+
+SILENT = textwrap.dedent("""
+    import os, sys, time
+    from mindio.ttp.processor import Processor
+    rank, port, go = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    p = Processor(rank, 2)
+    p.start(f"tcp://127.0.0.1:{port}", bytes.fromhex(sys.argv[4]))
+    while not os.path.exists(go):
+        time.sleep(0.02)
+    p.link.stop()  # no BYE: from now on this live process is silent, as one starved of CPU
+    p.link.join(5)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_live_process_is_starved_not_dead_until_the_hang_timeout(tmp_path, monkeypatch):
+    """Seen at load 20-30 on 2 cores: a rank's link thread did not run for 2-3.6 s and 3 missed heartbeats
+    declared the live rank dead, which ended the job. A silent rank whose process on this host is alive
+    and not stopped is starved: it gets MINDIO_HANG_TIMEOUT, then is SIGKILLed and declared dead; a
+    stopped one (SIGSTOP) is dead at once."""
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("MINDIO_EVENT_LOG", str(events))
+    port, go = free_port(), str(tmp_path / "go")
+    ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=KEY, interval=0.2, misses=3, hang_timeout=4.0)
+    ctl.start("127.0.0.1", port)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    kids = [subprocess.Popen([sys.executable, "-c", SILENT, str(r), str(port), go, KEY.hex()], env=env)
+            for r in range(2)]
+    try:
+        assert _until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"
+        open(go, "w").close()
+        t0 = time.monotonic()
+        assert _until(lambda: [json.loads(line)["kind"] for line in events.read_text().splitlines()].count(
+            "rank_starved") >= 2, 10.0), "silence of a live process was not seen as starvation"
+        assert ctl.ranks[0].alive and ctl.ranks[1].alive  # silent for > misses * interval: not dead
+        os.kill(kids[1].pid, signal.SIGSTOP)  # stopped: it will not run again by itself
+        assert _until(lambda: not ctl.ranks[1].alive, 3.0)
+        assert ctl.ranks[0].alive and time.monotonic() - t0 < 4.0
+        assert _until(lambda: not ctl.ranks[0].alive, 10.0)  # the hang timeout: SIGKILLed, dead
+        assert kids[0].wait(10) == -signal.SIGKILL
+    finally:
+        for k in kids:
+            if k.poll() is None:
+                k.kill()
+            k.wait()
+        ctl.destroy()

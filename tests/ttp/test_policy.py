@@ -130,6 +130,75 @@ def test_a_stop_on_both_sides_of_the_fence_locks_the_step_before_it():
     assert policy.choose_lock_step(behind) == 8 and policy.stale_ranks(behind, 8) == [0]
 
 
+def test_ranks_held_before_an_update_another_rank_made_finish_it():
+    entry = {"rank_list": [0, 1, 2, 3], "replica_cnt": 2}
+    U, UP = int(OsStatus.UPDATED), int(OsStatus.UPDATING)
+    # plain DP loop: rank 1 failed at the start of step 6; rank 3, the other copy of its shard, was held
+    # before its update of step 5, which ranks 0 and 2 had made
+    views = [RankView(0, True, False, 5, U, (entry,)), RankView(1, True, True, 5, U, (entry,)),
+             RankView(2, True, False, 5, U, (entry,)), RankView(3, True, False, 4, U, (entry,))]
+    assert policy.ranks_to_advance(views, fenced=[3]) == (5, [3])
+    assert policy.ranks_to_advance(views, fenced=[]) == (5, [])  # running or parked: nothing to advance
+    # rank 1 failed inside its update of step 8 (started it: its gradients were complete), rank 2 made it,
+    # ranks 0 and 3 were held before it: both finish it
+    both = [RankView(0, True, False, 7, U, (entry,)), RankView(1, True, True, 7, UP, (entry,)),
+            RankView(2, True, False, 8, U, (entry,)), RankView(3, True, False, 7, U, (entry,))]
+    assert policy.ranks_to_advance(both, fenced=[0, 3]) == (8, [0, 3])
+    # a faulty rank that started the update is enough; a dead one is not known well enough to count
+    started = [RankView(0, True, False, 7, U, (entry,)), RankView(1, True, True, 7, UP, (entry,))]
+    assert policy.ranks_to_advance(started, fenced=[0]) == (8, [0])
+    dead = [RankView(0, True, False, 7, U, (entry,)), RankView(1, False, True, 7, UP, (entry,))]
+    assert policy.ranks_to_advance(dead, fenced=[0]) == (7, [])
+    # caught mid-update, or two updates behind: not advanced
+    mid = views[:3] + [RankView(3, True, False, 4, UP, (entry,))]
+    assert policy.ranks_to_advance(mid, fenced=[3]) == (5, [])
+    two = views[:3] + [RankView(3, True, False, 3, U, (entry,))]
+    assert policy.ranks_to_advance(two, fenced=[3]) == (5, [])
+
+
+@given(_cluster(), st.sets(st.integers(0, 15)))
+@settings(max_examples=200)
+def test_advanced_ranks_are_one_update_behind_a_rank_that_started_it(cluster, fenced):
+    views, _, _, _ = cluster
+    step, ranks = policy.ranks_to_advance(views, fenced)
+    by_rank = {v.rank: v for v in views}
+    for r in ranks:  # healthy, fenced, one clean update behind
+        v = by_rank[r]
+        assert r in fenced and v.alive and not v.faulty and v.step == step - 1 and v.data_status == OsStatus.UPDATED
+    if ranks:  # some live rank made or started the update of ``step``
+        assert any(v.alive and (v.step >= step or (v.step == step - 1 and v.data_status != OsStatus.UPDATED))
+                   for v in views)
+
+
+def test_ranks_ask_for_strategies_with_their_flags():
+    assert policy.strategies_of([]) == set()
+    assert policy.strategies_of([{}, {}]) == set()  # processors that sent no flags ask for nothing
+    flags = {"uce": True, "arf": False, "zit": False}
+    assert policy.strategies_of([flags] * 4) == {"retry"}
+    assert policy.strategies_of([flags, dict(flags, uce=False)]) == set()  # one refuses: no retry
+    assert policy.strategies_of([flags, dict(flags, arf=True)]) == {"retry", "recover-in-place", "recover"}
+    assert policy.strategies_of([dict(flags, uce=False, zit=True)]) == {"elastic-training"}
+
+
+def test_in_place_strategies_need_the_repair_and_rollback_handlers():
+    inc = Incident(states={1: ReportState.RS_UCE}, repair_possible=True, dump_possible=True,
+                   in_place_possible=False)
+    assert policy.feasible_strategies({"retry", "recover-in-place", "dump"}, inc) == ["dump", "exit"]
+    dead = Incident(dead=frozenset({1}), repair_possible=True, dump_possible=True, in_place_possible=False)
+    assert policy.feasible_strategies({"recover-in-place", "elastic-training", "dump"}, dead) == \
+        ["downgrade", "dump", "exit"]
+
+
+def test_timeouts_are_secondary_only_once_an_incident_began():
+    gloo = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 60000ms for recv operation"
+    assert policy.classify(gloo) is ReportState.RS_UNKNOWN  # alone: something hung
+    assert policy.classify(gloo, during_incident=True) is ReportState.RS_NORMAL
+    gone = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
+    assert policy.classify(gone, during_incident=True) is ReportState.RS_NORMAL
+    assert policy.classify("UCE ERROR after a Timeout", during_incident=True) is ReportState.RS_UCE  # a fault
+    assert policy.secondary_in_incident(gloo) and not policy.secondary_in_incident("division by zero")
+
+
 def test_no_replica_info_means_own_shard():
     views = [RankView(0, step=3), RankView(1, alive=False, faulty=True, step=3)]
     plan = policy.select_dump_ranks(views, 3)

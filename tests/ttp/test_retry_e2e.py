@@ -144,26 +144,28 @@ def test_uce_inside_the_update_window_gets_the_high_level_repair(baseline, tmp_p
 
 
 @pytest.mark.timeout(200)
-def test_a_stop_on_both_sides_of_the_fence_is_retried_at_the_step_before_it(baseline, tmp_path):
+def test_ranks_held_before_an_update_another_rank_made_finish_it_and_the_retry_loses_no_step(baseline, tmp_path):
     """Rank 1 fails inside its optimizer update of iteration FAULT_IT while ranks 0 and 3 are late to
     their fence: the stop holds them there (state of step FAULT_IT), and rank 2 has already updated to
-    step FAULT_IT + 1. Shard 1 of that step was only on rank 1, so the lock step is FAULT_IT (the highest
-    with a usable copy of every shard): rank 1 is repaired from rank 3 and rank 2, ahead, from rank 0;
-    the job ends bitwise equal to the fault-free run (before: no common step, no dump, exit 76)."""
+    step FAULT_IT + 1 and waits in its all-gather for rank 3. Ranks 0 and 3 finish that update (``advance``,
+    the reference's prelock), rank 2's all-gather completes with rank 3, so every healthy rank is at step
+    FAULT_IT + 1: rank 1 is repaired from rank 3 there, nothing else is stale, and the job ends bitwise
+    equal to the fault-free run. (Before the prelock: lock step FAULT_IT, rank 2 repaired back to it;
+    before that: no common step, no dump, exit 76.)"""
     out = str(tmp_path / "run")
     job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce-update:1:{FAULT_IT}"],
               env=dict(HA, TOY_STOP_BEFORE_FENCE=f"0/3:{FAULT_IT}"))
     assert job.wait(120) == [0, 0, 0, 0], job.tail()
     events = job.events()
-    mixed = _kind(events, "mixed_steps")
-    assert len(mixed) == 1 and mixed[0]["lock_step"] == FAULT_IT and mixed[0]["stale"] == [2], job.tail()
-    assert mixed[0]["steps"] == {"0": FAULT_IT, "1": FAULT_IT, "2": FAULT_IT + 1, "3": FAULT_IT}
+    advanced = _kind(events, "advance")
+    assert [(a["step"], a["ranks"]) for a in advanced] == [(FAULT_IT + 1, [0, 3])], job.tail()
+    assert not _kind(events, "mixed_steps")
     done = _kind(events, "retry_done")
-    assert [(d["repaired"], d["stale"], d["lock_step"]) for d in done] == [([1], [2], FAULT_IT)], job.tail()
-    assert done[0]["repair_types"] == {"1": "RT_UCE_HIGHLEVEL", "2": "RT_UCE_LOWLEVEL"}
-    for rank, kind in ((0, "RT_SEND"), (2, "RT_UCE_LOWLEVEL"), (3, "RT_SEND")):
-        with open(os.path.join(out, f"repair_rank{rank}")) as f:
-            assert f.read().split()[0] == kind
+    assert [(d["repaired"], d["stale"], d["lock_step"]) for d in done] == [([1], [], FAULT_IT + 1)], job.tail()
+    assert done[0]["repair_types"] == {"1": "RT_UCE_HIGHLEVEL"}
+    with open(os.path.join(out, "repair_rank3")) as f:
+        assert f.read().split()[0] == "RT_SEND"
+    assert not os.path.exists(os.path.join(out, "repair_rank0")) and not os.path.exists(os.path.join(out, "repair_rank2"))
     assert_bitwise_equal(final_state(out, 4), baseline)
 
 

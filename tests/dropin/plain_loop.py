@@ -1,0 +1,208 @@
+"""A user's own training loop, written only against the reference ``tft_*`` API (as MindSpeed-LLM calls
+it), and nothing of mindio's internals: no stop, clean or rebuild handler, no process-group handling.
+
+    torchrun --nproc-per-node 4 tests/dropin/plain_loop.py --out DIR [--steps 10] [--fault KIND:RANK:STEP] [--repair]
+    mindio-run --nproc-per-node 4 tests/dropin/plain_loop.py --out DIR ...
+
+Every rank holds the whole model (a 2-layer MLP) and its Adam state; gradients are summed with one
+``dist.all_reduce`` a step (gloo, timeout 60 s). The job tells mindio that the optimizer state lives on
+2 replicas of the 4-rank DP group (``replica_cnt=2``: ranks 0/2 and 1/3 hold one shard each). The
+batch of step ``s`` is derived from ``s``, so a resumed or repaired run sees the batches an
+uninterrupted run saw.
+
+Handlers: save (``DIR/ckpt/step_<s>/rank<r>.pt``) and rename (``DIR/ckpt/latest``, one line appended to
+``DIR/renames``); with ``--repair``, repair (the replica sends its model and optimizer state to the rank
+being repaired, point to point) and rollback (the step counter back to the lock step); with
+``--stop-clean``, stop and clean handlers that leave the process groups alone (each call is appended to
+``DIR/handlers_rank<r>``). ``--keep-group``: the all-reduce runs on a group the loop creates and keeps
+(``--pg-timeout`` s, default 60). ``--enable-arf``: ``tft_init_processor(enable_arf=True)``.
+``--fault KIND:RANK:STEP[,...]`` (each once per job, a marker file in DIR): ``unknown`` raises ``RuntimeError("Other ERROR ...")``
+at the start of the step, ``uce`` overwrites the rank's parameters and optimizer state with NaN and
+raises ``RuntimeError("UCE ERROR ...")``, ``kill`` SIGKILLs the rank. The time of the (latest) fault
+goes to ``DIR/fault_t``; the time every rank is training again after a recovery can be read from each rank's
+``DIR/trained_rank<r>`` (time of each finished step). At the end every rank writes
+``DIR/final_rank<r>.pt``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mindio.ttp import (RepairType, tft_destroy_controller, tft_destroy_processor, tft_end_updating_os,
+                        tft_exception_handler, tft_init_controller, tft_init_processor,
+                        tft_register_clean_handler, tft_register_rename_handler, tft_register_repair_handler,
+                        tft_register_rollback_handler, tft_register_save_ckpt_handler,
+                        tft_register_stop_handler, tft_set_optimizer_replica, tft_start_controller,
+                        tft_start_processor, tft_start_updating_os)
+
+
+class Job:
+    """The loop's state: model, optimizer, the last finished step."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(list(range(self.world)), timeout=timedelta(seconds=args.pg_timeout)) \
+            if args.keep_group else None
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
+        self.step = 0
+
+    def batch(self, step: int):
+        g = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(4 * self.world, 8, generator=g)
+        y = torch.sin(x.sum(1, keepdim=True))
+        return x[4 * self.rank:4 * (self.rank + 1)], y[4 * self.rank:4 * (self.rank + 1)]
+
+    def train_step(self) -> None:
+        step = self.step + 1
+        x, y = self.batch(step)
+        self.maybe_fault(step)
+        loss = ((self.model(x) - y) ** 2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in self.model.parameters()])
+        dist.all_reduce(grads, group=self.group)
+        grads /= self.world
+        offset = 0
+        for p in self.model.parameters():
+            p.grad.copy_(grads[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        tft_start_updating_os(-1)
+        self.opt.step()
+        self.step = step
+        tft_end_updating_os(step)
+        with open(os.path.join(self.args.out, f"trained_rank{self.rank}"), "a") as f:
+            f.write(f"{step} {time.time()!r}\n")
+
+    def maybe_fault(self, step: int) -> None:
+        for fault in filter(None, self.args.fault.split(",")):
+            kind, rank, at = fault.split(":")
+            if int(rank) == self.rank and int(at) == step:
+                self.fault(kind, step, os.path.join(self.args.out, f"fault_fired_{kind}_{rank}_{at}"))
+
+    def fault(self, kind: str, step: int, marker: str) -> None:
+        try:  # once per job: a replacement process or a retried step must not fault again
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        with open(os.path.join(self.args.out, "fault_t"), "w") as f:
+            f.write(repr(time.time()))
+        if kind == "unknown":
+            raise RuntimeError(f"Other ERROR: injected on rank {self.rank} at step {step}")
+        if kind == "uce":  # the memory error destroyed this rank's copy of the state
+            with torch.no_grad():
+                for t in self.tensors():
+                    t.fill_(float("nan"))
+            raise RuntimeError(f"UCE ERROR: injected on rank {self.rank} at step {step}")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError(f"unknown fault kind {kind!r}")
+
+    def tensors(self) -> list:
+        """Parameters and Adam's moments and step counters (allocated before the first step)."""
+        out = [p.data for p in self.model.parameters()]
+        for p in self.model.parameters():
+            st = self.opt.state[p]
+            if not st:
+                st.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            out += [st["exp_avg"], st["exp_avg_sq"], st["step"].reshape(1)]
+        return out
+
+    # ---- the handlers of the reference API
+    def save(self, step, save_info, args, ctx):
+        assert self.step == step, (self.step, step)
+        d = os.path.join(self.args.out, "ckpt", f"step_{step}")
+        os.makedirs(d, exist_ok=True)
+        torch.save({"step": step, "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "save_info": save_info}, os.path.join(d, f"rank{self.rank}.pt"))
+
+    def rename(self, step, args, ctx):
+        with open(os.path.join(self.args.out, "ckpt", "latest"), "w") as f:
+            f.write(str(step))
+        with open(os.path.join(self.args.out, "renames"), "a") as f:
+            f.write(f"{step}\n")
+
+    def repair(self, step, need_rebuild, error_ranks, repair_info, args, ctx):
+        flat = torch.cat([t.reshape(-1) for t in self.tensors()] + [torch.tensor([float(self.step)])])
+        if repair_info["repair_type"] == RepairType.RT_SEND:
+            dist.send(flat, repair_info["dst"][0])
+            return
+        dist.recv(flat, repair_info["src"][0])
+        offset = 0
+        with torch.no_grad():
+            for t in self.tensors():
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self.step = int(flat[-1])
+
+    def rollback(self, step, args, ctx):
+        self.step = step
+
+    def stop(self, args, ctx):
+        self.note("stop")
+
+    def clean(self, is_uce_error, args, ctx):
+        self.note(f"clean {is_uce_error}")
+        return 0
+
+    def note(self, what: str) -> None:
+        with open(os.path.join(self.args.out, f"handlers_rank{self.rank}"), "a") as f:
+            f.write(what + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--fault", default="", help="KIND:RANK:STEP[,...], KIND in unknown, uce, kill")
+    p.add_argument("--repair", action="store_true", help="register the repair and rollback handlers")
+    p.add_argument("--stop-clean", action="store_true", help="register stop and clean handlers (no group handling)")
+    p.add_argument("--keep-group", action="store_true", help="all-reduce on a group the loop keeps")
+    p.add_argument("--pg-timeout", type=float, default=60.0)
+    p.add_argument("--enable-arf", action="store_true", help="tft_init_processor(enable_arf=True)")
+    args = p.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("TTP_PORT", "8000"))
+    if rank == 0:
+        tft_init_controller(rank, world, enable_local_copy=False)
+        tft_start_controller(addr, port, enable_tls=False)
+    tft_init_processor(rank, world, enable_local_copy=False, enable_tls=False, enable_uce=True,
+                       enable_arf=args.enable_arf)
+    tft_start_processor(addr, port)
+    tft_set_optimizer_replica(rank, [{"rank_list": list(range(world)), "replica_cnt": 2, "replica_shift": 0}])
+    job = Job(args)
+    tft_register_save_ckpt_handler(job.save)
+    tft_register_rename_handler(job.rename)
+    if args.repair:
+        tft_register_repair_handler(job.repair)
+        tft_register_rollback_handler(job.rollback)
+    if args.stop_clean:
+        tft_register_stop_handler(job.stop)
+        tft_register_clean_handler(job.clean)
+
+    @tft_exception_handler
+    def train():
+        while job.step < args.steps:
+            job.train_step()
+
+    train()
+    torch.save({"step": job.step, "tensors": job.tensors()}, os.path.join(args.out, f"final_rank{rank}.pt"))
+    tft_destroy_processor()
+    if rank == 0:
+        tft_destroy_controller()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

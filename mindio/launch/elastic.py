@@ -28,18 +28,18 @@ import json
 import logging
 
 from .. import _logging
+from ..vocab import EXIT_CODE_REMOVED, Strategy
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KIND", "enabled", "removed_ranks", "is_removed_exit", "offer_vacant", "vacant_nodes", "start_standbys"]
 
 KIND = "elastic"
-EXIT_CODE_REMOVED = 77  # mindio.ttp.elastic.EXIT_CODE_REMOVED (not imported: the agent stays light)
 
 
 def enabled(cfg) -> bool:
     """The job may downgrade (``elastic-training`` among the launcher's strategies)."""
-    return "elastic-training" in cfg.high_availability
+    return Strategy.ELASTIC_TRAINING in cfg.high_availability
 
 
 def removed_ranks(agent, rnd: int) -> frozenset:

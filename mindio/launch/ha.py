@@ -48,6 +48,7 @@ import threading
 import time
 
 from .. import _logging
+from ..vocab import EXIT_CODE_SWITCHED
 from . import elastic, liveness, switch
 from .failures import describe
 
@@ -273,8 +274,6 @@ class HostedController:
 def tick(agent, rnd: int, bad: dict) -> str | None:
     """High availability: report deaths to the controller, carry out its replacement orders,
     declare lost nodes (node 0); return why the round failed, or None while it goes on."""
-    from ..ttp.hotswitch import EXIT_CODE_SWITCHED
-
     cfg, store = agent.cfg, agent._store
     on = elastic.enabled(cfg)
     removed = agent._removed = elastic.removed_ranks(agent, rnd) if on else frozenset()

@@ -42,7 +42,7 @@ import time
 
 from .. import _knobs, _logging
 from . import policy
-from ._enums import EXIT_CODE_FAULT, OsStatus
+from ._enums import EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
 from .elastic_rank import ElasticActions, is_standby, job_rank, start_standby  # noqa: F401 (public here)
 from .states import Result, State
 
@@ -50,7 +50,6 @@ __all__ = ["ElasticFlow", "ElasticActions", "plan_downgrade", "start_standby", "
            "EXIT_CODE_REMOVED"]
 
 _log = logging.getLogger(__name__)
-EXIT_CODE_REMOVED = 77   # this rank's DP slice was removed by a downgrade; its process is no longer needed
 UPGRADE_STOP_TRIES = 3   # stops before an upgrade gives up on survivors caught at different points
 
 

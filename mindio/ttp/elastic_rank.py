@@ -13,7 +13,7 @@ from datetime import timedelta
 from .. import _logging
 from ..errors import ConfigError
 from . import device
-from ._enums import OsStatus
+from ._enums import OsStatus, RepairType
 
 __all__ = ["ElasticActions", "start_standby", "is_standby", "job_rank"]
 
@@ -62,7 +62,7 @@ class ElasticActions:
         return {"gen": gen, "ms": round(ms, 2)}
 
     def _do_zit_repair(self, step: int, error_ranks: list, pairs: list) -> dict:
-        return self._repair_pairs("zit_upgrade_repair", step, error_ranks, pairs, lambda p: "RT_RECV_REPAIR",
+        return self._repair_pairs("zit_upgrade_repair", step, error_ranks, pairs, lambda p: RepairType.RT_RECV_REPAIR.name,
                                   self.torch_rank)  # inplace.py
 
     def _do_zit_rollback(self, step: int) -> dict:

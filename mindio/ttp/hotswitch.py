@@ -46,14 +46,14 @@ import time
 
 from .. import _knobs, _logging
 from . import policy
-from ._enums import EXIT_CODE_FAULT, OsStatus, ResultCode
+from ..vocab import HOT_SWITCH_ACTIONS
+from ._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
 from .states import Result, State
 
 __all__ = ["HotSwitchFlow", "EXIT_CODE_SWITCHED", "ACTIONS"]
 
 _log = logging.getLogger(__name__)
-EXIT_CODE_SWITCHED = 78  # this process was switched out by a hot switch; a backup serves its rank now
-ACTIONS = ("hot switch", "stop switch")
+ACTIONS = HOT_SWITCH_ACTIONS
 
 
 class HotSwitchFlow:

@@ -33,17 +33,17 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _logging
+from .. import _logging, vocab
 from . import policy
 from . import protocol as P
-from ._enums import ReportState
+from ._enums import RepairType, ReportState
 from .retry import uce_repair_type
 from .states import Result, State
 
 __all__ = ["RecoverFlow", "REPLACING"]
 
 _log = logging.getLogger(__name__)
-REPLACING = ("recover-in-place", "recover")
+REPLACING = vocab.REPLACING
 
 
 class RecoverFlow:
@@ -221,7 +221,7 @@ class RecoverFlow:
         _log.warning("recover: repairing %s from replicas %s", sorted(dead + stale),
                      {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
         if not self._recover_step("repair", {"step": lock, "error_ranks": sorted(dead + stale), "pairs": pairs,
-                                             "dst_type": "RT_RECV_REPAIR"}, involved, limit, everyone):
+                                             "dst_type": RepairType.RT_RECV_REPAIR.name}, involved, limit, everyone):
             return self._abandon_recover(everyone, "repair")
         marks["repair"] = time.monotonic()
         if not self._recover_step("rollback", {"step": lock}, everyone, limit, everyone):

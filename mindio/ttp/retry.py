@@ -33,7 +33,7 @@ import time
 from .. import _knobs, _logging
 from . import policy
 from . import protocol as P
-from ._enums import OsStatus, ReportState
+from ._enums import OsStatus, RepairType, ReportState
 from .states import Result
 
 __all__ = ["RetryFlow", "uce_repair_type", "STOP_GRACE_S", "STOP_LOOK_S"]
@@ -51,8 +51,8 @@ def uce_repair_type(state: ReportState, data_status: int) -> str:
     UPDATED (the error hit between ``tft_start_updating_os`` and ``tft_end_updating_os``);
     ``RT_UCE_LOWLEVEL`` -- the shard is received into the existing objects -- otherwise."""
     if state == ReportState.RS_UCE_CORRUPTED or int(data_status) != int(OsStatus.UPDATED):
-        return "RT_UCE_HIGHLEVEL"
-    return "RT_UCE_LOWLEVEL"
+        return RepairType.RT_UCE_HIGHLEVEL.name
+    return RepairType.RT_UCE_LOWLEVEL.name
 
 
 def _mains(replies: dict) -> dict:

@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
@@ -28,11 +27,12 @@ from .. import _knobs, _logging
 from . import policy
 from . import protocol as P
 from ._enums import ReportState
+from .ranks import RankRecord as _Rank  # noqa: F401 (the old name, still imported by tests)
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import IncidentFlow
 from .retry import RetryFlow
-from .elastic import ElasticFlow
+from .elastic_flow import ElasticFlow
 from .recover import RecoverFlow
 from .hotswitch import HotSwitchFlow
 from .watch import LivenessWatch
@@ -43,27 +43,6 @@ from .transport import RELAY_PREFIX, Channel, Link, Waker
 __all__ = ["Controller"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Rank:
-    rank: int
-    ident: bytes
-    pid: int = 0
-    host: str = ""
-    last_seen: float = 0.0
-    step: int = 0
-    data_status: int = 0
-    in_collective: bool = False
-    progress_age: float = -1.0
-    replica: list = field(default_factory=list)
-    dp_group: list = field(default_factory=list)
-    alive: bool = True
-    faulty: bool = False
-    registered: bool = True
-    features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
-    gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
-    left: bool = False  # said BYE: its late heartbeats are answered "BYE", never "register again"
 
 
 class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):

@@ -186,10 +186,10 @@ class Daemon(Operations):
         if req.get("release"):              # lease releases ride along with any request
             self.op_release({"leases": req["release"]}, state)
         op = req.get("op")
-        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        handler = self.OPS.get(op) if isinstance(op, str) else None
         if handler is None:
             return {"ok": False, "error": f"unknown op {op!r}"}
-        return handler(req, state)
+        return handler(self, req, state)
 
     def _close_listener(self) -> None:
         with self.lock:

@@ -26,7 +26,7 @@ import zmq
 from .. import _knobs, _logging
 from . import policy
 from . import protocol as P
-from ._enums import ReportState
+from ._enums import ReportState, Strategy
 from .ranks import RankRecord as _Rank  # noqa: F401 (the old name, still imported by tests)
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
@@ -47,6 +47,17 @@ _log = logging.getLogger(__name__)
 
 class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
+
+    # The strategies an incident may run: {policy name: runner(self, ctx)}. A runner returns True (the
+    # job trains again), False (it ended: dump + exit) or None (failed: the incident falls back to the
+    # next strategy of its order). A new strategy: its flow in a file of its own, and one line here.
+    STRATEGIES = {
+        Strategy.RETRY: IncidentFlow._run_retry,
+        Strategy.RECOVER_IN_PLACE: RecoverFlow._run_recover_in_place,
+        Strategy.RECOVER: RecoverFlow._run_recover,
+        Strategy.DOWNGRADE: ElasticFlow._run_downgrade,
+        Strategy.DUMP: IncidentFlow._run_dump,
+    }
 
     def __init__(self, rank: int, world_size: int, enabled, key: bytes, backup: bool = False,
                  curve: dict | None = None, interval: float | None = None, misses: int | None = None,

@@ -41,6 +41,8 @@ OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
 
 
 class IncidentFlow(PauseFlow):
+    # {strategy (policy name): runner(self, ctx)} -- the explicit table controller.py fills in
+    STRATEGIES: dict = {}
     _brain: Brain | None = None
     _mindx_wait: float | None = None
 
@@ -202,7 +204,7 @@ class IncidentFlow(PauseFlow):
             if strategy == "exit":
                 break
             if strategy != "dump" or ctx["plan"].possible:
-                done = getattr(self, "_run_" + strategy.replace("-", "_"))(ctx)
+                done = self.STRATEGIES[strategy](self, ctx)
                 if done is not None:
                     return done  # True: the job trains again; False: it ended (dump + exit)
             left = [s for s in rest[i + 1:] if s != "dump" or ctx["plan"].possible]
@@ -229,9 +231,10 @@ class IncidentFlow(PauseFlow):
 
     # ------------------------------------------------------------------ strategies
     def implemented_strategies(self) -> tuple:
-        """Strategies (policy names) this controller can run: those with a ``_run_<name>`` method,
-        which returns True (the job trains again), False (the job ended) or None (failed: fall back)."""
-        return tuple(s for s in policy.STRATEGY_ORDER if hasattr(self, "_run_" + s.replace("-", "_")))
+        """Strategies (policy names) this controller can run, in fallback order: those in its
+        ``STRATEGIES`` table, whose runners return True (the job trains again), False (the job ended) or
+        None (failed: fall back)."""
+        return tuple(s for s in policy.STRATEGY_ORDER if s in self.STRATEGIES)
 
     def _run_retry(self, ctx: dict):
         if self._retry(ctx["lock"], ctx["views"], ctx["primary"], ctx["t0"]):

@@ -44,7 +44,7 @@ import logging
 import time
 
 from .. import _knobs, _logging
-from . import policy
+from . import policy, sequence
 from ._enums import EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
 from .ranks import RankRecord
 from .states import Result, State
@@ -119,8 +119,7 @@ class ElasticFlow:
             _log.error("downgrade impossible: %s", exc)
             self.sm.fire(Result.FAIL, failed="plan")
             return False
-        with self._lock:
-            live = {r.rank for r in self.ranks.values() if r.alive}
+        live = set(sequence.live_ranks(self))
         bad = [v.rank for v in views if v.rank in survivors and not (
             v.rank in live and v.step == lock and v.data_status == OsStatus.UPDATED)]
         if bad:
@@ -154,21 +153,14 @@ class ElasticFlow:
         self.gen += 1
         params = {"gen": self.gen, "members": survivors, "kind": "downgrade", "dp_groups": dp_groups}
         if not self._step_ok("zit_rebuild", params, survivors):
-            return self._abandon(survivors, "zit_rebuild")
+            return sequence.abandon(self, survivors, "zit_rebuild")
         marks["rebuild"] = time.monotonic()
         if not self._step_ok("rollback", {"step": lock}, survivors):
-            return self._abandon(survivors, "rollback")
+            return sequence.abandon(self, survivors, "rollback")
         marks["rollback"] = time.monotonic()
-        with self._lock:
-            self.sm.fire(Result.OK, lock_step=lock, world=len(survivors))
-            self._incident = None
-            self._incident_evt.clear()
-            for r in survivors:
-                self.ranks[r].faulty, self.ranks[r].step = False, lock
-        self._call("retry", {}, survivors, self.action_limit)
+        sequence.resume(self, lock, survivors, self.action_limit, mark=survivors, world=len(survivors))
         marks["resume"] = time.monotonic()
-        parts = _breakdown(t_incident, marks, ["decide", "clean", "rebuild", "rollback", "resume"])
-        total = marks["resume"] - t_incident
+        total, parts = sequence.phases(t_incident, marks, ["decide", "clean", "rebuild", "rollback", "resume"])
         _log.warning("downgrade done: %d ranks train again %.3f s after the fault (%s), generation %d, lock step "
                      "%d, removed %s", len(survivors), total, parts, self.gen, lock, removed[:16])
         _logging.event("downgrade_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, removed=removed,
@@ -286,14 +278,10 @@ class ElasticFlow:
             else:
                 _logging.event("upgrade_dump", step=lock)
         marks["dump"] = time.monotonic()
-        with self._lock:
-            self.sm.fire(Result.OK, lock_step=lock, world=len(full))
-            for r in full:
-                self.ranks[r].faulty, self.ranks[r].step = False, lock
-        self._call("retry", {}, full, self.action_limit)
+        # no incident to close: the upgrade opened none (a fault that arrived meanwhile stays open)
+        sequence.resume(self, lock, full, self.action_limit, mark=full, close_incident=False, world=len(full))
         marks["resume"] = time.monotonic()
-        parts = _breakdown(t0, marks, ["stop", "clean", "rebuild", "repair", "rollback", "dump", "resume"])
-        total = marks["resume"] - t0
+        total, parts = sequence.phases(t0, marks, ["stop", "clean", "rebuild", "repair", "rollback", "dump", "resume"])
         _log.warning("upgrade done: %d ranks train again after %.3f s (%s), generation %d, lock step %d, new "
                      "ranks %s", len(full), total, parts, self.gen, lock, new[:16])
         _logging.event("upgrade_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, added=new,
@@ -304,19 +292,9 @@ class ElasticFlow:
     def _upgrade_failed(self, ranks: list, failed: str) -> bool:
         _log.error("upgrade failed at %s; the survivors' groups are gone: ending the job", failed)
         _logging.event("upgrade_failed", step_name=failed)
-        self._call("clean", {"timeout": 5.0}, ranks, 10.0)
-        self.sm.fire(Result.FAIL, failed=failed)
+        sequence.abandon(self, ranks, failed)
         self._exit(EXIT_CODE_FAULT)
         return False
-
-
-def _breakdown(t0: float, marks: dict, order: list) -> dict:
-    prev, parts = t0, {}
-    for k in order:
-        if k in marks:
-            parts[k] = round(marks[k] - prev, 6)
-            prev = marks[k]
-    return parts
 
 
 def _repair_pairs(layout: dict, survivors: list, new: list) -> list | None:

@@ -38,7 +38,8 @@ import threading
 import time
 
 from .. import _logging
-from . import elastic, ha, liveness, switch
+from ..errors import ConfigError
+from . import elastic, ha, liveness, secret, switch
 from .config import LaunchConfig
 from .spares import Spares
 
@@ -71,6 +72,7 @@ class Agent:
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
         self._ttp: dict | None = None
+        self.secret = ""  # the job secret, handed to every worker (secret.py)
         self._round = self._port = 0
         self.lost_now: list[int] = []
         self.taken_over: dict[int, bytes] = {}  # node given to a standby -> its last beat before
@@ -129,6 +131,7 @@ class Agent:
             "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
             "MINDIO_AGENT_STORE": f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
             "MINDIO_AGENT_PID": os.getpid(),  # the node's agent: mindio.drill's kill-node target
+            "MINDIO_SECRET": self.secret,  # through the spare's stdin pipe, never a store (secret.py)
             **(ha.ttp_env(self._ttp) if self._ttp else {}),
         }
 
@@ -321,6 +324,12 @@ class Agent:
         self._spares.fill()  # interpreters warm up while the agents rendezvous
         if self._store is None:
             self._connect()
+        try:
+            self.secret = secret.resolve(self.cfg, self._store)
+        except ConfigError as exc:
+            print(f"mindio-run: {exc}", file=sys.stderr)
+            self._spares.close()
+            return 2
         self._beater = liveness.Beater(self)
         self._beater.start()
         rnd, gen = 0, None

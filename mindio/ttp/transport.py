@@ -20,14 +20,12 @@
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
 import os
 import queue
 import secrets
-import stat
 import threading
 import time
 from typing import Callable
@@ -36,6 +34,7 @@ import zmq
 import zmq.utils.z85
 
 from .. import _knobs
+from .._secret import read_secret_file, secret_key, user_secret
 from ..errors import ConfigError, ProtocolError, SessionError
 from . import protocol as P
 from .session import fresh
@@ -45,7 +44,6 @@ __all__ = ["job_secret", "user_secret", "read_secret_file", "job_curve_keypair",
 
 _log = logging.getLogger(__name__)
 _STORE_KEY = "mindio/ttp/secret"
-_MIN_SECRET = 16
 _NB = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
@@ -58,43 +56,6 @@ def _default_store():
     except Exception:  # torch absent or a private API moved: fall back to the environment
         return None
     return None
-
-
-def read_secret_file(path: str) -> str:
-    """The secret in ``path``: a regular file of the caller's own uid, no symlink, no group/other access
-    (checked on the opened file, so it cannot be swapped in between). Raises ConfigError naming the file
-    and what to do."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConfigError(f"MINDIO_SECRET_FILE {path}: cannot open it ({exc.strerror}; a symlink is refused): "
-                          "give a regular file of your own, mode 0600") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ConfigError(f"MINDIO_SECRET_FILE {path}: must be a regular file owned by uid {os.geteuid()} with "
-                              f"no group/other access (it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); "
-                              f"fix: chmod 600 {path}")
-        text = os.read(fd, 4096).decode(errors="replace").strip()
-    finally:
-        os.close(fd)
-    return _checked(text, f"MINDIO_SECRET_FILE {path}")
-
-
-def _checked(text: str, where: str) -> str:
-    if len(text) < _MIN_SECRET:
-        raise ConfigError(f"{where}: the job secret has {len(text)} characters; give at least {_MIN_SECRET} "
-                          "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
-    return text
-
-
-def user_secret() -> str:
-    """The job secret the user gave (MINDIO_SECRET, else MINDIO_SECRET_FILE), or ""."""
-    text = _knobs.get("MINDIO_SECRET")
-    if text:
-        return _checked(text, "MINDIO_SECRET")
-    path = _knobs.get("MINDIO_SECRET_FILE")
-    return read_secret_file(path) if path else ""
 
 
 def _store_address() -> str:
@@ -124,7 +85,7 @@ def job_secret(create: bool) -> bytes:
                               "or call torch.distributed.init_process_group before tft_init_processor")
         text = secrets.token_hex(32)
     os.environ["MINDIO_SECRET"] = text  # children (and later calls in this process) use the same secret
-    return hashlib.sha256(text.encode()).digest()
+    return secret_key(text)
 
 
 def job_curve_keypair(key: bytes) -> tuple[bytes, bytes]:

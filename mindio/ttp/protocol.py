@@ -269,10 +269,12 @@ def pack_body(env: Envelope) -> bytes:
     return msgpack.packb(_raw_body(env.body), use_bin_type=True)
 
 
-def encode(env: Envelope, key: bytes, body: bytes | None = None) -> bytes:
-    """Serialize and sign one envelope (``body``: its :func:`pack_body`, when the caller has it already).
-    Raises ProtocolError if the result would be oversize."""
-    head = msgpack.packb([env.v, int(env.type), env.sn, env.rank, env.gen, env.sess, env.ctr])
+def encode(env: Envelope, key: bytes, body: bytes | None = None, sess: int | None = None,
+           ctr: int | None = None) -> bytes:
+    """Serialize and sign one envelope (``body``: its :func:`pack_body`, when the caller has it already;
+    ``sess`` / ``ctr``: instead of the envelope's). Raises ProtocolError if the result would be oversize."""
+    head = msgpack.packb([env.v, env.type, env.sn, env.rank, env.gen, env.sess if sess is None else sess,
+                   env.ctr if ctr is None else ctr])
     payload = b"%c%b%b" % (0x98, head[1:], pack_body(env) if body is None else body)  # fixarray of 7 -> of 8
     if len(payload) + _MAC_LEN > MAX_FRAME:
         raise ProtocolError(f"oversize {env.type.name} frame ({len(payload)} bytes > {MAX_FRAME})")

@@ -225,7 +225,7 @@ class Channel:
     def frame(self, env: P.Envelope, body: bytes | None = None) -> bytes:
         """``env`` in this channel's session with the next counter, signed (``body``: P.pack_body's)."""
         self.ctr += 1
-        return P.encode(env._replace(sess=self.sess, ctr=self.ctr), self.key, body)
+        return P.encode(env, self.key, body, self.sess, self.ctr)
 
     def send(self, env: P.Envelope, ident: bytes | None = None, body: bytes | None = None) -> None:
         frame = self.frame(env, body)

@@ -216,7 +216,11 @@ class HostedController:
         return self.ctl.exit_code if self.ctl.final.is_set() else None
 
     def close(self) -> None:
-        threading.Thread(target=self.ctl.destroy, daemon=True).start()  # joins its threads (<= 2 s each)
+        # joins its threads (<= 2 s each) and ends its zmq context off the agent's main loop; not a daemon
+        # thread: the interpreter's exit waits for it, so it is never stopped inside a zmq call (a daemon
+        # thread that wakes up in the interpreter's teardown is ended with pthread_exit, and unwinding
+        # through C++ frames then aborts the process: "terminate called without an active exception")
+        threading.Thread(target=self.ctl.destroy, name="mindio-ctl-destroy").start()
 
 
 def tick(agent, rnd: int, bad: dict) -> str | None:

@@ -143,15 +143,22 @@ def _workers(out, n):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-# user code: a worker that registers with the controller mindio-run's node 0 hosts, then waits
-_MINDIO_RUN_WORKER = textwrap.dedent("""
+# user code: a worker that registers with the controller -- the one mindio-run's node 0 hosts (TTP_ADDR,
+# TTP_PORT), or under torchrun one its rank 0 starts on CTL_PORT (the reference placement) -- then waits
+_WORKER = textwrap.dedent("""
     import json, os, time
     import torch.distributed as dist
-    from mindio.ttp import tft_destroy_processor, tft_init_processor, tft_start_processor
+    import mindio.ttp as ttp
     dist.init_process_group("gloo")
     rank, world, out = dist.get_rank(), dist.get_world_size(), os.environ["OUT_DIR"]
-    tft_init_processor(rank, world, False, enable_tls=False)
-    tft_start_processor(os.environ["TTP_ADDR"], int(os.environ["TTP_PORT"]))
+    hosted_by_rank0 = "CTL_PORT" in os.environ
+    addr, port = ("127.0.0.1", int(os.environ["CTL_PORT"])) if hosted_by_rank0 else \
+        (os.environ["TTP_ADDR"], int(os.environ["TTP_PORT"]))
+    if hosted_by_rank0 and rank == 0:
+        ttp.tft_init_controller(0, world, False)
+        ttp.tft_start_controller(addr, port, enable_tls=False)
+    ttp.tft_init_processor(rank, world, False, enable_tls=False)
+    ttp.tft_start_processor(addr, port)
     fd = os.open(os.path.join(out, f"rank{rank}.json.tmp"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:  # for the test to compare: the secret this worker signs with
         json.dump({"pid": os.getpid(), "secret": os.environ["MINDIO_SECRET"]}, f)
@@ -159,8 +166,10 @@ _MINDIO_RUN_WORKER = textwrap.dedent("""
     end = time.monotonic() + 120
     while not os.path.exists(os.path.join(out, "go")) and time.monotonic() < end:
         time.sleep(0.05)
-    tft_destroy_processor()
+    ttp.tft_destroy_processor()
     dist.barrier()
+    if hosted_by_rank0 and rank == 0:
+        ttp.tft_destroy_controller()
     dist.destroy_process_group()
 """)
 
@@ -174,7 +183,7 @@ def test_mindio_run_secret_is_in_no_store(tmp_path, nodes):
     finds no trace of it, nor does the worker's initial environment block (/proc/<pid>/environ) hold it.
     One node: nothing to configure. Two nodes: both agents are given the same MINDIO_SECRET_FILE."""
     script = tmp_path / "worker.py"
-    script.write_text(_MINDIO_RUN_WORKER)
+    script.write_text(_WORKER)
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=str(tmp_path), TTP_LOG_STDOUT="1")
     env.pop("MINDIO_SECRET", None)
@@ -209,33 +218,6 @@ def test_mindio_run_secret_is_in_no_store(tmp_path, nodes):
                 a.wait()
 
 
-# user code under torchrun: rank 0 hosts the controller (the reference placement)
-_TORCHRUN_WORKER = textwrap.dedent("""
-    import json, os, time
-    import torch.distributed as dist
-    import mindio.ttp as ttp
-    dist.init_process_group("gloo")
-    rank, world, out, port = dist.get_rank(), dist.get_world_size(), os.environ["OUT_DIR"], int(os.environ["CTL_PORT"])
-    if rank == 0:
-        ttp.tft_init_controller(0, world, False)
-        ttp.tft_start_controller("127.0.0.1", port, enable_tls=False)
-    ttp.tft_init_processor(rank, world, False, enable_tls=False)
-    ttp.tft_start_processor("127.0.0.1", port)
-    fd = os.open(os.path.join(out, f"rank{rank}.json.tmp"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:  # for the test to compare: the secret this worker signs with
-        json.dump({"pid": os.getpid(), "secret": os.environ["MINDIO_SECRET"]}, f)
-    os.rename(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
-    end = time.monotonic() + 120
-    while not os.path.exists(os.path.join(out, "go")) and time.monotonic() < end:
-        time.sleep(0.05)
-    ttp.tft_destroy_processor()
-    dist.barrier()
-    if rank == 0:
-        ttp.tft_destroy_controller()
-    dist.destroy_process_group()
-""")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("given", [True, False], ids=["secret-file", "nothing-given"])
@@ -244,7 +226,7 @@ def test_torchrun_secret_is_in_no_store_when_given(tmp_path, given):
     key of torchrun's store. With nothing given the controller's rank publishes it there (the zero-config
     path) and logs once what that exposes -- and the same attacker does find it: the check can fail."""
     script = tmp_path / "worker.py"
-    script.write_text(_TORCHRUN_WORKER)
+    script.write_text(_WORKER)
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=str(tmp_path), TTP_LOG_STDOUT="1", CTL_PORT=str(free_port()),
                OMP_NUM_THREADS="1")

@@ -21,6 +21,7 @@ go) changes only through such a REGISTER. With CURVE, a ZAP handler lets in only
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import queue
@@ -198,6 +199,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("mindio.ttp.zap"))
         self._auth.start()
         self._auth.configure_curve_callback("mindio", _Keys())  # the ROUTER's ZAP_DOMAIN
+        atexit.register(self._auth.stop)  # stopped while the interpreter still runs threads normally
 
     def destroy(self) -> None:
         self._stop.set()
@@ -208,6 +210,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         for t in self._threads:
             t.join(timeout=2)
         if self._auth is not None:
+            atexit.unregister(self._auth.stop)
             self._auth.stop()
         if self._ctx is not None and not any(t.is_alive() for t in self._threads):
             self._ctx.term()  # the I/O thread closed the socket

@@ -30,12 +30,12 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 import warnings
 
 import torch
+from _store import private_store
 
 _MIB = 1 << 20
 
@@ -320,34 +320,21 @@ def main(argv=None) -> int:
                         help="persist windows of the compute-loop measurement (the median is reported)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    work = tempfile.mkdtemp(prefix="mindio-bench-", dir=args.dir or "/var/tmp")
-    run_dir = tempfile.mkdtemp(prefix="mindio-bench-rt-")
-    os.environ["MINDIO_ACP_DIR"] = run_dir             # a private daemon, stopped at the end
     warnings.filterwarnings("ignore")
     from mindio import _native, acp
 
     pool_gb = max(1, -(-3 * max(sizes) // 1024))         # room for two versions of the largest size
     t0 = time.perf_counter()
-    assert acp.initialize({"memfs.data_block_pool_capacity_in_gb": str(pool_gb)}) == 0
-    took = time.perf_counter() - t0
-    from mindio.acp import api
-    view, t1 = api._client.loadview, time.perf_counter()
-    while view is not None and view.populated < view.size and time.perf_counter() - t1 < 60:
-        time.sleep(0.05)            # a job connects long before it loads: start from the steady state
-    print(f"mindio {_native.BACKEND} core, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()}"
-          f" threads; pool {pool_gb} GB mapped and faulted in {took:.1f} s, its copy-on-write load view in "
-          f"{time.perf_counter() - t1:.1f} s more (background, nice 19); dir {work}")
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    try:
+    with private_store(args.dir, {"memfs.data_block_pool_capacity_in_gb": str(pool_gb)}) as store:
+        print(f"mindio {_native.BACKEND} core, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads; pool {pool_gb} GB mapped and faulted in {store.init_s:.1f} s, its "
+              f"copy-on-write load view in {store.view_s:.1f} s more (background, nice 19); dir {store.work}")
+        print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         for mib in sizes:
-            report(mib, bench_size(mib, work, args.repeat, args.rounds, acp))
+            report(mib, bench_size(mib, store.work, args.repeat, args.rounds, acp))
         took = time.perf_counter() - t0
         print(f"\nbench took {took:.0f} s (bound at the default sizes: 120 s); load average at end: "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    finally:
-        acp.shutdown_server()
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 
 

@@ -148,6 +148,12 @@ _ALL = [
          "1: each trainer maps the pool a second time, copy-on-write, pre-faulted in the background, so loads "
          "are zero-copy with no page faults (costs page tables + ~0.4 CPU-s per GiB of pool per process); "
          "0: each load maps its region afresh."),
+    Knob("MINDIO_ACP_PIN_POOL", _bool, True,
+         "1: a process that saves or loads CUDA/NPU tensors registers its mapping of the pool as page-locked "
+         "memory once (at connect when CUDA/NPU is already in use, else at its first device copy), so device "
+         "copies are DMA straight into/out of the pool; the whole pool stays pinned while the process lives "
+         "(docs/acp.md, GPU state); 0: device copies go through two reusable 64 MiB pinned staging buffers "
+         "per device."),
     Knob("MINDIO_ACP_DISABLE", _bool, False, "1: never use the daemon; save writes directly to storage."),
     Knob("MINDIO_ACP_POOL_MB", int, 0,
          "Pool size in MiB for a daemon this process starts (0: from server_info; small values for tests).",

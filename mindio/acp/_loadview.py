@@ -31,6 +31,8 @@ import weakref
 
 import numpy as np
 
+from ._poolfile import madvise as _madvise
+
 __all__ = ["LoadView"]
 
 _MADV_DONTNEED = 4
@@ -40,17 +42,6 @@ _PAGE = mmap.PAGESIZE
 _STEP = 64 << 20
 _PRESENT = np.uint64(1 << 63)
 _FILE = np.uint64(1 << 61)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def _madvise(addr: int, length: int, advice: int) -> None:
-    """madvise through ctypes, which releases the GIL for the call (mmap.madvise does not)."""
-    if _libc.madvise(addr, length, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
 
 
 class LoadView:

@@ -10,6 +10,7 @@ otherwise the file: a mindio container (verified) or a plain torch.save file (to
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -121,7 +122,8 @@ def _save(obj, paths: list, open_way: str):
     client = _get_client() if open_way == "memfs" else None
     if client is not None:
         try:
-            return 1, client.save_image(plan.total_len, plan.write_into, paths)
+            write = functools.partial(plan.write_into, to_host=client.device.to_host)
+            return 1, client.save_image(plan.total_len, write, paths)
         except (PoolFull, ServerUnavailable) as exc:
             _note_fallback("direct write", str(exc))
     elif open_way == "memfs":
@@ -181,6 +183,12 @@ def multi_save(obj, path_list):
 
 
 def _pooled(path: str):
+    found = _pooled_region(path)
+    return None if found is None else found[0]
+
+
+def _pooled_region(path: str):
+    """(view, to_device for load_buffer) of the newest pooled version of ``path``, or None."""
     client = _get_client()
     if client is None:
         return None
@@ -198,7 +206,7 @@ def _pooled(path: str):
             return None       # deleted behind mindio's back
         if [st.st_ino, st.st_mtime_ns, st.st_size] != list(reply["stat"]):
             return None       # replaced behind mindio's back: the file on storage is newer
-    return mm
+    return mm, client.device_reader(reply)
 
 
 def load(path, open_way: str = "memfs", map_location=None, weights_only: bool = True):
@@ -206,10 +214,12 @@ def load(path, open_way: str = "memfs", map_location=None, weights_only: bool = 
     _check_way(open_way)
     path = os.path.abspath(os.fspath(path))
     if open_way == "memfs":
-        mm = _pooled(path)
-        if mm is not None:
+        found = _pooled_region(path)
+        if found is not None:
+            mm, to_device = found
             if fmt.is_container(mm[:8]):
-                return fmt.load_buffer(mm, path, weights_only=weights_only, map_location=map_location)
+                return fmt.load_buffer(mm, path, weights_only=weights_only, map_location=map_location,
+                                       to_device=to_device)
             return _torch_load_bytes(bytes(mm), map_location, weights_only)
     return _load_storage(path, map_location, weights_only)
 

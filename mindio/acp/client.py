@@ -5,6 +5,9 @@ directory, starting it if absent (``mindio-acp-server --detach``: double fork + 
 outlives the trainer; its lock file makes concurrent starts safe), maps the pool once and faults the
 mapping in, so that a save is a memcpy into warm pages.
 
+Accelerator tensors move between the device and this mapping directly (mindio.acp._device: the
+mapping is registered as page-locked memory once, at connect when CUDA/NPU is already in use).
+
 ``save_image`` = alloc -> copy -> commit. ``open_region`` returns a copy-on-write view of a committed
 region (from the pre-faulted whole-pool view of mindio.acp._loadview, else a fresh private mapping)
 and holds a lease on it until the view is garbage collected, so the daemon cannot reuse those bytes
@@ -13,6 +16,7 @@ stops answering raises ServerUnavailable and the caller falls back to storage.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import mmap
@@ -27,6 +31,7 @@ import weakref
 from .. import _knobs, _native
 from ..errors import ServerUnavailable
 from . import _config, _wire
+from ._device import DevicePool
 from ._loadview import LoadView
 
 __all__ = ["Client", "PoolFull"]
@@ -50,6 +55,7 @@ class Client:
         self._releases: list[int] = []
         self.pool = None
         self.loadview: LoadView | None = None
+        self.device: DevicePool | None = None
         self.hello: dict = {}
 
     # ---- connection -----------------------------------------------------------------------------
@@ -130,6 +136,8 @@ class Client:
         except OSError:
             _native.touch_pages(self.pool, write=False)
         self.view = memoryview(self.pool)
+        self.device = DevicePool(self.pool, size, self._copy_many)
+        self.device.prepare()          # registers the mapping now if this process already uses CUDA/NPU
         if not _knobs.get("MINDIO_ACP_LOAD_VIEW"):
             return
         try:
@@ -199,6 +207,14 @@ class Client:
     def _copy_many(self, dst, jobs: list) -> None:
         """One parallel pass (memfs.write.parallel.*) copying every (offset, src) of ``jobs`` into ``dst``."""
         _native.copy_many(dst, jobs, self.cfg.copy_threads(), self.cfg.slice_bytes)
+
+    def device_reader(self, reply: dict):
+        """``to_device`` for format.load_buffer: device copies of the region ``reply`` names, read from
+        this process's shared (page-locked once registered) mapping of the pool; None for a region of
+        another pool file (a recovered one)."""
+        if self.device is None or reply["file"] != self.hello.get("pool"):
+            return None
+        return functools.partial(self.device.to_device, self.view[reply["offset"]: reply["offset"] + reply["size"]])
 
     def open_region(self, path: str):
         """(copy-on-write view, lookup reply) of the newest pooled version of ``path``, or None."""

@@ -23,6 +23,7 @@ tensors, dtypes, devices and numpy arrays; it never imports or calls anything el
 """
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import struct
@@ -32,6 +33,7 @@ import msgpack
 
 from .. import _native
 from ..errors import CorruptCheckpoint
+from . import _device
 
 __all__ = ["MAGIC", "VERSION", "FLAG_CHECKSUMS", "HEADER_SIZE", "Plan", "plan", "is_container",
            "checksummed_header", "load_buffer", "header_info"]
@@ -55,20 +57,32 @@ class Plan:
     """What a save will write: computed from the object before any byte is copied."""
 
     header: bytes                      # preamble + meta + table (zero CRCs), exactly data_off bytes long
-    storages: list = field(default_factory=list)  # [(uint8 CPU tensor, offset from data_off)]
+    storages: list = field(default_factory=list)  # [(uint8 tensor on the storage's device, offset from data_off)]
     data_off: int = 0
     total_len: int = 0
 
-    def write_into(self, buf, copy_many=None) -> None:
+    def write_into(self, buf, copy_many=None, to_host=None) -> None:
         """Write the whole file image into ``buf`` (len >= total_len).
 
-        ``copy_many(dst, [(offset, src), ...])`` moves the storage bytes, all in one call (so that one
-        parallel pass copies every tensor; default: mindio._native.copy_many on one thread).
+        ``copy_many(dst, [(offset, src), ...])`` moves the CPU storage bytes, all in one call (so that
+        one parallel pass copies every tensor; default: mindio._native.copy_many on one thread).
+        ``to_host(dst, [(offset, device tensor), ...])`` starts the copies of the accelerator storages
+        and returns a callable that waits for them, or None (default: synchronous copies,
+        mindio.acp._device.to_host); they run while the CPU storages are copied.
         """
         copy_many = copy_many or _native.copy_many
         view = memoryview(buf).cast("B")
         view[: len(self.header)] = self.header
-        copy_many(view, [(self.data_off + off, src.numpy()) for src, off in self.storages if src.numel()])
+        host, dev = [], []
+        for src, off in self.storages:
+            if src.numel():
+                (host if src.is_cpu else dev).append((self.data_off + off, src))
+        wait = (to_host or _device.to_host)(view, dev) if dev else None
+        try:
+            copy_many(view, [(off, src.numpy()) for off, src in host])
+        finally:
+            if wait is not None:
+                wait()      # never leave a copy running into a region the caller may give back
 
 
     def file_chunks(self):
@@ -78,7 +92,7 @@ class Plan:
         n, meta_len, table_off = fields[3], fields[4], fields[5]
         entries, chunks, pos = [], [], 0
         for src, off in self.storages:
-            data = src.numpy() if src.numel() else b""
+            data = src.cpu().numpy() if src.numel() else b""
             entries.append(_ENTRY.pack(off, len(data), _native.crc32(data), 0))
             if off > pos:
                 chunks.append(b"\0" * (off - pos))
@@ -137,8 +151,13 @@ def plan(obj) -> Plan:
     for _, st in ordered:
         src = torch.empty(0, dtype=torch.uint8)
         if st.nbytes():
-            cpu = st if st.device.type == "cpu" else st.cpu()
-            src = torch.empty(0, dtype=torch.uint8).set_(cpu, 0, (cpu.nbytes(),), (1,))
+            # CPU and accelerator storages are viewed where they are (an accelerator's are copied
+            # straight into the pool by write_into); other devices' are copied to the CPU here
+            if st.device.type != "cpu":
+                if st.device.type not in _device.BACKENDS:
+                    st = st.cpu()
+                src = torch.empty(0, dtype=torch.uint8, device=st.device)
+            src = src.set_(st, 0, (st.nbytes(),), (1,))
         srcs.append((src, off))
         entries.append(_ENTRY.pack(off, st.nbytes(), 0, 0))
         off = _round(off + st.nbytes(), _ALIGN)
@@ -221,29 +240,46 @@ def checksummed_header(buf, name="<pool>") -> bytes:
     return bytes(out)
 
 
-def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, verify: bool = True):
-    """Rebuild the saved object from ``buf`` (a writable buffer the tensors will view, not copy)."""
+def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, verify: bool = True,
+                to_device=None):
+    """Rebuild the saved object from ``buf`` (a writable buffer the tensors will view, not copy).
+
+    Storages that load to an accelerator (by ``map_location``, else the device they were saved from)
+    are copied there once each, shared by their views: ``to_device([(start, nbytes, device), ...])``
+    returns the device tensors (default: synchronous copies from ``buf``; a client passes copies from
+    its page-locked mapping of the pool, mindio.acp._device.DevicePool.to_device).
+    """
     import torch
 
     from ._unpickle import RestrictedUnpickler
 
     view = memoryview(buf).cast("B")
     h = _parse(view, name)
-    storages = []
+    tensors = h.meta["tensors"]
+    places = _placement(tensors, h.n, map_location)
+    storages, moves = [], []
     for i, (off, nbytes, crc) in enumerate(h.table):
         chunk = view[h.data_off + off: h.data_off + off + nbytes]
         if verify and h.flags & FLAG_CHECKSUMS and _native.crc32(chunk) != crc:
             raise CorruptCheckpoint(name, f"checksum mismatch in tensor storage {i} ({nbytes} bytes)")
+        if places[i] is not None:
+            if nbytes:
+                moves.append((i, h.data_off + off, nbytes, places[i]))
+            else:
+                places[i] = None       # an empty storage: its tensors are placed by _relocate
         storages.append(torch.frombuffer(chunk, dtype=torch.uint8).untyped_storage() if nbytes
                         else torch.UntypedStorage(0))
-    tensors = h.meta["tensors"]
+    if moves:
+        copied = (to_device or functools.partial(_device.to_device, view))([m[1:] for m in moves])
+        for (i, *_), t in zip(moves, copied):
+            storages[i] = t.untyped_storage()
     built: dict = {}
 
     def persistent_load(pid):
         if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "t" and 0 <= pid[1] < len(tensors)):
             raise CorruptCheckpoint(name, f"bad tensor reference {pid!r}")
         if pid[1] not in built:
-            built[pid[1]] = _tensor(tensors[pid[1]], storages, map_location, name)
+            built[pid[1]] = _tensor(tensors[pid[1]], storages, places, map_location, name)
         return built[pid[1]]
 
     unpickler_cls = RestrictedUnpickler if weights_only else pickle.Unpickler
@@ -257,20 +293,57 @@ def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, veri
         raise CorruptCheckpoint(name, f"object skeleton cannot be rebuilt: {exc}") from exc
 
 
-def _tensor(desc, storages, map_location, name):
+def _tensor(desc, storages, places, map_location, name):
     import torch
 
     index, offset, shape, stride, dtype_name, requires_grad, is_param, device = desc
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype) or not 0 <= index < len(storages):
         raise CorruptCheckpoint(name, f"bad tensor descriptor {desc!r}")
-    t = torch.empty(0, dtype=dtype).set_(storages[index], offset, shape, stride)
-    t = _relocate(t, device, map_location)
+    st = storages[index]
+    if places[index] is None:
+        t = _relocate(torch.empty(0, dtype=dtype).set_(st, offset, shape, stride), device, map_location)
+    else:                              # already on its target device (load_buffer's placement)
+        t = torch.empty(0, dtype=dtype, device=st.device).set_(st, offset, shape, stride)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+def _placement(tensors, n: int, map_location) -> list:
+    """Per storage: the accelerator device it loads to, or None (viewed on the CPU, then placed per
+    tensor by _relocate: CPU targets, other devices, a callable map_location). Malformed descriptors
+    are left to _tensor to report."""
+    import torch
+
+    places: list = [None] * n
+    if callable(map_location) or (isinstance(map_location, (str, torch.device))
+                                  and torch.device(map_location).type not in _device.BACKENDS):
+        return places
+    targets: dict = {}                 # saved device string -> accelerator device or None
+
+    def target(saved):
+        if saved not in targets:
+            if map_location is None:
+                dev = saved
+            elif isinstance(map_location, dict):
+                dev = map_location.get(saved, saved)
+            else:
+                dev = map_location
+            dev = torch.device(dev)
+            targets[saved] = dev if dev.type in _device.BACKENDS else None
+        return targets[saved]
+
+    for desc in tensors:
+        try:
+            index, dev = desc[0], target(desc[7])
+        except (TypeError, ValueError, IndexError, KeyError, RuntimeError):
+            continue
+        if dev is not None and isinstance(index, int) and 0 <= index < n:
+            places[index] = dev
+    return places
 
 
 def _relocate(t, saved_device: str, map_location):

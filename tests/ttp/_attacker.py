@@ -160,6 +160,11 @@ def replay(out: str, target: int) -> None:
             frames = Frames()
             try:
                 s = socket.create_connection(("127.0.0.1", target), timeout=5)
+            except OSError:  # the controller is gone (the job ended): nothing left to attack
+                seen["refused"] = seen.get("refused", 0) + 1
+                continue
+            seen["connections"] += 1
+            try:
                 s.sendall(data[:_GREETING])  # libzmq reads the rest only after it sent its own greeting
                 got = b""
                 while len(got) < _GREETING:
@@ -169,12 +174,15 @@ def replay(out: str, target: int) -> None:
                     got += chunk
                 frames.feed(got)
                 s.sendall(data[_GREETING:])
-            except OSError:  # the controller is gone (the job ended): nothing left to attack
-                seen["refused"] = seen.get("refused", 0) + 1
+            except OSError:  # the controller cut the connection (e.g. a CURVE handshake it refused)
+                seen["cut"] = seen.get("cut", 0) + 1
+                s.close()
                 continue
             s.setblocking(False)
             conns.append((s, frames))
-            seen["connections"] += 1
+        with open(os.path.join(out, "replay.tmp"), "w") as f:  # progress, for the test to wait on
+            f.write(str(seen["connections"]))
+        os.rename(os.path.join(out, "replay.tmp"), os.path.join(out, "replay.progress"))
         deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
             ready, _, _ = select.select([s for s, _f in conns], [], [], 0.05)

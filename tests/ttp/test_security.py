@@ -116,6 +116,8 @@ def test_replayed_register_and_identity_takeover_reach_no_action(job, curve):
     job.start("replay", os.path.join(HERE, "_attacker.py"), "replay", att, str(port))
     job.start("takeover", os.path.join(HERE, "_attacker.py"), "takeover", att, str(port), "1",
               *([tls["server_public"]] if curve else []))
+    progress = job.out / "att" / "replay.progress"
+    assert until(lambda: progress.exists() and int(progress.read_text()) >= 3, 60)  # 3 replayed connections
     ctl = lambda: job.text("controller")
     if curve:  # the attacker's own client key: refused by the ZAP handler, with the reason
         assert until(lambda: "is not a key of this job" in ctl(), 60), ctl()[-3000:]

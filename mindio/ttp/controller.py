@@ -136,6 +136,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._poller: zmq.Poller | None = None
         self._ctx: zmq.Context | None = None
         self._auth = None
+        self.status_server = None  # status.py's server, when MINDIO_STATUS_PORT is set
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
@@ -176,6 +177,10 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             t = threading.Thread(target=target, name=f"mindio-ctl-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        status_port = _knobs.get("MINDIO_STATUS_PORT")
+        if status_port and not self.backup:  # mindio status / Prometheus (status.py): one read-only observer
+            from . import status
+            self.status_server = status.serve(self, bind_ip, status_port)
         _log.info("controller %s listening on %s (world %d, strategies %s)",
                   "backup" if self.backup else "primary", self.address, self.world_size, sorted(self.enabled))
 
@@ -202,6 +207,10 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         atexit.register(self._auth.stop)  # stopped while the interpreter still runs threads normally
 
     def destroy(self) -> None:
+        if self.status_server is not None:
+            self.status_server.observer.close()
+            self.status_server.shutdown()
+            self.status_server.server_close()
         self._stop.set()
         self._incident_evt.set()
         self._waker.wake()

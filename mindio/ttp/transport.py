@@ -33,7 +33,7 @@ from typing import Callable
 import zmq
 import zmq.utils.z85
 
-from .. import _knobs
+from .. import _knobs, _logging
 from .._secret import read_secret_file, secret_key, user_secret
 from ..errors import ConfigError, ProtocolError, SessionError
 from . import protocol as P
@@ -58,9 +58,12 @@ def _default_store():
     return None
 
 
-def _store_address() -> str:
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    return f"{addr}:{port}" if addr and port else "its address"
+def _store_address(store) -> str:
+    """host:port of the TCPStore behind ``store`` (torch wraps it in PrefixStores)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", ""), getattr(store, "port", 0)
+    return f"{host}:{port}" if host and port else "its address"
 
 
 def job_secret(create: bool) -> bytes:
@@ -76,7 +79,7 @@ def job_secret(create: bool) -> bytes:
                 "answers any client without a credential: whoever reaches that port can read it and then forge "
                 "control messages (report faults, end the job). To keep it private give every rank the same "
                 "MINDIO_SECRET or MINDIO_SECRET_FILE (a file of mode 0600), or launch with mindio-run; "
-                "docs/security.md", _store_address())
+                "docs/security.md", _store_address(store))
         else:
             text = store.get(_STORE_KEY).decode()  # blocks until the controller's rank published it
     if not text:
@@ -141,6 +144,21 @@ def _parse_tls_info(tls_info) -> dict:
     return out
 
 
+_warned_unencrypted = False
+
+
+def _warn_unencrypted() -> None:
+    """Once per process: enable_tls=True (the reference default) without keys means no encryption."""
+    global _warned_unencrypted
+    if not _warned_unencrypted:
+        _warned_unencrypted = True
+        _logging.setup()  # tft_init_processor reads its TLS options before it configures logging
+        _log.warning("enable_tls=True but tls_info holds no CURVE keys: control traffic is signed with the job "
+                     "secret but NOT encrypted. To encrypt it pass tls_info with server_public (processors) and "
+                     "server_secret (controller), made with zmq.curve_keypair() (docs/ttp.md, Encryption); "
+                     "enable_tls=False says you mean it and silences this warning")
+
+
 def curve_options(enable_tls: bool, tls_info, server: bool) -> dict:
     """ZeroMQ CURVE socket options (encryption + authentication of both ends) from ``tls_info`` (see
     :func:`_parse_tls_info`; fields ``server_public``, ``server_secret``, optionally ``client_public`` /
@@ -153,6 +171,7 @@ def curve_options(enable_tls: bool, tls_info, server: bool) -> dict:
         return {}
     info = _parse_tls_info(tls_info)
     if not info:
+        _warn_unencrypted()
         return {}
     if not zmq.has("curve"):
         raise ConfigError("enable_tls with CURVE keys, but this libzmq was built without CURVE support")

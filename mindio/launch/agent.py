@@ -458,8 +458,8 @@ class Agent:
 
     def run(self) -> int:
         """Run the job on this node; returns the agent's exit code: 0, 75 when it ended with a
-        last-words checkpoint and no restart left (relaunch to resume from it), else 1 (2: the job
-        secret is missing or not private, secret.py)."""
+        last-words checkpoint and no restart left (relaunch to resume from it), else 1. A bad setting
+        (a port in use, a job secret that is not private: secret.py) raises ConfigError (cli.py: one line)."""
         for name in self.cfg.signals:
             signal.signal(getattr(signal, name), self._on_signal)
         self._logs = WorkerLogs(self.cfg)
@@ -468,11 +468,6 @@ class Agent:
             if self._store is None:
                 self._connect()
             self.secret = secret.resolve(self.cfg, self._store)
-        except ConfigError as exc:
-            print(f"mindio-run: {exc}", file=sys.stderr)
-            self._spares.close()
-            self._logs.close()
-            return 2
         except BaseException:
             self._spares.close()
             self._logs.close()

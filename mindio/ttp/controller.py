@@ -157,6 +157,9 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         # that registers afresh, and nobody can take a rank's route by connecting with its identity
         for opt, val in self.curve.items():
             sock.setsockopt(opt, val)
+        if self.curve:  # no ZAP handler, no connection (rather than CURVE without client authentication)
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"mindio")
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         try:
             if port == 0:  # any free port, chosen by the bind itself (no window for another socket to take it)
                 port = sock.bind_to_random_port(f"tcp://{bind_ip}", min_port=20000, max_port=65535, max_tries=1000)

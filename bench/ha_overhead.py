@@ -11,8 +11,9 @@ Step time = median of the per-step times printed by rank 0, warm-up steps exclud
 Memory: optimizer-state bytes per rank (fp32 main params + Adam moments) measured from the live
 shards, against the formula 12*P*(R-1)/d for the extra bytes of the replicas.
 
-    python bench/ha_overhead.py                  # DP=4, 60 steps, 3 rounds
+    python bench/ha_overhead.py                  # DP=4, 60 steps, 3 rounds, tiny GPT
     python bench/ha_overhead.py --nproc 2 --iters 100 --rounds 5
+    python bench/ha_overhead.py --size 1g        # >= 1 GiB of state per rank (bench/_sizes.py); 12 steps
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import sys
 from pathlib import Path
 
 from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _sizes  # noqa: E402  (bench/_sizes.py)
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
@@ -83,38 +87,61 @@ def parse(out: str, warmup: int):
     return steps, tuple(int(x) for x in mem.groups()), float(rss.group(1))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=4, help="DP size (TP=1)")
-    ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
-
+def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, echo=print) -> dict:
+    """Step times of the three configurations, alternated over ``rounds``; memory per rank."""
+    size_args = _sizes.get(size).args()
     steps = {k: [] for k in CONFIGS}
     per_round = {k: [] for k in CONFIGS}
     mem, rss = {}, {}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name, extra in CONFIGS.items():
-            s, m, x = parse(run(args.nproc, args.iters, extra), args.warmup)
+            s, m, x = parse(run(nproc, iters, [*size_args, *extra]), warmup)
             steps[name] += s
             per_round[name].append(statistics.median(s))
             mem[name], rss[name] = m, x
-            print(f"round {r + 1}: {name:8s} median step {statistics.median(s):7.2f} ms", flush=True)
-
-    base = statistics.median(steps["off"])
-    best = min(per_round["off"])
-    print(f"\nDP={args.nproc}, {args.iters} steps x {args.rounds} rounds, warm-up {args.warmup} "
-          f"excluded; step time (ms) and ratio to 'off': median over all steps | best round")
+            echo(f"round {r + 1}: {name:8s} median step {statistics.median(s):7.2f} ms")
+    base, best = statistics.median(steps["off"]), min(per_round["off"])
+    out = {"size": size, "nproc": nproc, "iters": iters, "warmup": warmup, "rounds": rounds,
+           "configs": {}, "mem": mem, "rss": rss, "load": os.getloadavg()[0]}
     for name in CONFIGS:
         med, fast = statistics.median(steps[name]), min(per_round[name])
-        print(f"  {name:8s} {med:8.2f} ms  x{med / base:.3f}   | {fast:8.2f} ms  x{fast / best:.3f}")
-    (b_off, p, _, d), (b_on, _, r_on, _) = mem["off"], mem["on"]
+        out["configs"][name] = {"median_ms": med, "ratio": med / base, "best_ms": fast, "best_ratio": fast / best}
+    return out
+
+
+def report(res: dict) -> str:
+    rows = [f"DP={res['nproc']}, {res['iters']} steps x {res['rounds']} rounds, warm-up {res['warmup']} "
+            f"excluded; step time (ms) and ratio to 'off': median over all steps | best round; load average "
+            f"{res['load']:.1f} at the end"]
+    for name, c in res["configs"].items():
+        rows.append(f"  {name:8s} {c['median_ms']:8.2f} ms  x{c['ratio']:.3f}   | {c['best_ms']:8.2f} ms  "
+                    f"x{c['best_ratio']:.3f}")
+    (b_off, p, _, d), (b_on, _, r_on, _) = res["mem"]["off"], res["mem"]["on"]
     formula = 12 * p * (r_on - 1) / d
-    print(f"\noptimizer state per rank: off {b_off} B, on {b_on} B; extra {b_on - b_off} B vs "
-          f"12*P*(R-1)/d = {formula:.0f} B (P={p}, R={r_on}, d={d}): "
-          f"ratio {(b_on - b_off) / formula:.4f}")
-    print("rank-0 peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
+    rows.append(f"optimizer state per rank: off {b_off} B, on {b_on} B; extra {b_on - b_off} B vs "
+                f"12*P*(R-1)/d = {formula:.0f} B (P={p}, R={r_on}, d={d}): ratio {(b_on - b_off) / formula:.4f}")
+    rows.append("rank-0 peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in res["rss"].items()))
+    on = res["configs"]["on"]["ratio"]
+    rows.append(f"target {'PASS' if on <= 1.05 else 'FAIL'}: replicas + control plane x{on:.3f} <= x1.05 "
+                f"the step time of plain Megatron (median)")
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="tiny", choices=list(_sizes.SIZES), help="model size (bench/_sizes.py)")
+    ap.add_argument("--nproc", type=int, default=4, help="DP size (TP=1)")
+    ap.add_argument("--iters", type=int, default=None, help="steps per run (default: 60, 12 at size 1g)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps excluded (default: 5, 2 at size 1g)")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    big = args.size == "1g"
+    args.iters = args.iters or (12 if big else 60)
+    args.warmup = args.warmup if args.warmup is not None else (2 if big else 5)
+    print(_sizes.get(args.size).describe(2, args.nproc), flush=True)
+    res = measure(args.size, args.nproc, args.iters, args.warmup, args.rounds,
+                  echo=lambda s: print(s, flush=True))
+    print("\n" + report(res))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ FAULT_RANK = 1
 LIGHTHOUSE = {"default": ["--min_replicas", "1"],
               "tuned": ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]}
 _LINE = re.compile(r"^peer: (\w+) (.*) t=([0-9.]+)$")
+FAILED = "FAILED"  # a figure whose run failed (the details below the table say how)
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -227,42 +228,47 @@ def rows(res: dict) -> List[tuple]:
 
     def mio(name):
         r = rec.get(name, {})
-        return r.get("recovery_s") if r.get("ok") else None
+        return r.get("recovery_s") if r.get("ok") else FAILED if r else None
 
     out = []
+    def peer(r, key):
+        return r.get(key, FAILED) if r else None
+
     for st in ("default", "tuned"):
         k = pr.get(f"torchft-kill-{st}", {})
         out.append(("kill rank 1", "survivors commit a step again", "recover-in-place",
-                    mio("recover-in-place"), f"torchft {st}", k.get("survivors_s"), "s"))
+                    mio("recover-in-place"), f"torchft {st}", peer(k, "survivors_s"), "s"))
         out.append(("kill rank 1", "killed rank back, with its state", "recover-in-place",
-                    mio("recover-in-place"), f"torchft {st}", k.get("back_s"), "s"))
+                    mio("recover-in-place"), f"torchft {st}", peer(k, "back_s"), "s"))
     for st in ("default", "tuned"):
         n = pr.get(f"nvrx-raise-{st}", {})
         for strategy, name in (("dump (any error)", "dump"), ("retry (UCE / network error)", "retry")):
             out.append(("rank 1 raises", "every rank training again", strategy, mio(name),
-                        f"NVRx in-process {st}", n.get("back_s") if n.get("ok") else None, "s"))
+                        f"NVRx in-process {st}", peer(n, "back_s"), "s"))
     for st in ("default", "tuned"):
         k = pr.get(f"torchft-raise-{st}", {})
         out.append(("rank 1 raises", "survivors commit a step again", "dump (any error)", mio("dump"),
-                    f"torchft {st}", k.get("survivors_s"), "s"))
+                    f"torchft {st}", peer(k, "survivors_s"), "s"))
         out.append(("rank 1 raises", "raising rank back, with its state", "dump (any error)", mio("dump"),
-                    f"torchft {st}", k.get("back_s"), "s"))
+                    f"torchft {st}", peer(k, "back_s"), "s"))
     on = ha.get("configs", {}).get("on", {}).get("ratio")
     ddp = pr.get("steady-ddp", {}).get("median_ms")
     for ft, label in (("torchft", "torchft DDP + Manager"), ("nvrx", "NVRx Wrapper")):
         s = pr.get(f"steady-{ft}", {}).get("median_ms")
         out.append(("no fault", "step time, FT on / FT off", "replicas + control plane", on, label,
-                    s / ddp if s and ddp else None, "x"))
+                    s / ddp if s and ddp else FAILED if pr else None, "x"))
     return out
 
 
 def table(res: dict) -> str:
     def fig(x, unit):
-        return "-" if x is None else f"{x:.2f} s" if unit == "s" else f"x{x:.3f}"
+        return ("not run" if x is None else "FAILED" if x is FAILED else f"{x:.2f} s" if unit == "s"
+                else f"x{x:.3f}")
 
     out = [f"{'drill':14} {'figure':34} {'mindio':37} {'peer (settings)':34} {'mindio/peer':>11}"]
     for d, f, ms, mv, ps, pv, unit in rows(res):
-        ratio = "-" if mv is None or not pv else f"{mv / pv:.2f}"
+        known = all(isinstance(x, (int, float)) for x in (mv, pv)) and pv
+        ratio = f"{mv / pv:.2f}" if known else "-"
         out.append(f"{d:14} {f:34} {fig(mv, unit) + ' ' + ms:37} {fig(pv, unit) + ' ' + ps:34} {ratio:>11}")
     return "\n".join(out)
 
@@ -321,7 +327,10 @@ def main(argv=None) -> int:
     print("details:\n" + details(res))
     if a.json:
         Path(a.json).write_text(json.dumps({k: v for k, v in res.items()}, indent=1, default=str))
-    return 0
+    failed = [d + ": " + f for d, f, _, mv, _, pv, _ in rows(res) if FAILED in (mv, pv)]
+    if failed:
+        print(f"{len(failed)} figure(s) FAILED: see the details and the [bench] / [peers] lines above")
+    return 1 if failed else 0
 
 
 def peers(a) -> dict:

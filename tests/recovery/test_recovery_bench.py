@@ -74,8 +74,18 @@ def test_bytes_moved_by_a_dump_and_relaunch_and_by_a_repair():
     assert rep == [{"what": "repair", "bytes": 2000000000, "s": 2.0, "gbps": 1.0}]
 
 
-def _ok(recovery_s, digest="d", **kw):
-    return {"ok": True, "recovery_s": recovery_s, "final_digest": digest, "steps_lost": 0, **kw}
+def _ok(again_s, digest="d", **kw):
+    return {"ok": True, "recovery_s": again_s + 1, "again_s": again_s, "final_digest": digest, "steps_lost": 0, **kw}
+
+
+def test_training_again_discounts_one_normal_step_but_not_the_recovery():
+    r = {"recovery_s": 5.0, "phases": {"rollback": 0.5, "first step": 2.0}}
+    assert rb.training_again(r, step_s=1.5) == 3.5   # the first step took 0.5 s more than a normal one
+    assert rb.training_again(r, step_s=4.0) == 3.0   # never before train() was re-entered
+    assert rb.training_again(r, step_s=None) == 5.0
+    results = {"reference": {"ok": True, "step_s": 1.5}, "retry": {"ok": True, **r}, "dump": {"ok": False}}
+    rb.add_training_again(results)
+    assert results["retry"]["again_s"] == 3.5 and "again_s" not in results["dump"]
 
 
 def test_targets_compare_with_the_bounds_and_the_fault_free_digest():

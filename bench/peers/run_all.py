@@ -251,12 +251,13 @@ def rows(res: dict) -> List[tuple]:
                     f"torchft {st}", peer(k, "survivors_s"), "s"))
         out.append(("rank 1 raises", "raising rank back, with its state", "dump (any error)", mio("dump"),
                     f"torchft {st}", peer(k, "back_s"), "s"))
-    on = ha.get("configs", {}).get("on", {}).get("ratio")
+    on = ha.get("configs", {}).get("on", {}).get("ratio", FAILED if ha else None)
     ddp = pr.get("steady-ddp", {}).get("median_ms")
     for ft, label in (("torchft", "torchft DDP + Manager"), ("nvrx", "NVRx Wrapper")):
         s = pr.get(f"steady-{ft}", {}).get("median_ms")
+        ran = f"steady-{ft}" in pr or "steady-ddp" in pr
         out.append(("no fault", "step time, FT on / FT off", "replicas + control plane", on, label,
-                    s / ddp if s and ddp else FAILED if pr else None, "x"))
+                    s / ddp if s and ddp else FAILED if ran else None, "x"))
     return out
 
 
@@ -294,6 +295,9 @@ def main(argv=None) -> int:
                    help="rounds of the peers' steady-state runs, alternated (default 3, 2 at 1g)")
     p.add_argument("--peer-timeout", type=float, default=None, help="seconds per peer run")
     p.add_argument("--skip", default="", help="comma list of parts to skip: recovery,ha,peers")
+    p.add_argument("--peer-runs", default="", help="only these peer runs (comma list of: steady, "
+                   "torchft-kill-default, torchft-kill-tuned, torchft-raise-default, torchft-raise-tuned, "
+                   "nvrx-raise-default, nvrx-raise-tuned); default: all")
     p.add_argument("--json", default=None, help="write every figure here")
     a = p.parse_args(argv)
     big = a.size == "1g"
@@ -302,6 +306,7 @@ def main(argv=None) -> int:
     a.steady_rounds = a.steady_rounds or (2 if big else 3)
     a.peer_timeout = a.peer_timeout or (900 if big else 300)
     skip = {s for s in a.skip.split(",") if s}
+    a.peer_runs = {s for s in a.peer_runs.split(",") if s}
     t_start = time.time()
     print(f"[peers] {_sizes.get(a.size).describe()}; load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} CPUs at the start", flush=True)
@@ -338,9 +343,10 @@ def peers(a) -> dict:
     root = Path(tempfile.mkdtemp(prefix="mindio-peers-"))
     inj = lambda kind: f"{kind}:rank={FAULT_RANK},step={a.fault_step}"  # noqa: E731
     warm = 2 if a.size == "1g" else 5
+    want = lambda name: not a.peer_runs or name in a.peer_runs  # noqa: E731
     try:
         steady: Dict[str, List[float]] = {ft: [] for ft in ("ddp", "torchft", "nvrx")}
-        for rnd in range(a.steady_rounds):  # alternated, so that drift of the machine hits all alike
+        for rnd in range(a.steady_rounds if want("steady") else 0):  # alternated, so that drift of the machine hits all alike
             for ft in steady:
                 print(f"[peers] steady {ft}, round {rnd + 1}", flush=True)
                 run = peer_run(ft, a, root / f"steady-{ft}-{rnd}")
@@ -350,18 +356,22 @@ def peers(a) -> dict:
                     continue
                 steady[ft] += ms
                 print(f"[peers] steady {ft}, round {rnd + 1}: median {statistics.median(ms):.1f} ms", flush=True)
-        for ft, ms in steady.items():
+        for ft, ms in steady.items() if want("steady") else ():
             out[f"steady-{ft}"] = ({"ok": True, "median_ms": round(statistics.median(ms), 2), "n": len(ms)}
                                    if ms else {"ok": False, "error": "no run finished"})
-        ddp_s = (out["steady-ddp"].get("median_ms") or 1000) / 1000
+        ddp_s = (out.get("steady-ddp", {}).get("median_ms") or 1000) / 1000
         for st in ("default", "tuned"):
             for kind in ("kill", "raise"):
                 name = f"torchft-{kind}-{st}"
+                if not want(name):
+                    continue
                 print(f"[peers] {name}", flush=True)
                 run = peer_run("torchft", a, root / name, settings=st, inject=inj(kind))
                 out[name] = drill_figures(run)
                 _echo(name, out[name], run)
             name = f"nvrx-raise-{st}"
+            if not want(name):
+                continue
             # NVRx's gloo timeout: 10 s in its CPU examples (default); tuned: 3 step times, at least 2 s
             gto = 10.0 if st == "default" else max(2.0, round(3 * ddp_s, 1))
             print(f"[peers] {name} (gloo timeout {gto} s)", flush=True)

@@ -16,7 +16,9 @@
    controller has one healthy holder of every shard write a last-words checkpoint at step 8, the job
    exits with code 75, ``mindio-run --max-restarts 1`` starts it again and it resumes from step 8.
 
-Every faulty run must end with the reference digest: nothing lost, nothing corrupted.
+Every faulty run must end with the reference digest: nothing lost, nothing corrupted. Each run writes
+its own event log (``events-<run>.jsonl``) and the demo draws each faulty run's recovery with
+``mindio timeline`` (``timeline-<run>.svg``, one lane per rank, every phase with its duration).
 Run it with ``bash scripts/demo.sh`` (installs everything first) or ``.venv/bin/python examples/demo.py``.
 """
 from __future__ import annotations
@@ -82,8 +84,9 @@ def steps_done(lines) -> list:
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mindio-demo-"))
     env = {"MINDIO_ACP_DIR": str(work / "acp"), "MINDIO_ACP_POOL_MB": "256", "MINDIO_ACP_IDLE_EXIT": "20",
-           "TTP_LOG_PATH": str(work / "logs"), "MINDIO_EVENT_LOG": str(work / "events.jsonl"),
+           "TTP_LOG_PATH": str(work / "logs"), "MINDIO_EVENT_LOG": str(work / "events-reference.jsonl"),
            "MINDIO_DRILL_DIR": str(work / "drill")}  # each injected fault fires once per job
+    events = lambda name: {"MINDIO_EVENT_LOG": str(work / f"events-{name}.jsonl")}  # noqa: E731 one log per run
     (work / "drill").mkdir()
     print(f"[1/4] fault-free reference run: {STEPS} steps, 4 ranks (DP=4, optimizer shards on 2 ranks each)")
     rc, ref = mindio_run(COMMON + ["--enable-high-availability"], env)
@@ -92,18 +95,18 @@ def main() -> int:
     want = digest(ref)
 
     print("\n[2/4] retry: UCE error on rank 1 at step 5 (its optimizer shard is destroyed first)")
-    rc, retry = mindio_run(COMMON + ["--enable-hbmfault-repair", "--inject", "uce:rank=1,step=5"], env)
+    rc, retry = mindio_run(COMMON + ["--enable-hbmfault-repair", "--inject", "uce:rank=1,step=5"],
+                           {**env, **events("retry")})
     if rc != 0:
         raise SystemExit(f"demo: the retry run failed with exit code {rc}")
     fault_t = next((t for t, l in retry if "inject" in l), None)
     resumed_t = next((t for t, l in retry if fault_t is not None and t > fault_t
                       and re.search(r"iteration\s+5/", l)), None)
-    restarted = any("restarting all workers" in l for _, l in retry)
+    restarted = any(re.search(r"(restarting|relaunching) every worker", l) for _, l in retry)
 
     print("\n[3/4] recover in place: rank 3 is SIGKILLed at step 7; only that process is started again")
     rc, recover = mindio_run(COMMON + ["--enable-high-availability", "--inject", "kill:rank=3,step=7"],
-                             {**env, "HIGH_AVAILABILITY": "recover-in-place,dump",
-                              "MINDIO_EVENT_LOG": str(work / "events-recover.jsonl")})
+                             {**env, "HIGH_AVAILABILITY": "recover-in-place,dump", **events("recover")})
     if rc != 0:
         raise SystemExit(f"demo: the recover-in-place run failed with exit code {rc}")
     kill_t = next((t for t, l in recover if "inject" in l), None)
@@ -114,7 +117,7 @@ def main() -> int:
     print("\n[4/4] dump + relaunch: unknown error on rank 2 at step 9; mindio-run may restart the job once")
     args = COMMON + ["--enable-high-availability", "--save", str(ckpt), "--load", str(ckpt),
                      "--inject", "raise:rank=2,step=9"]
-    rc, dump = mindio_run(args, env, max_restarts=1)
+    rc, dump = mindio_run(args, {**env, **events("dump")}, max_restarts=1)
     if rc != 0:
         raise SystemExit(f"demo: the dump + relaunch run failed with exit code {rc}")
     loaded = [int(m.group(1)) for _, l in dump if (m := re.search(r"loaded checkpoint iteration (\d+)", l))]
@@ -143,7 +146,12 @@ def main() -> int:
         print(f"  dump: fault at step 9, last-words checkpoint at step {loaded[0]}, "
               f"steps lost: {max(0, 8 - loaded[0])}")
     print(f"  reference digest {want}")
-    print(f"  logs and the event timeline (JSON lines): {work}")
+    print(f"  logs and event logs (JSON lines): {work}")
+    print("\nrecovery timelines (mindio timeline EVENTS.jsonl -o FILE.svg|html):")
+    for name in ("retry", "recover", "dump"):
+        out = work / f"timeline-{name}.svg"
+        subprocess.run([sys.executable, "-m", "mindio.cli", "timeline", str(work / f"events-{name}.jsonl"),
+                        "-o", str(out), "--title", f"mindio demo: {name}"], check=False, timeout=120)
     if not ok:
         print("demo: a recovered run differs from the reference", file=sys.stderr)
         return 1

@@ -2,7 +2,9 @@
 
 Read a value with ``knobs.get("TTP_LOG_LEVEL")``; a malformed or out-of-range value raises
 :class:`mindio.errors.ConfigError` naming the variable, the bad value and the allowed range.
-``python -m mindio._knobs`` prints the table.
+``python -m mindio._knobs`` prints the table: first the settings a user may set, then the variables
+``mindio-run`` / torchrun set for their workers (``internal``: read, never to be set by hand).
+tests/unit/test_knobs.py checks that every variable read in mindio/ is declared here.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Knob:
     min: float | None = None
     max: float | None = None
     choices: tuple | None = None
+    internal: bool = False  # set by the launcher for its workers (mindio-run or torchrun), not by a user
 
     def read(self, environ=None) -> Any:
         env = os.environ if environ is None else environ
@@ -70,15 +73,24 @@ def _ha_list(text: str) -> tuple:
 
 _ALL = [
     # --- logging (reference names) ---
-    Knob("TTP_LOG_PATH", str, "logs", "Directory of mindio's log files (file name ttp_log.log)."),
-    Knob("TTP_LOG_LEVEL", _upper, "INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Knob("TTP_LOG_PATH", str, "",
+         "Directory for mindio's log files (ttp_log.log[.<pid>], every line at TTP_LOG_LEVEL); empty: no "
+         "file, WARNING and above go to stderr only. (The reference's default is 'logs'.)"),
+    Knob("TTP_LOG_LEVEL", _upper, "INFO", "Level of the log file (and of stderr with TTP_LOG_STDOUT=1).",
+         choices=("DEBUG", "INFO", "WARNING", "ERROR")),
     Knob("TTP_LOG_MODE", _upper, "PER_PROC",
          "ONLY_ONE: all processes write one log; PER_PROC: one file per process (ttp_log.log.<pid>).",
          choices=("ONLY_ONE", "PER_PROC")),
-    Knob("TTP_LOG_STDOUT", _bool, False, "1: log to stderr only, write no log file."),
+    Knob("TTP_LOG_STDOUT", _bool, False, "1: every line at TTP_LOG_LEVEL to stderr, no log file."),
     Knob("MINDIO_EVENT_LOG", str, "",
          "Path of a JSON-lines event log (fault seen, transitions, actions and durations); empty: off."),
     # --- control plane ---
+    Knob("MINDIO_STATUS_PORT", int, 0,
+         "Port of the controller's status and metrics server (GET /status for `mindio status`, GET /metrics "
+         "for Prometheus) on the controller's address; 0: none (mindio/ttp/status.py).", min=0, max=65535),
+    Knob("MINDIO_STATUS_ADDR", str, "",
+         "host:port of a job's status server, for `mindio status` (default: TTP_ADDR or 127.0.0.1, and "
+         "MINDIO_STATUS_PORT)."),
     Knob("TTP_RETRY_TIMES", int, 10, "Processor connection attempts to a controller.", min=1, max=300),
     Knob("TTP_NORMAL_ACTION_TIME_LIMIT", float, 180.0,
          "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),
@@ -119,6 +131,13 @@ _ALL = [
          "recover_strategy; docs/ttp.md); empty: the built-in table mindio/ttp/fault_table.json."),
     Knob("MINDIO_CONTROLLER_EXTERNAL", _bool, False,
          "1: the launcher hosts the controller; the example training scripts start none in rank 0."),
+    Knob("MINDIO_DECISION_TIMEOUT", float, 300.0,
+         "mindio-run with --high-availability: seconds a worker death may wait for the controller's decision "
+         "(replace the rank, or end the job) before the agent fails the round anyway.", min=1, max=86400),
+    Knob("MINDIO_PRELOAD", str, "",
+         "mindio-run: comma list of extra modules its warm worker interpreters import before they know their "
+         "rank (only modules that read no rank variable at import; torch, numpy, megatron.core and mindio "
+         "always are)."),
     Knob("MINDIO_STANDBY", _bool, False,
          "1: this process is a standby for a rank an elastic downgrade removed (the example training scripts "
          "register it with the controller and wait for the scale-out; docs/elastic.md)."),
@@ -127,7 +146,11 @@ _ALL = [
          "training goes on (docs/elastic.md)."),
     # --- checkpoint store ---
     Knob("MINDIO_ACP_DIR", str, "",
-         "Runtime directory of the per-user acp daemon (socket, lock, journal); default /tmp/mindio-acp-<uid>."),
+         "Runtime directory of the per-user acp daemon (socket, lock, journal); default $XDG_RUNTIME_DIR/mindio-acp "
+         "when XDG_RUNTIME_DIR is set, else /tmp/mindio-acp-<uid>. Created 0700; refused unless private to you."),
+    Knob("XDG_RUNTIME_DIR", str, "",
+         "Standard per-user runtime directory (set by systemd-logind); the acp runtime directory defaults to "
+         "$XDG_RUNTIME_DIR/mindio-acp when set."),
     Knob("MINDIO_ACP_IDLE_EXIT", float, 600.0,
          "Seconds an idle daemon with nothing to persist waits before exiting.", min=1, max=86400),
     Knob("MINDIO_ACP_LOAD_VIEW", _bool, True,
@@ -158,6 +181,47 @@ _ALL = [
     Knob("MINDIO_DRILL_DIR", str, "",
          "Directory shared by a job's processes where --inject records fired faults (once per job, "
          "also across replaced processes); unset: once per process and first launch only."),
+    # --- native core ---
+    Knob("MINDIO_NATIVE", lambda t: t.strip().lower(), "",
+         "python: use the pure-Python fallback of the native core even when the Cython one is built "
+         "(read once, at the first import of mindio._native).", choices=("", "python", "cython")),
+    # --- mindio-run: variables of torch/torchrun it honours as torchrun does (docs/launch.md) ---
+    Knob("GLOO_SOCKET_IFNAME", str, "",
+         "gloo's network interface(s). mindio-run checks that each named one exists with an IPv4 address, or "
+         "sets it for a multi-node job to the interface of --local-addr, else the one routing to --master-addr."),
+    Knob("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", float, 3.0,
+         "mindio-run: default of --shutdown-timeout (seconds between the stop signal and SIGKILL of workers; "
+         "torchrun's default is 30).", min=0, max=3600),
+    Knob("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", str, "",
+         "Prefix of the worker lines --tee copies to the console (${role_name}, ${rank}, ${local_rank}); "
+         "default [<role><local rank>]:, as torchrun."),
+    Knob("TORCH_NCCL_ASYNC_ERROR_HANDLING", str, "1", "Passed to the workers (default 1), as torchrun does."),
+    Knob("CUDA_VISIBLE_DEVICES", str, "",
+         "Passed to the workers; with --virtual-local-rank each worker gets only its own entry, as torchrun."),
+    # --- replacement processes ---
+    Knob("MINDIO_PG_TIMEOUT", int, 120,
+         "Seconds a replacement process (recover-in-place / recover) waits in the rendezvous of its "
+         "default process group when the training script gives no timeout.", min=1, max=86400),
+    # --- set by mindio-run / torchrun for their workers (read, never set by hand) ---
+    Knob("MINDIO_REBOOT_GEN", int, 0, "Generation a replacement process joins (0: not a replacement).",
+         min=0, internal=True),
+    Knob("MINDIO_REBOOT_TYPE", str, "arf", "What started a replacement process: arf or hot switch.",
+         internal=True),
+    Knob("MINDIO_SWITCH_BACKUP", str, "", "Store key a hot-switch backup process waits on.", internal=True),
+    Knob("MINDIO_SWITCH_BACKUP_WAIT", float, 600.0,
+         "Seconds a hot-switch backup waits to be released before giving up.", min=1, max=86400, internal=True),
+    Knob("MINDIO_AGENT_STORE", str, "", "host:port of the node agent's TCPStore.", internal=True),
+    Knob("MINDIO_AGENT_PID", int, 0, "Process id of the worker's node agent (kill-node drills).", internal=True),
+    Knob("MINDIO_NODE_RANK", int, 0, "Node rank of the worker's agent.", internal=True),
+    Knob("MINDIO_WORKER_WARMUP_S", float, 0.0, "Seconds a warm worker spent importing before its assignment.",
+         internal=True),
+    Knob("RANK", int, 0, "Global rank of the worker (torchrun's contract).", internal=True),
+    Knob("LOCAL_RANK", int, 0, "Rank of the worker on its node (torchrun's contract).", internal=True),
+    Knob("GROUP_RANK", int, 0, "Node rank of the worker (torchrun's contract).", internal=True),
+    Knob("TORCHELASTIC_RESTART_COUNT", int, 0, "How many times the launcher restarted the job.", internal=True),
+    Knob("TORCHELASTIC_ERROR_FILE", str, "",
+         "Where a worker records the exception (or the fault) that ended it, in torchrun's error-file format; "
+         "the launcher's failure summary reads it (torchrun's contract).", internal=True),
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _ALL}
@@ -173,7 +237,10 @@ def get(name: str, environ=None) -> Any:
 
 
 def table() -> str:
-    return "\n".join(f"{k.name:32} {k.allowed():60} {k.doc}" for k in _ALL)
+    rows = [f"{k.name:32} {k.allowed():60} {k.doc}" for k in _ALL if not k.internal]
+    rows.append("\nset by mindio-run / torchrun for their workers (read by mindio, not to be set by hand):")
+    rows += [f"{k.name:32} {k.doc}" for k in _ALL if k.internal]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -64,5 +64,35 @@ class CorruptCheckpoint(CheckpointError):
         self.reason = reason
 
 
+class InsecurePath(CheckpointError):
+    """A directory or file the checkpoint store would use is not private to the caller (another user
+    owns it, others can access it, or it is a symbolic link); ``path`` names it."""
+
+    def __init__(self, path, problem: str, remedy: str):
+        super().__init__(f"{path} {problem}: refusing to use it; {remedy}")
+        self.path = str(path)
+
+
 class ServerUnavailable(CheckpointError):
     """The mindio-acp-server daemon cannot be reached or declared itself unserviceable."""
+
+
+def describe(exc: BaseException, where: bool = True) -> str:
+    """``"Type: message"`` for a log or a reply, never an empty ``"AssertionError: "``: with no message
+    the failing source line stands in for it, and ``where`` adds the innermost frame
+    (``file:line in function``) -- which callback failed, and where, is what a reader needs."""
+    import linecache
+    import os
+    import traceback
+
+    text = str(exc)
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    last = frames[-1] if frames else None
+    if not text and last is not None:
+        text = (last.line or linecache.getline(last.filename, last.lineno)).strip() or "(no message)"
+    elif not text:
+        text = "(no message)"
+    out = f"{type(exc).__name__}: {text}"
+    if where and last is not None:
+        out += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
+    return out

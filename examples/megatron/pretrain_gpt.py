@@ -324,6 +324,12 @@ def setup_high_availability(ctx) -> None:
         if args.enable_hbmfault_repair and not os.environ.get("HIGH_AVAILABILITY"):
             # --enable-hbmfault-repair: the controller may retry (UCE / network errors), else dump
             os.environ["HIGH_AVAILABILITY"] = "dump,retry" + (",recover" if args.enable_worker_reboot else "")
+        if not args.save:  # mindio: nowhere to write a last-words checkpoint: the controller must not plan one
+            wanted = _knobs.get("HIGH_AVAILABILITY") or (("dump",) + ("recover",) * args.enable_worker_reboot
+                                                         + ("elastic-training",) * args.enable_elastic_training)
+            os.environ["HIGH_AVAILABILITY"] = ",".join(s for s in wanted if s != "dump") or "exit"
+            log.warning("--enable-high-availability without --save: a fault that cannot be repaired in place "
+                        "ends the job without a last-words checkpoint (exit 76); give --save DIR to have one")
         ttp.tft_init_controller(rank, world, False, enable_arf=args.enable_worker_reboot,
                                 enable_zit=args.enable_elastic_training)
         ttp.tft_start_controller(addr, port, enable_tls=False)

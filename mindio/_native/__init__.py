@@ -7,13 +7,13 @@ sources: what a save uses), ``crc32(buf, value=0)``, ``touch_pages(buf, write=Fa
 """
 from __future__ import annotations
 
-import os
+from .. import _knobs
 
 __all__ = ["BACKEND", "copy_into", "copy_many", "crc32", "touch_pages", "fallback"]
 
 from . import _fallback as fallback
 
-if os.environ.get("MINDIO_NATIVE", "").lower() == "python":
+if _knobs.get("MINDIO_NATIVE") == "python":
     _impl = fallback
     BACKEND = "python"
 else:

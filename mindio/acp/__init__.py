@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from .. import _knobs
 from . import _megatron
+from ._helper import CheckpointHelper
 from ._files import SaveHandle, async_save, create_file, open_file, register_checker
 from .api import (convert, fallback_counts, flush, initialize, load, lost_checkpoints, multi_save, preload, save,
                   server_stat, shutdown_server)
 
 __all__ = ["initialize", "save", "multi_save", "load", "preload", "flush", "register_checker", "convert",
            "open_file", "create_file", "async_save", "SaveHandle", "fallback_counts", "lost_checkpoints",
-           "server_stat", "shutdown_server", "patch_megatron"]
+           "server_stat", "shutdown_server", "patch_megatron", "CheckpointHelper"]
 
 patch_megatron = _megatron.install
 

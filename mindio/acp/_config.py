@@ -108,14 +108,20 @@ def parse_server_info(server_info=None, environ=None) -> ServerConfig:
 
 
 def runtime_dir(environ=None) -> str:
-    """Directory of the socket, lock, journal and logs (MINDIO_ACP_DIR, default /tmp/mindio-acp-<uid>)."""
-    path = _knobs.get("MINDIO_ACP_DIR", environ) or f"/tmp/mindio-acp-{os.getuid()}"
+    """Directory of the socket, lock, journal and logs: MINDIO_ACP_DIR, else $XDG_RUNTIME_DIR/mindio-acp
+    (the per-user directory of a login session), else /tmp/mindio-acp-<uid>. It is created 0700 and
+    verified before use (mindio.acp._secure.private_dir)."""
+    path = _knobs.get("MINDIO_ACP_DIR", environ)
+    if not path:
+        xdg = _knobs.get("XDG_RUNTIME_DIR", environ)
+        path = os.path.join(xdg, "mindio-acp") if xdg else f"/tmp/mindio-acp-{os.geteuid()}"
     return os.path.abspath(path)
 
 
 def pool_dir(run_dir: str) -> str:
-    """Where pool files live: /dev/shm when present (memory), else the runtime directory."""
+    """Where pool files live: /dev/shm when present (memory), else the runtime directory. Created 0700
+    and verified like the runtime directory."""
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         tag = hashlib.sha1(run_dir.encode()).hexdigest()[:12]
-        return f"/dev/shm/mindio-acp-{os.getuid()}-{tag}"
+        return f"/dev/shm/mindio-acp-{os.geteuid()}-{tag}"
     return os.path.join(run_dir, "pool")

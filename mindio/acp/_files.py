@@ -14,7 +14,7 @@ import threading
 import time
 
 from ..errors import CheckpointError, ConfigError, ServerUnavailable
-from . import _storage, api
+from . import _secure, _storage, api
 
 __all__ = ["open_file", "create_file", "register_checker", "async_save", "SaveHandle"]
 
@@ -108,13 +108,19 @@ class _WriteableFileWrapper:
 
 
 def open_file(path) -> _ReadableFileWrapper:
-    return _ReadableFileWrapper(os.path.abspath(os.fspath(path)))
+    """Open a checkpoint file for reading, from the memory pool when it is there: ``read(offset=0,
+    count=-1)`` returns bytes, ``close()``; usable as a context manager. The path resolves as the OS
+    resolves it."""
+    return _ReadableFileWrapper(api._resolve(path))
 
 
 def create_file(path, mode: int = 0o600) -> _WriteableFileWrapper:
+    """Create a file through the store: ``write(bytes)`` appends, ``close()`` commits it (persisted in
+    the background), ``drop()`` discards it; usable as a context manager. ``mode`` (default 0o600)
+    less the umask (as open() applies it) is the file's permission bits on storage."""
     if not isinstance(mode, int) or not 0 <= mode <= 0o777:
         raise ConfigError(f"create_file mode={mode!r}: expected an int in [0o000, 0o777]")
-    return _WriteableFileWrapper(api._target(path), mode)
+    return _WriteableFileWrapper(api._target(path), mode & ~_secure.umask())
 
 
 def _count_files(directory: str) -> int:
@@ -173,11 +179,14 @@ class SaveHandle:
         return not busy
 
     def done(self) -> bool:
+        """Has the save reached storage? Never blocks."""
         if self._final is not None:
             return True
         return self.wait(timeout=0, _raise_timeout=False)
 
     def wait(self, timeout: float | None = None, _raise_timeout: bool = True) -> bool:
+        """Block until the save reached storage and return True; TimeoutError after ``timeout`` s (default
+        3600); re-raises a persistence failure."""
         if self._final is not None:
             return True
         client = api._get_client()

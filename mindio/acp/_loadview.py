@@ -45,13 +45,9 @@ _FILE = np.uint64(1 << 61)
 
 
 class LoadView:
-    def __init__(self, path: str, size: int, first=()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE,
-                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int, size: int, first=()):
+        """``fd``: the pool file's descriptor (handed over by the daemon; the caller keeps it)."""
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.size = size
         self._anchor = (ctypes.c_char * size).from_buffer(self.map)   # pins the mapping for its address
         self.addr = ctypes.addressof(self._anchor)

@@ -15,7 +15,7 @@ import os
 import time
 
 from ._state import FAILED, LIVE, PENDING, PERSISTED, SUPERSEDED, Entry, Region
-from ._storage import write_marker
+from ._storage import target_problem, write_marker
 
 __all__ = ["Operations"]
 
@@ -43,7 +43,7 @@ class Operations:
                               if e.region.file == self.pool_file})
         return {"ok": True, "pool": self.pool_file, "pool_bytes": self.cfg.pool_bytes, "pid": os.getpid(),
                 "config": self.cfg.to_wire(), "state": self.persist.health(), "prefaulted": self.prefaulted,
-                "regions": [list(r) for r in regions]}
+                "regions": [list(r) for r in regions], "fd": bool(req.get("fd"))}
 
     def op_alloc(self, req, state):
         size = int(req["size"])
@@ -84,9 +84,16 @@ class Operations:
         return {"ok": True}
 
     def op_commit(self, req, state):
-        kind, mode, paths = req.get("kind", "acp"), int(req.get("mode", 0o644)), list(req["paths"])
+        kind, mode, paths = req.get("kind", "acp"), req.get("mode", 0o644), list(req["paths"])
         with self.lock:
             region = state["allocs"].pop(req["alloc"])
+            problem = next(filter(None, map(target_problem, paths)), "") or (
+                "" if kind in ("acp", "raw", "cache") else f"unknown kind {kind!r}") or (
+                "" if isinstance(mode, int) and 0 <= mode <= 0o777 else f"mode {mode!r} is not in [0, 0o777]")
+            if problem:                       # a client's error: refused here, never a storage failure
+                region.maybe_free()
+                log.warning("refused commit of %s: %s", paths, problem)
+                return {"ok": False, "error": f"commit refused: {problem}"}
             seqs = []
             for path in paths:
                 entry = Entry(self._next_seq(), path, region, kind, mode)

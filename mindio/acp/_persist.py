@@ -8,13 +8,18 @@ keeps its CPU (not for an entry committed more than _IDLE_FOR_S ago: on a machin
 idle, SCHED_IDLE would starve it).
 
 Failures: each entry gets MINDIO_ACP_PERSIST_RETRIES attempts with exponential back-off; then it is
-FAILED (its bytes stay in the pool, retried every 5 s) and counts as one storage failure. After
-MINDIO_ACP_UNSERVICEABLE_AFTER consecutive failures the daemon is unserviceable: ``alloc`` refuses
-and clients fall back to writing storage themselves. The first success clears the state.
+FAILED (its bytes stay in the pool, retried every 5 s) and counts as one storage failure, unless the
+target path itself was the cause (its directory removed, a directory in its place, no permission:
+a user's error, see _storage.is_target_error), which never counts. After
+MINDIO_ACP_UNSERVICEABLE_AFTER consecutive storage failures the daemon is unserviceable: ``alloc``
+refuses and clients fall back to writing storage themselves. The first success clears the state.
 
-Recovery: a restarted daemon reads the journal's unfinished commits. Each whose bytes are still in
-the old pool file (/dev/shm survives a daemon's death) and whose header verifies is persisted again;
-every other one is appended to ``lost.jsonl`` by path and reported to clients by ``initialize()``.
+Recovery: a restarted daemon reads the journal's unfinished commits. A record is refused (logged with
+the reason, nothing written) unless it is well formed, its target is an absolute normalized path and
+its bytes lie in a pool file of this daemon's own private pool directory. Each accepted one whose bytes
+are still in the old pool file (/dev/shm survives a daemon's death) and whose header verifies is
+persisted again; every other one is appended to ``lost.jsonl`` by path and reported to clients by
+``initialize()``.
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ import threading
 import time
 
 from .. import _knobs, _logging
+from ..errors import CheckpointError
 from . import format as fmt
+from ._secure import open_private
 from ._state import FAILED, PENDING, PERSISTED, PERSISTING, SUPERSEDED, Entry, Region
-from ._storage import atomic_write_direct, marker_path, remove_marker
+from ._storage import atomic_write_direct, is_target_error, marker_path, remove_marker, target_problem
 
 __all__ = ["Persister"]
 
@@ -48,7 +55,7 @@ class Persister:
         self._delay = _knobs.get("MINDIO_ACP_PERSIST_DELAY")
         self._threshold = _knobs.get("MINDIO_ACP_UNSERVICEABLE_AFTER")
         self._path_locks: dict[str, threading.Lock] = {}
-        self._stats = {"persisted": 0, "persist_failures": 0, "bytes_persisted": 0}
+        self._stats = {"persisted": 0, "persist_failures": 0, "target_errors": 0, "bytes_persisted": 0}
         self._workers: list[threading.Thread] = []
         self.idle_policy = False
 
@@ -65,6 +72,10 @@ class Persister:
 
     def health(self) -> str:
         return "unserviceable" if self.unserviceable else "ok"
+
+    def gave_up(self, entry: Entry) -> bool:
+        """True once every attempt at ``entry`` failed (it is FAILED, or in one of its 5-s retries)."""
+        return entry.attempts >= self._retries
 
     def counters(self) -> dict:
         return dict(self._stats, queued=len(self.queue), sched_idle=self.idle_policy)
@@ -190,7 +201,8 @@ class Persister:
                     log.warning("storage works again (%s persisted): daemon serviceable", entry.path)
                 self.unserviceable, self._consecutive = False, 0
                 d.journal.append({"d": entry.seq}, sync=False)
-                if not d.busy() and os.path.getsize(d.journal_path) > (1 << 20):
+                if not any(e.state in (PENDING, PERSISTING, FAILED) for e in d.entries.values()) and \
+                        os.path.getsize(d.journal_path) > (1 << 20):
                     d.journal.rewrite([])          # nothing unfinished: start a fresh journal
                 newest = d.entries.get(entry.path) is entry
                 if newest:
@@ -219,11 +231,13 @@ class Persister:
         else:
             entry.state, entry.not_before = FAILED, time.monotonic() + _FAILED_RETRY_S
             if entry.attempts == self._retries:
-                self._stats["persist_failures"] += 1
-                self._consecutive += 1
-                log.error("persisting %s failed %d times (%s); its data stays in memory and is retried "
-                          "every %.0f s", entry.path, entry.attempts, entry.error, _FAILED_RETRY_S)
-                _logging.event("acp_persist_failed", path=entry.path, error=entry.error)
+                target = is_target_error(exc) or isinstance(exc, CheckpointError)   # path, or a bad image
+                self._stats["target_errors" if target else "persist_failures"] += 1
+                self._consecutive += 0 if target else 1
+                log.error("persisting %s failed %d times (%s%s); its data stays in memory and is retried "
+                          "every %.0f s", entry.path, entry.attempts, entry.error,
+                          ": the target path is at fault, not a storage failure" if target else "", _FAILED_RETRY_S)
+                _logging.event("acp_persist_failed", path=entry.path, error=entry.error, target=target)
                 if self._consecutive >= self._threshold and not self.unserviceable:
                     self.unserviceable = True
                     log.error("ALARM: %d consecutive storage failures: daemon unserviceable, clients will "
@@ -231,12 +245,44 @@ class Persister:
                     _logging.event("acp_unserviceable", failures=self._consecutive)
         self.queue.append(entry)
 
+    def give_up(self, entry: Entry, why: str) -> None:
+        """Stop trying to persist ``entry`` (caller holds the lock): it is reported lost by path."""
+        self._lost({"path": entry.path, "c": entry.seq}, f"{why} before it could be persisted ({entry.error})")
+        self.d.journal.append({"x": entry.seq})
+        entry.state = SUPERSEDED
+        if entry in self.queue:
+            self.queue.remove(entry)
+
     # ---- recovery -------------------------------------------------------------------------------
+    def _distrust(self, rec) -> str:
+        """Why a journal record must not be replayed ('' when it may)."""
+        fields = {"c": int, "path": str, "file": str, "off": int, "size": int, "mode": int}
+        if not isinstance(rec, dict) or any(not isinstance(rec.get(k, 0o644 if k == "mode" else None), t)
+                                            for k, t in fields.items()):
+            return "malformed record"
+        if rec.get("kind") not in ("acp", "raw") or rec["off"] < 0 or rec["size"] < 0 or \
+                not 0 <= rec.get("mode", 0o644) <= 0o777:
+            return "malformed record"
+        problem = target_problem(rec["path"])
+        if problem:
+            return problem
+        if os.path.dirname(rec["file"]) != self.d.pool_dir or not os.path.basename(rec["file"]).startswith("pool-"):
+            return f"its bytes would come from {rec['file']}, outside this daemon's pool directory {self.d.pool_dir}"
+        return ""
+
     def recover(self, records: list) -> list:
         """Re-install unfinished commits from a previous daemon; returns the records still pending."""
         maps: dict = {}
         newest: dict = {}
+        trusted = []
         for rec in records:
+            why = self._distrust(rec)
+            if why:
+                log.error("refused journal record %.300r: %s; nothing is written for it", rec, why)
+                _logging.event("acp_refused", what="journal record", reason=why)
+            else:
+                trusted.append(rec)
+        for rec in trusted:
             if rec["path"] not in newest or rec["c"] > newest[rec["path"]]["c"]:
                 newest[rec["path"]] = rec
         kept = []
@@ -273,7 +319,7 @@ class Persister:
     def _recovered_view(rec: dict, maps: dict) -> memoryview:
         path = rec["file"]
         if path not in maps:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_private(path, os.O_RDWR)
             try:
                 maps[path] = [mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED), 0]
             finally:
@@ -299,7 +345,8 @@ class Persister:
 
     def _lost(self, rec: dict, reason: str) -> None:
         record = {"path": rec["path"], "seq": rec["c"], "reason": reason, "time": time.time()}
-        with open(os.path.join(self.d.dir, "lost.jsonl"), "a") as f:
+        fd = open_private(os.path.join(self.d.dir, "lost.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        with os.fdopen(fd, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -309,7 +356,7 @@ class Persister:
 
     def lost_records(self) -> list:
         try:
-            with open(os.path.join(self.d.dir, "lost.jsonl")) as f:
+            with os.fdopen(open_private(os.path.join(self.d.dir, "lost.jsonl"), os.O_RDONLY)) as f:
                 return [json.loads(line) for line in f if line.strip()]
         except (FileNotFoundError, ValueError):
             return []

@@ -64,14 +64,14 @@ def _mem_available():
 
 def create_pool(pool_dir: str, pool_bytes: int, keep: set) -> tuple:
     """Remove stale pool files (except ``keep``: files still holding recovered data), create and map
-    a new one; returns (path, shared mmap)."""
+    a new one; returns (path, shared mmap, open descriptor: what clients are handed)."""
     path = os.path.join(pool_dir, f"pool-{os.getpid()}-{time.time_ns()}")
     for name in os.listdir(pool_dir):
         old = os.path.join(pool_dir, name)
         if old not in keep:
             os.unlink(old)  # a pool of a daemon that died with nothing left to persist
     check_pool_fits(pool_dir, pool_bytes)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         # reserve every page now: a pool its file system cannot hold must fail here, clearly,
         # not with SIGBUS in a trainer's copy later
@@ -82,5 +82,4 @@ def create_pool(pool_dir: str, pool_bytes: int, keep: set) -> tuple:
         raise OSError(exc.errno, f"cannot reserve a {pool_bytes >> 20} MiB pool in "
                       f"{pool_dir}: {exc.strerror}") from None
     pool_map = mmap.mmap(fd, pool_bytes, flags=mmap.MAP_SHARED)
-    os.close(fd)
-    return path, pool_map
+    return path, pool_map, fd

@@ -12,13 +12,30 @@ acknowledged saves it must still persist or report lost by name.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
+import logging
 import os
+import secrets
+import socket
+import stat
 import threading
 
-__all__ = ["atomic_write", "atomic_write_direct", "marker_path", "write_marker", "remove_marker", "Journal", "is_internal_name"]
+from ._secure import open_private, umask
 
+__all__ = ["atomic_write", "atomic_write_direct", "atomic_torch_save", "marker_path", "temp_path", "write_marker",
+           "remove_marker", "Journal", "is_internal_name", "is_target_error", "target_problem", "sweep_temps",
+           "file_mode", "fsync_dir"]
+
+log = logging.getLogger(__name__)
 _CHUNK = 64 << 20
+_NAME_MAX = 255            # bytes in one file name (Linux file systems)
+_PID_LIMIT = 1 << 22       # pids are below this (pid_max); journal seqs (microsecond times) far above
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]   # temp files on shared storage
+# errors that come from the target path (a user error), not from the storage: they never count
+# towards the daemon's unserviceable state
+_TARGET_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.EACCES, errno.EPERM,
+                  errno.ELOOP, errno.EEXIST}
 
 
 def is_internal_name(name: str) -> bool:
@@ -26,21 +43,69 @@ def is_internal_name(name: str) -> bool:
     return name.startswith(".") and (".mindio-tmp." in name or name.endswith(".mindio-pending"))
 
 
-def marker_path(path: str) -> str:
+def is_target_error(exc: BaseException) -> bool:
+    """True when writing failed because of the target path (missing or replaced directory, a
+    directory in the way, name too long, no permission), not because of the storage."""
+    return isinstance(exc, OSError) and exc.errno in _TARGET_ERRNOS
+
+
+def target_problem(path) -> str:
+    """Why ``path`` cannot name a checkpoint file ('' when it can): it must be an absolute, normalized
+    path whose file name fits the 255 bytes of a name."""
+    if not isinstance(path, str) or "\0" in path or not os.path.isabs(path) or os.path.normpath(path) != path:
+        return f"target {path!r} is not an absolute, normalized path"
+    name = os.fsencode(os.path.basename(path))
+    if not name:
+        return f"target {path!r} names a directory, not a file"
+    if len(name) > _NAME_MAX:
+        return f"the file name of {path} has {len(name)} bytes, more than the {_NAME_MAX} a name may have"
+    return ""
+
+
+def file_mode() -> int:
+    """The mode torch.save gives a new file: 0o666 less the process's current umask."""
+    return 0o666 & ~umask()
+
+
+def _sidecar(path: str, suffix: str) -> str:
+    """``.<name><suffix>`` next to ``path``; when that exceeds a file name's 255 bytes, the name is cut
+    and a hash of the whole name added, so every target still gets its own."""
     head, tail = os.path.split(path)
-    return os.path.join(head, f".{tail}.mindio-pending")
+    name = f".{tail}{suffix}"
+    if len(name.encode()) > _NAME_MAX:
+        digest = hashlib.sha1(tail.encode()).hexdigest()[:12]
+        keep = _NAME_MAX - len(f".~{digest}{suffix}".encode())
+        name = f".{tail.encode()[:keep].decode(errors='ignore')}~{digest}{suffix}"
+    return os.path.join(head, name)
+
+
+def marker_path(path: str) -> str:
+    return _sidecar(path, ".mindio-pending")
+
+
+def temp_path(path: str, tag: str) -> str:
+    """The temp file of one write of ``path`` (tag: the daemon's seq or the writer's pid)."""
+    return _sidecar(path, f".mindio-tmp.{_HOST}.{tag}")
 
 
 def write_marker(path: str, info: dict) -> None:
-    with open(marker_path(path), "w") as f:
+    """A new marker file (never through a link or into a file that was already there)."""
+    marker = marker_path(path)
+    _unlink(marker)
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
         json.dump(info, f)
 
 
-def remove_marker(path: str) -> None:
+def _unlink(path: str) -> None:
     try:
-        os.unlink(marker_path(path))
+        os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def remove_marker(path: str) -> None:
+    _unlink(marker_path(path))
 
 
 def fsync_dir(directory: str) -> None:
@@ -51,26 +116,67 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _own_file(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _create_temp(path: str, tag: str, flags: int = 0) -> tuple:
+    """(fd, name) of a new temp file next to ``path``: O_EXCL|O_NOFOLLOW, mode 0600 until written.
+    A stale temp file of ours with the same name (a crash mid-write) is replaced; a name held by
+    anything else is left alone and a random one used instead."""
+    tmp = temp_path(path, tag)
+    for attempt in range(3):
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags,
+                           0o600), tmp
+        except FileExistsError:
+            if attempt == 0 and _own_file(tmp):
+                _unlink(tmp)
+            else:
+                log.warning("temporary file name %s is taken by something that is not a file of ours "
+                            "(planted by another user?): left alone, using another name", tmp)
+                tmp = temp_path(path, f"{tag}-{secrets.token_hex(4)}")
+    raise FileExistsError(errno.EEXIST, f"cannot create a temporary file next to {path}: every name tried exists")
+
+
+def _atomic(path: str, fill, mode: int, tag: str, flags: int = 0) -> os.stat_result:
+    """Create a temp file, ``fill(fd)`` it, set ``mode``, fsync, rename over ``path``, fsync the
+    directory; returns the new file's stat. The temp file is removed on every failure."""
+    fd, tmp = _create_temp(path, tag or str(os.getpid()), flags)
+    try:
+        try:
+            fill(fd)
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(path))
+    return st
+
+
 def atomic_write(path: str, chunks, mode: int = 0o644, tag: str = "") -> os.stat_result:
     """Write the byte chunks to ``path`` atomically and durably; returns the new file's stat."""
-    head, tail = os.path.split(path)
-    tmp = os.path.join(head, f".{tail}.mindio-tmp.{tag or os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        _write_all(fd, chunks)
-        os.fsync(fd)
-        os.fchmod(fd, mode)
-    except BaseException:
-        os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    os.close(fd)
-    os.rename(tmp, path)
-    fsync_dir(head)
-    return os.stat(path)
+    return _atomic(path, lambda fd: _write_all(fd, chunks), mode, tag)
+
+
+def atomic_torch_save(obj, path: str, mode: int) -> os.stat_result:
+    """torch.save ``obj`` to ``path`` through the same temp file + rename as atomic_write."""
+    import torch
+
+    def fill(fd: int) -> None:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            torch.save(obj, f)
+
+    return _atomic(path, fill, mode, "")
 
 
 def _write_all(fd: int, chunks) -> None:
@@ -90,36 +196,16 @@ def atomic_write_direct(path: str, parts: list, size: int, mode: int = 0o644, ta
     aligned and be a multiple of 4096 bytes long (the last may run past ``size``: the file is cut
     to ``size`` afterwards). Falls back to a buffered write where the file system refuses O_DIRECT.
     """
-    head, tail = os.path.split(path)
-    tmp = os.path.join(head, f".{tail}.mindio-tmp.{tag or os.getpid()}")
+    def fill(fd: int) -> None:
+        _write_all(fd, parts)
+        os.ftruncate(fd, size)
+
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, mode)
+        return _atomic(path, fill, mode, tag, os.O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        return _buffered_fallback(path, parts, size, mode, tag)
-    try:
-        _write_all(fd, parts)
-        os.ftruncate(fd, size)
-        os.fsync(fd)
-        os.fchmod(fd, mode)
-    except OSError as exc:
-        os.close(fd)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if exc.errno == errno.EINVAL:
-            return _buffered_fallback(path, parts, size, mode, tag)
-        raise
-    os.close(fd)
-    os.rename(tmp, path)
-    fsync_dir(head)
-    return os.stat(path)
-
-
-def _buffered_fallback(path, parts, size, mode, tag):
-    chunks, left = [], size
+    chunks, left = [], size            # the file system refuses O_DIRECT: buffered
     for part in parts:
         view = memoryview(part).cast("B")[:left]
         chunks.append(view)
@@ -127,34 +213,78 @@ def _buffered_fallback(path, parts, size, mode, tag):
     return atomic_write(path, chunks, mode=mode, tag=tag)
 
 
+def sweep_temps(records: list) -> list:
+    """Remove the temp files a crash left next to the journal's targets: this daemon's own (tagged
+    with a journalled seq) and those of writers on this host that are gone (tagged with a pid that no
+    process has). Only regular files owned by the caller. Returns the removed paths."""
+    seqs: dict = {}
+    for rec in records:
+        if isinstance(rec.get("path"), str) and os.path.isabs(rec["path"]) and isinstance(rec.get("c"), int):
+            seqs.setdefault(os.path.dirname(rec["path"]), set()).add(str(rec["c"]))
+    removed = []
+    for directory, known in seqs.items():
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if not name.startswith(".") or f".mindio-tmp.{_HOST}." not in name:
+                continue
+            tag = name.rsplit(f".mindio-tmp.{_HOST}.", 1)[1].split("-")[0]
+            if tag.isdigit() and (tag in known or (int(tag) < _PID_LIMIT and not _pid_alive(int(tag)))):
+                path = os.path.join(directory, name)
+                if _own_file(path):
+                    _unlink(path)
+                    removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 class Journal:
-    """Append-only JSON-lines log of commits ("c"), completions ("d") and drops ("x"), fsynced per write."""
+    """Append-only JSON-lines log of commits ("c"), completions ("d") and drops ("x"), fsynced per write.
+    Its file must be private to the daemon's user (opened O_NOFOLLOW and checked by descriptor)."""
+
+    _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT
 
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
-        self._f = open(path, "a", buffering=1)
+        self._f = os.fdopen(open_private(path, self._FLAGS), "a", buffering=1)
 
     @staticmethod
-    def pending(path: str) -> list:
-        """Commits without a matching completion or drop, in commit order."""
+    def load(path: str) -> tuple:
+        """(commits without a matching completion or drop, every commit), in commit order."""
         commits: dict = {}
+        every: list = []
         try:
-            with open(path) as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        continue  # a torn last line from a crash: its commit was never acknowledged
-                    if "c" in rec:
-                        commits[rec["c"]] = rec
-                    elif "d" in rec:
-                        commits.pop(rec["d"], None)
-                    elif "x" in rec:
-                        commits.pop(rec["x"], None)
+            fd = open_private(path, os.O_RDONLY)
         except FileNotFoundError:
-            pass
-        return list(commits.values())
+            return [], []
+        with os.fdopen(fd) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line from a crash: its commit was never acknowledged
+                if not isinstance(rec, dict):
+                    continue
+                if "c" in rec:
+                    commits[rec["c"]] = rec
+                    every.append(rec)
+                elif "d" in rec:
+                    commits.pop(rec["d"], None)
+                elif "x" in rec:
+                    commits.pop(rec["x"], None)
+        return list(commits.values()), every
 
     def append(self, record: dict, sync: bool = True) -> None:
         with self._lock:
@@ -164,17 +294,19 @@ class Journal:
                 os.fdatasync(self._f.fileno())
 
     def rewrite(self, records: list) -> None:
-        """Replace the journal with ``records`` (the still-pending commits), atomically."""
+        """Replace the journal with ``records`` (the still-pending commits), atomically and durably."""
         with self._lock:
             self._f.close()
             tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
+            _unlink(tmp)
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
                 for rec in records:
                     f.write(json.dumps(rec) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, self.path)
-            self._f = open(self.path, "a", buffering=1)
+            fsync_dir(os.path.dirname(self.path))
+            self._f = os.fdopen(open_private(self.path, self._FLAGS), "a", buffering=1)
 
     def close(self) -> None:
         with self._lock:

@@ -1,10 +1,12 @@
 """Framing of the daemon's Unix-socket protocol: u32 big-endian length + one msgpack map.
 
 Requests are ``{"op": name, ...}``; every reply is ``{"ok": bool, ...}`` with ``"error"`` when not ok.
-No pickle ever crosses the socket. Frames above 16 MiB are refused as malformed.
+No pickle ever crosses the socket. Frames above 16 MiB are refused as malformed. A file descriptor
+(the pool, after a ``hello`` that asked for it) travels as one byte with SCM_RIGHTS after the reply.
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -12,7 +14,7 @@ import msgpack
 
 from ..errors import ProtocolError
 
-__all__ = ["send", "recv", "MAX_FRAME"]
+__all__ = ["send", "recv", "send_fd", "recv_fd", "MAX_FRAME"]
 
 MAX_FRAME = 16 << 20
 _LEN = struct.Struct(">I")
@@ -47,3 +49,17 @@ def recv(sock: socket.socket) -> dict:
     if not isinstance(message, dict):
         raise ProtocolError("frame body is not a map")
     return message
+
+
+def send_fd(sock: socket.socket, fd: int) -> None:
+    socket.send_fds(sock, [b"F"], [fd])
+
+
+def recv_fd(sock: socket.socket) -> int:
+    """The descriptor sent with send_fd (close-on-exec); raises ProtocolError when none came."""
+    data, fds, _, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
+    if data != b"F" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"expected one file descriptor, got {len(fds)} with {data!r}")
+    return fds[0]

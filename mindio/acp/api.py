@@ -7,9 +7,15 @@ Every fallback is logged once per process and counted (``fallback_counts()``).
 
 load reads the newest pooled version of a path when the daemon has one (zero-copy, copy-on-write),
 otherwise the file: a mindio container (verified) or a plain torch.save file (torch.load).
+
+Paths resolve as the OS resolves them (symbolic links, then ``..``), like torch.save and torch.load.
+A target torch.save could not write (a directory, a missing directory, a name too long, no
+permission) is refused by save() itself: -1 and a logged reason, never handed to the daemon. New
+files get torch.save's mode: 0o666 less the caller's umask.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -17,7 +23,7 @@ import threading
 import time
 
 from .. import _knobs
-from ..errors import CheckpointError, ConfigError, ServerUnavailable
+from ..errors import CheckpointError, ConfigError, CorruptCheckpoint, ServerUnavailable
 from . import _config, _storage
 from . import format as fmt
 from .client import Client, PoolFull
@@ -70,13 +76,14 @@ def initialize(server_info: dict | None = None) -> int:
         try:
             _client = Client(cfg, _config.runtime_dir(), server_info)
             _client.connect()
-        except (ServerUnavailable, OSError) as exc:
+            lost = _client.request({"op": "lost"})["lost"]
+        except (CheckpointError, OSError) as exc:   # unreachable, or an insecure runtime directory
             log.error("mindio.acp.initialize failed: %s; saves will write storage directly (next attempt "
                       "in %.0f s at the earliest)", exc, _RETRY_S)
             _client = None
             _retry_after = time.monotonic() + _RETRY_S
             return -1
-        for rec in _client.request({"op": "lost"})["lost"]:
+        for rec in lost:
             if rec not in _lost:
                 _lost.append(rec)
                 log.error("checkpoint %s was acknowledged but LOST when the daemon died (%s); the previous "
@@ -99,11 +106,26 @@ def _get_client() -> Client | None:
         return _client
 
 
+def _resolve(path) -> str:
+    """``path`` made absolute with every symbolic link and ``..`` resolved as the OS does."""
+    return os.path.realpath(os.fspath(path))
+
+
 def _target(path) -> str:
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
+    """The file a save of ``path`` writes; raises OSError (errno and message as torch.save would meet
+    them) for a target that cannot be written, so that it never reaches the daemon."""
+    path = _resolve(path)
+    parent, name = os.path.split(path)
     if not os.path.isdir(parent):
-        raise FileNotFoundError(f"cannot save {path}: directory {parent} does not exist")
+        raise FileNotFoundError(errno.ENOENT, f"cannot save {path}: directory {parent} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, f"cannot save {path}: it is a directory; pass a file path")
+    problem = _storage.target_problem(path)
+    if problem or len(os.fsencode(path)) >= os.pathconf(parent, "PC_PATH_MAX"):
+        raise OSError(errno.ENAMETOOLONG, f"cannot save {path}: {problem or 'the path is too long'}")
+    if not os.access(parent, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids) and \
+            not os.statvfs(parent).f_flag & os.ST_RDONLY:     # a read-only file system is a storage failure
+        raise PermissionError(errno.EACCES, f"cannot save {path}: no permission to create files in {parent}")
     return path
 
 
@@ -114,46 +136,34 @@ def _check_way(open_way: str) -> None:
 
 def _save(obj, paths: list, open_way: str):
     _check_way(open_way)
+    mode = _storage.file_mode()
     try:
         plan = fmt.plan(obj)
     except Exception as exc:  # unsupported object: torch.save can still store it
         _note_fallback("torch.save", f"object not expressible in the mindio format ({exc})")
-        return _torch_save(obj, paths), []
+        return _torch_save(obj, paths, mode), []
     client = _get_client() if open_way == "memfs" else None
     if client is not None:
         try:
             write = functools.partial(plan.write_into, to_host=client.device.to_host)
-            return 1, client.save_image(plan.total_len, write, paths)
+            return 1, client.save_image(plan.total_len, write, paths, mode=mode)
         except (PoolFull, ServerUnavailable) as exc:
             _note_fallback("direct write", str(exc))
     elif open_way == "memfs":
         _note_fallback("direct write", "mindio-acp-server unavailable or disabled")
     try:
         for path in paths:
-            _storage.atomic_write(path, plan.file_chunks())
+            _storage.atomic_write(path, plan.file_chunks(), mode=mode)
         return 2, []
     except OSError as exc:
         _note_fallback("torch.save", f"direct write failed: {exc}")
-        return _torch_save(obj, paths), []
+        return _torch_save(obj, paths, mode), []
 
 
-def _atomic_torch_save(torch, obj, path: str) -> None:
-    """torch.save to a temporary file, fsync, rename over ``path``, fsync the directory."""
-    head, tail = os.path.split(path)
-    tmp = os.path.join(head, f".{tail}.mindio-tmp.{os.getpid()}")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _storage.fsync_dir(head or ".")
-
-
-def _torch_save(obj, paths: list) -> int:
-    import torch
-
+def _torch_save(obj, paths: list, mode: int) -> int:
     try:
         for path in paths:
-            _atomic_torch_save(torch, obj, path)
+            _storage.atomic_torch_save(obj, path, mode)
         return 0
     except Exception as exc:
         log.error("saving %s failed on every path (memory pool, direct write, torch.save): %s", paths, exc)
@@ -164,8 +174,8 @@ def save(obj, path, open_way: str = "memfs") -> int:
     """Save ``obj`` to ``path``. Returns 1 (memory pool), 2 (direct write), 0 (torch.save), -1 (failed)."""
     try:
         rc, _ = _save(obj, [_target(path)], open_way)
-    except FileNotFoundError as exc:
-        log.error("%s", exc)
+    except OSError as exc:        # a target torch.save could not write either
+        log.error("%s", exc.strerror or exc)
         return -1
     return rc
 
@@ -176,8 +186,8 @@ def multi_save(obj, path_list):
         raise ConfigError("multi_save: path_list must be a non-empty list of file paths")
     try:
         rc, _ = _save(obj, [_target(p) for p in path_list], "memfs")
-    except FileNotFoundError as exc:
-        log.error("%s", exc)
+    except OSError as exc:
+        log.error("%s", exc.strerror or exc)
         return None
     return None if rc == -1 else rc
 
@@ -212,7 +222,7 @@ def _pooled_region(path: str):
 def load(path, open_way: str = "memfs", map_location=None, weights_only: bool = True):
     """Load what ``save`` or ``torch.save`` wrote to ``path``; newest pooled version first."""
     _check_way(open_way)
-    path = os.path.abspath(os.fspath(path))
+    path = _resolve(path)
     if open_way == "memfs":
         found = _pooled_region(path)
         if found is not None:
@@ -232,34 +242,70 @@ def _torch_load_bytes(data: bytes, map_location, weights_only):
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
 
 
-def _load_storage(path: str, map_location, weights_only):
+def _read_container(f):
+    """The whole file of an open mindio container, into a buffer loaded tensors can view."""
     import torch
 
+    size = os.fstat(f.fileno()).st_size
+    buf = torch.empty(size, dtype=torch.uint8).numpy()
+    f.seek(0)
+    got = f.readinto(memoryview(buf))
+    return buf[:got]
+
+
+def _load_storage(path: str, map_location, weights_only):
     with open(path, "rb") as f:
         head = f.read(8)
-        if not fmt.is_container(head):
-            f.close()
-            return torch.load(path, map_location=map_location, weights_only=weights_only)
-        size = os.fstat(f.fileno()).st_size
-        buf = torch.empty(size, dtype=torch.uint8).numpy()
-        f.seek(0)
-        got = f.readinto(memoryview(buf))
-    return fmt.load_buffer(buf[:got], path, weights_only=weights_only, map_location=map_location)
+        if fmt.is_container(head):
+            buf = _read_container(f)
+    if fmt.is_container(head):
+        return fmt.load_buffer(buf, path, weights_only=weights_only, map_location=map_location)
+    return _torch_load(path, map_location, weights_only, len(head))
 
 
-def preload(*paths) -> int:
-    """Copy files from storage into the pool so later loads hit memory. 0 ok, 1 failure."""
+def _torch_load(path: str, map_location, weights_only, head_len: int):
+    """torch.load of a non-container file; a file too short or too damaged to be one raises
+    CorruptCheckpoint naming it (torch's own errors do not name the file)."""
+    import torch
+
+    if head_len < 8:
+        raise CorruptCheckpoint(path, f"only {head_len} bytes: neither a mindio container nor a torch.save file")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except EOFError as exc:
+        raise CorruptCheckpoint(path, f"truncated torch.save file ({exc or 'ran out of input'})") from exc
+    except RuntimeError as exc:
+        if "zip archive" not in str(exc) and "PytorchStreamReader" not in str(exc):
+            raise
+        raise CorruptCheckpoint(path, f"damaged torch.save file: {exc}") from exc
+
+
+def preload(*paths, weights_only: bool = True) -> int:
+    """Copy files from storage into the pool so later loads hit memory. 0 ok, 1 failure.
+
+    Nothing in a file runs by default: a mindio container is verified (not unpickled) and pooled as
+    it is, a later load() unpickles it with its own ``weights_only``; a torch.save file is read with
+    ``torch.load(weights_only=weights_only)`` and pooled in the mindio format. Pass False only for
+    torch.save files you trust.
+    """
     client = _get_client()
     if client is None or not paths:
         return 1
     try:
         for path in paths:
-            path = os.path.abspath(os.fspath(path))
-            st = os.stat(path)
-            obj = _load_storage(path, None, False)
-            plan = fmt.plan(obj)
-            client.save_image(plan.total_len, plan.write_into, [path], kind="cache",
-                              stat=[st.st_ino, st.st_mtime_ns, st.st_size])
+            path = _resolve(path)
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                head = f.read(8)
+                data = _read_container(f) if fmt.is_container(head) else None
+            if data is not None:
+                fmt.verify(data, path)
+                write = lambda buf, copy, data=data: copy(buf, [(0, data)])   # noqa: E731
+                size = len(data)
+            else:
+                plan = fmt.plan(_torch_load(path, None, weights_only, len(head)))
+                write, size = plan.write_into, plan.total_len
+            client.save_image(size, write, [path], kind="cache", stat=[st.st_ino, st.st_mtime_ns, st.st_size])
     except Exception as exc:
         log.error("preload of %s failed: %s", paths, exc)
         return 1
@@ -285,14 +331,12 @@ def flush(timeout: float = 3600.0) -> int:
 
 def convert(src, dst) -> int:
     """Write ``src`` (any checkpoint load() reads) to ``dst`` as a plain torch.save file. 0 ok, -1 failure."""
-    import torch
-
     try:
         for p in (src, dst):
             if os.path.islink(p):
                 raise CheckpointError(f"{p} is a symbolic link; convert refuses links")
         obj = load(src, weights_only=False)
-        _atomic_torch_save(torch, obj, os.path.abspath(os.fspath(dst)))
+        _storage.atomic_torch_save(obj, _resolve(dst), _storage.file_mode())
         return 0
     except Exception as exc:
         log.error("convert %s -> %s failed: %s", src, dst, exc)
@@ -328,3 +372,4 @@ def reset() -> None:
             _client.close()
         _client, _cfg, _server_info, _retry_after = None, None, None, 0.0
         _counts.clear()
+        _lost.clear()       # the next initialize() learns them again from the daemon

@@ -3,7 +3,9 @@
 One ``Client`` per process (re-created after fork). ``connect`` reaches the daemon of the runtime
 directory, starting it if absent (``mindio-acp-server --detach``: double fork + setsid, so it
 outlives the trainer; its lock file makes concurrent starts safe), maps the pool once and faults the
-mapping in, so that a save is a memcpy into warm pages.
+mapping in, so that a save is a memcpy into warm pages. The runtime directory must be private
+(mindio.acp._secure), the daemon must run as our uid (SO_PEERCRED), and the pool comes as a file
+descriptor over the socket, so no other user can stand in for either.
 
 Accelerator tensors move between the device and this mapping directly (mindio.acp._device: the
 mapping is registered as page-locked memory once, at connect when CUDA/NPU is already in use).
@@ -30,7 +32,7 @@ import weakref
 
 from .. import _knobs, _native
 from ..errors import ServerUnavailable
-from . import _config, _wire
+from . import _config, _secure, _wire
 from ._device import DevicePool
 from ._loadview import LoadView
 
@@ -54,6 +56,7 @@ class Client:
         self._sock = None
         self._releases: list[int] = []
         self.pool = None
+        self._pool_fd: int | None = None
         self.loadview: LoadView | None = None
         self.device: DevicePool | None = None
         self.hello: dict = {}
@@ -68,24 +71,36 @@ class Client:
         s.settimeout(timeout)
         try:
             s.connect(self.sock_path)
+            pid, uid = _secure.peer_uid(s)
         except OSError:
             s.close()
             raise
+        if uid != os.geteuid():
+            s.close()
+            raise ServerUnavailable(f"{self.sock_path} is served by pid {pid} of uid {uid}, not by your uid "
+                                    f"{os.geteuid()}: refusing to talk to it")
         return s
 
     def connect(self) -> None:
         """Reach (or start) the daemon and map its pool; raises ServerUnavailable on failure.
 
         A daemon that is exiting at this very moment (idle exit, shutdown) may accept and then drop
-        the connection: that is retried a few times with a fresh daemon.
+        the connection: that is retried a few times with a fresh daemon. Raises InsecurePath when the
+        runtime directory is not private to us.
         """
+        self.dir = _secure.private_dir(self.dir)
         for attempt in range(5):
             try:
                 try:
                     self._sock = self._dial()
                 except OSError:
                     self._start_daemon()
-                self.hello = self.request({"op": "hello"})
+                self.hello = self.request({"op": "hello", "fd": True})
+                if not self.hello.get("fd"):
+                    raise ServerUnavailable(f"mindio-acp-server pid {self.hello.get('pid')} in {self.dir} predates "
+                                            "the pool hand-over by descriptor: stop it (mindio.acp.shutdown_server() "
+                                            "from an older mindio, or kill that pid) or wait for its idle exit")
+                self._pool_fd = _wire.recv_fd(self._sock)
                 break
             except ServerUnavailable as exc:
                 if attempt == 4 or "cannot start" in str(exc):
@@ -100,37 +115,40 @@ class Client:
         self._map_pool(self.hello["pool"], self.hello["pool_bytes"], self.hello.get("regions", []))
 
     def _start_daemon(self) -> None:
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        """Launch a daemon and connect to it. A launch that finds another daemon holding the
+        directory waits up to a second for its socket (it may be starting), else is repeated (that
+        one is exiting: its socket is already gone) until it has left; all within _START_TIMEOUT_S."""
         env = dict(os.environ, MINDIO_ACP_DIR=self.dir)
         cmd = [sys.executable, "-m", "mindio.acp.server", "--dir", self.dir,
                "--config", json.dumps(self.server_info), "--detach"]
-        try:
-            subprocess.run(cmd, env=env, timeout=_START_TIMEOUT_S, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        except subprocess.CalledProcessError as exc:
-            raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: "
-                                    f"{exc.stderr.decode(errors='replace').strip()}") from None
-        except (subprocess.SubprocessError, OSError) as exc:
-            raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: {exc}") from exc
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
             try:
-                self._sock = self._dial()
-                log.info("started mindio-acp-server (runtime dir %s)", self.dir)
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise ServerUnavailable(
-                        f"mindio-acp-server did not come up in {self.dir} within {_START_TIMEOUT_S:.0f} s; "
-                        f"see {os.path.join(self.dir, 'server.log')}") from None
-                time.sleep(0.05)
+                rc = subprocess.run(cmd, env=env, timeout=_START_TIMEOUT_S, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE)
+            except (subprocess.SubprocessError, OSError) as exc:
+                raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: {exc}") from exc
+            launched = time.monotonic()
+            if rc.returncode not in (0, 3):
+                raise ServerUnavailable(f"cannot start mindio-acp-server in {self.dir}: "
+                                        f"{rc.stderr.decode(errors='replace').strip()}")
+            while True:
+                try:
+                    self._sock = self._dial()
+                    log.info("started mindio-acp-server (runtime dir %s)", self.dir)
+                    return
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise ServerUnavailable(
+                            f"mindio-acp-server did not come up in {self.dir} within {_START_TIMEOUT_S:.0f} s; "
+                            f"see {os.path.join(self.dir, 'server.log')}") from None
+                    if rc.returncode == 3 and time.monotonic() - launched > 1.0:
+                        break                   # the holder is leaving: launch again once it is gone
+                    time.sleep(0.05)
+            time.sleep(0.1)
 
     def _map_pool(self, path: str, size: int, regions: list) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self.pool = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+        self.pool = mmap.mmap(self._pool_fd, size, flags=mmap.MAP_SHARED)   # the daemon's file (fd)
         try:
             self.pool.madvise(_MADV_POPULATE_WRITE)   # page tables in place: saves never fault
         except OSError:
@@ -141,7 +159,7 @@ class Client:
         if not _knobs.get("MINDIO_ACP_LOAD_VIEW"):
             return
         try:
-            self.loadview = LoadView(path, size, first=regions)
+            self.loadview = LoadView(self._pool_fd, size, first=regions)
         except OSError as exc:
             log.warning("no copy-on-write view of the pool (%s): each load maps its region afresh", exc)
 
@@ -150,6 +168,9 @@ class Client:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+            if self._pool_fd is not None:
+                os.close(self._pool_fd)
+                self._pool_fd = None
 
     def alive(self) -> bool:
         return self._sock is not None and os.getpid() == self.pid
@@ -234,15 +255,17 @@ class Client:
             weakref.finalize(view, self._releases.append, reply["lease"])
         return view, reply
 
-    @staticmethod
-    def _private_map(reply: dict):
-        """A fresh private mapping of the region (a recovered pool file, or a range already viewed)."""
-        fd = os.open(reply["file"], os.O_RDONLY)
+    def _private_map(self, reply: dict):
+        """A fresh private mapping of the region: a range already viewed (from the pool's descriptor),
+        or a recovered pool file (a private file of ours in the daemon's private pool directory)."""
+        pool_fd = self._pool_fd if reply["file"] == self.hello.get("pool") else None
+        fd = pool_fd if pool_fd is not None else _secure.open_private(reply["file"], os.O_RDONLY)
         try:
             mm = mmap.mmap(fd, reply["size"], flags=mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=reply["offset"])
         finally:
-            os.close(fd)
+            if fd != pool_fd:
+                os.close(fd)
         try:
             mm.madvise(_MADV_POPULATE_READ)   # map the shared pages in one go (no copy: still copy-on-write)
         except OSError:

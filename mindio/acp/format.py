@@ -14,7 +14,9 @@ zero storage CRCs: that is the cheap, blocking part of a save. ``checksummed_hea
 per-storage CRCs later (in the daemon, off the trainer's path) and returns the first ``data_off``
 bytes with the table CRCs filled in and ``FLAG_CHECKSUMS`` set; the persisted file is that header
 followed by the unchanged data. ``load_buffer`` verifies preamble, meta and table always, and every
-storage's CRC when the flag is set; any mismatch raises CorruptCheckpoint naming the file.
+storage's CRC when the flag is set; the buffer must be exactly ``total_len`` bytes, the regions must
+nest as laid out above, and every tensor descriptor must stay inside its storage. Any violation
+raises CorruptCheckpoint naming the file and what failed, never a raw struct/msgpack/torch error.
 
 The object skeleton is a pickle in which every tensor is replaced by a persistent id (an index into
 meta["tensors"]); storages are shared exactly as torch.save shares them. Loading with
@@ -32,11 +34,11 @@ from dataclasses import dataclass, field
 import msgpack
 
 from .. import _native
-from ..errors import CorruptCheckpoint
+from ..errors import CheckpointError, CorruptCheckpoint
 from . import _device
 
 __all__ = ["MAGIC", "VERSION", "FLAG_CHECKSUMS", "HEADER_SIZE", "Plan", "plan", "is_container",
-           "checksummed_header", "load_buffer", "header_info"]
+           "checksummed_header", "load_buffer", "verify", "header_info"]
 
 MAGIC = b"MINDIOCK"
 VERSION = 1
@@ -203,17 +205,31 @@ def _parse(view: memoryview, name) -> _Header:
         raise CorruptCheckpoint(name, f"format version {version} is not supported (this mindio reads {VERSION})")
     if total > len(view):
         raise CorruptCheckpoint(name, f"truncated: {len(view)} bytes, header says {total}")
+    if total < len(view):
+        raise CorruptCheckpoint(name, f"{len(view) - total} bytes after the end the header records ({total}): "
+                                "data appended to the file, or a damaged header")
+    if not (HEADER_SIZE + meta_len <= table_off and table_off + _ENTRY.size * n <= data_off <= total
+            and data_off % _PAGE == 0):
+        raise CorruptCheckpoint(name, f"inconsistent layout: {meta_len} bytes of metadata, a table of {n} storages "
+                                f"at {table_off}, data at {data_off}, {total} bytes in all")
     meta = view[HEADER_SIZE: HEADER_SIZE + meta_len]
     table = view[table_off: table_off + _ENTRY.size * n]
     if _native.crc32(meta) != meta_crc:
         raise CorruptCheckpoint(name, "metadata checksum mismatch")
     if _native.crc32(table) != table_crc:
         raise CorruptCheckpoint(name, "tensor table checksum mismatch")
-    entries = [_ENTRY.unpack_from(table, i * _ENTRY.size)[:3] for i in range(n)]
+    entries = [e[:3] for e in _ENTRY.iter_unpack(table)]
     for off, nbytes, _ in entries:
         if data_off + off + nbytes > total:
             raise CorruptCheckpoint(name, "tensor table points past the end of the file")
-    return _Header(flags, n, msgpack.unpackb(meta, raw=False), entries, data_off, total)
+    try:
+        meta = msgpack.unpackb(meta, raw=False)
+    except Exception as exc:    # msgpack raises several types for malformed bytes
+        raise CorruptCheckpoint(name, f"metadata cannot be decoded: {exc}") from None
+    if not (isinstance(meta, dict) and isinstance(meta.get("skeleton"), bytes)
+            and isinstance(meta.get("tensors"), list) and meta.get("storages") == n):
+        raise CorruptCheckpoint(name, "metadata lacks the skeleton, tensor list or storage count it must have")
+    return _Header(flags, n, meta, entries, data_off, total)
 
 
 def header_info(buf, name="<buffer>") -> dict:
@@ -240,6 +256,23 @@ def checksummed_header(buf, name="<pool>") -> bytes:
     return bytes(out)
 
 
+def _chunks(view: memoryview, h: _Header, name, verify: bool) -> list:
+    """Each storage's bytes, its CRC checked when the file carries CRCs (and ``verify``)."""
+    chunks = []
+    for i, (off, nbytes, crc) in enumerate(h.table):
+        chunk = view[h.data_off + off: h.data_off + off + nbytes]
+        if verify and h.flags & FLAG_CHECKSUMS and _native.crc32(chunk) != crc:
+            raise CorruptCheckpoint(name, f"checksum mismatch in tensor storage {i} ({nbytes} bytes)")
+        chunks.append(chunk)
+    return chunks
+
+
+def verify(buf, name) -> None:
+    """Check everything but the skeleton (which only loading may unpickle): raises CorruptCheckpoint."""
+    view = memoryview(buf).cast("B")
+    _chunks(view, _parse(view, name), name, True)
+
+
 def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, verify: bool = True,
                 to_device=None):
     """Rebuild the saved object from ``buf`` (a writable buffer the tensors will view, not copy).
@@ -258,16 +291,13 @@ def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, veri
     tensors = h.meta["tensors"]
     places = _placement(tensors, h.n, map_location)
     storages, moves = [], []
-    for i, (off, nbytes, crc) in enumerate(h.table):
-        chunk = view[h.data_off + off: h.data_off + off + nbytes]
-        if verify and h.flags & FLAG_CHECKSUMS and _native.crc32(chunk) != crc:
-            raise CorruptCheckpoint(name, f"checksum mismatch in tensor storage {i} ({nbytes} bytes)")
+    for i, chunk in enumerate(_chunks(view, h, name, verify)):
         if places[i] is not None:
-            if nbytes:
-                moves.append((i, h.data_off + off, nbytes, places[i]))
+            if len(chunk):
+                moves.append((i, h.data_off + h.table[i][0], len(chunk), places[i]))
             else:
                 places[i] = None       # an empty storage: its tensors are placed by _relocate
-        storages.append(torch.frombuffer(chunk, dtype=torch.uint8).untyped_storage() if nbytes
+        storages.append(torch.frombuffer(chunk, dtype=torch.uint8).untyped_storage() if len(chunk)
                         else torch.UntypedStorage(0))
     if moves:
         copied = (to_device or functools.partial(_device.to_device, view))([m[1:] for m in moves])
@@ -285,26 +315,47 @@ def load_buffer(buf, name, *, weights_only: bool = True, map_location=None, veri
     unpickler_cls = RestrictedUnpickler if weights_only else pickle.Unpickler
     up = unpickler_cls(io.BytesIO(h.meta["skeleton"]))
     up.persistent_load = persistent_load
+    # with the restricted unpickler any failure means malformed bytes; a trusted (full) unpickle may
+    # also fail for the user's own reasons (a module that is not importable), which stay as they are
+    malformed = Exception if weights_only else (pickle.UnpicklingError, EOFError, ValueError, IndexError,
+                                                struct.error)
     try:
         return up.load()
-    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
-        if isinstance(exc, CorruptCheckpoint):
-            raise
-        raise CorruptCheckpoint(name, f"object skeleton cannot be rebuilt: {exc}") from exc
+    except CheckpointError:
+        raise
+    except malformed as exc:
+        raise CorruptCheckpoint(name, f"object skeleton cannot be rebuilt: {type(exc).__name__}: {exc}") from exc
+
+
+def _is_index(value) -> bool:
+    return type(value) is int and value >= 0
 
 
 def _tensor(desc, storages, places, map_location, name):
     import torch
 
-    index, offset, shape, stride, dtype_name, requires_grad, is_param, device = desc
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype) or not 0 <= index < len(storages):
-        raise CorruptCheckpoint(name, f"bad tensor descriptor {desc!r}")
+    try:
+        index, offset, shape, stride, dtype_name, requires_grad, is_param, device = desc
+        dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+        ok = isinstance(dtype, torch.dtype) and _is_index(index) and index < len(storages) and _is_index(offset) \
+            and isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride) \
+            and all(map(_is_index, shape)) and all(map(_is_index, stride)) and isinstance(device, str)
+    except (TypeError, ValueError):
+        ok = False
+    if ok:   # the elements it spans must lie inside its storage
+        span = 0 if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        ok = span * dtype.itemsize <= storages[index].nbytes()
+    if not ok:
+        raise CorruptCheckpoint(name, f"bad tensor descriptor {desc!r:.200}")
     st = storages[index]
-    if places[index] is None:
-        t = _relocate(torch.empty(0, dtype=dtype).set_(st, offset, shape, stride), device, map_location)
-    else:                              # already on its target device (load_buffer's placement)
+    if places[index] is not None:      # already on its target device (load_buffer's placement)
         t = torch.empty(0, dtype=dtype, device=st.device).set_(st, offset, shape, stride)
+    else:
+        try:
+            t = _relocate(torch.empty(0, dtype=dtype).set_(st, offset, shape, stride), device, map_location)
+        except Exception as exc:    # e.g. saved on a device this process does not have
+            raise CheckpointError(f"{name}: cannot place a tensor saved on {device!r} "
+                                  f"({type(exc).__name__}: {exc}); pass map_location") from exc
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:

@@ -3,7 +3,8 @@
 Protocol (one Unix socket ``<dir>/acp.sock``, frames of mindio.acp._wire; a client's allocations and
 leases die with its connection):
 
-    hello                          -> pool file, size, config, state ("ok" | "unserviceable")
+    hello {fd?}                    -> pool file, size, config, state ("ok" | "unserviceable"); with
+                                      "fd": true the pool file's descriptor follows (SCM_RIGHTS)
     alloc {size}                   -> {alloc, offset}   (evicts persisted entries if needed)
     abort {alloc}                  -> frees an uncommitted allocation
     commit {alloc, paths, kind, mode, stat?} -> {seqs}  (journal fsynced, markers written, queued)
@@ -18,6 +19,9 @@ leases die with its connection):
 
 Call order of a save: alloc -> (client copies the image into the pool) -> commit. Nothing is visible
 to lookup or persisted before commit; a client killed before commit leaves no trace.
+
+Only processes of the daemon's own uid are served (SO_PEERCRED); the runtime and pool directories
+are private (mindio.acp._secure), and the pool is handed to clients as a descriptor, never by name.
 
 Modules: this one holds the process (start-up, lock, socket, connections, idle exit, shutdown, CLI);
 mindio.acp._ops the request handlers; mindio.acp._poolfile the pool file; mindio.acp._persist the
@@ -37,13 +41,13 @@ import threading
 import time
 
 from .. import _knobs
-from . import _config, _wire
+from . import _config, _secure, _wire
 from ._ops import Operations
 from ._persist import Persister
 from ._pool import BlockAllocator
 from ._poolfile import MADV_POPULATE_WRITE, address, check_pool_fits, create_pool, madvise
 from ._state import LIVE, Entry
-from ._storage import Journal
+from ._storage import Journal, sweep_temps
 
 __all__ = ["Daemon", "main", "check_pool_fits"]
 
@@ -59,6 +63,7 @@ class Daemon(Operations):
         self.conns = 0
         self.last_active = time.monotonic()
         self.stopping = threading.Event()
+        self.leaving = False            # set (under the lock) once the daemon decided to exit
         self._ids = 0
         self._last_seq = 0
         self.prefaulted = 0
@@ -66,17 +71,19 @@ class Daemon(Operations):
 
     # ---- start-up -------------------------------------------------------------------------------
     def start(self) -> bool:
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        self._lockf = open(os.path.join(self.dir, "daemon.lock"), "a+")
+        self.dir = _secure.private_dir(self.dir)
+        self._lockf = _secure.open_private(os.path.join(self.dir, "daemon.lock"), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self._lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("another mindio-acp-server owns %s; exiting", self.dir)
             return False
-        self.pool_dir = _config.pool_dir(self.dir)
-        os.makedirs(self.pool_dir, mode=0o700, exist_ok=True)
+        self.pool_dir = _secure.private_dir(_config.pool_dir(self.dir), sticky_parents=False)
         self.journal_path = os.path.join(self.dir, "journal.jsonl")
-        recovered = self.persist.recover(Journal.pending(self.journal_path))
+        pending, every = Journal.load(self.journal_path)
+        for path in sweep_temps(every):
+            log.info("removed %s, a temporary file left by a crash", path)
+        recovered = self.persist.recover(pending)
         self.journal = Journal(self.journal_path)
         self.journal.rewrite(recovered)
         self._create_pool()
@@ -89,6 +96,7 @@ class Daemon(Operations):
         self.server.bind(self.sock_path)
         os.chmod(self.sock_path, 0o600)
         self.server.listen(64)
+        self.last_active = time.monotonic()      # idle time counts from here, not from a slow start-up
         for target in (self._accept_loop, self._prefault, self._monitor):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         self.persist.start(self.cfg.persist_threads())
@@ -98,7 +106,7 @@ class Daemon(Operations):
 
     def _create_pool(self) -> None:
         keep = {e.region.file for e in self.entries.values()}
-        self.pool_file, self.pool_map = create_pool(self.pool_dir, self.cfg.pool_bytes, keep)
+        self.pool_file, self.pool_map, self.pool_fd = create_pool(self.pool_dir, self.cfg.pool_bytes, keep)
         self.pool_view = memoryview(self.pool_map)
         self.alloc = BlockAllocator(self.cfg.pool_bytes, self.cfg.block_bytes)
 
@@ -129,11 +137,20 @@ class Daemon(Operations):
                 conn, _ = self.server.accept()
             except OSError:
                 return
+            pid, uid = _secure.peer_uid(conn)
+            if uid != os.geteuid():
+                log.warning("refused a connection from pid %d (uid %d): this daemon serves uid %d only",
+                            pid, uid, os.geteuid())
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         state = {"allocs": {}, "leases": {}}
         with self.lock:
+            if self.leaving:                # exit decided: the client retries with a new daemon
+                conn.close()
+                return
             self.conns += 1
             self.last_active = time.monotonic()
         try:
@@ -148,6 +165,8 @@ class Daemon(Operations):
                     log.exception("request %r failed", req.get("op"))
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 _wire.send(conn, reply)
+                if reply.get("fd"):     # hello: the pool itself, not a name another user could swap
+                    _wire.send_fd(conn, self.pool_fd)
                 if req.get("op") == "shutdown":
                     threading.Thread(target=self.shutdown, daemon=True).start()
         except Exception:
@@ -186,26 +205,35 @@ class Daemon(Operations):
 
     # ---- life cycle -----------------------------------------------------------------------------
     def busy(self) -> bool:
-        return any(e.state in LIVE for e in self.entries.values())
+        """Something in memory is still on its way to storage (failed entries are not: they wait)."""
+        return any(e.state in LIVE and not self.persist.gave_up(e) for e in self.entries.values())
 
     def _monitor(self) -> None:
         while not self.stopping.wait(0.5):
-            with self.lock:
+            with self.lock:         # decided with the connection count it reads: no client slips in
                 idle = self.conns == 0 and not self.busy() and time.monotonic() - self.last_active > self.idle_exit
+                self.leaving = self.leaving or idle
             if idle:
-                log.info("idle for %.0f s with nothing to persist: exiting", self.idle_exit)
-                self.shutdown()
+                log.info("idle for %.0f s with nothing left to persist: exiting", self.idle_exit)
+                self.shutdown(give_up=True)
                 return
 
-    def shutdown(self) -> None:
-        """Stop accepting, persist everything still in memory, remove the pool, exit."""
+    def shutdown(self, give_up: bool = False) -> None:
+        """Stop accepting, persist everything still in memory, remove the pool, exit. Entries whose
+        persistence failed stay in the pool for the next daemon, unless ``give_up`` (idle exit: nobody
+        may start a daemon for days): then they are reported lost by path and the pool is freed."""
         if self.stopping.is_set():
             return
         self.stopping.set()
+        with self.lock:
+            self.leaving = True
         self._close_listener()
         self.persist.drain()
         with self.lock:
-            unpersisted = self.busy()
+            if give_up:
+                for entry in [e for e in self.entries.values() if e.state in LIVE]:
+                    self.persist.give_up(entry, "the idle daemon exited")
+            unpersisted = any(e.state in LIVE for e in self.entries.values())
         if not unpersisted:
             for path in {self.pool_file} | {e.region.file for e in self.entries.values()}:
                 try:
@@ -227,9 +255,13 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="{}", help="server_info as a JSON object")
     parser.add_argument("--detach", action="store_true", help="fork into the background (setsid) and return")
     args = parser.parse_args(argv)
-    run_dir = os.path.abspath(args.dir) if args.dir else _config.runtime_dir()
+    os.umask(0o077)           # whatever the daemon creates for itself is private
     cfg = _config.parse_server_info(json.loads(args.config))
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    try:
+        run_dir = _secure.private_dir(args.dir or _config.runtime_dir())
+    except (_secure.InsecurePath, OSError) as exc:
+        print(f"mindio-acp-server failed to start: {exc}", file=sys.stderr)
+        return 1
     ready_r = ready_w = None
     if args.detach:
         ready_r, ready_w = os.pipe()
@@ -239,6 +271,8 @@ def main(argv=None) -> int:
                 status = ready.read()
             if status.startswith("ok"):
                 return 0
+            if status.startswith("owned"):      # another daemon holds the directory (maybe exiting)
+                return 3
             print(f"mindio-acp-server failed to start: {status or 'it died during start-up'}", file=sys.stderr)
             return 1
         os.close(ready_r)
@@ -246,7 +280,7 @@ def main(argv=None) -> int:
         if os.fork() > 0:
             os._exit(0)
         devnull = os.open(os.devnull, os.O_RDWR)
-        logf = os.open(os.path.join(run_dir, "server.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        logf = _secure.open_private(os.path.join(run_dir, "server.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(devnull, 0)
         os.dup2(logf, 1)
         os.dup2(logf, 2)
@@ -261,7 +295,7 @@ def main(argv=None) -> int:
             os.write(ready_w, f"{type(exc).__name__}: {exc}".encode())
         return 1
     if ready_w is not None:
-        os.write(ready_w, b"ok")
+        os.write(ready_w, b"ok" if started else b"owned")
         os.close(ready_w)
     if not started:
         return 0

@@ -4,15 +4,26 @@ Protocol (agent -> bootstrap, on the bootstrap's stdin):
 
 1. The agent starts ``python -m mindio.launch._bootstrap SCRIPT`` (or ``-m MODULE``) with the node-wide
    environment (OMP_NUM_THREADS, MASTER_ADDR, ...). The bootstrap arranges to die with its agent
-   (PR_SET_PDEATHSIG), imports torch and torch.distributed, then imports the modules the training
-   script imports at top level (found by parsing the script with ``ast``; nothing of the script runs).
-   This is the expensive part of a process start (~1-5 s) and happens *before* a rank needs it.
-2. It then blocks reading one JSON line ``{"env": {...}, "argv": [...]}`` from stdin: the assignment.
-   An empty line or EOF means "not needed": it exits 0.
-3. It applies the environment (RANK, LOCAL_RANK, WORLD_SIZE, ...), sets ``sys.argv`` and runs the
-   script as ``__main__``; its exit status is the script's. A replacement process (recover-in-place /
-   recover: ``MINDIO_REBOOT_GEN`` set) first gets :func:`mindio.ttp.reboot.install`, so the script's
-   ``init_process_group`` joins the survivors' new generation.
+   (PR_SET_PDEATHSIG) and imports what is expensive and cannot depend on which rank it becomes:
+   torch, torch.distributed, and those of the script's top-level imports (found by parsing the script
+   with ``ast``; nothing of the script runs) that belong to packages known not to read the rank
+   environment at import time (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``). The script's own
+   modules are NOT imported here: a module that reads ``LOCAL_RANK`` at import time must see its
+   rank's value, as under torchrun. This is the expensive part of a process start (~1-5 s) and happens
+   *before* a rank needs it.
+2. It then blocks reading one JSON line from stdin, the assignment: ``{"env": {...}, "argv": [...],
+   "stdout": PATH|null, "stderr": PATH|null}``. An empty line or EOF means "not needed": it exits 0.
+3. It applies the environment (RANK, LOCAL_RANK, WORLD_SIZE, ... TORCHELASTIC_ERROR_FILE), sends its
+   stdout/stderr to the given files (``--redirects`` / ``--tee`` / ``--local-ranks-filter``; null: the
+   agent's console), sets ``sys.argv`` and runs the script as ``__main__``; its exit status is the
+   script's. A replacement process (recover-in-place / recover: ``MINDIO_REBOOT_GEN`` set) first gets
+   :func:`mindio.ttp.reboot.install`, so the script's ``init_process_group`` joins the survivors' new
+   generation. ``--exec PROGRAM`` (``mindio-run --no-python``): nothing is preloaded; once assigned, the
+   bootstrap replaces itself with PROGRAM (it still dies with its agent: PR_SET_PDEATHSIG survives exec).
+4. An exception that escapes the script is printed as Python would, but starting at the script's frame
+   (the bootstrap's and runpy's frames are dropped), recorded in TORCHELASTIC_ERROR_FILE as torchrun's
+   ``@record`` does (mindio.launch.failures), with the ``pip install`` command when it is a missing
+   module of one of mindio's extras; the exit status is 1, as for any uncaught exception.
 """
 from __future__ import annotations
 
@@ -27,6 +38,10 @@ import sys
 import time
 
 _PR_SET_PDEATHSIG = 1
+
+# Packages whose import reads no rank variable (RANK, LOCAL_RANK, WORLD_SIZE, ...): preloading them in
+# an interpreter that has no rank yet is invisible to the script. Extend with MINDIO_PRELOAD=a,b.
+PRELOAD_SAFE = ("torch", "numpy", "megatron.core", "mindio")
 
 
 def _die_with_parent() -> None:
@@ -55,22 +70,64 @@ def top_level_imports(path: str) -> list[str]:
     return names
 
 
-def _preload(target: str, is_module: bool) -> None:
+def preloadable(names, extra=()) -> list[str]:
+    """Those of ``names`` inside a package of :data:`PRELOAD_SAFE` or ``extra``."""
+    safe = PRELOAD_SAFE + tuple(extra)
+    return [n for n in names if any(n == s or n.startswith(s + ".") for s in safe)]
+
+
+def _preload(target: str, is_module: bool) -> list[str]:
     import torch  # noqa: F401  (the dominant start-up cost)
     import torch.distributed  # noqa: F401
 
-    if is_module:
+    extra = tuple(filter(None, (s.strip() for s in os.environ.get("MINDIO_PRELOAD", "").split(","))))
+    names = [] if is_module else top_level_imports(target)
+    done = []
+    for name in preloadable(names, extra) + [n for n in extra if n not in names]:
+        try:  # the script's directory is not on sys.path yet: only installed packages are found
+            importlib.import_module(name)
+            done.append(name)
+        except Exception:  # the script will raise the same error itself, with its own context
+            pass
+    return done
+
+
+def _redirect(fd: int, path: str | None) -> None:
+    """Send ``fd`` (1 or 2) to ``path`` (appended: a replacement continues its rank's file)."""
+    if not path:
         return
-    script_dir = os.path.dirname(os.path.abspath(target))
-    sys.path.insert(0, script_dir)
+    (sys.stdout if fd == 1 else sys.stderr).flush()
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # the umask applies
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def _report(exc: BaseException) -> None:
+    """Print ``exc`` from the script's first frame on, and record it for the agent (failures.py)."""
+    from . import failures
+
+    trace = failures.format_exception(exc)
+    sys.stderr.write(trace)
+    failures.record(f"{type(exc).__name__}: {exc}", trace)
+    from .._extras import hint
+
+    h = hint(exc)
+    if h and "pip install" not in str(exc):
+        print(f"mindio-run: rank {os.environ.get('RANK', '?')}: {h}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _run(target: str, is_module: bool, argv: list) -> None:
+    sys.argv = [target, *argv]
     try:
-        for name in top_level_imports(target):
-            try:
-                importlib.import_module(name)
-            except Exception:  # the script will raise the same error itself, with its own context
-                pass
-    finally:
-        sys.path.remove(script_dir)
+        if is_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except Exception as exc:  # SystemExit, KeyboardInterrupt and mindio's AbortTraining pass through
+        _report(exc)
+        sys.exit(1)
 
 
 def main() -> None:
@@ -78,10 +135,11 @@ def main() -> None:
     args = sys.argv[1:]
     if not args:
         sys.exit("usage: python -m mindio.launch._bootstrap (SCRIPT | -m MODULE) [ARGS...]")
-    is_module = args[0] == "-m"
-    target = args[1] if is_module else args[0]
+    is_module, is_program = args[0] == "-m", args[0] == "--exec"
+    target = args[1] if is_module or is_program else args[0]
     t0 = time.monotonic()
-    _preload(target, is_module)
+    if not is_program:
+        _preload(target, is_module)
     warm_s = time.monotonic() - t0
     line = sys.stdin.readline()
     if not line.strip():
@@ -89,22 +147,27 @@ def main() -> None:
     assignment = json.loads(line)
     os.environ.update({k: str(v) for k, v in assignment["env"].items()})
     os.environ["MINDIO_WORKER_WARMUP_S"] = f"{warm_s:.3f}"
+    _redirect(1, assignment.get("stdout"))
+    _redirect(2, assignment.get("stderr"))
+    argv = assignment.get("argv") or []
+    if is_program:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        try:
+            os.execvp(target, [target, *argv])
+        except OSError as exc:
+            sys.exit(f"mindio-run: cannot run {target!r} (--no-python): {exc}")
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # as torchrun's @record: a fatal signal prints every thread's stack
     if os.environ.get("MINDIO_REBOOT_GEN"):  # a replacement process joins the survivors' generation
         from mindio.ttp import reboot
 
         reboot.install()
-    argv = assignment.get("argv") or []
     # stdin was the assignment channel; give the script an empty one, as torchrun does.
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    if is_module:
-        sys.argv = [target, *argv]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *argv]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
+    _run(target, is_module, argv)
 
 
 if __name__ == "__main__":

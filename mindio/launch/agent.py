@@ -14,15 +14,24 @@ One agent runs on every node. Conversation through the agents' TCPStore (hosted 
                              joins round ``n+1``.
 * ``round/<n>/done``         each agent adds 1 when all its workers exited 0; the job succeeds when it
                              reaches ``nnodes``. Node 0 keeps the stores up until then.
+* ``round/<n>/failures/<node>`` each agent: JSON list of its workers' failures (rank, exit code, the
+                             exception from the worker's error file: failures.py), so that every agent's
+                             summary names the round's root cause, whichever node it ran on.
+* ``rdzv/next_node``         ``--rdzv-backend c10d`` without ``--node-rank``: the node ranks handed out
+                             (the agent hosting the endpoint is node 0).
 
 With high availability on (``--high-availability`` / ``HIGH_AVAILABILITY``), node 0 also hosts the
 controller as rank -1, a worker death is reported to it at once, and agents start single ranks again
 (recover-in-place) or a standby takes a lost node's ranks (recover) in the running round: see ha.py.
 
 Workers are started through :mod:`mindio.launch._bootstrap`: each agent keeps ``warm_spares``
-interpreters that already imported torch and the script's imports, so a (re)start does not pay the
-interpreter start-up on the critical path. Workers die with their agent (PR_SET_PDEATHSIG), so killing
-an agent simulates the loss of a node.
+interpreters that already imported torch (and whatever of the script's imports cannot read the rank
+environment), so a (re)start does not pay the interpreter start-up on the critical path. Workers die
+with their agent (PR_SET_PDEATHSIG), so killing an agent simulates the loss of a node. Their output and
+error files follow torchrun's ``--log-dir`` / ``--tee`` / ``--redirects`` (logs.py).
+
+Every wait is bounded; when a bound is hit, the message names what was awaited, from whom, and the flag
+or variable that sets it.
 """
 from __future__ import annotations
 
@@ -38,8 +47,10 @@ import threading
 import time
 
 from .. import _logging
-from . import elastic, ha, liveness, switch
+from ..errors import ConfigError
+from . import elastic, failures, ha, liveness, netif, switch
 from .config import LaunchConfig
+from .logs import WorkerLogs
 from .spares import Spares
 
 log = logging.getLogger(__name__)
@@ -63,6 +74,8 @@ class Agent:
         base.update({k: str(v) for k, v in cfg.extra_env.items()})
         if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
             base["OMP_NUM_THREADS"] = "1"  # as torchrun does: N processes must not each spawn N threads
+        # gloo's interface: checked (or chosen) before any worker starts (netif.py)
+        base.update(netif.choose(base, cfg.master_addr, cfg.local_addr, cfg.nnodes > 1 or cfg.standby))
         self._base_env = base
         if cfg.standby and cfg.high_availability and cfg.warm_spares < cfg.nproc_per_node:
             # a standby takes a whole node at once: every one of its ranks should start warm
@@ -82,17 +95,52 @@ class Agent:
         # other nodes' beats, judged by our own (stall-free) observation; our beats from a thread (liveness.py)
         self._watch = liveness.BeatWatch(cfg.node_lost_after, cfg.node_lost_after / 3 + cfg.monitor_interval)
         self._beater: liveness.Beater | None = None
+        self._logs: WorkerLogs | None = None
+        self._failures: list = []  # this node's failures in the current round (failures.Failure)
+        self._signal: int | None = None  # the signal that stopped the agent
+        self._hosted_code: int | None = None  # the exit code the hosted controller ended the job with (ha.py)
+        self.late_ranks: set = set()  # ranks that failed after their training finished (ha.py)
 
     # --- stores -------------------------------------------------------------------------------
     def _connect(self):
-        from torch.distributed import TCPStore
+        """Node 0 hosts the agents' store on the master port; the others connect to it (bounded by the
+        rendezvous timeout). ``--rdzv-backend c10d`` without ``--node-rank``: the agent that can host the
+        endpoint is node 0, the others take the next node ranks (beyond ``--nnodes``: a standby)."""
+        from torch.distributed import DistNetworkError, TCPStore
 
-        timeout = datetime.timedelta(seconds=self.cfg.rdzv_timeout)
-        self._store = TCPStore(
-            self.cfg.master_addr, self.cfg.master_port, world_size=None,
-            is_master=self.cfg.node_rank == 0 and not self.cfg.standby, timeout=timeout,
-            wait_for_workers=False,
-        )
+        cfg = self.cfg
+        timeout = datetime.timedelta(seconds=cfg.rdzv_timeout)
+        where = f"{cfg.master_addr}:{cfg.master_port}"
+        host = cfg.node_rank == 0 and not cfg.standby
+        if cfg.dynamic_rank:
+            host = cfg.is_host if cfg.is_host is not None else _is_local(cfg.master_addr)
+        try:
+            if host:
+                try:
+                    self._store = TCPStore(cfg.master_addr, cfg.master_port, world_size=None, is_master=True,
+                                           timeout=timeout, wait_for_workers=False)
+                except DistNetworkError as exc:
+                    if not cfg.dynamic_rank or cfg.is_host:
+                        if "EADDRINUSE" in str(exc) or "in use" in str(exc):
+                            raise ConfigError(
+                                f"--master-port {cfg.master_port} is in use on this host (another job, or a "
+                                f"torchrun?): pick a free port (on a single node, leave --master-port out and "
+                                f"mindio-run picks one)") from None
+                        raise ConfigError(f"cannot host the agents' store on {where}: {exc}") from None
+                    host = False  # another agent on this host hosts the endpoint: join it
+            if not host:
+                self._store = TCPStore(cfg.master_addr, cfg.master_port, world_size=None, is_master=False,
+                                       timeout=timeout, wait_for_workers=False)
+        except DistNetworkError as exc:
+            raise ConfigError(f"node 0's agent store at {where} did not answer within {cfg.rdzv_timeout:g} s "
+                              f"(--rdzv-conf join_timeout=S sets it): start node 0's agent first, or check "
+                              f"--master-addr/--master-port ({str(exc).splitlines()[0]})") from None
+        if cfg.dynamic_rank:
+            node = 0 if host else self._store.add("rdzv/next_node", 1)
+            standby = node >= cfg.nnodes
+            self.cfg = dataclasses.replace(cfg, node_rank=0 if standby else node, standby=standby, dynamic_rank=False)
+            _logging.set_context(node="-" if standby else node, rank="standby" if standby else "agent")
+            log.info("c10d rendezvous: this agent is %s", "a standby" if standby else f"node {node}")
 
     def _new_worker_store(self, rnd: int) -> int:
         from torch.distributed import TCPStore
@@ -103,8 +151,19 @@ class Agent:
                 timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout),
             )
             self._store.set(f"round/{rnd}/port", str(self._worker_store.port))
-        self._store.wait([f"round/{rnd}/port"])
+        self._wait_key(f"round/{rnd}/port", f"the port of round {rnd}'s worker store", "node 0's agent")
         return int(self._store.get(f"round/{rnd}/port"))
+
+    def _wait_key(self, key: str, what: str, whom: str) -> None:
+        """Wait (bounded by the rendezvous timeout) until ``key`` exists in the agents' store."""
+        deadline = time.monotonic() + self.cfg.rdzv_timeout
+        while not self._store.check([key]):
+            if self._stopping:
+                raise _Stopped()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.cfg.rdzv_timeout:g} s for {what} ({key}) from {whom}; "
+                                   f"--rdzv-conf join_timeout=S sets the bound")
+            time.sleep(min(0.05, self.cfg.monitor_interval))
 
     def _beat(self) -> None:
         self._store.set(f"agent/{self.cfg.node_rank}/beat", repr(time.time()))
@@ -118,26 +177,51 @@ class Agent:
 
     # --- workers ------------------------------------------------------------------------------
     def _worker_env(self, local_rank: int, rnd: int, port: int) -> dict:
+        """What torchrun gives a worker (local_elastic_agent), plus mindio's own variables."""
         cfg = self.cfg
         rank = cfg.node_rank * cfg.nproc_per_node + local_rank
-        return {
+        env = {
             "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": cfg.world_size,
             "LOCAL_WORLD_SIZE": cfg.nproc_per_node, "GROUP_RANK": cfg.node_rank,
             "GROUP_WORLD_SIZE": cfg.nnodes, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": cfg.world_size,
-            "ROLE_NAME": "default", "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": port,
+            "ROLE_NAME": cfg.role, "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": port,
             "TORCHELASTIC_RESTART_COUNT": rnd, "TORCHELASTIC_MAX_RESTARTS": cfg.max_restarts,
             "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "MINDIO_AGENT_STORE": f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
             "MINDIO_AGENT_PID": os.getpid(),  # the node's agent: mindio.drill's kill-node target
             **(ha.ttp_env(self._ttp) if self._ttp else {}),
         }
+        if cfg.virtual_local_rank:  # as torchrun: LOCAL_RANK 0, and only this worker's device visible
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            devices = visible.split(",") if visible is not None else None
+            if devices is not None and local_rank >= len(devices):
+                raise ConfigError(f"--virtual-local-rank: local rank {local_rank} has no device in "
+                                  f"CUDA_VISIBLE_DEVICES={visible}")
+            env.update(LOCAL_RANK=0, CUDA_VISIBLE_DEVICES=devices[local_rank].strip() if devices else local_rank)
+        return env
+
+    def spawn(self, local_rank: int, extra: dict | None = None, replacement: bool = False):
+        """(under ``_lock`` when workers run) Start ``local_rank``'s worker of the current round in a warm
+        spare, with its environment, its log files and its error file (logs.py), plus ``extra``."""
+        rnd = self._round
+        if not self._logs.has_round(rnd):  # a standby that took a node starts its ranks as replacements
+            self._logs.new_round(rnd, {lr: self._worker_env(lr, rnd, self._port)
+                                       for lr in range(self.cfg.nproc_per_node)})
+        env = self._worker_env(local_rank, rnd, self._port)
+        env["TORCHELASTIC_ERROR_FILE"] = self._logs.error_file(local_rank)
+        env.update(extra or {})
+        if replacement:
+            self._logs.clear_error(local_rank)
+        out, err = self._logs.streams(local_rank)
+        return self._spares.take(env, self.cfg.args, stdout=out, stderr=err)
 
     def _start_workers(self, rnd: int, port: int, gen: int | None = None) -> None:
         self._round, self._port = rnd, port
         if self.cfg.high_availability:
             if self.cfg.node_rank == 0 and gen is None:
                 self._hosted = ha.HostedController(self, rnd)
-            self._store.wait([f"round/{rnd}/ttp"])
+            self._wait_key(f"round/{rnd}/ttp", "the address of the controller it hosts", "node 0's agent")
             self._ttp = json.loads(self._store.get(f"round/{rnd}/ttp"))
         if gen is not None and self.takeover_kind == elastic.KIND:  # a vacant node after a downgrade
             elastic.start_standbys(self)  # its ranks offer themselves back to the controller (upgrade)
@@ -146,9 +230,10 @@ class Agent:
             self.replace_local([self.cfg.node_rank * self.cfg.nproc_per_node + i
                                 for i in range(self.cfg.nproc_per_node)], gen, reboot_type="arf")
             return
-        for local_rank in range(self.cfg.nproc_per_node):
-            env = self._worker_env(local_rank, rnd, port)
-            self._workers[env["RANK"]] = self._spares.take(env, self.cfg.args)
+        n = self.cfg.nproc_per_node
+        self._logs.new_round(rnd, {lr: self._worker_env(lr, rnd, port) for lr in range(n)})
+        for local_rank in range(n):
+            self._workers[self.cfg.node_rank * n + local_rank] = self.spawn(local_rank)
         self._spares.fill()  # warm the next spare now, off the critical path
 
     def replace_local(self, ranks, gen: int, reboot_type: str = "arf") -> None:
@@ -156,15 +241,15 @@ class Agent:
         t0 = time.monotonic()
         with self._lock:
             for rank in ranks:
-                env = self._worker_env(rank - self.cfg.node_rank * self.cfg.nproc_per_node, self._round, self._port)
-                env.update(MINDIO_REBOOT_GEN=gen, MINDIO_REBOOT_TYPE=reboot_type)
                 old = self._workers.get(rank)
                 if old is not None and reboot_type == "hot switch":
                     self._switched_out(rank, old)
                 if old is not None and old.poll() is None:
                     old.kill()  # the controller declared it dead: it must not linger
                 backup = switch.take(self, rank, gen) if reboot_type == "hot switch" else None
-                self._workers[rank] = backup or self._spares.take(env, self.cfg.args)
+                self._workers[rank] = backup or self.spawn(
+                    rank - self.cfg.node_rank * self.cfg.nproc_per_node,
+                    {"MINDIO_REBOOT_GEN": gen, "MINDIO_REBOOT_TYPE": reboot_type}, replacement=True)
                 self._replacements.add(self._workers[rank])
         log.warning("ranks %s started again (generation %d) in %.3f s", list(ranks), gen, time.monotonic() - t0)
         _logging.event("ranks_replaced", ranks=list(ranks), gen=gen, node=self.cfg.node_rank,
@@ -177,27 +262,41 @@ class Agent:
         try:
             old.wait(10)
         except subprocess.TimeoutExpired:
-            log.error("rank %d's switched-out process %d did not exit within 10 s; killing it", rank, old.pid)
+            log.error("rank %d's switched-out process %d did not exit within 10 s of its switch (a fixed "
+                      "bound); killing it", rank, old.pid)
         log.warning("rank %d: switched-out process %d exited with %s", rank, old.pid, old.poll())
         _logging.event("switched_out_exit", switched_rank=rank, old_pid=old.pid, code=old.poll())
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, settle: bool = False) -> dict:
+        """SIGTERM (or the signal that stopped the agent, forwarded as torchrun does) to every worker;
+        SIGKILL after ``--shutdown-timeout`` seconds. ``settle``: the workers were told to exit (the
+        controller ended the job): they get ``EXIT_GRACE_S`` to do so first. Returns {rank: exit code} of
+        the workers that had exited before they were signalled (the others' ends are the agent's doing)."""
         switch.stop(self)  # hot-switch backups not released
         if self._hosted is not None:
             self._hosted.close()
             self._hosted = None
+        if settle:
+            self._settle()
         with self._lock:
-            live = [p for p in self._workers.values() if p.poll() is None]
+            procs = dict(self._workers)
+            live = [p for p in procs.values() if p.poll() is None]
+            ended = {r: p.returncode for r, p in procs.items() if p not in live}
         for p in live:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(self._signal or signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.term_grace
         for p in live:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning("worker pid %d did not exit within %.1f s of %s (--shutdown-timeout); killing it",
+                            p.pid, self.cfg.term_grace, signal.Signals(self._signal or signal.SIGTERM).name)
                 p.kill()
                 p.wait()
         self._workers = {}
+        if self._logs is not None:
+            self._logs.stop()
+        return ended
 
     # --- rounds -------------------------------------------------------------------------------
     def _join(self, rnd: int) -> None:
@@ -210,14 +309,15 @@ class Agent:
             lost = self._lost_nodes()
             spares = self._store.add("standby/count", 0) - self._store.add("standby/claimed", 0)
             if lost and spares < len(lost):
-                raise RuntimeError(
+                raise JobError(
                     f"round {rnd}: node(s) {lost} lost and {max(spares, 0)} standby node(s) available; "
                     f"start a spare agent with --standby or restart the lost node's agent"
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"round {rnd}: only {self._store.add(key, 0)} of {self.cfg.nnodes} agents joined within "
-                    f"{self.cfg.rdzv_timeout} s; start an agent for every --node-rank or raise --rdzv-timeout"
+                    f"{self.cfg.rdzv_timeout:g} s; start an agent for every node, or raise the bound with "
+                    f"--rdzv-conf join_timeout=S"
                 )
             self._beat()
             time.sleep(self.cfg.monitor_interval)
@@ -227,6 +327,7 @@ class Agent:
         failed_key, done_key = f"round/{rnd}/failed", f"round/{rnd}/done"
         reported_done = False
         self._reported, self._dead_since, self._declared_lost = set(), None, set()
+        self._failures, self.late_ranks = [], set()
         # a standby that took a node in this round must not replay orders its predecessor carried out
         self._replace_seen = self._store.add(f"round/{rnd}/replace/{self.cfg.node_rank}", 0)
         while not self._stopping:
@@ -238,30 +339,63 @@ class Agent:
             if self.cfg.high_availability:
                 reason = self._ha_tick(rnd, bad)
                 if reason:
-                    _logging.event("round_failed", round=rnd, node=self.cfg.node_rank, reason=reason)
-                    self._store.compare_set(failed_key, "", f"node {self.cfg.node_rank}: {reason}")
-                    return self._store.get(failed_key).decode()
+                    return self._fail_round(rnd, reason)
                 bad = {}
             if bad:
                 bad = self._settle()
-                reason = "; ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(bad.items()))
-                _logging.event("round_failed", round=rnd, node=self.cfg.node_rank, reason=reason)
-                self._store.compare_set(failed_key, "", f"node {self.cfg.node_rank}: {reason}")
-                return self._store.get(failed_key).decode()
+                self.record_failures(rnd, bad)
+                return self._fail_round(rnd, failures.summary(f for f in self._failures if f.rank in bad))
             lost = [] if self.cfg.high_availability else self._lost_nodes()
             if lost:
-                self._store.compare_set(failed_key, "", f"node(s) {lost} lost (no agent beat for {self.cfg.node_lost_after} s)")
-                return self._store.get(failed_key).decode()
+                return self._fail_round(rnd, f"node(s) {lost} lost (no agent beat for {self.cfg.node_lost_after} s)",
+                                        node=False)
             # a removed rank's worker (exited, or an elastic standby still waiting) does not hold up its node;
-            # one an upgrade took back in while running does again
-            finished = all(c == 0 or r in self._removed for r, c in codes.items())
+            # one an upgrade took back in while running does again; nor does a rank that failed after its
+            # training finished (ha.py: the job then ends non-zero once the others are done)
+            finished = all(c == 0 or r in self._removed or r in self.late_ranks for r, c in codes.items())
             if finished != reported_done:
                 self._store.add(done_key, 1 if finished else -1)
                 reported_done = finished
             if reported_done and self._store.add(done_key, 0) + self._vacant(rnd) >= self.cfg.nnodes:
                 return None
             time.sleep(self.cfg.monitor_interval)
-        return "agent stopped by signal"
+        return f"agent stopped by {signal.Signals(self._signal).name if self._signal else 'a signal'}"
+
+    def _fail_round(self, rnd: int, reason: str, node: bool = True) -> str:
+        """Mark round ``rnd`` failed (the first agent to do so names the reason); return the reason."""
+        _logging.event("round_failed", round=rnd, node=self.cfg.node_rank, reason=reason)
+        key = f"round/{rnd}/failed"
+        self._store.compare_set(key, "", f"node {self.cfg.node_rank}: {reason}" if node else reason)
+        return self._store.get(key).decode()
+
+    def record_failures(self, rnd: int, codes: dict) -> None:
+        """(main loop) Workers of this node that exited non-zero ({rank: code}): read their error files
+        and post them (``round/<n>/failures/<node>``) for every agent's summary."""
+        if not codes:
+            return
+        base = self.cfg.node_rank * self.cfg.nproc_per_node
+        for rank, code in sorted(codes.items()):
+            self._failures.append(failures.read(rank, code, self._logs.error_file(rank - base), node=self.cfg.node_rank))
+        try:
+            self._store.set(f"round/{rnd}/failures/{self.cfg.node_rank}",
+                            json.dumps([json.loads(f.to_json()) for f in self._failures]))
+        except Exception as exc:  # node 0's store is gone: this node's own summary still has them
+            log.info("could not post this node's failures: %s", exc)
+
+    def round_failures(self, rnd: int) -> list:
+        """Every node's posted failures of round ``rnd`` (this node's own when the store is gone), each
+        marked ``late`` when node 0 found it came after its training had finished (ha.py)."""
+        out = list(self._failures)
+        try:
+            for node in range(self.cfg.nnodes):
+                key = f"round/{rnd}/failures/{node}"
+                if node != self.cfg.node_rank and self._store.check([key]):
+                    out += [failures.Failure(**d) for d in json.loads(self._store.get(key))]
+            for f in out:
+                f.late = f.late or self._store.check([f"round/{rnd}/late/{f.rank}"])
+        except Exception as exc:
+            log.info("could not read the other nodes' failures: %s", exc)
+        return out
 
     def _exit_codes(self) -> dict:
         """rank -> its worker's exit code, None while it runs."""
@@ -296,12 +430,18 @@ class Agent:
         if self.cfg.high_availability:
             return self._wait_for_takeover(me)
         while not self._stopping:
-            for node in self._lost_nodes():
+            try:
+                lost = self._lost_nodes()
+            except (RuntimeError, OSError) as exc:  # node 0's store is gone: the job ended
+                log.info("standby agent: job store unreachable (%s); leaving", str(exc).splitlines()[0])
+                return None
+            for node in lost:
                 stale = self._store.get(f"agent/{node}/beat").decode()
                 if self._store.compare_set(f"claim/{node}/{stale}", "", me).decode() != me:
                     continue  # another standby took this node
                 self._store.add("standby/claimed", 1)
                 self.cfg = dataclasses.replace(self.cfg, node_rank=node, standby=False)
+                _logging.set_context(node=node, rank="agent")
                 self._beat()
                 rnd = int(self._store.get("job/round"))
                 if self._store.add(f"round/{rnd}/joined", 0) >= self.cfg.nnodes:
@@ -315,22 +455,28 @@ class Agent:
         return ha.wait_for_takeover(self, me)
 
     def run(self) -> int:
-        """Run the job on this node; returns the agent's exit code."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        self._spares.fill()  # interpreters warm up while the agents rendezvous
-        if self._store is None:
-            self._connect()
+        """Run the job on this node; returns the agent's exit code: 0, 75 when it ended with a
+        last-words checkpoint and no restart left (relaunch to resume from it), else 1."""
+        for name in self.cfg.signals:
+            signal.signal(getattr(signal, name), self._on_signal)
+        self._logs = WorkerLogs(self.cfg)
+        self._spares.fill(self.cfg.nproc_per_node)  # every first worker warms up while the agents rendezvous
+        try:
+            if self._store is None:
+                self._connect()
+        except BaseException:
+            self._spares.close()
+            self._logs.close()
+            raise
         self._beater = liveness.Beater(self)
         self._beater.start()
         rnd, gen = 0, None
-        if self.cfg.standby:
-            got = self._wait_for_lost_node()
-            if got is None:
-                self._spares.close()
-                return 0
-            rnd, gen = got if isinstance(got, tuple) else (got, None)
         try:
+            if self.cfg.standby:
+                got = self._wait_for_lost_node()
+                if got is None:
+                    return 0
+                rnd, gen = got if isinstance(got, tuple) else (got, None)
             while True:
                 if gen is None:
                     self._join(rnd)
@@ -341,42 +487,85 @@ class Agent:
                 gen = None
                 reason = self._monitor(rnd)
                 if reason is None:
-                    log.info("round %d: all workers finished", rnd)
-                    return 0
-                self._stop_workers()
+                    return self._finished(rnd)
+                codes = self._stop_workers(settle="the controller ended the job" in reason)
+                seen = {f.rank for f in self._failures}
+                self.record_failures(rnd, {r: c for r, c in codes.items() if c and r not in seen})
                 _logging.event("workers_stopped", round=rnd, node=self.cfg.node_rank, reason=reason)
-                if self._stopping or rnd >= self.cfg.max_restarts:
-                    print(f"mindio-run: job failed: {reason} (restarts used: {rnd} of {self.cfg.max_restarts})", file=sys.stderr)
-                    return 1
-                print(f"mindio-run: round {rnd} failed: {reason}; restarting all workers", file=sys.stderr)
+                code = self._report_round(rnd, reason)
+                if code is not None:
+                    return code
                 rnd += 1
+        except (JobError, TimeoutError, _Stopped) as exc:
+            print(f"mindio-run: job failed: {exc or 'agent stopped by a signal'}", file=sys.stderr)
+            return 1
         finally:
             self._stop_workers()
             self._spares.close()
             self._beater.stop()
             self._leave()
+            self._logs.close()
+
+    def _finished(self, rnd: int) -> int:
+        """Every worker's training finished: 0, unless a rank failed after its training finished."""
+        late = [f for f in self.round_failures(rnd) if f.late]
+        if late:
+            print(f"mindio-run: job failed: {failures.summary(late)}", file=sys.stderr)
+            return 1
+        log.info("round %d: all workers finished", rnd)
+        return 0
+
+    def _report_round(self, rnd: int, reason: str) -> int | None:
+        """Say how round ``rnd`` ended (failures.outcome); the agent's exit code when the job ends, None
+        when every worker restarts (``--max-restarts``)."""
+        text, code = failures.outcome(self.round_failures(rnd), reason, rnd, self.cfg.max_restarts,
+                                      stopping=self._stopping, dumped=self._hosted_code == failures.EXIT_CODE_DUMPED,
+                                      node=self.cfg.node_rank)
+        print(text, file=sys.stderr)
+        return code
 
     def _leave(self) -> None:
-        """Node 0 hosts the stores: it leaves last, so no agent reads a store that is gone."""
+        """Node 0 hosts the stores: it leaves last (bounded by ``leave_timeout``), so no agent reads a
+        store that is gone."""
         try:
             if self.cfg.node_rank != 0:
                 self._store.add("job/left", 1)
                 return
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + self.cfg.leave_timeout
             left = self.cfg.nnodes - 1 - self._vacant(self._round)  # a vacant node (elastic.py) has no agent
-            while self._store.add("job/left", 0) < left and time.monotonic() < deadline:
+            while (n := self._store.add("job/left", 0)) < left:
+                if time.monotonic() >= deadline:
+                    log.warning("left after waiting %g s for the other agents to leave (%d of %d did); the "
+                                "agents' store closes now", self.cfg.leave_timeout, n, left)
+                    return
                 time.sleep(self.cfg.monitor_interval)
         except Exception:  # the store is already gone: nothing left to coordinate
             pass
 
     def _on_signal(self, signum, frame):
         self._stopping = True
+        self._signal = self._signal or signum
 
 
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
+class JobError(RuntimeError):
+    """The job cannot go on (say why in one line): a lost node with no spare, ..."""
+
+
+class _Stopped(Exception):
+    """The agent was stopped by a signal while it waited."""
+
+
+def _is_local(host: str) -> bool:
+    """Is ``host`` an address of this machine (c10d: the agent there hosts the endpoint)?"""
+    import socket
+
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return False
+    if addr.startswith("127."):
+        return True
+    try:
+        return addr in netif.interfaces().values()
+    except (ImportError, OSError):
+        return addr == socket.gethostbyname(socket.gethostname())

@@ -1,95 +1,190 @@
-"""``mindio-run``: a torchrun-compatible launcher. See :mod:`mindio.launch.agent` for what it does.
+"""``mindio-run``: torchrun's command line, with mindio's fault tolerance. See :mod:`mindio.launch.agent`.
 
     mindio-run --nproc-per-node 4 train.py --lr 1e-3
     mindio-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 8 train.py
+
+The parser IS torchrun's (``torch.distributed.run.get_args_parser()``): every torchrun flag, its
+defaults and its ``PET_*`` environment variables, with mindio's own flags added. A torchrun flag that
+mindio-run cannot honour fails with one line saying so (:data:`_REFUSED`).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from .. import _logging
 from ..errors import ConfigError
-from .agent import Agent, LaunchConfig
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "build_parser"]
+
+DESCRIPTION = ("mindio-run: torchrun's launcher with mindio's fault tolerance (warm worker starts, standby "
+               "nodes, a controller that replaces failed ranks in place). Takes every torchrun flag.")
+
+# torchrun flag -> (the value(s) mindio-run honours, why others are refused)
+_REFUSED = {
+    "rdzv_backend": (("static", "c10d"), "mindio-run's agents meet in node 0's TCPStore: use static or c10d"),
+    "event_log_handler": (("null",), "mindio-run writes its events to MINDIO_EVENT_LOG (JSON lines) instead"),
+    "numa_binding": ((None,), "NUMA binding of workers is not supported by mindio-run"),
+}
 
 
-def _nnodes(text: str) -> int:
-    # torchrun accepts MIN:MAX for elastic jobs; mindio-run's node count is fixed (spares use --standby).
-    lo, _, hi = text.partition(":")
-    if hi and hi != lo:
-        raise argparse.ArgumentTypeError(
-            f"--nnodes {text}: elastic ranges are not supported; give a fixed count and add spare nodes with --standby"
-        )
-    return int(lo)
+def _plain(text: str | None) -> str | None:
+    """torchrun's help text without its Sphinx markup (``x`` and `x`)."""
+    if text is None or text is argparse.SUPPRESS:
+        return text
+    return re.sub(r"`{1,2}([^`]*)`{1,2}", r"\1", text).replace("%", "%%")
 
 
-def parse_args(argv=None) -> LaunchConfig:
-    p = argparse.ArgumentParser(prog="mindio-run", description=__doc__.split("\n")[0],
-                                allow_abbrev=False)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
-    p.add_argument("--nnodes", type=_nnodes, default=1)
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
-    p.add_argument("--master-port", "--master_port", type=int, default=29500)
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
-    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1)
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
-                   help="HOST:PORT of node 0's store (overrides --master-addr/--master-port)")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", default="static", choices=["static", "c10d"],
-                   help="accepted for torchrun compatibility; agents always rendezvous through node 0's store")
-    p.add_argument("--rdzv-id", "--rdzv_id", default="mindio")
-    p.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="comma list; timeout=SECONDS is honoured")
-    p.add_argument("--standalone", action="store_true", help="single node on a free local port")
-    p.add_argument("--standby", action="store_true",
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.argparse_util import check_env, env
+    from torch.distributed.run import get_args_parser
+
+    import mindio
+
+    p = get_args_parser()
+    p.prog, p.description, p.allow_abbrev = "mindio-run", DESCRIPTION, False
+    for action in p._actions:
+        action.help = _plain(action.help)
+    notes = {
+        "training_script_args": "arguments of the training script",
+        "start_method": "accepted for torchrun compatibility: a script entrypoint always runs in its own "
+                        "process (as in torchrun)",
+        "run_path": "as torchrun: run the script with runpy.run_path (what mindio-run's warm workers always do)",
+        "shutdown_timeout": "seconds between the stop signal and SIGKILL when workers are stopped (default: "
+                            "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 3 s; torchrun: 30 s)",
+        "nnodes": "number of nodes; a MIN:MAX range is refused (mindio-run's node count is fixed: add "
+                  "spare nodes with --standby)",
+    }
+    for action in p._actions:
+        if action.dest == "node_rank" and "PET_NODE_RANK" not in os.environ:
+            action.default = None  # None: not given (c10d then assigns node ranks; static: node 0)
+        if action.dest in notes:
+            action.help = notes[action.dest]
+        if action.dest == "rdzv_backend":
+            action.help = "rendezvous backend: static (default; --node-rank says which node this is) or c10d " \
+                          "(node ranks in arrival order; the agent hosting --rdzv-endpoint is node 0)"
+    g = p.add_argument_group("mindio")
+    g.add_argument("--version", action="version", version=f"mindio-run (mindio {mindio.__version__})")
+    g.add_argument("--standby", action=check_env,
                    help="offer this node as a spare: it takes over the node rank of a lost node (for the next "
                         "round; with --high-availability in the running round, on the controller's order)")
-    p.add_argument("--high-availability", default=os.environ.get("HIGH_AVAILABILITY", ""), metavar="LIST",
-                   help="strategies (dump,retry,recover-in-place,recover,...; default: $HIGH_AVAILABILITY): node "
-                        "0's agent hosts the controller as rank -1, reports worker deaths to it at once and "
-                        "restarts only the ranks it names; empty: no controller in the launcher")
-    p.add_argument("--recover-timeout", type=float, default=60.0,
+    g.add_argument("--high-availability", action=env, default=os.environ.get("HIGH_AVAILABILITY", ""),
+                   metavar="LIST",
+                   help="strategies (dump,retry,recover-in-place,recover,elastic-training,exit; default: "
+                        "$HIGH_AVAILABILITY): node 0's agent hosts the controller as rank -1, reports worker "
+                        "deaths to it at once and restarts only the ranks it names; empty: no controller in the "
+                        "launcher (the script may start one in rank 0, as under torchrun)")
+    g.add_argument("--recover-timeout", action=env, type=float, default=60.0, metavar="S",
                    help="seconds for a replacement process to join the survivors (recover-in-place/recover)")
-    p.add_argument("--warm-spares", type=int, default=1, help="pre-started interpreters kept per node")
-    p.add_argument("-m", "--module", action="store_true", help="run the entrypoint as a module (python -m)")
-    p.add_argument("--no-python", "--no_python", action="store_true",
-                   help="not supported: mindio-run starts Python training scripts only")
-    p.add_argument("training_script")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    g.add_argument("--warm-spares", action=env, type=int, default=1, metavar="N",
+                   help="pre-started interpreters kept per node (torch imported, waiting for a rank)")
+    return p
+
+
+def _check_refused(p, a) -> None:
+    for dest, (ok, why) in _REFUSED.items():
+        value = getattr(a, dest)
+        if value not in ok:
+            flag = "--" + dest.replace("_", "-")
+            p.error(f"{flag} {value}: not supported; {why}")
+
+
+def _rdzv_conf(p, text: str) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--rdzv-conf {text!r}: expected KEY=VALUE,... (e.g. timeout=600)")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _endpoint(p, text: str, default_port: int) -> tuple:
+    host, _, port = text.rpartition(":") if ":" in text else (text, "", str(default_port))
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        p.error(f"--rdzv-endpoint {text!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+def parse_args(argv=None):
+    """The LaunchConfig of this agent, from torchrun's flags (and PET_* variables) plus mindio's."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    from .._knobs import _ha_list
+    from .config import LaunchConfig
+
+    p = build_parser()
     a = p.parse_args(argv)
-    if a.no_python:
-        p.error("--no-python is not supported: mindio-run starts Python scripts (use torchrun for other programs)")
-    addr, port = a.master_addr, a.master_port
-    if a.rdzv_endpoint:
-        addr, _, port_text = a.rdzv_endpoint.rpartition(":")
-        if not addr or not port_text.isdigit():
-            p.error(f"--rdzv-endpoint {a.rdzv_endpoint!r}: expected HOST:PORT")
-        port = int(port_text)
+    _check_refused(p, a)
+    try:
+        lo, hi = parse_min_max_nnodes(a.nnodes)
+    except (RuntimeError, ValueError):
+        p.error(f"--nnodes {a.nnodes!r}: expected a number of nodes")
+    if lo != hi:
+        p.error(f"--nnodes {a.nnodes}: elastic ranges are not supported; give a fixed count and add spare "
+                f"nodes with --standby")
+    try:
+        nproc = determine_local_world_size(a.nproc_per_node)
+    except ValueError as exc:
+        p.error(f"--nproc-per-node {a.nproc_per_node}: {exc}")
+    conf = _rdzv_conf(p, a.rdzv_conf)
+    node_rank, dynamic = a.node_rank, False
     if a.standalone:
         from .._ports import free_port
 
-        addr, port = "127.0.0.1", free_port()
-    timeout = 300.0
-    for item in filter(None, a.rdzv_conf.split(",")):
-        key, _, value = item.partition("=")
-        if key.strip() in ("timeout", "join_timeout"):
-            timeout = float(value)
-    from .._knobs import _ha_list
+        addr, port, run_id = "127.0.0.1", free_port(), a.rdzv_id
+    elif a.rdzv_backend == "c10d" or a.rdzv_endpoint:
+        if not a.rdzv_endpoint:
+            p.error("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (node 0's store)")
+        addr, port = _endpoint(p, a.rdzv_endpoint, 29400)
+        run_id = a.rdzv_id
+        dynamic = a.rdzv_backend == "c10d" and node_rank is None and hi > 1
+    elif a.master_port is None and hi == 1:  # torchrun: a single node without a port gets a free one
+        from .._ports import free_port
 
+        addr, port, run_id = "127.0.0.1", free_port(), a.rdzv_id
+    else:
+        addr, port, run_id = a.master_addr, a.master_port or 29500, a.rdzv_id
+    timeout = float(conf.get("join_timeout", conf.get("timeout", 600)))
+    is_host = conf.get("is_host")
     try:
         strategies = _ha_list(a.high_availability)
     except (ValueError, ConfigError) as exc:
         p.error(f"--high-availability {a.high_availability!r}: {exc}")
+    ranks = None
+    if a.local_ranks_filter:
+        try:
+            ranks = frozenset(int(x) for x in a.local_ranks_filter.split(","))
+        except ValueError:
+            p.error(f"--local-ranks-filter {a.local_ranks_filter!r}: expected a comma list of local ranks, e.g. 0,1")
+    from .. import _knobs
+
+    grace = a.shutdown_timeout
+    if grace is None:
+        try:
+            grace = _knobs.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+        except ConfigError as exc:
+            p.error(str(exc))
+
     try:
         return LaunchConfig(
             entrypoint=a.training_script, args=tuple(a.training_script_args), is_module=a.module,
-            nproc_per_node=a.nproc_per_node, nnodes=a.nnodes, node_rank=a.node_rank,
+            nproc_per_node=nproc, nnodes=hi, node_rank=node_rank or 0,
             master_addr=addr, master_port=port, max_restarts=a.max_restarts,
             monitor_interval=a.monitor_interval, rdzv_timeout=timeout, warm_spares=a.warm_spares,
-            run_id=a.rdzv_id, standby=a.standby, high_availability=strategies,
-            recover_timeout=a.recover_timeout,
+            run_id=run_id, standby=a.standby, high_availability=strategies,
+            recover_timeout=a.recover_timeout, term_grace=float(grace),
+            decision_timeout=_knobs.get("MINDIO_DECISION_TIMEOUT"),
+            role=a.role, local_addr=a.local_addr, dynamic_rank=dynamic,
+            is_host=None if is_host is None else is_host.lower() in ("1", "true", "yes"),
+            log_dir=a.log_dir, redirects=a.redirects, tee=a.tee, local_ranks_filter=ranks,
+            logs_specs=a.logs_specs, duplicate_stdout_filters=tuple(a.duplicate_stdout_filters),
+            duplicate_stderr_filters=tuple(a.duplicate_stderr_filters), no_python=a.no_python,
+            virtual_local_rank=a.virtual_local_rank,
+            signals=tuple(s.strip() for s in a.signals_to_handle.split(",") if s.strip()),
         )
     except ConfigError as exc:
         p.error(str(exc))
@@ -97,8 +192,26 @@ def parse_args(argv=None) -> LaunchConfig:
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
-    _logging.setup(rank="standby" if cfg.standby else f"agent{cfg.node_rank}")
-    sys.exit(Agent(cfg).run())
+    sys.stdout.reconfigure(line_buffering=True)  # tee'd worker lines reach the console as they come
+    # the agent's lines: "[<node>/agent]" ("[-/standby]" until a standby takes a node)
+    _logging.set_context(node="-" if cfg.standby or cfg.dynamic_rank else cfg.node_rank,
+                         rank="standby" if cfg.standby else "agent")
+    _logging.setup()
+    from .agent import Agent
+
+    try:
+        code = Agent(cfg).run()
+    except ConfigError as exc:  # found at start (interfaces, ports): one line, no traceback
+        print(f"mindio-run: error: {exc}", file=sys.stderr)
+        code = 1
+    # The agent has stopped its workers and spares, closed its files and left the stores: what remains is
+    # the interpreter's teardown of torch & co. (1-3 s on a loaded host), which the job's end must not wait for.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

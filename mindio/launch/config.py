@@ -3,6 +3,7 @@ on construction (a bad value raises ConfigError saying which flag and why)."""
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -27,8 +28,9 @@ class LaunchConfig:
     """Whole-job restarts allowed after a failure (torchrun semantics)."""
     monitor_interval: float = 0.1
     """Seconds between checks of the workers and the other agents."""
-    rdzv_timeout: float = 300.0
-    """Seconds to wait for all agents to join a round."""
+    rdzv_timeout: float = 600.0
+    """Seconds to wait for all agents to join a round, or for node 0's store (``--rdzv-conf join_timeout``,
+    torchrun's default)."""
     node_lost_after: float = 3.0
     """Seconds without a beat from an agent before its node is declared lost."""
     term_grace: float = 3.0
@@ -42,7 +44,36 @@ class LaunchConfig:
     (the training script starts one in rank 0, as under torchrun)."""
     recover_timeout: float = 60.0
     """Seconds for a replacement process to join the survivors and park (recover-in-place / recover)."""
+    decision_timeout: float = 300.0
+    """Seconds a worker death may stay without a decision of the controller (replace it, or end the job)
+    before the agent fails the round anyway (``MINDIO_DECISION_TIMEOUT``)."""
+    leave_timeout: float = 10.0
+    """Seconds node 0 waits, at the end, for the other agents to leave before it takes the stores down."""
     extra_env: dict = field(default_factory=dict)
+    # --- torchrun's flags beyond the node layout (torch.distributed.run) ---
+    role: str = "default"
+    """``--role``: ROLE_NAME of the workers, and the prefix of their tee'd lines ``[<role><local rank>]:``."""
+    local_addr: str | None = None
+    """``--local-addr``: this node's address; picks the interface gloo uses (GLOO_SOCKET_IFNAME)."""
+    dynamic_rank: bool = False
+    """``--rdzv-backend c10d`` without ``--node-rank``: the agent hosting the endpoint is node 0, the
+    others take node ranks in the order they arrive; an agent beyond ``--nnodes`` waits as a standby."""
+    is_host: bool | None = None
+    """``--rdzv-conf is_host=``: whether this agent hosts the c10d endpoint (None: it tries)."""
+    log_dir: str | None = None
+    """``--log-dir``: base of the per-rank log files, in torchrun's layout (logs.py)."""
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: frozenset | None = None
+    logs_specs: str | None = None
+    duplicate_stdout_filters: tuple = ()
+    duplicate_stderr_filters: tuple = ()
+    no_python: bool = False
+    """``--no-python``: the entrypoint is a program, started as is (no warm start)."""
+    virtual_local_rank: bool = False
+    """``--virtual-local-rank``: every worker sees LOCAL_RANK=0 and only its own device."""
+    signals: tuple = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    """``--signals-to-handle``: signals that stop the agent; it forwards them to its workers."""
 
     def __post_init__(self):
         if self.nproc_per_node < 1:
@@ -60,8 +91,21 @@ class LaunchConfig:
                 f"--monitor-interval {self.monitor_interval} must be > 0 and at most a third of the "
                 f"node-loss timeout ({self.node_lost_after} s), or live nodes would be declared lost"
             )
-        if not self.is_module and not os.path.exists(self.entrypoint):
+        if not self.is_module and not self.no_python and not os.path.exists(self.entrypoint):
             raise ConfigError(f"training script {self.entrypoint!r} does not exist")
+        if self.is_module and self.no_python:
+            raise ConfigError("--module and --no-python exclude each other (as in torchrun)")
+        from torch.distributed.elastic.multiprocessing.api import Std
+
+        for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
+            try:
+                Std.from_str(value)
+            except ValueError:
+                raise ConfigError(f"{flag} {value}: expected 0-3 for every local rank, or LOCAL_RANK:0-3 "
+                                  f"pairs (e.g. 3, or 0:3,1:1); 1 stdout, 2 stderr, 3 both") from None
+        for name in self.signals:
+            if not hasattr(signal, name) or not name.startswith("SIG"):
+                raise ConfigError(f"--signals-to-handle: {name!r} is not a signal name (e.g. SIGTERM,SIGUSR1)")
 
     @property
     def world_size(self) -> int:

@@ -101,10 +101,9 @@ def start_standbys(agent) -> None:
     ranks = []
     with agent._lock:
         for local in range(cfg.nproc_per_node):
-            env = agent._worker_env(local, agent._round, agent._port)
-            env["MINDIO_STANDBY"] = "1"
-            agent._workers[env["RANK"]] = agent._spares.take(env, cfg.args)
-            ranks.append(env["RANK"])
+            rank = cfg.node_rank * cfg.nproc_per_node + local
+            agent._workers[rank] = agent.spawn(local, {"MINDIO_STANDBY": "1"}, replacement=True)
+            ranks.append(rank)
     log.warning("node %d: ranks %s started as elastic standbys", cfg.node_rank, ranks)
     _logging.event("standbys_started", node=cfg.node_rank, ranks=ranks)
     agent._refill = True

@@ -25,9 +25,16 @@ round, in addition to the keys of agent.py (all in node 0's agent store):
                                 (elastic.py) a vacant node after a downgrade: its ranks start as
                                 elastic standbys and the controller scales the job back out.
 
+* ``round/<n>/late/<rank>``     node 0: ``rank`` exited abnormally *after* its training finished (its
+                                processor had left the controller: BYE) -- e.g. an abort at interpreter
+                                exit. Nothing is left to recover: its node counts it as done, and the job
+                                ends, non-zero and naming it, as soon as the other ranks are done.
+
 A worker death no longer fails the round by itself: the controller decides (replace, dump, exit).
-The round fails when the controller ended the job (its exit action went out), or when a death was
-neither replaced nor ended within the backstop (``rdzv_timeout``): never a hang.
+The round fails when the controller ended the job (its exit action went out); when the dead rank never
+registered with the controller (it cannot recover a rank it does not know: the round fails as without
+high availability); or when a death was neither replaced nor ended within the backstop
+(``MINDIO_DECISION_TIMEOUT``): never a hang.
 """
 from __future__ import annotations
 
@@ -42,10 +49,15 @@ import time
 
 from .. import _logging
 from . import elastic, liveness, switch
+from .failures import describe
 
 log = logging.getLogger(__name__)
 
 __all__ = ["HostedController", "ttp_env", "tick", "wait_for_takeover"]
+
+
+# a processor's enable flag -> the strategies this launcher carries out for it (HostedController.adopt)
+_BY_FEATURE = {"arf": ("recover-in-place", "recover")}
 
 
 def _reboot_type(strategy: str) -> str:
@@ -86,6 +98,7 @@ class HostedController:
         self.lost: set[int] = set()  # nodes whose agent is known gone (until a standby takes them)
         self._probing: dict[int, tuple] = {}  # node -> (its beat when a rank of it died, since)
         self._probed: set[int] = set()  # dead ranks whose node was probed already
+        self._adopted = 0  # registered ranks when adopt() last looked
         log.info("round %d: controller (rank -1) on %s:%d, strategies %s", rnd, cfg.master_addr, port,
                  sorted(cfg.high_availability))
 
@@ -167,7 +180,25 @@ class HostedController:
         switch.dismiss(self.store, self.rnd, ranks, gen)
 
     # -- called by node 0's agent main loop --------------------------------------------------------
-    def poll_deaths(self) -> None:
+    def adopt(self) -> None:
+        """Enable what the ranks registered for and this launcher carries out (mindio.launch.needs): a
+        rank with ``enable_arf`` (worker reboot) gets recover-in-place and recover, even when the
+        launcher's --high-availability did not list them. Looked at when the registered count changes."""
+        ctl = self.ctl
+        with ctl._lock:
+            if len(ctl.ranks) == self._adopted:
+                return
+            self._adopted = len(ctl.ranks)
+            asked = {f for r in ctl.ranks.values() for f, on in (r.features or {}).items() if on}
+        add = {s for f in asked for s in _BY_FEATURE.get(f, ())} - set(ctl.enabled)
+        if add:
+            ctl.enabled = set(ctl.enabled) | add  # a new set: the driver thread may be iterating the old one
+            log.warning("ranks registered for %s: strategies %s enabled (the launcher can carry them out)",
+                        sorted(asked), sorted(add))
+            _logging.event("strategies_adopted", features=sorted(asked), added=sorted(add))
+
+    def poll_deaths(self) -> str | None:
+        """Deaths other nodes' agents reported; returns why the round fails, if one of them fails it."""
         store = self.agent._store
         n = store.add(f"round/{self.rnd}/deaths", 0)
         while self._deaths_seen < n:
@@ -175,17 +206,35 @@ class HostedController:
             key = f"round/{self.rnd}/death/{self._deaths_seen}"
             if not store.check([key]):
                 self._deaths_seen -= 1  # counter bumped, value not written yet: next tick
-                return
+                return None
             rank, _, reason = store.get(key).decode().partition(" ")
-            self.report_death(int(rank), reason)
+            failed = self.report_death(int(rank), reason, node=int(rank) // self.agent.cfg.nproc_per_node)
+            if failed:
+                return failed
+        return None
 
-    def report_death(self, rank: int, reason: str) -> None:
+    def report_death(self, rank: int, reason: str, node: int | None = None) -> str | None:
         """A worker exited: a replacement (reason starts with "replacement") fails the recovery in flight;
-        any other is a dead rank for the controller."""
+        a rank that left the controller (its training finished) failed *late*: marked, not recovered;
+        a rank that never registered fails the round (returns why); any other is a dead rank for the
+        controller, which decides."""
         if reason.startswith("replacement"):
             self.ctl.replacement_died(rank, reason)
-        else:
-            self.ctl.declare_dead([rank], "agent", reason=reason)
+            return None
+        with self.ctl._lock:
+            r = self.ctl.ranks.get(rank)
+            known, left = r is not None, r is not None and not r.registered
+        where = f"rank {rank} (node {self.agent.cfg.node_rank if node is None else node}) {reason}"
+        if left:
+            log.error("rank %d %s after its training finished (it had left the controller): nothing to "
+                      "recover; the job ends, failed, once the other ranks are done", rank, reason)
+            _logging.event("late_exit", dead_rank=rank, reason=reason)
+            self.agent._store.set(f"round/{self.rnd}/late/{rank}", reason)
+            return None
+        if not known:
+            return f"{where} before it registered with the controller (which cannot recover a rank it never knew)"
+        self.ctl.declare_dead([rank], "agent", reason=reason)
+        return None
 
     def probe_nodes(self) -> list[int]:
         """(agent main loop) When a rank of another node died, check that node's agent: if its beat
@@ -224,8 +273,6 @@ class HostedController:
 def tick(agent, rnd: int, bad: dict) -> str | None:
     """High availability: report deaths to the controller, carry out its replacement orders,
     declare lost nodes (node 0); return why the round failed, or None while it goes on."""
-    from .agent import _describe  # (agent imports this module)
-
     from ..ttp.hotswitch import EXIT_CODE_SWITCHED
 
     cfg, store = agent.cfg, agent._store
@@ -235,27 +282,36 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
            if c != EXIT_CODE_SWITCHED and not (on and elastic.is_removed_exit(r, c, removed))}
     with agent._lock:
         procs = {r: agent._workers[r] for r in bad}
-    for rank, code in bad.items():
-        if procs[rank] in agent._reported:
-            continue
+    new = {r: c for r, c in bad.items() if procs[r] not in agent._reported}
+    failed = None
+    for rank, code in new.items():
         agent._reported.add(procs[rank])
         agent._dead_since = agent._dead_since or time.monotonic()
-        why = ("replacement " if procs[rank] in agent._replacements else "") + f"exited with {_describe(code)}"
+        why = ("replacement " if procs[rank] in agent._replacements else "") + f"exited with {describe(code)}"
         log.error("rank %d %s; telling the controller", rank, why)
         _logging.event("worker_exited", round=rnd, dead_rank=rank, code=code)
         if agent._hosted is not None:
-            agent._hosted.report_death(rank, why)
+            failed = failed or agent._hosted.report_death(rank, why)
         else:
             i = store.add(f"round/{rnd}/deaths", 1)
             store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
+    if new:  # after the reports (they are on the recovery's critical path): their error files, for the summary
+        agent.record_failures(rnd, new)
+    if failed:
+        return failed
+    agent.late_ranks |= {r for r in bad if r not in agent.late_ranks and store.check([f"round/{rnd}/late/{r}"])}
     switch.poll(agent, rnd)  # a hot-switch backup that exited before it was released
     if agent._refill:
         agent._refill = False
         with agent._lock:
             agent._spares.fill()
     if agent._hosted is not None:
-        agent._hosted.poll_deaths()
+        agent._hosted.adopt()
+        failed = agent._hosted.poll_deaths()
+        if failed:
+            return failed
         if agent._hosted.ended is not None:
+            agent._hosted_code = agent._hosted.ended
             return f"the controller ended the job (exit code {agent._hosted.ended})"
         raw_lost = agent._lost_nodes()
         for node, stale in list(agent.taken_over.items()):
@@ -295,11 +351,13 @@ def tick(agent, rnd: int, bad: dict) -> str | None:
         if 0 in agent._lost_nodes():
             return "node 0 (the controller's node) lost"
     with agent._lock:
-        all_live = all(p.poll() is None or p.poll() == 0 or r in removed for r, p in agent._workers.items())
+        all_live = all(p.poll() is None or p.poll() == 0 or r in removed or r in agent.late_ranks
+                       for r, p in agent._workers.items())
     if all_live:
         agent._dead_since = None
-    elif agent._dead_since and time.monotonic() - agent._dead_since > cfg.rdzv_timeout:
-        return f"a worker death was neither recovered nor ended by the controller in {cfg.rdzv_timeout} s"
+    elif agent._dead_since and time.monotonic() - agent._dead_since > cfg.decision_timeout:
+        return (f"waited {cfg.decision_timeout:g} s for the controller (node 0's agent) to decide on a worker "
+                f"death (replace the rank, or end the job) and it did not; MINDIO_DECISION_TIMEOUT sets the bound")
     return None
 
 
@@ -319,6 +377,7 @@ def wait_for_takeover(agent, me: str):
                 gen, agent.takeover_kind = order["gen"], order.get("kind", "recover")  # elastic.py: "elastic"
                 agent._store.add("standby/claimed", 1)
                 agent.cfg = dataclasses.replace(agent.cfg, node_rank=node, standby=False)
+                _logging.set_context(node=node, rank="agent")
                 agent._beat()
                 print(f"mindio-run: standby takes over node {node} in round {rnd} (generation {gen}, "
                       f"{agent.takeover_kind})", file=sys.stderr)

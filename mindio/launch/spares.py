@@ -1,6 +1,10 @@
-"""Warm spares: interpreters started ahead of need that have imported torch and the training script's
-top-level imports (mindio.launch._bootstrap) and wait on stdin for an assignment (environment and
-argv), so that starting or replacing a worker does not pay interpreter start-up on the critical path."""
+"""Warm spares: interpreters started ahead of need that have imported torch and the rank-independent
+part of the training script's top-level imports (mindio.launch._bootstrap) and wait on stdin for an
+assignment (environment, argv, where stdout/stderr go), so that starting or replacing a worker does not
+pay interpreter start-up on the critical path.
+
+``--no-python`` (the entrypoint is a program, not a Python script): the bootstrap imports nothing and,
+once assigned, replaces itself with the program (``--exec``); it still dies with its agent."""
 from __future__ import annotations
 
 import json
@@ -22,31 +26,41 @@ class Spares:
         self._pool: list[subprocess.Popen] = []
 
     def _start(self) -> subprocess.Popen:
-        target = ["-m", self._cfg.entrypoint] if self._cfg.is_module else [self._cfg.entrypoint]
+        cfg = self._cfg
+        if cfg.no_python:
+            target = ["--exec", cfg.entrypoint]
+        else:
+            target = ["-m", cfg.entrypoint] if cfg.is_module else [cfg.entrypoint]
         return subprocess.Popen(
             [sys.executable, "-u", "-m", "mindio.launch._bootstrap", *target],
             stdin=subprocess.PIPE, env=self._env, text=True,
         )
 
-    def fill(self) -> None:
+    def fill(self, count: int | None = None) -> None:
+        """Keep ``count`` (default ``--warm-spares``) interpreters warming or waiting."""
         self._pool = [p for p in self._pool if p.poll() is None]
-        while len(self._pool) < self._cfg.warm_spares:
+        while len(self._pool) < max(count or 0, self._cfg.warm_spares):
             self._pool.append(self._start())
 
-    def take(self, env: dict, argv) -> subprocess.Popen:
+    def take(self, env: dict, argv, stdout: str | None = None, stderr: str | None = None) -> subprocess.Popen:
+        """A worker with ``env`` (on top of the node's), ``argv``, its output to ``stdout`` / ``stderr``
+        (paths; None: the agent's console)."""
         self._pool = [p for p in self._pool if p.poll() is None]
         proc = self._pool.pop(0) if self._pool else self._start()
-        proc.stdin.write(json.dumps({"env": env, "argv": list(argv)}) + "\n")
+        proc.stdin.write(json.dumps({"env": env, "argv": list(argv), "stdout": stdout, "stderr": stderr}) + "\n")
         proc.stdin.close()
         return proc
 
     def close(self) -> None:
+        """End the spares at once: one still warming up (importing torch) would read its EOF only when
+        done, seconds later, and hold the agent's exit that long; none holds any state."""
         for p in self._pool:
             if p.poll() is None:
                 try:
-                    p.stdin.close()  # EOF: the spare exits 0 on its own
+                    p.stdin.close()
                 except OSError:
                     pass
+                p.terminate()
         deadline = time.monotonic() + 5
         for p in self._pool:
             try:
@@ -55,3 +69,4 @@ class Spares:
                 p.kill()
                 p.wait()
         self._pool = []
+

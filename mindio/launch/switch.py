@@ -40,13 +40,12 @@ def start_local(agent, ranks, gen: int) -> None:
     cfg, t0 = agent.cfg, time.monotonic()
     with agent._lock:
         for rank in ranks:
-            env = agent._worker_env(rank - cfg.node_rank * cfg.nproc_per_node, agent._round, agent._port)
-            env.update(MINDIO_REBOOT_GEN=gen, MINDIO_REBOOT_TYPE="hot switch",
-                       MINDIO_SWITCH_BACKUP=prefix(agent._round, gen))
             old = agent.switch_backups.pop(rank, None)
             if old is not None and old[1].poll() is None:
                 old[1].kill()  # a backup of an earlier, unfinished switch of this rank
-            agent.switch_backups[rank] = (gen, agent._spares.take(env, cfg.args))
+            extra = {"MINDIO_REBOOT_GEN": gen, "MINDIO_REBOOT_TYPE": "hot switch",
+                     "MINDIO_SWITCH_BACKUP": prefix(agent._round, gen)}
+            agent.switch_backups[rank] = (gen, agent.spawn(rank - cfg.node_rank * cfg.nproc_per_node, extra))
     log.warning("hot switch: backups for ranks %s started (generation %d) in %.3f s", list(ranks), gen,
                 time.monotonic() - t0)
     _logging.event("switch_backups_started", ranks=list(ranks), gen=gen, node=cfg.node_rank,

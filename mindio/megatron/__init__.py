@@ -4,8 +4,11 @@ Importing this package imports megatron-core but changes nothing: the CPU patche
 only by :func:`setup_cpu` (``mindio.megatron._cpu_compat.apply``) in CPU-only processes.
 See docs/megatron.md for the integration points.
 """
+from .._extras import require as _require
 
-from . import checkpoint, replica
+_require("megatron.core", "megatron")  # a missing extra names its pip command, under any launcher
+
+from . import checkpoint, replica  # noqa: E402
 from .adapter import MegatronAdapter, TrainingContext
 from mindio.adapter import register
 

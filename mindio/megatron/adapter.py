@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mindio.adapter import FrameworkAdapter, RepairRole, recv_state, repair_pairs, send_state
 from mindio.adapter.transfer import capture_rng, restore_rng
+from mindio.errors import ConfigError
 
 from . import checkpoint, replica
 from .arguments import replica_count
@@ -288,6 +289,9 @@ class MegatronAdapter(FrameworkAdapter):
         ctx.stop_requested.clear()
 
     def save(self, step: int, save_info: Any) -> None:
+        if not self.ctx.args.save:
+            raise ConfigError("the last-words checkpoint has no directory: this job runs without --save; "
+                              "relaunch with --save DIR to be able to dump")
         checkpoint.save_dump(self.ctx, step, save_info)
 
     def rename(self, step: int) -> None:

@@ -91,12 +91,10 @@ def write_object(obj: Any, path: Path) -> None:
         if rc != -1:
             return
         _log.warning("mindio.save(%s) failed (rc=-1); writing with torch.save instead", path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # temp file (O_EXCL, removed on failure), fsync, rename, fsync of the directory
+    from mindio.acp._storage import atomic_torch_save, file_mode
+
+    atomic_torch_save(obj, str(path), file_mode())
 
 
 def read_object(path: Path) -> Any:

@@ -26,9 +26,11 @@ from .api import (
     tft_notify_controller_prepare_action, tft_notify_controller_change_strategy, tft_register_mindx_callback,
     tft_query_high_availability_switch,
 )
+from .compat import get_device, get_mindio_export_version, set_mindio_export_version, tft_wait_repair_action
 from .decorator import tft_exception_handler
 
 __all__ = list(_api.__all__) + [
     "tft_exception_handler", "ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode",
-    "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT",
+    "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "tft_wait_repair_action", "set_mindio_export_version",
+    "get_mindio_export_version", "get_device",
 ]

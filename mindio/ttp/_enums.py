@@ -4,11 +4,18 @@ from __future__ import annotations
 import enum
 
 __all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode",
-           "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT"]
+           "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_MEANINGS"]
 
 # Process exit codes after an incident (distinct from 0 and from Python's 1 for an uncaught error):
 EXIT_CODE_DUMPED = 75   # a complete last-words checkpoint was written; relaunch and resume from it
 EXIT_CODE_FAULT = 76    # the job stopped on a fault without a new checkpoint (no strategy possible)
+# what each code tells the person reading the console (77: elastic.py, 78: hotswitch.py)
+EXIT_MEANINGS = {
+    EXIT_CODE_DUMPED: "a last-words checkpoint was written: relaunch the job to resume from it",
+    EXIT_CODE_FAULT: "stopped on a fault; no new checkpoint could be written (resume from the last one)",
+    77: "this rank's data-parallel slice was removed by an elastic downgrade; the job goes on without it",
+    78: "switched out by a hot switch; a backup process serves this rank now",
+}
 
 
 class ReportState(enum.IntEnum):

@@ -119,6 +119,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
         self._held_reports: list = []  # reports received while a passive backup (see _take_over)
         self._poller: zmq.Poller | None = None
+        self.status_server = None  # status.py's server, when MINDIO_STATUS_PORT is set
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
@@ -155,10 +156,18 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             t = threading.Thread(target=target, name=f"mindio-ctl-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        status_port = _knobs.get("MINDIO_STATUS_PORT")
+        if status_port and not self.backup:  # mindio status / Prometheus (status.py): one read-only observer
+            from . import status
+            self.status_server = status.serve(self, bind_ip, status_port)
         _log.info("controller %s listening on %s (world %d, strategies %s)",
                   "backup" if self.backup else "primary", self.address, self.world_size, sorted(self.enabled))
 
     def destroy(self) -> None:
+        if self.status_server is not None:
+            self.status_server.observer.close()
+            self.status_server.shutdown()
+            self.status_server.server_close()
         self._stop.set()
         self._incident_evt.set()
         self._waker.wake()

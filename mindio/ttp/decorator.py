@@ -4,7 +4,7 @@ Protocol (main thread of every rank):
 
 1. ``train()`` raises. The message ``"<Type>: <text>"`` is classified (policy.classify: user patterns
    of ``tft_register_exception_handler`` first, then the reference table, then peer-failure patterns;
-   first match wins). A matching user pattern's ``fault_handle(exc)`` runs first, if given.
+   first match wins). A matching user pattern's ``fault_handle(str(exc))`` runs first, if given.
 2. Report it to the controller at once (this wakes the controller: < 100 ms).
 3. Tear down this rank's collectives: the registered stop and clean callbacks destroy the process groups
    and drop every reference to them; the traceback's frames are cleared and garbage is collected, so
@@ -15,6 +15,13 @@ Protocol (main thread of every rank):
    exit callback, wait for an in-process controller to finish, then ``SystemExit(code)`` -- EXIT_CODE_DUMPED
    after a complete dump, EXIT_CODE_FAULT otherwise; once the atexit handlers registered after
    ``train()`` was first entered have run, the process ends with ``os._exit(code)`` (:func:`_finish`).
+
+The callbacks get the arguments given to ``tft_set_step_args``; until it is called, the decorated
+``train()``'s positional arguments (as in the reference: a tuple after ``set_mindio_export_version``,
+a list otherwise).
+
+When ``train()`` returns, the processor leaves (BYE: the controller counts it as finished, not
+failed), as the reference's decorator destroys it; a later ``tft_destroy_processor`` is a no-op.
 
 Without a started processor the decorator is transparent: the exception propagates unchanged.
 ``KeyboardInterrupt``, ``SystemExit`` and :class:`mindio.errors.AbortTraining` are never caught.
@@ -30,9 +37,12 @@ import time
 import traceback
 
 from .. import _knobs, _logging
+from ..errors import describe
+from ..launch import failures as _launcher
+from . import compat as _compat
 from . import policy
 from . import reboot as _reboot
-from ._enums import Action, OsStatus, ReportState
+from ._enums import EXIT_MEANINGS, Action, OsStatus, ReportState
 from ._runtime import state as _rt
 
 __all__ = ["tft_exception_handler", "classify_exception", "exit_process"]
@@ -50,7 +60,7 @@ def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED) 
     for pattern, _s, handle in _rt.user_patterns:
         if pattern in message and handle is not None:
             try:
-                handle(exc)
+                handle(str(exc))  # the error text, as the reference passes it
             except Exception:
                 _log.exception("fault handle for pattern %r failed", pattern)
             break
@@ -95,7 +105,7 @@ def exit_process(proc, code: int):
     if ctl is not None:
         ctl.final.wait(30)  # its exit action must reach every rank before this process goes
     proc.destroy()
-    _log.warning("exiting with code %d", code)
+    _log.warning("exiting with code %d: %s", code, EXIT_MEANINGS.get(code, "ordered by the controller"))
     for handler in logging.getLogger("mindio").handlers:
         handler.flush()
     global _ordered_exit
@@ -104,7 +114,23 @@ def exit_process(proc, code: int):
 
 
 def tft_exception_handler(func):
-    """Decorate the framework's ``train()`` (see module docstring for the protocol)."""
+    """Decorate the framework's ``train()``: a fault inside it is reported and recovered from.
+
+    When the decorated function raises, the error is classified (:func:`tft_register_exception_handler`
+    patterns, then the reference table: ``UCE ERROR``, ``HBM MULTI BIT ECC``, ``FORCE STOP``, ``HCCL ...``;
+    a peer's failure is no fault of this rank), reported to the controller, this rank's groups are torn
+    down (the **stop** and **clean** callbacks), and the thread parks until the controller decides:
+    RETRY calls ``func`` again with the same arguments (the state was repaired and rolled back to the
+    lock step); EXIT runs the **exit** callback and ends the process with the controller's code
+    (75 after a dump, 76 otherwise; ``SystemExit``). When ``func`` returns, the processor leaves (BYE)
+    and its result is returned. Without a started processor the wrapper is transparent.
+
+    Args:
+        func: the training function (e.g. Megatron's ``train``).
+
+    Returns:
+        The wrapped function.
+    """
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -113,29 +139,44 @@ def tft_exception_handler(func):
             _finish_registered = True
             atexit.register(_finish)
         proc = _rt.processor
+        if proc is not None and proc.step_args is None:  # the reference's default callback arguments
+            proc.step_args = args if _compat.get_mindio_export_version() else list(args)
         if _reboot.should_park(proc):  # a replacement process waits to be repaired first (reboot.py)
             action, code = proc.wait_next_action()
             if action is not Action.RETRY:
                 exit_process(proc, code)
             _logging.event("train_resumed", step=proc.step, gen=proc.gen, reboot=True)
+            proc.first_step_pending = True
         while True:
             proc = _rt.processor
             try:
-                return func(*args, **kwargs)
+                result = func(*args, **kwargs)
             except Exception as exc:
                 if proc is None:
                     raise
-                message = f"{type(exc).__name__}: {exc}"
+                message = describe(exc, where=not str(exc))  # never a bare "AssertionError: "
                 state = classify_exception(exc, proc.data_status)
+                # for the launcher (TORCHELASTIC_ERROR_FILE), if this fault ends the process
+                # (strings only: the exception must not outlive its cleared frames)
+                fault = dict(message=message, trace=_launcher.format_exception(exc), when=time.time(),
+                             consequence=state is ReportState.RS_NORMAL)
                 traceback.clear_frames(exc.__traceback__)  # frames hold model / group references
                 exc.__traceback__ = None
+            else:
+                if proc is not None:  # as the reference: train() is done, this rank leaves (BYE, no fault)
+                    proc.destroy(reason="train() returned")
+                    if _rt.processor is proc:
+                        _rt.processor = None
+                return result
             proc.report(state, message)
             proc.teardown(is_uce=state in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED))
             action, code = proc.wait_next_action()
             if action is Action.RETRY:
                 _log.warning("RETRY: re-entering %s", getattr(func, "__name__", "train"))
                 _logging.event("train_resumed", step=proc.step, gen=proc.gen)
+                proc.first_step_pending = True
                 continue
+            _launcher.record(**fault, replace=True)  # the launcher's summary names this fault
             exit_process(proc, code)
 
     return wrapper

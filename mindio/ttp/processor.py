@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from .. import _knobs, _logging
-from ..errors import ConfigError
+from ..errors import ConfigError, describe
 from . import protocol as P
 from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
@@ -87,6 +87,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self._busy: set[int] = set()
         self.link: Link | None = None
         self.last_report: P.Report | None = None
+        self.first_step_pending = True  # set again when training resumes after a recovery (decorator)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, addr: str, key: bytes) -> None:
@@ -162,6 +163,9 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self.step, self.data_status = step, OsStatus.UPDATED
         self._progress_t = time.monotonic()
         _logging.set_context(step=step)
+        if self.first_step_pending:  # the first step of this process, or after a recovery (mindio timeline)
+            self.first_step_pending = False
+            _logging.event("step_done", step=step)
 
     def pause_train(self, cur_step: int) -> None:
         self._progress_t = time.monotonic()
@@ -224,6 +228,11 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self._main = "running"
             return action
 
+    def decision_pending(self) -> bool:
+        """Has the controller's RETRY/EXIT arrived without the main thread taking it yet?"""
+        with self._cond:
+            return self._next is not None
+
     # ---------------------------------------------------------------- controller actions (link thread)
     def _on_message(self, env: P.Envelope) -> None:
         if env.type is not P.MsgType.ACTION:
@@ -256,7 +265,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             reply = P.Reply(ok=True, detail=handler(**params) or {})
         except Exception as exc:
             _log.exception("action %s failed", name)
-            reply = P.Reply(ok=False, code=1, detail={"error": f"{type(exc).__name__}: {exc}"[:2000]})
+            reply = P.Reply(ok=False, code=1, detail={"error": describe(exc)[:2000]})
         _logging.event("action_done", action=name, sn=env.sn, ok=reply.ok, duration_s=round(time.monotonic() - t0, 6))
         self._replies[env.sn] = reply
         while len(self._replies) > 256:

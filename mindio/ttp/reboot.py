@@ -34,6 +34,8 @@ import logging
 import os
 import time
 
+from .. import _knobs
+
 __all__ = ["install", "is_reboot", "reboot_type", "reboot_gen", "await_switch", "adopt", "should_park",
            "RebootActions"]
 
@@ -81,7 +83,7 @@ def install() -> None:
         await_switch()  # a hot-switch backup: wait here (registered) until the switch releases it
         if store is None:
             from datetime import timedelta
-            t = timeout or timedelta(seconds=int(os.environ.get("MINDIO_PG_TIMEOUT", "120")))
+            t = timeout or timedelta(seconds=_knobs.get("MINDIO_PG_TIMEOUT"))
             it = c10d.rendezvous(init_method or "env://", rank, world_size, timeout=t)
             store, rank, world_size = next(it)
             store.set_timeout(t)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import zmq
 
-from .. import _knobs
+from .. import _knobs, _logging
 from ..errors import ConfigError, ProtocolError
 from . import protocol as P
 
@@ -116,6 +116,21 @@ def _parse_tls_info(tls_info) -> dict:
     return out
 
 
+_warned_unencrypted = False
+
+
+def _warn_unencrypted() -> None:
+    """Once per process: enable_tls=True (the reference default) without keys means no encryption."""
+    global _warned_unencrypted
+    if not _warned_unencrypted:
+        _warned_unencrypted = True
+        _logging.setup()  # tft_init_processor reads its TLS options before it configures logging
+        _log.warning("enable_tls=True but tls_info holds no CURVE keys: control traffic is signed with the job "
+                     "secret but NOT encrypted. To encrypt it pass tls_info with server_public (processors) and "
+                     "server_secret (controller), made with zmq.curve_keypair() (docs/ttp.md, Encryption); "
+                     "enable_tls=False says you mean it and silences this warning")
+
+
 def curve_options(enable_tls: bool, tls_info, server: bool) -> dict:
     """ZeroMQ CURVE socket options (encryption + server authentication) from ``tls_info`` (see
     :func:`_parse_tls_info`; fields ``server_public``, ``server_secret``, optionally ``client_public`` /
@@ -127,6 +142,7 @@ def curve_options(enable_tls: bool, tls_info, server: bool) -> dict:
         return {}
     info = _parse_tls_info(tls_info)
     if not info:
+        _warn_unencrypted()
         return {}
     if not zmq.has("curve"):
         raise ConfigError("enable_tls with CURVE keys, but this libzmq was built without CURVE support")

@@ -2,6 +2,7 @@
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 
@@ -70,3 +71,15 @@ def acp_env(monkeypatch):
     if not os.environ.get("MINDIO_TEST_KEEP"):
         shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 24 MiB tmpfs (root only): storage that fills up or can be remounted read-only."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root); the RLIMIT_FSIZE test covers storage limits")
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -1,4 +1,5 @@
 """Crash guarantees with real processes, real kill -9, real files (see docs/acp.md, "Guarantees")."""
+import json
 import os
 import signal
 import subprocess
@@ -140,17 +141,6 @@ def test_storage_size_limit_falls_back_without_crash(acp_env):
     assert proc.stderr.count("fallback to direct write") == 1 and "File too large" in proc.stderr
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root); the RLIMIT_FSIZE test covers storage limits")
-    yield str(mnt)
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 @pytest.mark.parametrize("failure", ["full", "read-only"])
 def test_full_or_read_only_storage(acp_env, small_fs, monkeypatch, failure, caplog):
     monkeypatch.setenv("MINDIO_ACP_UNSERVICEABLE_AFTER", "1")
@@ -213,3 +203,43 @@ def test_async_handle_reraises_persistence_failure(acp_env, small_fs, monkeypatc
     with pytest.raises(CheckpointError, match="ro.pt"):
         handle.wait(timeout=60)
     assert torch.equal(acp.load(target)["w"], torch.ones(1000))  # still served from memory
+
+
+def test_daemon_start_sweeps_temp_files_left_by_crashes(acp_env, monkeypatch):
+    """A reboot loses an acknowledged save while the daemon was writing it (its partial temp file
+    stays), and a direct writer is SIGKILLed mid-write in the same directory: the next daemon reports
+    the save lost and removes both temp files (the marker stays, as evidence)."""
+    a, b = (os.path.join(acp_env["ck"], n) for n in ("a.pt", "b.pt"))
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "30")
+    assert acp.initialize() == 0
+    assert acp.save({"v": 1}, a) == 1                              # acknowledged, only in memory
+    with open(_storage.marker_path(a)) as f:
+        seq = json.load(f)["seq"]
+    _kill_daemon()
+    import shutil
+    shutil.rmtree(_config.pool_dir(acp_env["run"]))               # the reboot: /dev/shm is empty
+    with open(_storage.temp_path(a, str(seq)), "wb") as f:        # what the daemon's write left behind
+        f.write(b"MINDIOCK partial")
+    proc = _spawn("mid_direct", b, {"MINDIO_ACP_DISABLE": "1"})
+    _wait_line(proc, "WRITING")
+    _kill9(proc)
+    temps = lambda: sorted(n for n in os.listdir(acp_env["ck"]) if ".mindio-tmp." in n)   # noqa: E731
+    assert len(temps()) == 2
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "0")
+    assert acp.initialize() == 0
+    assert {rec["path"] for rec in acp.lost_checkpoints()} == {a}
+    assert temps() == [] and os.path.exists(_storage.marker_path(a))
+    assert acp.load(b)["step"] == 1                                # b's previous version intact
+
+
+def test_failed_fallbacks_leave_no_temp_files(acp_env, small_fs, monkeypatch):
+    """Storage full, no daemon: the direct write and the torch.save fallback both fail (ENOSPC); the
+    save returns -1 and neither leaves its temp file (which would take the space a retry needs)."""
+    monkeypatch.setenv("MINDIO_ACP_DISABLE", "1")
+    n = 4 << 20
+    sparse = {"s": torch.sparse_coo_tensor(torch.arange(n).unsqueeze(0), torch.ones(n), (n,))}   # 48 MiB
+    dense = {"w": torch.ones(8 << 20)}                                                          # 32 MiB
+    for obj, name in ((sparse, "sparse.pt"), (dense, "dense.pt")):
+        assert acp.save(obj, os.path.join(small_fs, name)) == -1
+        assert os.listdir(small_fs) == [], name
+    assert acp.save({"w": torch.ones(4)}, os.path.join(small_fs, "small.pt")) == 2   # the space is free

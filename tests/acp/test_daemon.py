@@ -94,3 +94,45 @@ def test_pool_larger_than_shared_memory_is_refused_before_allocating(tmp_path):
     check_pool_fits(str(tmp_path), min(free, 1 << 20))
     with pytest.raises(OSError, match="does not fit|memory available"):
         check_pool_fits(str(tmp_path), free + (1 << 30))      # checked with statvfs: nothing is allocated
+
+
+def test_bad_commits_are_refused_and_free_their_blocks(acp_env):
+    """A client (of our uid) committing a path the daemon could never write, an unknown kind or a mode
+    with more than permission bits gets an error; its blocks come back and nothing is counted."""
+    assert acp.initialize() == 0
+    free = acp.server_stat()["free"]
+    good = os.path.join(acp_env["ck"], "x.pt")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(os.path.join(acp_env["run"], "acp.sock"))
+        for commit in ({"paths": ["relative.pt"]}, {"paths": ["/a/../b.pt"]}, {"paths": ["/a/" + "x" * 256]},
+                       {"paths": [good], "kind": "exe"}, {"paths": [good], "mode": 0o4755}):
+            _wire.send(s, {"op": "alloc", "size": 4096})
+            alloc = _wire.recv(s)["alloc"]
+            _wire.send(s, dict({"op": "commit", "alloc": alloc, "kind": "raw", "mode": 0o600}, **commit))
+            reply = _wire.recv(s)
+            assert not reply["ok"] and "commit refused" in reply["error"], commit
+    stat = acp.server_stat()
+    assert stat["free"] == free and stat["state"] == "ok" and stat["persist_failures"] == 0
+    assert acp.flush() == 0 and os.listdir(acp_env["ck"]) == []
+    with open(os.path.join(acp_env["run"], "server.log")) as f:
+        assert f.read().count("refused commit of") == 5          # each refusal logged with its reason
+
+
+def test_a_client_arriving_while_the_daemon_exits_gets_a_new_one(acp_env, monkeypatch):
+    """The daemon stopped listening and is still persisting before it exits (it holds the runtime
+    directory's lock): a client arriving now launches daemons until the old one has left and is
+    served by a new one within seconds (it used to wait 60 s for a socket that no daemon would open)."""
+    import time
+
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "3")
+    assert acp.initialize() == 0
+    path = os.path.join(acp_env["ck"], "m.pt")
+    assert acp.save({"w": torch.ones(3)}, path) == 1           # persisted only after 3 s
+    old = api._client.hello["pid"]
+    acp.shutdown_server()                                      # leaves once the file is persisted
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "0")
+    started = time.monotonic()
+    assert acp.initialize() == 0
+    assert api._client.hello["pid"] != old and time.monotonic() - started < 30
+    assert torch.equal(acp.load(path, open_way="fopen")["w"], torch.ones(3))

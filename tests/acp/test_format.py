@@ -136,3 +136,93 @@ def test_server_info_validation():
     with pytest.raises(ConfigError):
         _config.parse_server_info(["not", "a", "dict"], environ={})
     assert _config.parse_server_info(None, environ={"MINDIO_ACP_POOL_MB": "64"}).pool_bytes == 64 << 20
+
+
+def _rebuild(buf, *, edit_meta=None) -> bytearray:
+    """``buf``'s image with its metadata edited and every CRC recomputed: a crafted file, which only
+    the structure checks can catch (no checksum fails)."""
+    import msgpack
+
+    _, _, flags, n0, meta_len, table_off, data_off, total = struct.unpack_from("<8sHHIQQQQ", buf, 0)
+    meta = msgpack.unpackb(bytes(buf[64: 64 + meta_len]), raw=False)
+    if edit_meta:
+        edit_meta(meta)
+    packed = meta if isinstance(meta, bytes) else msgpack.packb(meta, use_bin_type=True)
+    table = bytes(buf[table_off: table_off + 24 * n0])
+    new_table_off = 64 + len(packed)
+    new_data_off = -(-(new_table_off + len(table)) // 4096) * 4096
+    data = bytes(buf[data_off: total])
+    pre = fmt._preamble(flags, n0, packed, new_table_off, new_data_off, new_data_off + len(data), table)
+    head = pre + packed + table
+    return bytearray(head + b"\0" * (new_data_off - len(head)) + data)
+
+
+def _set_tensor(field, value):
+    def edit(meta):
+        meta["tensors"][0][field] = value
+    return edit
+
+
+@pytest.mark.parametrize("case", [
+    "storage-count", "storages-field", "not-msgpack", "meta-not-a-map", "skeleton-garbage", "skeleton-attribute",
+    "shape-past-storage", "negative-offset", "dtype-not-a-dtype", "storage-index", "float-shape", "short-desc",
+    "junk-appended"])
+def test_crafted_containers_raise_corrupt_checkpoint(case):
+    """Files whose checksums all match but whose structure lies: never a struct/msgpack/torch error,
+    never a resized storage, always CorruptCheckpoint naming the file."""
+    buf = _image({"a": torch.randn(100), "b": torch.arange(10)})
+    edits = {
+        "storages-field": lambda m: m.update(storages=99),
+        "skeleton-garbage": lambda m: m.update(skeleton=b"\x80\x04\x95garbage"),
+        "skeleton-attribute": lambda m: m.update(skeleton=b"\x80\x04K\x01K\x02a."),   # APPEND to an int
+        "shape-past-storage": _set_tensor(2, [10 ** 6]),
+        "negative-offset": _set_tensor(1, -1),
+        "dtype-not-a-dtype": _set_tensor(4, "save"),
+        "storage-index": _set_tensor(0, 7),
+        "float-shape": _set_tensor(2, [1.5]),
+        "short-desc": lambda m: m["tensors"].__setitem__(0, m["tensors"][0][:7]),
+    }
+    if case == "storage-count":          # table CRC taken over what a reader of 10**6 entries slices
+        bad = _rebuild(buf)
+        bad[12:16] = struct.pack("<I", 10 ** 6)
+        bad[:64] = fmt._preamble(*_fields_for_preamble(bad))
+    elif case == "junk-appended":
+        bad = buf + b"junk" * 100
+    elif case in ("not-msgpack", "meta-not-a-map"):
+        import msgpack
+        bad = _rebuild(buf)
+        meta_len = struct.unpack_from("<Q", bad, 16)[0]
+        # 0xc1: a byte msgpack never uses; or a valid msgpack value that is not a map (bin 8 + bytes)
+        junk = b"\xc1" * meta_len if case == "not-msgpack" else msgpack.packb(b"\0" * (meta_len - 2))
+        assert len(junk) == meta_len
+        bad[64: 64 + meta_len] = junk
+        bad[:64] = fmt._preamble(*_fields_for_preamble(bad))
+    else:
+        bad = _rebuild(buf, edit_meta=edits[case])
+    with pytest.raises(CorruptCheckpoint) as err:
+        fmt.load_buffer(bad, "/ckpt/crafted.pt")
+    assert err.value.path == "/ckpt/crafted.pt"
+
+
+def _fields_for_preamble(buf):
+    """_preamble's arguments for ``buf`` as it now is (CRCs recomputed over its current bytes)."""
+    _, _, flags, n, meta_len, table_off, data_off, total = struct.unpack_from("<8sHHIQQQQ", buf, 0)
+    return flags, n, bytes(buf[64: 64 + meta_len]), table_off, data_off, total, bytes(buf[table_off: table_off + 24 * n])
+
+
+@pytest.mark.parametrize("content", ["empty", "5-bytes", "magic-only", "torch-truncated", "container-junk"])
+def test_damaged_files_raise_corrupt_checkpoint(tmp_path, content):
+    """Through mindio.load of a file: every damaged or mis-sized file is CorruptCheckpoint naming it."""
+    from mindio import acp
+
+    path = str(tmp_path / "model.pt")
+    torch.save({"w": torch.randn(1000)}, path)
+    whole = open(path, "rb").read()
+    data = {"empty": b"", "5-bytes": b"PK\x03\x04\x00", "magic-only": b"MINDIOCK",
+            "torch-truncated": whole[: len(whole) // 2],
+            "container-junk": bytes(_image({"w": torch.randn(10)})) + b"\0" * 7}[content]
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(CorruptCheckpoint) as err:
+        acp.load(path, open_way="fopen")
+    assert err.value.path == path and path in str(err.value)

@@ -1,24 +1,33 @@
-"""mindio-run with real agents, real worker processes and real gloo collectives on loopback."""
+"""mindio-run with real agents, real worker processes and real gloo collectives on loopback.
+
+Every test starts real ``mindio-run`` agents (and, to compare, real ``torchrun``) on a tiny script and
+asserts the exit code of every launcher it starts; the launcher asserts its workers' (it exits non-zero
+when one dies)."""
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
 from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
-from mindio.errors import ConfigError
-from mindio.launch import LaunchConfig
-from mindio.launch._bootstrap import top_level_imports
-from mindio.launch.cli import parse_args
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+# A module the script imports: it reads the rank environment at import time, as many do (device choice).
+HELPER = "import os\nLOCAL_RANK_AT_IMPORT = os.environ.get('LOCAL_RANK')\n"
 
 WORKER = textwrap.dedent("""
     import json, os, sys, time
+    import helper
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -26,14 +35,19 @@ WORKER = textwrap.dedent("""
     dist.all_reduce(t)
     out = os.environ["OUT_DIR"]
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-            "TORCHELASTIC_RESTART_COUNT", "MINDIO_WORKER_WARMUP_S", "OMP_NUM_THREADS"]
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_NAME", "MASTER_ADDR",
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE", "MINDIO_WORKER_WARMUP_S", "OMP_NUM_THREADS"]
     with open(os.path.join(out, f"r{restart}-rank{rank}.json"), "w") as f:
-        json.dump({"sum": t.item(), "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}, f)
+        json.dump({"sum": t.item(), "argv": sys.argv[1:], "import_local_rank": helper.LOCAL_RANK_AT_IMPORT,
+                   "env": {k: os.environ.get(k) for k in keys}}, f)
+    print(f"hello from rank {rank}", flush=True)
+    print(f"warning from rank {rank}", file=sys.stderr, flush=True)
     if os.environ.get("FAIL_RANK") == str(rank) and restart == 0:
         if os.environ.get("LINGER_S"):  # close the sockets first, exit later: the peer dies before us
             dist.destroy_process_group()
             time.sleep(float(os.environ["LINGER_S"]))
+        if os.environ.get("FAIL_HOW") == "raise":
+            raise ValueError(f"bad batch on rank {rank}")
         sys.exit(7)
     for _ in range(int(os.environ.get("STEPS", "0"))):
         dist.all_reduce(t)
@@ -47,13 +61,14 @@ WORKER = textwrap.dedent("""
 def job(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
+    (tmp_path / "helper.py").write_text(HELPER)
     out = tmp_path / "out"
     out.mkdir()
     procs = []
 
-    def start(*flags, env=None, **kw):
+    def start(*flags, env=None, launcher="mindio.launch.cli", target=None, **kw):
         e = dict(os.environ, OUT_DIR=str(out), TTP_LOG_STDOUT="1", **(env or {}))
-        p = subprocess.Popen([sys.executable, "-m", "mindio.launch.cli", *flags, str(script), "--x", "1"],
+        p = subprocess.Popen([sys.executable, "-m", launcher, *flags, str(target or script), "--x", "1"],
                              env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
         procs.append(p)
         return p
@@ -61,6 +76,7 @@ def job(tmp_path):
     def results():
         return {f.name: json.loads(f.read_text()) for f in sorted(out.iterdir())}
 
+    start.dir = tmp_path
     yield start, results
     for p in procs:  # end only what this test started
         if p.poll() is None:
@@ -68,33 +84,69 @@ def job(tmp_path):
         p.communicate()
 
 
-@pytest.mark.timeout(90)
-def test_two_workers_get_torchrun_environment(job):
+def _tree(root: Path) -> dict:
+    """{path below the job's run directory, with the run directory's random suffix cut: file content}"""
+    runs = list(root.iterdir())
+    assert len(runs) == 1, runs
+    prefix = runs[0].name.split("_", 1)[0]  # <rdzv-id>_<mkdtemp suffix> (the id here: "none")
+    return {f"{prefix}_*/{f.relative_to(runs[0])}": f.read_text() for f in sorted(runs[0].rglob("*")) if f.is_file()}
+
+
+@pytest.mark.timeout(150)
+def test_workers_get_torchrun_environment_and_logs(job):
+    """Two workers: torchrun's environment, set before the script's own modules are imported (a module
+    reading LOCAL_RANK at import sees each rank's value, not the warm interpreter's nothing), and
+    ``--tee 3 --log-dir D --local-ranks-filter 0`` writes the same per-rank files as torchrun, with only
+    local rank 0 on the console."""
     start, results = job
-    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()))
-    out, _ = p.communicate(timeout=80)
+    logs = {name: job[0].dir / f"logs-{name}" for name in ("mindio", "torchrun")}
+    flags = ["--nproc-per-node", "2", "--role", "trainer", "--tee", "3", "--local-ranks-filter", "0"]
+    p = start(*flags, "--log-dir", str(logs["mindio"]), "--master-port", str(_free_port()))
+    out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out
     res = results()
     assert sorted(res) == ["r0-rank0.json", "r0-rank1.json"]
     for rank in (0, 1):
         r = res[f"r0-rank{rank}.json"]
+        assert r["import_local_rank"] == str(rank)  # the script's module saw its rank at import time
         assert r["sum"] == 1.0  # 0 + 1: a real all_reduce across both workers
         assert r["argv"] == ["--x", "1"]
         env = r["env"]
-        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank)
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank) and env["ROLE_NAME"] == "trainer"
         assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0"
         assert env["OMP_NUM_THREADS"] == "1"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
         assert float(env["MINDIO_WORKER_WARMUP_S"]) > 0  # torch was imported before the assignment
+    assert "[trainer0]:hello from rank 0" in out and "[trainer0]:warning from rank 0" in out
+    assert "rank 1" not in out  # filtered from the console, still in its files
+    for f in res.values():
+        os.remove(job[0].dir / "out" / f"r0-rank{f['env']['RANK']}.json")
+    t = start(*flags, "--log-dir", str(logs["torchrun"]), "--master-port", str(_free_port()),
+              launcher="torch.distributed.run")
+    tout, _ = t.communicate(timeout=120)
+    assert t.returncode == 0, tout
+    ours, theirs = _tree(logs["mindio"]), _tree(logs["torchrun"])
+    assert ours == theirs, (ours, theirs)
+    assert ours["none_*/attempt_0/1/stdout.log"] == "hello from rank 1\n"
 
 
-@pytest.mark.timeout(120)
-def test_failed_worker_restarts_whole_job_with_fresh_store(job):
+@pytest.mark.timeout(150)
+def test_failed_worker_restarts_whole_job_and_its_exception_is_named(job):
+    """Round 0: rank 1 raises. The summary names its exception and rank, its traceback starts at the
+    script's frame (no launcher frames), and every worker restarts in round 1 (a fresh store), which ends
+    the job with 0."""
     start, results = job
     p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), "--max-restarts", "1",
-              env={"FAIL_RANK": "1"})
-    out, _ = p.communicate(timeout=110)
+              env={"FAIL_RANK": "1", "FAIL_HOW": "raise"})
+    out, _ = p.communicate(timeout=140)
     assert p.returncode == 0, out
-    assert "rank 1 exited with exit code 7" in out
+    line = next(ln for ln in out.splitlines() if "round 0 failed" in ln)
+    assert "rank 1 (node 0, " in line and "exited with exit code 1: ValueError: bad batch on rank 1" in line, out
+    assert line.endswith("restarting every worker (restart 1 of 1)"), line
+    trace = out[out.index("Traceback"):]
+    frames = [ln for ln in trace.splitlines() if ln.startswith('  File "')]
+    assert frames[0].startswith(f'  File "{job[0].dir / "worker.py"}"'), trace  # the script's frame comes first
+    assert "_bootstrap" not in out and "runpy" not in out, out
     assert {"r1-rank0.json", "r1-rank1.json"} <= set(results())
 
 
@@ -102,23 +154,35 @@ def test_failed_worker_restarts_whole_job_with_fresh_store(job):
 def test_the_failing_rank_is_named_when_a_peer_dies_before_it_is_reaped(job):
     # rank 1 closes its connections, then lingers before exiting 7: rank 0's barrier fails and rank 0
     # dies first (gloo's exception), so the agent's first look sees only rank 0 dead (CI saw this race
-    # with a plain sys.exit: the report named rank 0's abort and not the rank that failed)
+    # with a plain sys.exit: the report named rank 0's abort and not the rank that failed). Rank 0's
+    # error is a consequence (connection closed by its peer): rank 1 is the root cause.
     start, _ = job
     p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), env={"FAIL_RANK": "1", "LINGER_S": "0.4"})
     out, _ = p.communicate(timeout=80)
     assert p.returncode == 1, out
     line = next(ln for ln in out.splitlines() if "job failed" in ln)
-    assert "rank 1 exited with exit code 7" in line, out
-    assert "rank 0 exited with" in line, out
+    assert line.startswith("mindio-run: job failed: rank 1 (node 0, "), out
+    assert "exited with exit code 7; then rank 0 failed as a consequence" in line, out
 
 
-@pytest.mark.timeout(90)
-def test_failure_without_restarts_fails_the_job(job):
-    start, _ = job
-    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), env={"FAIL_RANK": "0"})
-    out, _ = p.communicate(timeout=80)
-    assert p.returncode == 1
-    assert "job failed: node 0: rank 0 exited with exit code 7" in out
+@pytest.mark.timeout(150)
+def test_root_cause_on_another_node_with_c10d_node_ranks(job):
+    """Two agents meet through ``--rdzv-backend c10d`` without ``--node-rank`` (the agent hosting the
+    endpoint is node 0, the other node 1, as torchrun assigns them); rank 1, on node 1, raises. Node 0's
+    agent names node 1's exception and rank in its summary and prints its traceback."""
+    start, results = job
+    flags = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
+    agents = [start(*flags, env={"FAIL_RANK": "1", "FAIL_HOW": "raise"}) for _ in range(2)]
+    outs = [a.communicate(timeout=140)[0] for a in agents]
+    assert [a.returncode for a in agents] == [1, 1], outs
+    ranks = {r["env"]["RANK"]: r["env"]["GROUP_RANK"] for r in results().values()}
+    assert ranks == {"0": "0", "1": "1"}, ranks
+    for out in outs:  # both agents name the root cause, node 1's
+        line = next(ln for ln in out.splitlines() if "job failed" in ln)
+        assert "rank 1 (node 1, " in line and "ValueError: bad batch on rank 1" in line, out
+    node0 = [o for o in outs if "root cause, from node 1" in o]  # node 0 also prints node 1's traceback
+    assert len(node0) == 1 and 'raise ValueError(f"bad batch on rank {rank}")' in node0[0], outs
 
 
 @pytest.mark.timeout(150)
@@ -137,6 +201,8 @@ def test_standby_agent_replaces_a_lost_node(job):
     a1.send_signal(signal.SIGKILL)  # the node dies: its agent, and with it its workers
     out0, _ = a0.communicate(timeout=120)
     outs, _ = spare.communicate(timeout=30)
+    a1.communicate(timeout=10)
+    assert a1.returncode == -signal.SIGKILL
     assert a0.returncode == 0, out0
     assert spare.returncode == 0, outs
     assert "standby takes over node 1" in outs
@@ -145,25 +211,123 @@ def test_standby_agent_replaces_a_lost_node(job):
     assert res["r1-rank0.json"]["sum"] == 1.0
 
 
-def test_bad_flags_are_explained(tmp_path, capsys):
-    script = tmp_path / "t.py"
-    script.write_text("pass\n")
-    with pytest.raises(SystemExit):
-        parse_args(["--nnodes", "2", "--node-rank", "2", str(script)])
-    assert "--node-rank 2 is outside [0, 1]" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_args(["--nnodes", "1:4", str(script)])
-    assert "elastic ranges are not supported" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="does not exist"):
-        LaunchConfig(entrypoint=str(tmp_path / "missing.py"))
-    with pytest.raises(ConfigError, match="monitor-interval"):
-        LaunchConfig(entrypoint=str(script), monitor_interval=2.0)
-    cfg = parse_args(["--rdzv-endpoint", "127.0.0.1:1234", "--nproc_per_node", "3", str(script), "--lr", "1"])
-    assert (cfg.master_addr, cfg.master_port, cfg.nproc_per_node, cfg.args) == ("127.0.0.1", 1234, 3, ("--lr", "1"))
+LATE = textwrap.dedent("""
+    import os, sys, time
+    import torch.distributed as dist
+    import mindio.ttp as ttp
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    ttp.tft_init_processor(rank, world, False, enable_tls=False)
+    ttp.tft_start_processor(os.environ["TTP_ADDR"], int(os.environ["TTP_PORT"]))
+    dist.barrier()                 # "training"
+    ttp.tft_destroy_processor()    # training finished: the rank leaves the controller
+    dist.destroy_process_group()
+    if rank == 1:
+        with open(os.path.join(os.environ["OUT_DIR"], "aborted_at"), "w") as f:
+            f.write(repr(time.time()))
+        os.abort()                 # then dies abnormally at exit (issue 13: SIGABRT at interpreter exit)
+""")
 
 
-def test_top_level_imports_are_found_without_running_the_script(tmp_path):
-    script = tmp_path / "s.py"
-    script.write_text("import os, json\nfrom collections import abc\nfrom . import x\n"
-                      "def f():\n    import secret\nraise SystemExit('must not run')\n")
-    assert top_level_imports(str(script)) == ["os", "json", "collections"]
+@pytest.mark.timeout(120)
+def test_abnormal_exit_after_training_finished_ends_the_job_at_once(job, tmp_path):
+    """With the controller in the launcher, rank 1 aborts after its training finished (its processor
+    left the controller): nothing to recover, and the job must not wait for a decision that never comes
+    (before: it waited forever). It ends within 10 s of the abort, non-zero, naming rank 1."""
+    start, _ = job
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), "--high-availability", "dump",
+              target=script)
+    out, _ = p.communicate(timeout=110)
+    ended = time.time()
+    assert p.returncode == 1, out
+    line = next(ln for ln in out.splitlines() if "job failed" in ln)
+    assert "rank 1 (node 0, " in line and "exited with signal SIGABRT after its training finished" in line, out
+    aborted = float((tmp_path / "out" / "aborted_at").read_text())
+    print(f"\nabort -> mindio-run exited in {ended - aborted:.2f} s")
+    assert ended - aborted < 10, ended - aborted
+    assert "after its training finished (it had left the controller)" in out, out
+
+
+ARF = textwrap.dedent("""
+    import os
+    import torch.distributed as dist
+    import mindio.ttp as ttp
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    if rank == 0:
+        ttp.tft_init_controller(rank, world, False, enable_arf=True)
+    ttp.tft_init_processor(rank, world, False, enable_tls=False, enable_arf=True)
+    raise SystemExit("unreachable: worker reboot without a launcher that replaces processes must fail at start")
+""")
+
+
+@pytest.mark.timeout(120)
+def test_worker_reboot_under_torchrun_fails_at_start(job, tmp_path):
+    """A job that asks for worker reboot (enable_arf, the scripts' --enable-worker-reboot) under torchrun:
+    nothing could replace a dead rank, so it fails at start, one line naming what to use (before: it
+    trained, and its first dead rank ended the job with 76). Under mindio-run without
+    --high-availability: test_launch_megatron.py, on the Megatron example."""
+    start, _ = job
+    script = tmp_path / "arf.py"
+    script.write_text(ARF)
+    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), target=script,
+              launcher="torch.distributed.run")
+    out, _ = p.communicate(timeout=110)
+    assert p.returncode == 1, out
+    assert "ConfigError: worker reboot (tft_init_controller(enable_arf=True), --enable-worker-reboot) replaces " \
+           "failed processes, which torchrun cannot do: launch the job with `mindio-run --high-availability " \
+           "dump,recover-in-place`" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_master_port_in_use_is_one_line(job, tmp_path):
+    start, _ = job
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = start("--nproc-per-node", "1", "--master-port", str(port))
+        out, _ = p.communicate(timeout=50)
+    assert p.returncode == 1, out
+    assert out.strip().splitlines()[-1] == (
+        f"mindio-run: error: --master-port {port} is in use on this host (another job, or a "
+        f"torchrun?): pick a free port (on a single node, leave --master-port out and mindio-run picks one)"), out
+    assert "Traceback" not in out
+
+
+@pytest.mark.timeout(90)
+def test_missing_optional_dependency_names_the_pip_command(job, tmp_path):
+    """The Megatron example on an installation without the ``megatron`` extra (hidden here by an import
+    hook): the summary names the pip command instead of a bare ModuleNotFoundError."""
+    hook = tmp_path / "hide"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys
+        class _Hide:
+            def find_spec(self, name, path=None, target=None):
+                if name == "megatron" or name.startswith("megatron."):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, _Hide())
+    """))
+    start, _ = job
+    p = start("--nproc-per-node", "1", env={"PYTHONPATH": f"{hook}:{REPO}"},
+              target=REPO / "examples" / "megatron" / "pretrain_gpt.py")
+    out, _ = p.communicate(timeout=80)
+    assert p.returncode == 1, out
+    line = next(ln for ln in out.splitlines() if "job failed" in ln)
+    assert "ModuleNotFoundError: No module named 'megatron'" in line, out
+    assert "pip install 'mindio[megatron]'" in line, out
+
+
+@pytest.mark.timeout(60)
+def test_no_python_runs_the_program_itself(job, tmp_path):
+    prog = tmp_path / "prog.sh"
+    prog.write_text('#!/bin/sh\necho "rank $RANK of $WORLD_SIZE args $*"\n')
+    prog.chmod(0o755)
+    start, _ = job
+    p = start("--nproc-per-node", "2", "--no-python", "--tee", "1", target=prog)
+    out, _ = p.communicate(timeout=50)
+    assert p.returncode == 0, out
+    assert "[default0]:rank 0 of 2 args --x 1" in out and "[default1]:rank 1 of 2 args --x 1" in out, out

@@ -8,6 +8,8 @@ and iteration come from the replica (repair), its parameters from the all-gather
 Faults fire once per job: a marker file in ``--out`` is created before firing. ``kill-node:R:IT``
 SIGKILLs rank R's launcher agent, then R itself (the node's other workers die with the agent).
 
+``TOY_ENABLE_ARF=1``: the processors register with ``enable_arf`` (worker reboot).
+
 At the end every rank writes ``final_rank<r>.pt`` and rank 0 prints ``state-digest: <sha256>`` over
 every rank's (flat, master, m, v, it).
 """
@@ -73,7 +75,9 @@ def main() -> int:
         os._exit(3)
     toy.build_groups(a.rank, a.world)
     a.store = dist.distributed_c10d._get_default_store()  # toy.Trainer.maybe_inject: faults of one step together
-    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False)
+    # TOY_ENABLE_ARF=1: the ranks register for worker reboot (the launcher then enables recover-in-place)
+    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False,
+                           enable_arf=os.environ.get("TOY_ENABLE_ARF") == "1")
     trainer = Trainer(a)
     ttp.tft_register_save_ckpt_handler(trainer.save)
     ttp.tft_register_rename_handler(trainer.rename)

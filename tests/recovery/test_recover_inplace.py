@@ -30,14 +30,14 @@ STEPS, FAULT_IT = 10, 7
 pytestmark = pytest.mark.slow
 
 
-def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", env=None, timeout=150):
-    """One mindio-run job of the toy; returns (exit code, output, events)."""
+def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", env=None, timeout=150, extra=()):
+    """One mindio-run job of the toy (``extra``: more mindio-run flags); returns (exit code, output, events)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
              MINDIO_EVENT_LOG=str(events), **(env or {}))
     cmd = [sys.executable, "-m", "mindio.launch.cli", "--nproc-per-node", "4", "--master-port", str(_port()),
-           "--high-availability", strategies, str(TOY), "--out", str(out), "--steps", str(STEPS)]
+           "--high-availability", strategies, *extra, str(TOY), "--out", str(out), "--steps", str(STEPS)]
     if fault:
         cmd += ["--fault", fault]
     p = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,0 +1,159 @@
+"""mindio-run's command line is torchrun's (no processes): every torchrun flag and PET_* variable is
+accepted with its meaning, the flags mindio-run cannot honour fail with one line, the help is plain
+text; plus the interface check of multi-host jobs (mindio/launch/netif.py) and the bootstrap's choice of
+what a warm interpreter may import before it knows its rank."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mindio.errors import ConfigError
+from mindio.launch import LaunchConfig, netif
+from mindio.launch._bootstrap import preloadable, top_level_imports
+from mindio.launch.cli import build_parser, parse_args
+
+
+@pytest.fixture
+def script(tmp_path):
+    s = tmp_path / "t.py"
+    s.write_text("pass\n")
+    return str(s)
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[-1]  # argparse: usage line(s), then one line "mindio-run: error: ..."
+
+
+def test_every_torchrun_flag_is_accepted_with_its_help():
+    from torch.distributed.run import get_args_parser
+
+    ours = build_parser()
+    mine = {s for a in ours._actions for s in a.option_strings}
+    theirs = {s for a in get_args_parser()._actions for s in a.option_strings}
+    assert theirs <= mine, sorted(theirs - mine)
+    for a in ours._actions:
+        if a.dest != "help":
+            assert a.help, f"{a.option_strings or a.dest} has no help"
+    text = subprocess.run([sys.executable, "-m", "mindio.launch.cli", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert "`" not in text.stdout and "--high-availability" in text.stdout and "--tee" in text.stdout
+    v = subprocess.run([sys.executable, "-m", "mindio.launch.cli", "--version"], capture_output=True, text=True,
+                       timeout=120)
+    import mindio
+
+    assert v.returncode == 0 and v.stdout.strip() == f"mindio-run (mindio {mindio.__version__})"
+
+
+def test_torchrun_flags_keep_their_meaning(script, monkeypatch):
+    cfg = parse_args(["--rdzv-endpoint", "127.0.0.1:1234", "--nproc_per_node", "3", "--role", "trainer",
+                      "--tee", "3", "--log-dir", "/tmp/x", "--local-ranks-filter", "0,2", "--shutdown-timeout", "7",
+                      "--signals-to-handle", "SIGTERM,SIGUSR1", "--run-path", script, "--lr", "1"])
+    assert (cfg.master_addr, cfg.master_port, cfg.nproc_per_node, cfg.args) == ("127.0.0.1", 1234, 3, ("--lr", "1"))
+    assert (cfg.role, cfg.tee, cfg.log_dir, cfg.local_ranks_filter) == ("trainer", "3", "/tmp/x", frozenset({0, 2}))
+    assert cfg.term_grace == 7 and cfg.signals == ("SIGTERM", "SIGUSR1")
+    import os
+
+    assert parse_args(["--nproc-per-node", "cpu", script]).nproc_per_node == os.cpu_count()
+    # torchrun: a single node without --master-port gets a free port; with one, the static rendezvous
+    assert parse_args([script]).master_port != 29500
+    assert parse_args(["--nnodes", "2", script]).master_port == 29500
+    assert parse_args(["--nnodes", "2:2", "--node-rank", "1", script]).node_rank == 1
+    # c10d: the endpoint is node 0's store; node ranks come from the rendezvous unless given
+    c = parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29555", "--nnodes", "2", script])
+    assert c.dynamic_rank and (c.master_addr, c.master_port) == ("127.0.0.1", 29555)
+    assert not parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--nnodes", "2", "--node-rank",
+                           "1", script]).dynamic_rank
+    # PET_* variables are torchrun's defaults for its flags, mindio's flags included
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "5")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "2")
+    monkeypatch.setenv("PET_HIGH_AVAILABILITY", "dump,retry")
+    cfg = parse_args([script])
+    assert (cfg.nproc_per_node, cfg.max_restarts, cfg.high_availability) == (5, 2, ("dump", "retry"))
+
+
+def test_flags_mindio_run_cannot_honour_fail_with_one_line(script, capsys):
+    assert "--rdzv-backend etcd: not supported" in _error(capsys, ["--rdzv-backend", "etcd", script])
+    assert "elastic ranges are not supported" in _error(capsys, ["--nnodes", "1:4", script])
+    assert "--numa-binding node: not supported" in _error(capsys, ["--numa-binding", "node", script])
+    assert "--event-log-handler console" in _error(capsys, ["--event-log-handler", "console", script])
+    assert "--node-rank 2 is outside [0, 1]" in _error(capsys, ["--nnodes", "2", "--node-rank", "2", script])
+    assert "--tee 7" in _error(capsys, ["--tee", "7", script])
+    assert "Unsupported nproc_per_node" in _error(capsys, ["--nproc-per-node", "many", script])
+    assert "--module and --no-python" in _error(capsys, ["-m", "--no-python", "x"])
+    assert "does not exist" in _error(capsys, ["/nonexistent/train.py"])
+    with pytest.raises(ConfigError, match="monitor-interval"):
+        LaunchConfig(entrypoint=script, monitor_interval=2.0)
+
+
+def test_gloo_interface_is_checked_or_chosen_at_start():
+    have = netif.interfaces()
+    assert have.get("lo") == "127.0.0.1"
+    assert netif.choose({}, "127.0.0.1", None, multi_node=True) == {}  # all nodes on loopback: nothing to do
+    with pytest.raises(ConfigError, match="GLOO_SOCKET_IFNAME=nosuch0: no interface nosuch0"):
+        netif.choose({"GLOO_SOCKET_IFNAME": "nosuch0"}, "127.0.0.1", None, multi_node=True)
+    assert netif.choose({}, "127.0.0.1", "127.0.0.1", multi_node=False) == {"GLOO_SOCKET_IFNAME": "lo"}
+    with pytest.raises(ConfigError, match="is not an address of this host"):
+        netif.choose({}, "127.0.0.1", "192.0.2.254" if "192.0.2.254" not in have.values() else "198.51.100.9",
+                     multi_node=True)
+    others = {n: a for n, a in have.items() if n != "lo"}
+    if others:  # the interface that routes to a master address on another interface (a UDP connect: no traffic)
+        name, addr = sorted(others.items())[0]
+        assert netif.choose({}, addr, None, multi_node=True) == {"GLOO_SOCKET_IFNAME": name}
+        assert netif.choose({}, addr, None, multi_node=False) == {}  # one node: gloo's own choice works
+
+
+def test_warm_interpreters_import_only_what_cannot_read_the_rank(tmp_path):
+    s = tmp_path / "s.py"
+    s.write_text("import os, json, helper\nimport torch.distributed as dist\nfrom megatron.core import mpu\n"
+                 "from mindio import ttp\nfrom . import x\nimport megatron.training\n"
+                 "def f():\n    import secret\nraise SystemExit('must not run')\n")
+    names = top_level_imports(str(s))
+    assert names == ["os", "json", "helper", "torch.distributed", "megatron.core", "mindio", "megatron.training"]
+    assert preloadable(names) == ["torch.distributed", "megatron.core", "mindio"]
+    assert preloadable(names, extra=("helper",)) == ["helper", "torch.distributed", "megatron.core", "mindio"]
+
+
+def test_root_cause_and_round_outcome_wording(tmp_path):
+    """failures.read parses torchrun's error-file format; the root cause is the earliest failure that is not
+    a peer's consequence; a round that ended with a dump is said to, and relaunched, or exits 75."""
+    import json
+
+    from mindio.launch import failures
+
+    err = tmp_path / "error.json"  # what torch's @record (ErrorHandler.record_exception) writes
+    err.write_text(json.dumps({"message": {"message": "ValueError: bad batch", "extraInfo": {
+        "py_callstack": "Traceback ...\nValueError: bad batch\n", "timestamp": "100"}}}))
+    root = failures.read(3, 1, str(err), node=1)
+    assert (root.error, root.time, root.node) == ("ValueError: bad batch", 100.0, 1)
+    peer = failures.Failure(rank=0, code=1, error="RuntimeError: [gloo] Connection closed by peer", time=99.0)
+    killed = failures.Failure(rank=2, code=-9, time=98.0)  # SIGKILLed without an error: the agents' doing
+    # stopped by the controller because of another rank's fault: mindio's decorator records it as a consequence
+    forced = failures.Failure(rank=4, code=75, error="RuntimeError: FORCE STOP: ...", consequence=True, time=1.0)
+    assert failures.first([peer, killed, forced, root]) is root
+    assert failures.first([failures.read(5, 7, None)]).line().startswith("rank 5 (node 0, ")
+
+    text, code = failures.outcome([peer, root], "node 1: ...", rnd=0, max_restarts=0, node=0)
+    assert code == 1 and text.splitlines()[0] == (
+        f"mindio-run: job failed: rank 3 (node 1, {root.host}) exited with exit code 1: ValueError: bad batch; "
+        f"then rank 0 failed as a consequence (restarts used: 0 of 0)")
+    assert "root cause, from node 1" in text and "ValueError: bad batch" in text.splitlines()[-1]
+    text, code = failures.outcome([peer, root], "node 1: ...", rnd=0, max_restarts=2, node=1)
+    assert code is None and text.endswith("restarting every worker (restart 1 of 2)") and "\n" not in text
+
+    dumped = [failures.Failure(rank=r, code=75, error="RuntimeError: FORCE STOP", consequence=True) for r in (0, 2)] \
+        + [failures.Failure(rank=3, code=75), failures.Failure(rank=1, code=75, error="ValueError: injected")]
+    text, code = failures.outcome(dumped, "node 0: the controller ended the job (exit code 75)", rnd=0,
+                                  max_restarts=1)
+    assert code is None and text.startswith("mindio-run: round 0: a last-words checkpoint was written (workers "
+                                            "exited 75) after: rank 1 (node 0")
+    assert "ValueError: injected (the controller ended the job (exit code 75)); relaunching every worker to resume " \
+        "from it (restart 1 of 1)" in text, text  # ranks that only exited 75 after the dump are no failures
+    text, code = failures.outcome(dumped, "x", rnd=1, max_restarts=1)
+    assert code == 75 and text.startswith("mindio-run: job stopped: a last-words checkpoint was written")

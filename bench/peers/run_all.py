@@ -1,8 +1,9 @@
 """mindio and the systems a user would pick instead, measured side by side in one run: one table.
 
-    .venv/bin/pip install -c constraints.txt -e ".[peers]"     # torchft, nvidia-resiliency-ext (pinned)
+    .venv/bin/pip install -c constraints.txt -e ".[megatron,peers]"  # + torchft, NVRx (pinned)
     .venv/bin/python bench/peers/run_all.py --size 1g          # everything (docs/benchmarks.md)
     .venv/bin/python bench/peers/run_all.py --size tiny        # the same drills on the tiny GPT
+    .venv/bin/python bench/peers/run_all.py --skip recovery,ha --peer-runs torchft-kill-default
 
 Parts, in this order, all on this machine, 4 training processes each:
 
@@ -319,9 +320,14 @@ def main(argv=None) -> int:
         print(res["recovery_text"], flush=True)
     if "ha" not in skip:
         iters, warm = (12, 2) if big else (60, 5)
-        res["ha"] = ha_overhead.measure(a.size, WORLD, iters, warm, a.ha_rounds,
-                                        echo=lambda s: print(f"[ha] {s}", flush=True))
-        print(ha_overhead.report(res["ha"]), flush=True)
+        try:
+            res["ha"] = ha_overhead.measure(a.size, WORLD, iters, warm, a.ha_rounds,
+                                            echo=lambda s: print(f"[ha] {s}", flush=True))
+            res["ha_text"] = ha_overhead.report(res["ha"])
+            print(res["ha_text"], flush=True)
+        except SystemExit as exc:  # a run failed twice (ha_overhead.run)
+            res["ha"] = {"error": str(exc)}
+            print(f"[ha] FAILED: {exc}", flush=True)
     if "peers" not in skip:
         res["peers"] = peers(a)
     print(f"\nmindio vs peers, size {a.size} ({_sizes.get(a.size).params / 1e6:.1f} M params), {WORLD} "
@@ -330,6 +336,10 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs at the end")
     print(table(res))
     print("details:\n" + details(res))
+    targets = [x for key in ("recovery_text", "ha_text") for x in res.get(key, "").splitlines()
+               if x.startswith("target ")]
+    if targets:
+        print("targets (issue 18; for an idle machine):\n" + "\n".join(f"  {x[7:]}" for x in targets))
     if a.json:
         Path(a.json).write_text(json.dumps({k: v for k, v in res.items()}, indent=1, default=str))
     failed = [d + ": " + f for d, f, _, mv, _, pv, _ in rows(res) if FAILED in (mv, pv)]

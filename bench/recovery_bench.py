@@ -44,7 +44,9 @@ bytes and seconds; the rate is bytes / seconds of one such transfer (the slowest
 once), the total is over all ranks. The recovery's own phases (``repair`` = the controller's repair
 action, control round trips included) are separate columns.
 
-At the end the run checks the targets of issue 18 and prints PASS / FAIL for each (recover-in-place
+"again" = fault -> the first step after the recovery completed, less one fault-free step (that much
+compute would have run anyway), at least fault -> train() re-entered: the time the fault cost. At the
+end the run checks the targets of issue 18 on it and prints PASS / FAIL for each (recover-in-place
 <= 2 s + state bytes / 1 GB/s and bitwise equal to the reference; retry <= 1 s + repair bytes / 1 GB/s;
 dump loses <= 1 step; each >= 5x sooner than the baseline) with the load average it ran under: the
 targets are for an idle machine.

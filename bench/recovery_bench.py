@@ -361,7 +361,9 @@ def analyse(run: Run, fault_step: int) -> dict:
         return next((e for e in ev if e["t"] >= fault and e["kind"] in kinds
                      and all(e.get(k) == v for k, v in match.items())), None)
 
-    decision = first_event(("decision",))
+    # what was done: a replacement flow's recover_done names the strategy it carried out (the decision
+    # event can name another: at 1g a killed node was decided as recover-in-place, then a standby took it)
+    decision = first_event(("recover_done",)) or first_event(("decision",))
     detect = first_event(("report_received", "rank_dead"))
     stop = first_event(("action",), action="stop")
     rename = first_event(("action",), action="rename")

@@ -115,3 +115,11 @@ def test_sizes_match_megatron_parameter_counts():
     assert _sizes.get("tiny").params == 169728  # what examples/megatron/pretrain_gpt.py reports (P=...)
     big = _sizes.get("1g")
     assert big.state_bytes() >= 2**30 and big.state_bytes() == 4 * big.params + 6 * big.params
+
+
+def test_the_strategy_carried_out_is_reported_not_only_the_decision():
+    t = 100.0
+    run = rb.Run(lines=[(t + 5, "iteration      8/10 | lm loss 5.7 | step 100.0 ms")],
+                 events=[{"t": t, "kind": "fault_injected"}, {"t": t + 0.1, "kind": "decision", "strategy": "recover-in-place"},
+                         {"t": t + 4, "kind": "recover_done", "strategy": "recover"}], codes=[0])
+    assert rb.analyse(run, fault_step=8)["decision"] == "recover"

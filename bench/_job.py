@@ -82,7 +82,7 @@ def main() -> None:
     if resume and checkpoint.read_tracker(Path(resume)) is not None:
         argv += ["--load", resume]
     if os.environ.get("BENCH_TORCH_SAVE") == "1":
-        checkpoint._acp = lambda: None  # write_object/read_object fall back to torch.save/torch.load
+        checkpoint.torch_dist._acp = lambda: None  # checkpoint files go straight to storage (no store)
         checkpoint.initialize_store = lambda *a, **k: False
     if os.environ.get("BENCH_TIMINGS") == "1":
         time_data_path()

@@ -92,6 +92,16 @@ _ALL = [
          "host:port of a job's status server, for `mindio status` (default: TTP_ADDR or 127.0.0.1, and "
          "MINDIO_STATUS_PORT)."),
     Knob("TTP_RETRY_TIMES", int, 10, "Processor connection attempts to a controller.", min=1, max=300),
+    Knob("MINDIO_CONTROLLER_WAIT", float, 30.0,
+         "Seconds a processor started without MINDIO_SECRET waits for the controller's rank to publish the job "
+         "secret in the job's torch.distributed store; then it fails naming the controller address.",
+         min=1, max=3600),
+    Knob("MINDIO_CONTROLLER_LOST_EXIT", float, 30.0,
+         "Seconds a rank parked after a fault (tft_wait_next_action) waits with no controller reachable before "
+         "it exits with EXIT_CODE_FAULT.", min=1, max=3600),
+    Knob("MINDIO_CONTROLLER_EXIT_WAIT", float, 30.0,
+         "Seconds a process that hosts the controller waits, after an EXIT, for the controller's exit order to "
+         "reach every rank before it leaves.", min=1, max=3600),
     Knob("TTP_NORMAL_ACTION_TIME_LIMIT", float, 180.0,
          "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),
     Knob("MINDIO_WAIT_MINDX_TIME", float, 30.0,
@@ -118,10 +128,16 @@ _ALL = [
          "dead the moment its process exits without BYE; 0: heartbeats only (docs/ttp.md)."),
     Knob("MINDIO_GC_FREEZE", _bool, True,
          "1: freeze the objects that exist before the model is built (gc.freeze, once) so that the garbage "
-         "collection of a recovery teardown walks only the training objects (docs/recovery.md); 0: off."),
+         "collection of a recovery teardown walks only the training objects (docs/recovery.md); and at process "
+         "exit, after one collection, freeze the rest so that the interpreter's shutdown collections skip it "
+         "(mindio/ttp/shutdown.py); 0: off."),
     Knob("MINDIO_FAST_EXIT", _bool, True,
          "1: after an EXIT ordered by the controller (e.g. after a dump), end the process with os._exit once "
          "the framework's atexit handlers ran, skipping the interpreter teardown (seconds); 0: full teardown."),
+    Knob("MINDIO_EXIT_TIMEOUT", float, 10.0,
+         "Seconds the exit teardown (mindio/ttp/shutdown.py) waits in all for mindio's control-plane threads "
+         "to end and for the process groups it destroys to release their worker threads, before the "
+         "interpreter shuts down.", min=0.1, max=600),
     Knob("MINDIO_SECRET", str, "", "Per-job secret that signs control messages (hex); generated if empty."),
     Knob("HIGH_AVAILABILITY", _ha_list, (),
          "Comma list of strategies to enable (the job's recover-strategy list): dump, retry, recover, "

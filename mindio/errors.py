@@ -25,6 +25,11 @@ class LostPeer(MindIOError):
     """The other side of a connection stopped answering (missed heartbeats or closed socket)."""
 
 
+class NoController(MindIOError, ConnectionError):
+    """A processor found no controller within its bound; the message names the address it tried and the
+    knob that sets the bound."""
+
+
 class RemoteError(MindIOError):
     """A remote rank or the controller reported a failure; ``rank`` names it when known."""
 

@@ -4,13 +4,18 @@
         --train-iters 50 --enable-high-availability          # DP=4, each shard on 2 ranks
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
         --tensor-model-parallel-size 2 --save ckpt --save-interval 10
+    torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
+        --pipeline-model-parallel-size 2 --global-batch-size 8 --enable-high-availability   # PP2 x DP2
+    torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
+        --num-experts 4 --expert-model-parallel-size 2 --enable-high-availability          # MoE, EP2
 
 megatron-core 0.16.1 has no ``megatron.training``, so ``pretrain()``, ``train()``,
 ``train_step()`` and the arguments are written here with Megatron's names and flags. Lines marked
 ``# mindio:`` are the integration points (docs/megatron.md lists them). Defaults are tiny (2 layers,
 hidden 64, sequence 64) and deterministic: fixed seeds, deterministic algorithms, data order
 derived from the number of consumed samples; ``state-digest: <sha256>`` is printed after every
-save and at the end so that runs compare bit for bit.
+save and at the end so that runs compare bit for bit. Layout flags are Megatron-LM's (tensor, pipeline,
+virtual pipeline, expert parallelism); checkpoints are Megatron's torch_dist format (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -56,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--max-position-embeddings", type=int, default=64)
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+      help="interleaved pipeline schedule: layers per model chunk (needs >= 2 micro-batches per step)")
+    a("--num-experts", type=int, default=None, help="mixture of experts: experts per MoE layer")
+    a("--expert-model-parallel-size", type=int, default=1)
+    a("--moe-router-topk", type=int, default=2)
     a("--micro-batch-size", type=int, default=2)
     a("--global-batch-size", type=int, default=None, help="default: micro batch x DP size")
     a("--train-iters", type=int, default=20)
@@ -135,31 +145,48 @@ def batch_iterator(dataset, consumed_samples: int, args):
 
 
 # ------------------------------------------------------------------------- model and optimizer
-def model_provider(args, config, pre_process=True, post_process=True):
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                    vocab_size=args.padded_vocab_size,
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings,
-                    pre_process=pre_process, post_process=post_process)
+                    pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
 def transformer_config(args):
     from megatron.core.transformer import TransformerConfig
 
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_size(args),
+        pipeline_dtype=dtype, num_moe_experts=args.num_experts,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        moe_router_topk=args.moe_router_topk, moe_token_dispatcher_type="allgather",
         use_cpu_initialization=True,  # TP=2 then initialises exactly like TP=1
-        hidden_dropout=0.0, attention_dropout=0.0, bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=args.bf16, params_dtype=dtype)
+
+
+def virtual_pipeline_size(args):
+    """Model chunks per pipeline rank (interleaved schedule), or None."""
+    per = args.num_layers_per_virtual_pipeline_stage
+    if per is None:
+        return None
+    pp = args.pipeline_model_parallel_size
+    if pp < 2 or args.num_layers % (pp * per):
+        raise SystemExit(f"--num-layers-per-virtual-pipeline-stage {per}: needs pipeline parallelism and "
+                         f"--num-layers ({args.num_layers}) divisible by PP x {per}")
+    return args.num_layers // (pp * per)
 
 
 def setup_model_and_optimizer(args):
-    """Model chunks (DDP), optimizer and LR scheduler on the current parallel state."""
+    """Model chunks (DDP; several with the interleaved schedule), optimizer and LR scheduler on the
+    current parallel state."""
     from megatron.core import parallel_state as ps, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -170,16 +197,19 @@ def setup_model_and_optimizer(args):
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     config = transformer_config(args)
-    model = model_provider(args, config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
-    if args.bf16:
-        model = Float16Module(config, model)
+    chunks = []
+    for vp_stage in range(config.virtual_pipeline_model_parallel_size or 1):
+        vp = vp_stage if config.virtual_pipeline_model_parallel_size else None
+        chunk = model_provider(args, config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                               ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), vp)
+        chunks.append(Float16Module(config, chunk) if args.bf16 else chunk)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=mio.replica_count(args))  # mindio: replicas
-    model = [DDP(config, ddp_config, model)]
+    model = [DDP(config, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
     # Megatron-LM's training.py sets these; without them megatron-core never reduces gradients.
-    config.no_sync_func = model[0].no_sync
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     mio.install()  # mindio: get_megatron_optimizer builds the ReplicaDistributedOptimizer
     opt_config = OptimizerConfig(
@@ -248,6 +278,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     ctx.consumed_samples += args.global_batch_size
     if args.enable_high_availability:
         ttp.tft_end_updating_os(ctx.iteration)  # mindio: state is complete for this step
+        ctx.record_step_rng()  # mindio: the RNG a rollback to this step restores on every stage
     opt_param_scheduler.step(increment=args.global_batch_size)
     loss = torch.zeros(1)
     if ps.is_pipeline_last_stage():
@@ -259,25 +290,29 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
 
 
 def check_replicas(ctx) -> None:
-    """Every shard's replicas (same shard index in the DP group) must be bit-identical."""
+    """Every shard's replicas (same shard index in its DP group: the dense DP group, or the expert-DP
+    group for MoE experts) must be bit-identical."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    digest = local_digest((str(i), t) for i, t in enumerate(ctx.shard_tensors()))
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).clone()
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    shards = len(parts) // ctx.replica_cnt
-    for pos, part in enumerate(parts):
-        if not torch.equal(part, parts[pos % shards]):
-            raise RuntimeError(f"iteration {ctx.iteration}: optimizer shard {pos % shards} differs "
-                               f"between DP positions {pos % shards} and {pos}")
+    groups = [ps.get_data_parallel_group(with_context_parallel=True), ps.get_expert_data_parallel_group()]
+    for t, tensors in enumerate(ctx.shard_groups()):
+        digest = local_digest((str(i), x) for i, x in enumerate(tensors))
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).clone()
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(groups[t]))]
+        dist.all_gather(parts, mine, group=groups[t])
+        shards = len(parts) // ctx.replica_cnt
+        for pos, part in enumerate(parts):
+            if not torch.equal(part, parts[pos % shards]):
+                raise RuntimeError(f"iteration {ctx.iteration}: shard {pos % shards} of optimizer {t} "
+                                   f"differs between DP positions {pos % shards} and {pos}")
 
 
 def train(forward_step_func, ctx, dataset):
     """The loop. Re-entered after an in-process recovery: everything is read from ``ctx``."""
     args = ctx.args
-    data_iterator = batch_iterator(dataset, ctx.consumed_samples, args)
+    # one iterator per model chunk (the interleaved schedule reads each chunk's micro-batches in turn)
+    chunks = [batch_iterator(dataset, ctx.consumed_samples, args) for _ in ctx.model]
+    data_iterator = chunks if len(chunks) > 1 else chunks[0]
     while ctx.iteration < args.train_iters:
         t0 = time.perf_counter()
         loss, grad_norm, ok = train_step(forward_step_func, data_iterator, ctx.model,
@@ -338,7 +373,7 @@ def setup_high_availability(ctx) -> None:
                            enable_arf=args.enable_worker_reboot,
                            enable_zit=args.enable_elastic_training)
     ttp.tft_start_processor(addr, port)
-    ttp.tft_set_optimizer_replica(rank, mio.replica.replica_info(ctx.replica_cnt))
+    ttp.tft_set_optimizer_replica(rank, mio.replica.replica_info(ctx.replica_cnt, experts=ctx.has_experts))
     ttp.tft_set_dp_group_info(rank, mio.replica.dp_rank_list())
     adapter = mio.MegatronAdapter(ctx)
     mio.register(adapter, step_args=ctx)
@@ -354,16 +389,19 @@ def setup_high_availability(ctx) -> None:
 
 # ------------------------------------------------------------------------------------ pretrain
 def report_memory(ctx) -> None:
-    """Optimizer-state bytes on rank 0 (fp32 main params + 2 Adam moments) vs 12*P*R/d."""
-    from megatron.core import parallel_state as ps
-
+    """Optimizer-state bytes on rank 0 (fp32 main params + 2 Adam moments) vs 12*P*R/d, summed over the
+    distributed optimizers (dense params over the DP group; MoE expert params over the expert-DP group)."""
     if not ctx.args.use_distributed_optimizer:
         return
     state = sum(t.numel() * t.element_size() for i, t in enumerate(ctx.shard_tensors()) if i % 4 != 3)
-    params = sum(p.numel() for c in ctx.model for p in c.parameters())
-    d = ps.get_data_parallel_world_size(with_context_parallel=True)
-    print_rank_0(f"optimizer-state-bytes: {state} on rank 0 (P={params}, R={ctx.replica_cnt}, "
-                 f"d={d}, 12*P*R/d={12 * params * ctx.replica_cnt / d:.0f})")
+    groups = ctx.layout["groups"]
+    params = [0] * len(groups)
+    for c in ctx.model:
+        for p in c.parameters():
+            params[1 if len(groups) > 1 and mio.digest.is_expert_param(p) else 0] += p.numel()
+    formula = sum(12 * n * ctx.replica_cnt / d for n, (_, d) in zip(params, groups))
+    print_rank_0(f"optimizer-state-bytes: {state} on rank 0 (P={sum(params)}, R={ctx.replica_cnt}, "
+                 f"d={groups[0][1]}, 12*P*R/d={formula:.0f})")
 
 
 def prepare(args) -> None:

@@ -122,6 +122,11 @@ class FrameworkAdapter(abc.ABC):
     def exit(self) -> None:
         """Called before the process exits on the controller's order."""
 
+    def release(self) -> None:
+        """Drop every reference to process groups (model/optimizer wrappers, framework globals): called
+        once at process exit, before mindio destroys the groups (mindio/ttp/shutdown.py), so that no
+        collective thread outlives the interpreter. Default: nothing to drop."""
+
 
 def register(adapter: FrameworkAdapter, step_args: Any = None) -> None:
     """Register ``adapter``'s callbacks with mindio.ttp (reference signatures of SPEC section 3).
@@ -149,4 +154,7 @@ def register(adapter: FrameworkAdapter, step_args: Any = None) -> None:
     ttp.tft_register_rename_handler(lambda step, args, ctx: adapter.rename(step), adapter)
     ttp.tft_register_exit_handler(lambda ctx: adapter.exit(), adapter)
     ttp.tft_register_stream_sync_handler(adapter.stream_sync)
+    from mindio.ttp import shutdown
+
+    shutdown.on_exit(adapter.release)
     _log.info("framework adapter %s registered with mindio.ttp", type(adapter).__name__)

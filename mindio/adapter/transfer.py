@@ -51,6 +51,16 @@ def _header(n_tensors: int, blob_len: int, layout: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
 
 
+def _recv(t: torch.Tensor, src: int, group, what: str) -> None:
+    """``dist.recv`` from ``src``, bounded by the group's timeout; a failure names what was awaited."""
+    try:
+        dist.recv(t, src, group=group)
+    except RuntimeError as exc:  # gloo: timeout or connection closed; nccl/hccl: communicator error
+        raise RuntimeError(f"repair: waiting for the {what} from rank {src} failed ({exc}); the wait is "
+                           "bounded by the process group's timeout (init_process_group(timeout=...) of the "
+                           "framework; MINDIO_PG_TIMEOUT in a replacement process)") from exc
+
+
 def send_state(
     tensors: List[torch.Tensor], scalars: Dict[str, Any], dst: int, group=None
 ) -> int:
@@ -61,7 +71,7 @@ def send_state(
     blob = json.dumps(scalars, sort_keys=True).encode()
     dist.send(_header(len(tensors), len(blob), _layout(tensors)), dst, group=group)
     verdict = torch.zeros(1, dtype=torch.uint8)
-    dist.recv(verdict, dst, group=group)
+    _recv(verdict, dst, group, "receiver's layout verdict")
     if verdict.item() != 1:
         raise StateMismatch(f"rank {dst} refused the repair stream: its optimizer-state layout "
                             f"differs from this rank's ({len(tensors)} tensors)")
@@ -81,7 +91,7 @@ def recv_state(tensors: List[torch.Tensor], src: int, group=None) -> Dict[str, A
     sender's tensor count, dtypes or shapes differ, or the stream is not a repair stream.
     """
     header = torch.empty(_HEADER_LEN, dtype=torch.uint8)
-    dist.recv(header, src, group=group)
+    _recv(header, src, group, "repair stream header")
     raw = bytes(header.tolist())
     version, _, blob_len, n_tensors = struct.unpack("<HHQI", raw[4:20])
     problem = None
@@ -99,14 +109,14 @@ def recv_state(tensors: List[torch.Tensor], src: int, group=None) -> Dict[str, A
     scalars: Dict[str, Any] = {}
     if blob_len:
         buf = torch.empty(blob_len, dtype=torch.uint8)
-        dist.recv(buf, src, group=group)
+        _recv(buf, src, group, "scalar state")
         scalars = json.loads(bytes(buf.tolist()).decode())
     for t in tensors:
         if t.is_contiguous():
-            dist.recv(t, src, group=group)
+            _recv(t, src, group, "optimizer state")
         else:
             tmp = torch.empty_like(t, memory_format=torch.contiguous_format)
-            dist.recv(tmp, src, group=group)
+            _recv(tmp, src, group, "optimizer state")
             with torch.no_grad():
                 t.copy_(tmp)
     return scalars

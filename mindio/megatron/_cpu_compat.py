@@ -12,7 +12,10 @@ an RNG tracker that saves and restores the CUDA generator, communication streams
 - ``torch.cuda.get_rng_state/set_rng_state/manual_seed`` and megatron's private
   ``_get_cuda_rng_state/_set_cuda_rng_state`` act on the CPU default generator;
 - ``torch.cuda.Stream/Event/stream/current_stream/default_stream/synchronize/empty_cache``
-  become no-ops.
+  become no-ops;
+- MoE without Transformer Engine: ``megatron.core.transformer.moe.moe_utils`` tests
+  ``te_general_gemm is not None`` in the router's gating GEMM but never defines the name when TE
+  is missing (``NameError`` in 0.16.1): it is defined as None, which selects the torch GEMM.
 
 The patches are process-wide and idempotent. They are applied only by :func:`apply`, which the
 Megatron adapter calls when ``torch.cuda.is_available()`` is False; importing mindio (or this
@@ -153,6 +156,13 @@ def _patch_megatron_rng() -> None:
     mrandom._set_cuda_rng_state = _cpu_set_rng_state
 
 
+def _patch_moe_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
     """Apply every CPU patch once. Call before building megatron-core objects on a CPU-only host."""
     global _APPLIED
@@ -168,6 +178,7 @@ def apply() -> None:
     _patch_tensor_methods()
     _patch_cuda_namespace()
     _patch_megatron_rng()
+    _patch_moe_without_te()
     _APPLIED = True
     _log.debug("megatron-core CPU compatibility patches applied")
 

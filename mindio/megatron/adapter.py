@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mindio.adapter import FrameworkAdapter, RepairRole, recv_state, repair_pairs, send_state
-from mindio.adapter.transfer import capture_rng, restore_rng
+from mindio.adapter.transfer import restore_rng
 from mindio.errors import ConfigError
 
 from . import checkpoint, replica
@@ -43,25 +44,34 @@ class TrainingContext:
     iteration: int = 0
     consumed_samples: int = 0
     stop_requested: threading.Event = field(default_factory=threading.Event)
-    layout: Dict[str, int] = field(default_factory=dict)  # tp, pp, dp_pos, dp_size
+    layout: Dict[str, Any] = field(default_factory=dict)  # tp, pp, dp_pos, dp_size, groups
     _kept: Optional[Dict[str, Any]] = None  # state saved by clean() for rebuild_groups() and dump
     _loaded_iteration: Optional[int] = None  # set when repair fell back to the periodic checkpoint
+    _step_rng: Optional[tuple] = None  # (iteration, RNG state at the end of it): record_step_rng()
 
     # -- layout -------------------------------------------------------------------------------
     @property
     def replica_cnt(self) -> int:
         return replica_count(self.args)
 
-    def _dp(self):
-        """(position in the DP-CP group, its size): cached by init_parallel, valid after clean."""
-        return self.layout["dp_pos"], self.layout["dp_size"]
+    @property
+    def has_experts(self) -> bool:
+        """MoE: a second distributed optimizer (the expert params over the expert-DP group)."""
+        return bool(getattr(self.args, "num_experts", None))
 
-    def shard_index(self) -> int:
-        pos, d = self._dp()
+    def _dp(self, opt_type: int = 0):
+        """(position, size) in the data-parallel group of optimizer ``opt_type`` (0: dense, the DP-CP
+        group; 1: MoE experts, the expert-DP group): cached by init_parallel, valid after clean."""
+        return tuple(self.layout["groups"][opt_type])
+
+    def shard_index(self, opt_type: int = 0) -> int:
+        """Which shard of optimizer ``opt_type`` this rank holds: position mod d/R."""
+        pos, d = self._dp(opt_type)
         return pos % (d // self.replica_cnt)
 
-    def replica_instance(self) -> int:
-        pos, d = self._dp()
+    def replica_instance(self, opt_type: int = 0) -> int:
+        """Which copy (optimizer instance) of its shard this rank holds: position // (d/R)."""
+        pos, d = self._dp(opt_type)
         return pos // (d // self.replica_cnt)
 
     def init_parallel(self) -> None:
@@ -74,13 +84,20 @@ class TrainingContext:
 
         device.freeze_startup_objects()  # once, before the first build: teardown gc walks less
         a = self.args
-        replica.initialize_parallel(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                                    replica_cnt=self.replica_cnt)
+        replica.initialize_parallel(
+            a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+            expert_model_parallel_size=getattr(a, "expert_model_parallel_size", 1) or 1,
+            virtual_pipeline_model_parallel_size=_virtual_size(a), replica_cnt=self.replica_cnt)
+        groups = [(ps.get_data_parallel_rank(with_context_parallel=True),
+                   ps.get_data_parallel_world_size(with_context_parallel=True))]
+        if self.has_experts:
+            groups.append((ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size()))
         self.layout = {
             "tp": ps.get_tensor_model_parallel_rank(),
             "pp": ps.get_pipeline_model_parallel_rank(),
-            "dp_pos": ps.get_data_parallel_rank(with_context_parallel=True),
-            "dp_size": ps.get_data_parallel_world_size(with_context_parallel=True),
+            "dp_pos": groups[0][0],
+            "dp_size": groups[0][1],
+            "groups": groups,
         }
 
     # -- state --------------------------------------------------------------------------------
@@ -90,29 +107,49 @@ class TrainingContext:
             return self._kept["shards"]
         return [t for o in distributed_optimizers(self.optimizer) for t in o.shard_state()]
 
-    def optimizer_state_dicts(self) -> List[Dict[str, Any]]:
-        """megatron's non-param optimizer state_dict per distributed optimizer (kept after clean)."""
-        if self.optimizer is None and self._kept is not None:
-            return self._kept["optimizer"]
-        return [o.state_dict() for o in distributed_optimizers(self.optimizer)]
-
     def shard_groups(self) -> List[List[torch.Tensor]]:
         """Shard tensors grouped per distributed optimizer (dense first, then expert)."""
         if self.optimizer is None and self._kept is not None:
             return self._kept["shard_groups"]
         return [o.shard_state() for o in distributed_optimizers(self.optimizer)]
 
-    def rng_state(self) -> Dict[str, Any]:
-        from megatron.core import tensor_parallel
+    # -- RNG: the state at the end of the last completed step, what a rollback returns to ---------
+    def record_step_rng(self) -> None:
+        """Remember the RNG state at the end of the step just completed (call right after the optimizer
+        update, tft_end_updating_os). A rollback restores it on every rank, so that all pipeline stages
+        and replicas draw the same random numbers again (dropout, MoE router noise) after a retry; a
+        dump and a repair send it instead of the live state a half-run step may have advanced."""
+        self._step_rng = (self.iteration, _capture_raw_rng())
 
-        return capture_rng(tensor_parallel.get_cuda_rng_tracker().get_states())
+    def rng_raw(self) -> tuple:
+        """(python, numpy, torch, tracker states) of the end of step ``iteration``, else the live ones."""
+        if self._step_rng is not None and self._step_rng[0] == self.iteration:
+            return self._step_rng[1]
+        return _capture_raw_rng()
+
+    def rng_state(self) -> Dict[str, Any]:
+        """:meth:`rng_raw` as JSON-able data (for a repair transfer)."""
+        py, np_state, torch_state, tracker = self.rng_raw()
+        return {"python": [py[0], list(py[1]), py[2]],
+                "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
+                          float(np_state[4])],
+                "torch": torch_state.tolist(), "extra": {k: v.tolist() for k, v in tracker.items()}}
 
     def load_rng_state(self, state: Dict[str, Any]) -> None:
+        """Set the live RNG from :meth:`rng_state`'s data; it is also this step's end-of-step state."""
         from megatron.core import tensor_parallel
 
         tracker = restore_rng(state)
         if tracker:
             tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+        self.record_step_rng()
+
+    def restore_step_rng(self, step: int) -> bool:
+        """Put the RNG back to the end of ``step`` when it was recorded; False if it was not."""
+        if self._step_rng is None or self._step_rng[0] != step:
+            return False
+        _restore_raw_rng(self._step_rng[1])
+        return True
 
     def scalar_state(self, with_rng: bool = True) -> Dict[str, Any]:
         if self.optimizer is None and self._kept is not None:
@@ -143,9 +180,91 @@ class TrainingContext:
             self.load_rng_state(state["rng"])
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def _capture_raw_rng() -> tuple:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            {k: v.clone() for k, v in tracker.items()})
+
+
+def _restore_raw_rng(raw: tuple) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    py, np_state, torch_state, tracker = raw
+    random.setstate(py)
+    np.random.set_state(np_state)
+    torch.set_rng_state(torch_state)
+    if tracker:
+        tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in tracker.items()})
+
+
+def _virtual_size(args) -> Optional[int]:
+    """Model chunks per pipeline rank from Megatron's --num-layers-per-virtual-pipeline-stage."""
+    per = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if not per:
+        return None
+    return args.num_layers // (args.pipeline_model_parallel_size * per)
+
+
 def _is_group_holder(value: Any) -> bool:
     items = value if isinstance(value, (list, tuple)) else [value]
     return any(isinstance(g, dist.ProcessGroup) for g in items)
+
+
+def _drop_autograd_graphs(model) -> int:
+    """Forget the autograd graphs the model keeps between steps (megatron's MoE token dispatcher
+    keeps the routing probabilities of the last forward, a tensor whose graph reaches the params'
+    gradient accumulators, whose DDP hooks reach the model again: a cycle through C++ autograd nodes
+    that Python's garbage collector cannot free; measured: the whole model and its process groups
+    stayed alive after clean and EP peers stayed blocked). Non-leaf tensors held by a module or by a
+    plain helper object of a module are set to None. Returns how many."""
+    dropped = 0
+
+    def forget(obj) -> None:
+        nonlocal dropped
+        for name, value in list(vars(obj).items()):
+            if torch.is_tensor(value) and value.grad_fn is not None:
+                setattr(obj, name, None)
+                dropped += 1
+
+    for chunk in model or ():
+        for module in chunk.modules():
+            forget(module)
+            for value in list(vars(module).values()):
+                if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+                    forget(value)
+    return dropped
+
+
+def _drop_moe_tracker_groups(seen: set) -> list:
+    """megatron's MoE aux-loss tracker (moe_utils._MOE_LAYER_WISE_LOGGING_TRACKER) keeps the last
+    reduce/avg groups of every MoE layer in a module global: a surviving reference (measured: an EP peer
+    then stays blocked in the token dispatcher's all-gather until the stop times out). Cleared here; the
+    next forward sets them again. Returns the groups found (not yet in ``seen``)."""
+    import sys
+
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    found = []
+    for entry in (getattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", None) or {}).values():
+        for key in ("reduce_group", "avg_group"):
+            g = entry.get(key) if isinstance(entry, dict) else None
+            if isinstance(g, dist.ProcessGroup):
+                if id(g) not in seen:
+                    seen.add(id(g))
+                    found.append(g)
+                entry[key] = None
+    return found
 
 
 def _drop_megatron_groups() -> int:
@@ -168,6 +287,7 @@ def _drop_megatron_groups() -> int:
     for name, value in list(vars(ps).items()):
         if name.startswith("_") and _is_group_holder(value):
             setattr(ps, name, None)
+    found += _drop_moe_tracker_groups(seen)
     world = dist.group.WORLD if dist.is_initialized() else None
     for g in found:
         if g is not world:
@@ -187,30 +307,50 @@ class MegatronAdapter(FrameworkAdapter):
     def stop(self) -> None:
         self.ctx.stop_requested.set()
 
+    def release(self) -> None:
+        """(process exit) Drop model, optimizer and megatron's groups: mindio then destroys the rest."""
+        ctx = self.ctx
+        ctx.model = ctx.optimizer = ctx.scheduler = None
+        _drop_megatron_groups()  # also after dist.destroy_process_group(): its globals still hold the groups
+
     def clean(self, is_uce_error: bool) -> int:
-        """Keep this rank's shard and counters, drop model/optimizer and megatron's groups."""
+        """Keep this rank's shard, counters and checkpoint state dict, drop model/optimizer and
+        megatron's groups.
+
+        What is kept references the live tensors (no copy; nothing else uses them once the objects are
+        dropped): the optimizer shards, for rebuild_groups() and a repair sender, and Megatron's
+        sharded state dict (model weights too, detached from their grad buffers), for a dump that
+        follows the fault -- the ranks whose training raised have always been cleaned by then."""
         ctx = self.ctx
         try:
             if ctx.optimizer is not None:
                 try:
-                    groups_ = [[t.detach().clone() for t in g] for g in ctx.shard_groups()]
+                    groups_ = [[t.detach() for t in g] for g in ctx.shard_groups()]
                     ctx._kept = {"shard_groups": groups_,
                                  "shards": [t for g in groups_ for t in g],
-                                 "optimizer": ctx.optimizer_state_dicts(),
                                  "scalars": ctx.scalar_state()}
                 except Exception as exc:  # corrupted state (e.g. after a UCE): repair restores it
                     ctx._kept = None
-                    _log.warning("clean: this rank's optimizer state could not be kept (%s: %s); "
-                                 "it needs a repair from a replica or a checkpoint",
-                                 type(exc).__name__, exc)
+                    # a string, never the exception: a log record holding its traceback would keep
+                    # the optimizer and its process groups alive (peers would stay blocked)
+                    _log.warning("clean: this rank's optimizer state could not be kept (%s); "
+                                 "it needs a repair from a replica or a checkpoint", _describe(exc))
+                if ctx._kept is not None and not is_uce_error:  # a UCE rank never dumps
+                    try:
+                        ctx._kept["checkpoint"] = checkpoint.snapshot(ctx)
+                    except Exception as exc:
+                        _log.warning("clean: no checkpoint state kept (%s): this rank cannot write a "
+                                     "dump", _describe(exc))
+            _drop_autograd_graphs(ctx.model)
             ctx.model = ctx.optimizer = ctx.scheduler = None
             dropped = _drop_megatron_groups()
             # no gc here: the caller (mindio's processor teardown) collects once after all callbacks
             if _log.isEnabledFor(logging.DEBUG):  # a heap scan: only when asked for
                 gc.collect()
                 world = dist.group.WORLD if dist.is_initialized() else None
-                alive = [o for o in gc.get_objects()
-                         if isinstance(o, dist.ProcessGroup) and o is not world]
+                # ProcessGroup objects are not tracked by the collector: look at what tracked objects hold
+                alive = {id(r) for o in gc.get_objects() for r in gc.get_referents(o)
+                         if isinstance(r, dist.ProcessGroup) and r is not world}
                 _log.debug("clean: %d process groups still referenced", len(alive))
             _log.info("clean: %d megatron process groups destroyed", dropped)
             return 0
@@ -259,14 +399,15 @@ class MegatronAdapter(FrameworkAdapter):
             elif role in RepairRole.LOADERS and (not pair["dst"] or me in pair["dst"]):
                 _require_built(ctx, role)
                 root = ctx.args.load or ctx.args.save
-                it = checkpoint.load_checkpoint(ctx, root, gather=False)
+                it = checkpoint.load_checkpoint(ctx, root)
                 ctx._loaded_iteration = it
                 _log.warning("repair: no usable replica; loaded periodic checkpoint of "
                              "iteration %d from %s", it, root)
                 _report_load_step(it)
 
     def rollback(self, step: int) -> None:
-        """Counters, scheduler and model params back to the end of ``step``."""
+        """Counters, scheduler, RNG and model params back to the end of ``step``, on every rank (every
+        pipeline stage): the next train() starts the data iterators at ``step * global batch``."""
         ctx = self.ctx
         gbs = ctx.args.global_batch_size
         loaded, ctx._loaded_iteration = ctx._loaded_iteration, None
@@ -276,6 +417,9 @@ class MegatronAdapter(FrameworkAdapter):
             step = loaded
         if ctx.iteration != step:
             _log.info("rollback: iteration %d -> %d", ctx.iteration, step)
+        if not ctx.restore_step_rng(step):
+            _log.warning("rollback to step %d: the RNG state of that step was not recorded "
+                         "(TrainingContext.record_step_rng after each update); the RNG is left as it is", step)
         ctx.iteration = step
         ctx.consumed_samples = step * gbs
         if ctx.scheduler is not None:
@@ -295,7 +439,7 @@ class MegatronAdapter(FrameworkAdapter):
         checkpoint.save_dump(self.ctx, step, save_info)
 
     def rename(self, step: int) -> None:
-        checkpoint.write_tracker(self.ctx.args.save, step)
+        checkpoint.finish_dump(Path(self.ctx.args.save), step)
 
     def stream_sync(self) -> None:
         if torch.cuda.is_available() and not _cpu_patched():

@@ -1,66 +1,81 @@
-"""Checkpoints of the Megatron adapter: periodic (collective) and dump (no collectives), one format.
+"""Checkpoints of the Megatron adapter, in Megatron's own format: periodic (collective) and dump.
 
-Layout under ``<dir>`` (Megatron's tracker file name, so its tools find the latest iteration)::
+Both are megatron-core distributed checkpoints (``dist_checkpointing``, ``torch_dist`` backend), laid
+out as Megatron-LM lays them out, so that Megatron's loader, its converters and
+``megatron.core.dist_checkpointing.load`` read them::
 
-    latest_checkpointed_iteration.txt          the iteration of the newest complete checkpoint
-    iter_0000040/common.pt                     iteration, consumed samples, scheduler, loss scale
-    iter_0000040/shard_tp00_pp000_dp000.pt     optimizer shard 0 of TP rank 0 / PP rank 0: fp32
-                                               main params + Adam moments + steps (megatron's
-                                               bucket order), the optimizer's non-param
-                                               state_dict, RNG states
+    latest_checkpointed_iteration.txt     Megatron's tracker file: the newest complete iteration
+    iter_0000040/.metadata                PyTorch DCP metadata (what Megatron and torch read)
+    iter_0000040/__<rank>_0.distcp        the tensors and sharded objects each writing rank wrote
+    iter_0000040/common.pt                the non-sharded part: iteration, args (with
+                                          consumed_train_samples), opt_param_scheduler, content_metadata
+    iter_0000040/metadata.json            megatron's backend record (torch_dist, version 1)
+    iter_0000040/__<rank>.mindio.json     mindio's index of what each rank wrote (JSON; see torch_dist.py)
 
-A shard file is written by ONE holder of that shard (replicas are bit-identical): the first
-optimizer instance for a periodic save, the rank the controller picked for a dump. Model weights
-are not stored separately: on load they are rebuilt from the fp32 main shard plus an all-gather,
-exactly as after a rollback, so a dump (written by some ranks, without collectives) and a
-periodic checkpoint load the same way. The tracker file is written last, atomically (rename
-handler for a dump, rank 0 after a barrier for a periodic save).
+State dict (Megatron-LM's ``generate_state_dict``): ``model`` (``model0``, ``model1``, ... with
+virtual pipeline stages), ``optimizer`` (the distributed optimizer in the ``dp_reshardable`` format,
+Megatron-LM's default: the fp32 main params and Adam moments of each DP shard, bucket by bucket;
+``chained_<i>.`` prefixes with MoE), ``opt_param_scheduler``, ``rng_state`` (one per PP x TP rank),
+``iteration``, ``checkpoint_version`` 3.0, ``args``, ``content_metadata``.
 
-Files go through :func:`write_object`/:func:`read_object`: ``mindio.save``/``mindio.load``
-(the ACP store) when available, else ``torch.save``/``torch.load`` (weights_only).
+Who writes what (the ``replica_id`` of every item, rewritten here before writing; an item is written
+by the rank whose copy is the main replica, as in Megatron):
+
+- periodic save (every rank alive): optimizer shards by their first replica instance, model weights,
+  non-param optimizer state and RNG by DP position 0 of each model-parallel slice (expert params by
+  expert-DP position 0), ``common.pt`` by rank 0; rank 0 merges the index and writes the tracker.
+- dump (the ranks the controller picked, one per optimizer shard, no collectives): each writes its
+  shards; the one holding shard 0 of its DP group (expert-DP group for MoE experts) also writes that
+  group's model weights, non-param optimizer state and RNG; the first of them writes ``common.pt``;
+  the rename step merges the index and writes the tracker.
+
+Resharding (megatron-core's own rules): the model weights load at any TP/PP/DP layout; the optimizer
+state of the ``dp_reshardable`` format loads at another DP size of the same TP x PP layout only.
+
+Loading here (:func:`load_checkpoint`) runs on each rank alone (no collectives), reads the model
+weights and the optimizer shard of this rank, and never unpickles (torch_dist.read_local).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
-import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from . import torch_dist
+from .digest import is_expert_param
 from .optimizer import distributed_optimizers
 
 __all__ = [
-    "FORMAT",
     "TRACKER",
+    "CHECKPOINT_VERSION",
+    "SHARDED_STATE_DICT_METADATA",
+    "Writers",
     "initialize_store",
-    "write_object",
-    "read_object",
-    "shard_path",
+    "checkpoint_dir",
+    "sharded_state_dict",
     "save_checkpoint",
     "save_dump",
+    "finish_dump",
     "write_tracker",
     "read_tracker",
     "load_checkpoint",
+    "snapshot",
 ]
 
 _log = logging.getLogger(__name__)
-FORMAT = "mindio-megatron/1"
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def _acp():
-    try:
-        import mindio
-
-        if callable(getattr(mindio, "save", None)) and callable(getattr(mindio, "load", None)):
-            return mindio
-    except ImportError:
-        pass
-    return None
+CHECKPOINT_VERSION = 3.0
+#: What Megatron-LM (core >= 0.14) passes to every ``sharded_state_dict``; saved as content_metadata so
+#: that Megatron's loader builds the same structure.
+SHARDED_STATE_DICT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable",
+                               "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 def initialize_store(server_info: Optional[Dict[str, Any]] = None) -> bool:
@@ -69,11 +84,10 @@ def initialize_store(server_info: Optional[Dict[str, Any]] = None) -> bool:
     Returns whether saves will go through it. Starting it lazily would put its start-up (pool
     pre-faulting) on the path of the first periodic save or, worse, of a dump after a fault.
     """
-    acp = _acp()
-    if acp is None:
+    try:
+        from mindio import acp as acp_api
+    except ImportError:  # pragma: no cover
         return False
-    from mindio import acp as acp_api
-
     rc = acp_api.initialize(server_info)
     if rc != 0:
         _log.warning("mindio checkpoint store unavailable (initialize returned %s): "
@@ -81,96 +95,244 @@ def initialize_store(server_info: Optional[Dict[str, Any]] = None) -> bool:
     return rc == 0
 
 
-def write_object(obj: Any, path: Path) -> None:
-    """Write ``obj`` to ``path`` through the ACP store when available, else torch.save (atomic)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    acp = _acp()
-    if acp is not None:
-        rc = acp.save(obj, str(path))
-        if rc != -1:
-            return
-        _log.warning("mindio.save(%s) failed (rc=-1); writing with torch.save instead", path)
-    # temp file (O_EXCL, removed on failure), fsync, rename, fsync of the directory
-    from mindio.acp._storage import atomic_torch_save, file_mode
-
-    atomic_torch_save(obj, str(path), file_mode())
-
-
-def read_object(path: Path) -> Any:
-    path = Path(path)
-    acp = _acp()
-    if acp is not None:
-        return acp.load(str(path), map_location="cpu")
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _iter_dir(root: Path, iteration: int) -> Path:
+def checkpoint_dir(root: Path, iteration: int) -> Path:
+    """Megatron's directory name for an iteration."""
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def shard_path(root: Path, iteration: int, tp: int, pp: int, shard: int) -> Path:
-    return _iter_dir(root, iteration) / f"shard_tp{tp:02d}_pp{pp:03d}_dp{shard:03d}.pt"
+# ------------------------------------------------------------------------ the state dict
+@dataclass
+class Writers:
+    """What this rank writes in one save: per optimizer type (0 dense, 1 MoE experts) its shards
+    (``shards``) and its DP group's model weights / non-param state / RNG (``slice``)."""
+
+    shards: List[bool]
+    slice: List[bool]
+    common: bool
+    ranks: List[int] = field(default_factory=list)  # every writing rank of this save
+    save_id: str = ""
 
 
-def _shard_object(ctx) -> Dict[str, Any]:
-    """This rank's shard file content; works on live objects and on the copy clean() kept."""
-    return {
-        "format": FORMAT,
-        "iteration": ctx.iteration,
-        "shards": [[t.detach().clone() for t in g] for g in ctx.shard_groups()],
-        "optimizer": ctx.optimizer_state_dicts(),
-        "rng": ctx.scalar_state()["rng"],
-    }
+def _periodic_writers(ctx, iteration: int) -> Writers:
+    types = range(len(ctx.layout["groups"]))
+    return Writers(shards=[ctx.replica_instance(t) == 0 for t in types],
+                   slice=[ctx._dp(t)[0] == 0 for t in types], common=dist.get_rank() == 0,
+                   ranks=list(range(dist.get_world_size())), save_id=f"periodic-{iteration}")
 
 
-def _common_object(ctx) -> Dict[str, Any]:
-    return {"format": FORMAT, **ctx.scalar_state(with_rng=False)}
+def _dump_writers(ctx, step: int, save_info: Any) -> Writers:
+    infos = list(save_info if isinstance(save_info, (list, tuple)) else [save_info])
+    rank = dist.get_rank()
+    chosen = {int(i.get("type", n)): {int(r) for r in i.get("ranks", [])} for n, i in enumerate(infos) if i}
+    every = sorted(set().union(*chosen.values())) if chosen else []
+    types = range(len(ctx.layout["groups"]))
+    shards = [rank in chosen.get(t, ()) for t in types]
+    return Writers(shards=shards, slice=[shards[t] and ctx.shard_index(t) == 0 for t in types],
+                   common=bool(every) and rank == every[0], ranks=every,
+                   save_id=f"dump-{step}-" + ",".join(map(str, every)))
+
+
+def _rng_state(ctx) -> Dict[str, Any]:
+    """Megatron-LM's rng state dict, of the end of the current iteration (TrainingContext.rng_raw);
+    ``cuda_rng_state`` only with CUDA."""
+    py, np_state, torch_state, tracker = ctx.rng_raw()
+    out = {"random_rng_state": py, "np_rng_state": np_state, "torch_rng_state": torch_state,
+           "rng_tracker_states": tracker}
+    if torch.cuda.is_available():
+        out["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _load_rng_state(state: Dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _checkpoint_args(ctx) -> argparse.Namespace:
+    """Megatron-LM's ``args`` entry: the script's arguments (plain values) + consumed samples."""
+    plain = {k: v for k, v in vars(ctx.args).items() if isinstance(v, (bool, int, float, str, type(None)))}
+    return argparse.Namespace(**plain, consumed_train_samples=ctx.consumed_samples,
+                              consumed_valid_samples=0)
+
+
+def sharded_state_dict(ctx, is_loading: bool = False) -> Dict[str, Any]:
+    """Megatron-LM's state dict of ``ctx`` (model chunks, optimizer, scheduler, RNG), megatron's
+    replica ids untouched. Collective-free."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.utils import unwrap_model
+
+    meta = dict(SHARDED_STATE_DICT_METADATA)
+    for opt in distributed_optimizers(ctx.optimizer):
+        opt.ensure_state()  # megatron's state_dict needs the Adam state, even before the first step
+        if is_loading:  # the checkpoint brings Adam's step; a destroyed one (NaN) would fail megatron's check
+            for state in opt.optimizer.state.values():
+                state["step"] = torch.zeros((), dtype=torch.float32)
+    sd: Dict[str, Any] = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": ctx.iteration,
+                          "args": _checkpoint_args(ctx), "num_floating_point_operations_so_far": 0,
+                          "content_metadata": dict(meta)}
+    for i, chunk in enumerate(unwrap_model(ctx.model)):  # Megatron-LM's keys: no DDP/Float16 prefix
+        sd["model" if len(ctx.model) == 1 else f"model{i}"] = chunk.sharded_state_dict(metadata=meta)
+    sd["optimizer"] = ctx.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=meta)
+    if ctx.scheduler is not None:
+        sd["opt_param_scheduler"] = ctx.scheduler.state_dict()
+    sd["rng_state"] = ShardedObject(
+        "rng_state", [_rng_state(ctx)],
+        (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+    return sd
+
+
+def _mark_and_detach(sd: Dict[str, Any]) -> Dict[str, Any]:
+    """Mark every model item that belongs to the MoE experts (``_mindio_expert``: their params, and
+    their extra-state objects, megatron's keys ``...mlp.experts...``) and detach every tensor, so that
+    the state dict keeps no grad buffer (``main_grad``) and no autograd graph alive."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
+
+    def model_item(x):
+        if isinstance(x, (ShardedBase, ShardedTensorFactory)):
+            x._mindio_expert = ".experts." in x.key or (torch.is_tensor(x.data) and is_expert_param(x.data))
+        return x
+
+    def detach(x):
+        if isinstance(x, (ShardedBase, ShardedTensorFactory)) and torch.is_tensor(x.data):
+            x.data = x.data.detach()
+        return x
+
+    for key in _model_keys(sd):
+        dict_list_map_inplace(model_item, sd[key])
+    dict_list_map_inplace(detach, sd)
+    return sd
+
+
+def _model_keys(sd: Dict[str, Any]) -> List[str]:
+    return [k for k in sd if k == "model" or (k.startswith("model") and k[5:].isdigit())]
+
+
+def snapshot(ctx) -> Dict[str, Any]:
+    """Megatron's state dict of ``ctx``, ready for a dump once the model and optimizer objects are
+    gone (clean() keeps it): expert items marked, tensors detached (views, no copy)."""
+    return _mark_and_detach(sharded_state_dict(ctx))
+
+
+def _set_replica(x, owned: bool, keep_model_parts: bool) -> None:
+    """Make ``x`` the main replica (written) or not. Model items keep megatron's PP ("tied") and TP
+    replica coordinates and get the DP one; optimizer items are (instance, 0, dp) in megatron."""
+    rid = x.replica_id
+    dp = 0 if owned else 1
+    if isinstance(rid, tuple) and len(rid) == 3 and keep_model_parts:
+        x.replica_id = (rid[0], rid[1], dp)
+    elif isinstance(rid, tuple):
+        x.replica_id = (0,) * (len(rid) - 1) + (dp,)
+    else:
+        x.replica_id = dp
+
+
+def _assign(sd: Dict[str, Any], writers: Writers) -> None:
+    """Rewrite every replica_id of ``sd`` (a :func:`snapshot`) so that this rank writes exactly what
+    ``writers`` says."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
+
+    def model_item(x):
+        if isinstance(x, (ShardedBase, ShardedTensorFactory)):
+            t = 1 if x._mindio_expert and len(writers.slice) > 1 else 0
+            _set_replica(x, writers.slice[t], keep_model_parts=True)
+        return x
+
+    def optimizer_items(t):
+        def fix(x):
+            if isinstance(x, (ShardedBase, ShardedTensorFactory)):
+                bucket = ".gbuf_idx_" in x.key  # a DP shard of the optimizer state
+                _set_replica(x, writers.shards[t] if bucket else writers.slice[t], keep_model_parts=False)
+            return x
+        return fix
+
+    for key in _model_keys(sd):
+        dict_list_map_inplace(model_item, sd[key])
+    opt = sd["optimizer"]
+    if isinstance(opt, dict) and set(opt) == set(range(len(opt))) and len(opt) > 1:  # ChainedOptimizer
+        for t, part in opt.items():
+            dict_list_map_inplace(optimizer_items(t), part)
+    else:
+        dict_list_map_inplace(optimizer_items(0), opt)
+    _set_replica(sd["rng_state"], writers.slice[0], keep_model_parts=False)
+
+
+def _write(sd: Dict[str, Any], writers: Writers, directory: Path) -> None:
+    _assign(sd, writers)
+    common = torch_dist.write_local(sd, directory, dist.get_rank(), writers.save_id, writers.ranks)
+    if writers.common:
+        torch_dist.write_common(common, directory)
+
+
+# ------------------------------------------------------------------------------ saving
+def save_checkpoint(ctx, root: Optional[Path] = None) -> float:
+    """Periodic save (collective on the world). Returns seconds spent."""
+    t0 = time.perf_counter()
+    root = Path(root or ctx.args.save)
+    directory = checkpoint_dir(root, ctx.iteration)
+    _write(snapshot(ctx), _periodic_writers(ctx, ctx.iteration), directory)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        torch_dist.finalize(directory, 0)
+        write_tracker(root, ctx.iteration)
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
 def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bool:
-    """Dump ("last words"): this rank writes its shard if ``save_info`` names it. No collectives.
+    """Dump ("last words"): this rank writes its part if ``save_info`` names it. No collectives.
 
-    ``save_info`` is ``[{"type": 0, "ranks": [...]}, ...]``; the smallest named rank also writes
-    common.pt. Returns whether this rank wrote anything. ``rename`` must follow on one rank.
-    """
-    root = Path(root or ctx.args.save)
-    rank = dist.get_rank()
-    infos = save_info if isinstance(save_info, (list, tuple)) else [save_info]
-    ranks = sorted({r for info in infos if info for r in info.get("ranks", [])})
-    if rank not in ranks:
+    ``save_info`` is ``[{"type": t, "ranks": [...]}, ...]`` (one rank per optimizer shard and type).
+    Returns whether this rank wrote anything. :func:`finish_dump` (the rename step) must follow on one
+    of the writing ranks."""
+    writers = _dump_writers(ctx, step, save_info)
+    if dist.get_rank() not in writers.ranks:
         return False
     if ctx.iteration != step:
-        raise RuntimeError(
-            f"dump for step {step} asked, but this rank's state is at iteration {ctx.iteration}"
-        )
-    tp, pp = ctx.layout["tp"], ctx.layout["pp"]
-    write_object(_shard_object(ctx), shard_path(root, step, tp, pp, ctx.shard_index()))
-    if rank == ranks[0]:
-        write_object(_common_object(ctx), _iter_dir(root, step) / "common.pt")
-    _log.info("dump checkpoint of step %d written by rank %d", step, rank)
+        raise RuntimeError(f"dump for step {step} asked, but this rank's state is at iteration {ctx.iteration}")
+    if ctx.optimizer is not None:
+        sd = snapshot(ctx)
+    elif ctx._kept is not None and ctx._kept.get("checkpoint") is not None:
+        sd = ctx._kept["checkpoint"]  # kept by clean(), which ran when this rank's training raised
+    else:
+        raise RuntimeError(f"dump of step {step}: rank {dist.get_rank()} has neither its model and optimizer "
+                           "nor the state clean() keeps (clean could not read it; see its warning)")
+    _write(sd, writers, checkpoint_dir(Path(root or ctx.args.save), step))
+    _log.info("dump checkpoint of step %d written by rank %d", step, dist.get_rank())
     return True
 
 
+def finish_dump(root: Path, step: int) -> None:
+    """The rename step of a dump (on a writing rank): merge the index, then point the tracker at it."""
+    torch_dist.finalize(checkpoint_dir(root, step), dist.get_rank())
+    write_tracker(root, step)
+
+
 def write_tracker(root: Path, iteration: int) -> None:
-    """Atomically point ``root``'s tracker file at ``iteration`` (the rename step)."""
-    acp = _acp()
-    if acp is not None and callable(getattr(getattr(acp, "acp", None), "flush", None)):
-        acp.acp.flush()
-    root = Path(root)
-    tmp = root / f".{TRACKER}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / TRACKER)
-    fd = os.open(root, os.O_RDONLY)
+    """Atomically point ``root``'s tracker file at ``iteration`` once the store holds nothing unwritten."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        from mindio import acp
+    except ImportError:  # pragma: no cover
+        acp = None
+    if acp is not None and acp.flush() != 0:
+        raise RuntimeError(f"the checkpoint of iteration {iteration} could not be persisted (mindio.acp.flush "
+                           "failed; see the log): the tracker file is not updated")
+    from mindio.acp._storage import atomic_write, file_mode
+
+    atomic_write(str(Path(root) / TRACKER), [str(iteration).encode()], file_mode())
 
 
 def read_tracker(root: Path) -> Optional[int]:
@@ -183,53 +345,35 @@ def read_tracker(root: Path) -> Optional[int]:
     return int(text)
 
 
-def save_checkpoint(ctx, root: Optional[Path] = None) -> float:
-    """Periodic save (collective on the world): the first optimizer instance writes the shards,
-    rank 0 writes common.pt and then the tracker. Returns seconds spent."""
-    t0 = time.perf_counter()
-    root = Path(root or ctx.args.save)
-    tp, pp = ctx.layout["tp"], ctx.layout["pp"]
-    if ctx.replica_instance() == 0:
-        write_object(_shard_object(ctx), shard_path(root, ctx.iteration, tp, pp, ctx.shard_index()))
-    if dist.get_rank() == 0:
-        write_object(_common_object(ctx), _iter_dir(root, ctx.iteration) / "common.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        write_tracker(root, ctx.iteration)
-    dist.barrier()
-    return time.perf_counter() - t0
-
-
-def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] = None,
-                    gather: bool = True) -> int:
-    """Load the latest (or given) checkpoint into ctx's model, optimizer, scheduler, counters.
-
-    Every rank reads its shard file (written by any replica) and common.pt, then (``gather``,
-    collective) rebuilds the model params from the fp32 main shard with an all-gather; a repair
-    callback passes ``gather=False`` and leaves that to the rollback that follows on every rank.
-    Returns the iteration loaded.
-    """
+# ----------------------------------------------------------------------------- loading
+def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] = None) -> int:
+    """Load the latest (or given) checkpoint into ctx's model chunks, optimizer, scheduler, counters
+    and RNG. Runs on this rank alone (no collectives). Returns the iteration loaded."""
     root = Path(root or ctx.args.load)
     if iteration is None:
         iteration = read_tracker(root)
         if iteration is None:
             raise FileNotFoundError(f"no {TRACKER} in {root}: nothing to load")
-    tp, pp = ctx.layout["tp"], ctx.layout["pp"]
-    shard = read_object(shard_path(root, iteration, tp, pp, ctx.shard_index()))
-    common = read_object(_iter_dir(root, iteration) / "common.pt")
-    for obj, name in ((shard, "shard"), (common, "common.pt")):
-        if obj.get("format") != FORMAT:
-            raise ValueError(f"{name} of iteration {iteration} in {root} has format "
-                             f"{obj.get('format')!r}, expected {FORMAT!r}")
-    opts = distributed_optimizers(ctx.optimizer)
-    if len(shard["shards"]) != len(opts):
-        raise ValueError(f"checkpoint has {len(shard['shards'])} optimizers, model has {len(opts)}")
-    for opt, sd, tensors in zip(opts, shard["optimizer"], shard["shards"]):
-        opt.load_state_dict(sd)
-        opt.load_shard_state(tensors)
-        if gather:
-            opt.params_from_main()
-    ctx.load_scalar_state(common)
-    ctx.load_rng_state(shard["rng"])
+    directory = checkpoint_dir(root, iteration)
+    if not torch_dist.has_index(directory):
+        raise FileNotFoundError(f"{directory} holds no checkpoint written by mindio (no __<rank>.mindio.json); "
+                                "load other Megatron checkpoints with megatron.core.dist_checkpointing.load")
+    common = torch_dist.read_common(directory)
+    content = common.get("content_metadata") or {}
+    if content.get("distrib_optim_sharding_type") != SHARDED_STATE_DICT_METADATA["distrib_optim_sharding_type"]:
+        raise ValueError(f"{directory}: optimizer format {content.get('distrib_optim_sharding_type')!r}, "
+                         f"expected {SHARDED_STATE_DICT_METADATA['distrib_optim_sharding_type']!r}")
+    from megatron.core.utils import unwrap_model
+
+    loaded = torch_dist.read_local(sharded_state_dict(ctx, is_loading=True), directory)
+    for i, chunk in enumerate(unwrap_model(ctx.model)):
+        chunk.load_state_dict(loaded["model" if len(ctx.model) == 1 else f"model{i}"], strict=True)
+    ctx.optimizer.load_state_dict(loaded["optimizer"])
+    if ctx.scheduler is not None:
+        ctx.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    ctx.iteration = int(loaded["iteration"])
+    ctx.consumed_samples = int(loaded["args"].consumed_train_samples)
+    _load_rng_state(loaded["rng_state"][0])
+    ctx.record_step_rng()
     _log.info("loaded checkpoint iteration %d from %s", iteration, root)
     return iteration

@@ -88,7 +88,7 @@ def report_layout(ctx) -> None:
     from mindio import ttp
     from mindio.ttp.elastic import job_rank
 
-    info = replica.replica_info(ctx.replica_cnt)
+    info = replica.replica_info(ctx.replica_cnt, experts=ctx.has_experts)
     for entry in info:
         entry["rank_list"] = [job_rank(r) for r in entry["rank_list"]]
     me = job_rank(dist.get_rank())

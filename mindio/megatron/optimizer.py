@@ -12,7 +12,7 @@ test that checks the replicas bit for bit after every step).
 
 What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
 
-1. Two upstream bugs on the torch-Adam path (no TE/Apex), present in 0.16.1 and 0.19.2:
+1. Four upstream bugs on the torch-Adam path (no TE/Apex), the first two present in 0.16.1 and 0.19.2:
    - ``_set_main_param_and_optimizer_states`` iterates the *destination* keys, so a checkpoint
      without a ``step`` key raises ``KeyError``, and it copies into leaf parameters outside
      ``no_grad`` (``RuntimeError: a leaf Variable that requires grad ...``). Fixed: copy the keys
@@ -20,6 +20,15 @@ What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
    - ``load_state_dict`` assigns ONE shared ``step`` tensor to every param state; torch Adam then
      increments it once per param per step and the bias correction drifts silently after a restore.
      Fixed: every param state gets its own copy.
+   - loading a ``dp_reshardable`` checkpoint (Megatron-LM's default distributed-optimizer format):
+     ``load_state_dict`` sets Adam's step from the checkpoint's param groups, then the param-state
+     load copies each param's ``step`` entry over it -- an entry the format does not store (a
+     LocalNonpersistentObject: the rank's own current step, 0 in a fresh job). Fixed: an existing
+     ``step`` is kept.
+   - ``state_dict()`` of an optimizer that has not stepped yet fails (``assert len(steps) == 1`` over an
+     empty Adam state), so megatron's ``sharded_state_dict(is_loading=True)`` -- Megatron-LM's way of
+     loading a checkpoint into a freshly built model -- fails. Fixed: the Adam state is allocated first
+     (zeros, step 0: what torch Adam allocates at its first step).
 2. ``shard_state()`` / ``load_shard_state()``: this rank's shard (fp32 main params, exp_avg,
    exp_avg_sq, step, per param in bucket order) as a flat, ordered list of tensors, for
    repair (point-to-point send/recv), for dump checkpoints and for keeping state across a rebuild.
@@ -70,7 +79,11 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
             if key == "param":
                 main_param.copy_(value)
             elif key == "step":
-                optim_state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone()
+                # bug 3: the step of a loaded param state is this rank's own (a LocalNonpersistentObject
+                # of the dp_reshardable format); the checkpoint's step came with load_state_dict
+                # (param_groups) and must not be overwritten. Each param keeps its own tensor.
+                if "step" not in optim_state:
+                    optim_state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone()
             elif key in optim_state:
                 optim_state[key].copy_(value)
             elif isinstance(value, torch.Tensor):
@@ -80,6 +93,11 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         _unshare_steps(self.optimizer)
+
+    # -- upstream bug 4 ---------------------------------------------------------------------
+    def state_dict(self):
+        self.ensure_state()  # upstream asserts one step value over an empty Adam state
+        return super().state_dict()
 
     # -- shard state ------------------------------------------------------------------------
     def _param_states(self):

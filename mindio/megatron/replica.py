@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 __all__ = [
     "ReplicaLayout",
@@ -90,13 +90,16 @@ def initialize_parallel(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     replica_cnt: int = 2,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
 ) -> None:
-    """megatron's ``initialize_model_parallel`` with ``replica_cnt`` optimizer instances."""
+    """megatron's ``initialize_model_parallel`` with ``replica_cnt`` optimizer instances (the dense
+    DP group and, with experts, the expert-DP group are each cut into ``replica_cnt`` parts)."""
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
         num_distributed_optimizer_instances=replica_cnt,
@@ -112,13 +115,17 @@ def dp_rank_list(with_context_parallel: bool = True) -> List[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def replica_info(replica_cnt: int) -> List[Dict]:
-    """The ``replica_info`` list for ``tft_set_optimizer_replica``: [dense, (expert)]."""
+def replica_info(replica_cnt: int, experts: Optional[bool] = None) -> List[Dict]:
+    """The ``replica_info`` list for ``tft_set_optimizer_replica``: [dense, (expert)], one entry per
+    distributed optimizer in megatron's order. ``experts``: the model has MoE experts (their own
+    optimizer over the expert-DP group, even at EP=1); None = expert parallelism is on."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     info = [{"rank_list": dp_rank_list(True), "replica_cnt": replica_cnt, "replica_shift": 0}]
-    if ps.get_expert_model_parallel_world_size() > 1:
+    if experts is None:
+        experts = ps.get_expert_model_parallel_world_size() > 1
+    if experts:
         group = ps.get_expert_data_parallel_group()
         info.append(
             {

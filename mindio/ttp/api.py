@@ -233,7 +233,8 @@ def tft_start_processor(master_ip: str, port: int, local_ip=''):
     """
     if not 1024 <= int(port) <= 65535:
         raise ConfigError(f"controller port {port} must be in [1024, 65535]")
-    _proc().start(f"tcp://{master_ip}:{int(port)}", transport.job_secret(create=False))
+    addr = f"tcp://{master_ip}:{int(port)}"
+    _proc().start(addr, transport.job_secret(create=False, controller=addr))
 
 
 def tft_destroy_processor():

@@ -37,6 +37,7 @@ from .recover import RecoverFlow
 from .hotswitch import HotSwitchFlow
 from .watch import LivenessWatch
 from .pidprobe import PidProbe
+from . import shutdown, transport
 from .transport import RELAY_PREFIX, Channel, Link, Waker
 
 __all__ = ["Controller"]
@@ -123,8 +124,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
+        sock = transport.context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -136,10 +136,14 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         for opt, val in self.curve.items():
             sock.setsockopt(opt, val)
-        if port == 0:  # any free port, chosen by the bind itself (no window for another socket to take it)
-            port = sock.bind_to_random_port(f"tcp://{bind_ip}", min_port=20000, max_port=65535, max_tries=1000)
-        else:
-            sock.bind(f"tcp://{bind_ip}:{port}")
+        try:
+            if port == 0:  # any free port, chosen by the bind itself (no window for another socket to take it)
+                port = sock.bind_to_random_port(f"tcp://{bind_ip}", min_port=20000, max_port=65535, max_tries=1000)
+            else:
+                sock.bind(f"tcp://{bind_ip}:{port}")
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
         self.port = port
         self.address = f"tcp://{bind_ip}:{port}"
         self._chan = Channel(sock, self.key, self.drops)
@@ -152,6 +156,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                                       lambda env: None, curve=self.curve_client, interval=self.interval, misses=self.misses,
                                       follow_backups=False)
             self._primary_link.start()
+        shutdown.track(self)  # stopped and joined at process exit if still running
         for target, name in ((self._io_loop, "io"), (self._driver_loop, "driver")):
             t = threading.Thread(target=target, name=f"mindio-ctl-{name}", daemon=True)
             t.start()
@@ -164,17 +169,26 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                   "backup" if self.backup else "primary", self.address, self.world_size, sorted(self.enabled))
 
     def destroy(self) -> None:
-        if self.status_server is not None:
-            self.status_server.observer.close()
-            self.status_server.shutdown()
-            self.status_server.server_close()
+        self.close(timeout=4)
+
+    def close(self, timeout: float) -> bool:
+        """Stop the status server and the threads and join them, at most ``timeout`` s in all; whether
+        every one ended (the I/O thread closes the socket as it ends). Called again: nothing more."""
+        server, self.status_server = self.status_server, None
+        if server is not None:
+            server.observer.close()
+            server.shutdown()
+            server.server_close()
         self._stop.set()
         self._incident_evt.set()
         self._waker.wake()
+        end = time.monotonic() + timeout
+        parts = list(self._threads) + ([self._primary_link] if self._primary_link is not None else [])
         if self._primary_link is not None:
             self._primary_link.stop()
-        for t in self._threads:
-            t.join(timeout=2)
+        for t in parts:
+            t.join(timeout=max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in parts)
 
     # ------------------------------------------------------------------ I/O thread
     def _send(self, rank: int, body, mtype=P.MsgType.ACTION, sn: int = 0) -> None:

@@ -102,8 +102,11 @@ def exit_process(proc, code: int):
         except Exception:
             _log.exception("exit callback failed")
     ctl = _rt.controller
-    if ctl is not None:
-        ctl.final.wait(30)  # its exit action must reach every rank before this process goes
+    if ctl is not None:  # its exit action must reach every rank before this process goes
+        wait = _knobs.get("MINDIO_CONTROLLER_EXIT_WAIT")
+        if not ctl.final.wait(wait):
+            _log.warning("the controller hosted here did not finish its exit order to every rank within %.0f s "
+                         "(MINDIO_CONTROLLER_EXIT_WAIT); leaving anyway", wait)
     proc.destroy()
     _log.warning("exiting with code %d: %s", code, EXIT_MEANINGS.get(code, "ordered by the controller"))
     for handler in logging.getLogger("mindio").handlers:

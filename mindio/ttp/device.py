@@ -58,7 +58,7 @@ import torch.distributed as dist
 from .. import _logging
 
 __all__ = ["DeviceBackend", "GlooBackend", "NcclBackend", "HcclBackend", "backend_for",
-           "teardown", "kill_hung", "all_groups", "freeze_startup_objects", "collect", "release",
+           "teardown", "kill_hung", "all_groups", "destroy_all", "freeze_startup_objects", "collect", "release",
            "forget_default_arguments"]
 
 _log = logging.getLogger(__name__)
@@ -179,6 +179,23 @@ def release(groups: list, unreferenced_only: bool = False) -> int:
     return n
 
 
+def destroy_all() -> list:
+    """``destroy_process_group()`` for every group of this process (one by one if some were destroyed
+    already); returns the groups (:func:`all_groups` before), whose references the caller then releases."""
+    groups = all_groups()
+    if groups:
+        try:
+            dist.destroy_process_group()  # every group, the default one included
+        except (RuntimeError, ValueError) as exc:  # partly destroyed already: do the rest one by one
+            _log.info("destroy_process_group: %s; destroying groups one by one", exc)
+            for g in groups:
+                try:
+                    dist.destroy_process_group(g)
+                except (RuntimeError, ValueError):
+                    pass
+    return groups
+
+
 def collect() -> float:
     """One full garbage collection; returns its duration in ms (logged at debug level)."""
     t0 = time.monotonic()
@@ -203,17 +220,7 @@ class DeviceBackend:
         only once *no* reference to a group remains, hence ``drop_references`` (it must clear every
         framework global, model/optimizer handle that holds a group) before ``gc.collect()``.
         """
-        groups = all_groups()  # held until the references are dropped, then released in parallel
-        if groups:
-            try:
-                dist.destroy_process_group()  # every group, the default one included
-            except (RuntimeError, ValueError) as exc:  # partly destroyed already: do the rest one by one
-                _log.info("destroy_process_group: %s; destroying groups one by one", exc)
-                for g in groups:
-                    try:
-                        dist.destroy_process_group(g)
-                    except (RuntimeError, ValueError):
-                        pass
+        groups = destroy_all()  # held until the references are dropped, then released in parallel
         if drop_references is not None:
             drop_references()
         count = len(groups)

@@ -103,9 +103,9 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
     tcp = dist.TCPStore(master_addr, int(master_port), is_master=False, timeout=timedelta(seconds=60))
     base = dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
     if not os.environ.get("MINDIO_SECRET"):
-        from .transport import _STORE_KEY
+        from .transport import published_secret
 
-        os.environ["MINDIO_SECRET"] = base.get(_STORE_KEY).decode()
+        os.environ["MINDIO_SECRET"] = published_secret(base, f"tcp://{controller_ip}:{int(controller_port)}")
     api.tft_init_processor(rank, world_size, False, enable_tls=enable_tls, tls_info=tls_info, enable_zit=True)
     proc = api._proc()
     proc.standby = True

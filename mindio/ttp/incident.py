@@ -89,7 +89,7 @@ class IncidentFlow(PauseFlow):
 
     def _driver_loop(self) -> None:
         while not self._stop.is_set():
-            self._incident_evt.wait()
+            self._incident_evt.wait()  # idle until an incident, an upgrade or close(): nobody is awaited
             if self._stop.is_set():
                 return
             try:
@@ -296,7 +296,13 @@ class IncidentFlow(PauseFlow):
             self.sm.fire(Result.EXIT if self.sm.can(Result.EXIT) else Result.SHUTDOWN, code=code)
         self.exit_code = code
         with self._lock:
-            live = [r.rank for r in self.ranks.values() if r.alive]
+            # also a rank declared dead that was heard since: its process lives (its link starved while its
+            # teardown's garbage collection held the GIL past misses * interval, measured at load 35) and
+            # is parked for this order; without it, it waits MINDIO_CONTROLLER_LOST_EXIT and exits 76. The
+            # engine sends to every target and waits only for the live ones.
+            now, recent = time.monotonic(), self.misses * self.interval
+            live = [r.rank for r in self.ranks.values()
+                    if r.alive or (r.registered and now - r.last_seen <= recent)]
         self._call("exit", {"code": code}, live, 10.0)
         if self.sm.state is State.EXIT:
             self.sm.fire(Result.OK)

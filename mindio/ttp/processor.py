@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from .. import _knobs, _logging
-from ..errors import ConfigError, describe
+from ..errors import ConfigError, NoController, describe
 from . import protocol as P
 from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
@@ -99,8 +99,9 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         budget = _knobs.get("TTP_RETRY_TIMES") * max(1.0, 2 * self.link.interval)
         if not self.link.registered.wait(budget):
             self.link.stop()
-            raise ConnectionError(f"rank {self.rank}: no controller answered at {addr} within {budget:.0f} s "
-                                  "(is tft_start_controller running there, with the same MINDIO_SECRET?)")
+            raise NoController(f"rank {self.rank}: no controller answered at {addr} within {budget:.0f} s "
+                               "(TTP_RETRY_TIMES x 2 heartbeat intervals, MINDIO_HEARTBEAT_INTERVAL): is "
+                               "tft_start_controller running there, with the same MINDIO_SECRET?")
         _log.info("processor registered with controller at %s", self.link.address)
 
     def destroy(self, reason: str = "") -> None:
@@ -212,8 +213,9 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
 
     def wait_next_action(self) -> tuple[Action, int]:
         """Park the main thread until the controller says RETRY or EXIT; EXIT(fault) if the controller
-        stays unreachable for 30 s (a parked rank never waits forever)."""
+        stays unreachable for MINDIO_CONTROLLER_LOST_EXIT s (a parked rank never waits forever)."""
         lost_since = None
+        limit = _knobs.get("MINDIO_CONTROLLER_LOST_EXIT")
         with self._cond:
             self._main = "parked"
             self._cond.notify_all()
@@ -221,8 +223,10 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
                 self._cond.wait(0.2)
                 link_ok = self.link is not None and self.link.registered.is_set()
                 lost_since = None if link_ok else (lost_since or time.monotonic())
-                if lost_since is not None and time.monotonic() - lost_since > 30:
-                    _log.error("no controller reachable for 30 s; exiting")
+                if lost_since is not None and time.monotonic() - lost_since > limit:
+                    _log.error("parked for the controller's decision, but no controller reachable (last tried: "
+                               "%s) for %.0f s (MINDIO_CONTROLLER_LOST_EXIT); exiting",
+                               self.link.address if self.link is not None else "none", limit)
                     self._next = (Action.EXIT, EXIT_CODE_FAULT)
             action, self._next = self._next, None
             self._main = "running"

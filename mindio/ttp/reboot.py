@@ -126,7 +126,7 @@ def await_switch() -> None:
     rank, t0 = int(os.environ["RANK"]), time.monotonic()
     device.freeze_startup_objects()
     host, _, port = os.environ["MINDIO_AGENT_STORE"].rpartition(":")
-    wait = float(os.environ.get("MINDIO_SWITCH_BACKUP_WAIT", "600"))  # the agent kills it sooner at a round end
+    wait = _knobs.get("MINDIO_SWITCH_BACKUP_WAIT")  # the agent kills it sooner at a round end
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=wait))
     store.set(f"{key}/ready/{rank}", str(os.getpid()))
     _log.warning("hot-switch backup of rank %d (pid %d) registered %.3f s after its start; waiting for the "
@@ -134,7 +134,7 @@ def await_switch() -> None:
     try:
         order = store.get(f"{key}/order/{rank}").decode()
     except RuntimeError as exc:  # the store's timeout: nobody released or dismissed us
-        order = f"no order within {wait:.0f} s ({exc})"
+        order = f"no order from the switch (store key {key}/order/{rank}) within {wait:.0f} s (MINDIO_SWITCH_BACKUP_WAIT; {exc})"
     if order != "join":
         _log.warning("hot-switch backup of rank %d leaves (%s): the switch was cancelled", rank, order)
         sys.stdout.flush()

@@ -22,15 +22,17 @@ import queue
 import secrets
 import threading
 import time
+from datetime import timedelta
 from typing import Callable
 
 import zmq
 
 from .. import _knobs, _logging
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError, NoController, ProtocolError
 from . import protocol as P
+from . import shutdown
 
-__all__ = ["job_secret", "curve_options", "Channel", "Waker", "Link", "RELAY_PREFIX"]
+__all__ = ["job_secret", "published_secret", "curve_options", "context", "close_context", "Channel", "Waker", "Link", "RELAY_PREFIX"]
 
 _log = logging.getLogger(__name__)
 # A connection whose identity starts with this prefix relays for several ranks (a node agent, or the
@@ -39,6 +41,28 @@ RELAY_PREFIX = b"agent-"
 _STORE_KEY = "mindio/ttp/secret"
 _NB = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_ctx: zmq.Context | None = None
+_ctx_lock = threading.Lock()
+
+
+def context() -> zmq.Context:
+    """mindio's own zmq context (never the application's ``Context.instance()``), so that the exit
+    teardown (shutdown.py) can terminate it without waiting on sockets the application left open."""
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None or _ctx.closed:
+            _ctx = zmq.Context()
+        return _ctx
+
+
+def close_context() -> None:
+    """Close what is left of mindio's sockets and terminate its zmq context (its I/O threads end). Call
+    only once no mindio thread uses a socket any more (shutdown.py joins them first)."""
+    global _ctx
+    with _ctx_lock:
+        ctx, _ctx = _ctx, None
+    if ctx is not None and not ctx.closed:
+        ctx.destroy(linger=0)
 
 
 def _default_store():
@@ -51,8 +75,25 @@ def _default_store():
     return None
 
 
-def job_secret(create: bool) -> bytes:
-    """The 32-byte key that signs control frames (see module docstring for where it comes from)."""
+def published_secret(store, controller: str) -> str:
+    """The secret the controller's rank published in ``store``, waiting for it at most
+    MINDIO_CONTROLLER_WAIT s (not the store's own timeout: the process group's, 30 min by default)."""
+    wait = _knobs.get("MINDIO_CONTROLLER_WAIT")
+    try:
+        store.wait([_STORE_KEY], timedelta(seconds=wait))
+    except RuntimeError as exc:  # DistStoreError: the wait timed out (or the store went away)
+        raise NoController(
+            f"no controller for {controller or 'this processor'}: the job secret it publishes in the job's "
+            f"torch.distributed store (key {_STORE_KEY!r}) did not appear within {wait:.0f} s "
+            f"(MINDIO_CONTROLLER_WAIT; store: {exc}). Start one -- tft_init_controller + tft_start_controller "
+            "on its rank, or launch with mindio-run -- at that address, or give every rank the same "
+            "MINDIO_SECRET") from None
+    return store.get(_STORE_KEY).decode()
+
+
+def job_secret(create: bool, controller: str = "") -> bytes:
+    """The 32-byte key that signs control frames (see module docstring for where it comes from).
+    ``controller``: the address a processor will connect to, named when no controller publishes one."""
     text = _knobs.get("MINDIO_SECRET")
     store = _default_store()
     if not text and store is not None:
@@ -60,7 +101,7 @@ def job_secret(create: bool) -> bytes:
             text = secrets.token_hex(32)
             store.set(_STORE_KEY, text)
         else:
-            text = store.get(_STORE_KEY).decode()  # blocks until the controller's rank published it
+            text = published_secret(store, controller)
     if not text:
         if not create:
             raise ConfigError("no job secret: set MINDIO_SECRET (same value on every rank) or call "
@@ -254,7 +295,7 @@ class Link(threading.Thread):
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
         self._halt = threading.Event()
-        self._ctx = zmq.Context.instance()
+        self._ctx = context()
         self._target = 0
         self.drops = P.DropCounter()
 
@@ -269,9 +310,20 @@ class Link(threading.Thread):
         self._waker.wake()
         return done is None or done.wait(wait)
 
+    def start(self) -> None:
+        shutdown.track(self)  # stopped and joined at process exit if still running
+        super().start()
+
     def stop(self) -> None:
         self._halt.set()
         self._waker.wake()
+
+    def close(self, timeout: float) -> bool:
+        """(exit teardown) Stop and join the I/O thread, at most ``timeout`` s; whether it ended."""
+        if self.is_alive():
+            self.stop()
+            self.join(timeout)
+        return not self.is_alive()
 
     @property
     def address(self) -> str:

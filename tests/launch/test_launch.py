@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
+from tests._exits import assert_no_signal_deaths, check_codes
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +58,20 @@ WORKER = textwrap.dedent("""
 """)
 
 
+class _Launcher(subprocess.Popen):
+    """A launcher whose output, once read, is checked: neither it nor a worker it reports died by a
+    signal the test did not send (``sent``: {rank: signal name}; the launcher itself: "launcher")
+    (tests/_exits.py)."""
+
+    sent: dict = {}
+
+    def communicate(self, *args, **kwargs):
+        out, err = super().communicate(*args, **kwargs)
+        check_codes({"launcher": self.returncode}, self.sent, what="process", context=(out or "")[-4000:])
+        assert_no_signal_deaths(out or "", self.sent)
+        return out, err
+
+
 @pytest.fixture
 def job(tmp_path):
     script = tmp_path / "worker.py"
@@ -68,8 +83,8 @@ def job(tmp_path):
 
     def start(*flags, env=None, launcher="mindio.launch.cli", target=None, **kw):
         e = dict(os.environ, OUT_DIR=str(out), TTP_LOG_STDOUT="1", **(env or {}))
-        p = subprocess.Popen([sys.executable, "-m", launcher, *flags, str(target or script), "--x", "1"],
-                             env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+        p = _Launcher([sys.executable, "-m", launcher, *flags, str(target or script), "--x", "1"],
+                      env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
         procs.append(p)
         return p
 
@@ -81,7 +96,7 @@ def job(tmp_path):
     for p in procs:  # end only what this test started
         if p.poll() is None:
             p.kill()
-        p.communicate()
+        subprocess.Popen.communicate(p)  # unchecked: killed here, or checked when the test read it
 
 
 def _tree(root: Path) -> dict:
@@ -199,6 +214,7 @@ def test_standby_agent_replaces_a_lost_node(job):
         assert time.monotonic() < deadline, "round 0 never started"
         time.sleep(0.2)
     a1.send_signal(signal.SIGKILL)  # the node dies: its agent, and with it its workers
+    a1.sent = {"launcher": "SIGKILL"}
     out0, _ = a0.communicate(timeout=120)
     outs, _ = spare.communicate(timeout=30)
     a1.communicate(timeout=10)
@@ -239,6 +255,7 @@ def test_abnormal_exit_after_training_finished_ends_the_job_at_once(job, tmp_pat
     script.write_text(LATE)
     p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), "--high-availability", "dump",
               target=script)
+    p.sent = {1: "SIGABRT"}  # the script's os.abort()
     out, _ = p.communicate(timeout=110)
     ended = time.time()
     assert p.returncode == 1, out

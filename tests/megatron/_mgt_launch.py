@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from mindio._ports import free_port  # outside the ephemeral range (mindio/_ports.py)
+from tests._exits import assert_no_signal_deaths, check_codes, injected, sent_by_faults
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 
 __all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "grad_norms", "digests", "have_megatron",
-           "assert_relaunch_reproduces", "SLOW_MEGATRON"]
+           "assert_relaunch_reproduces", "SLOW_MEGATRON", "LAYOUTS", "LAYOUT_ITERS", "layout_args",
+           "layout_reference"]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -41,11 +43,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check=True,
-             launcher: str = "torch.distributed.run"):
+             launcher: str = "torch.distributed.run", sent=None):
     """Run ``script`` under torch.distributed.run; return stdout; fail with the output on error.
 
     ``check=False``: return ``(returncode, output)`` instead of failing on a non-zero exit.
-    ``launcher="mindio.launch.cli"`` runs it under mindio-run instead.
+    ``launcher="mindio.launch.cli"`` runs it under mindio-run instead. Always fails if the launcher
+    died by a signal, or reports a worker that did, unless an ``--inject`` fault in ``args`` or ``sent``
+    ({rank: signal name}) explains it (tests/_exits.py).
     """
     cmd = [sys.executable, "-W", "ignore", "-m", launcher,
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
@@ -64,6 +68,8 @@ def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check
         except subprocess.TimeoutExpired:
             out = "(no output: a process still holds the pipe)"
         raise AssertionError(f"torchrun timed out after {timeout}s:\n{out[-8000:]}")
+    check_codes({launcher: proc.returncode}, what="launcher", context=out[-6000:])
+    assert_no_signal_deaths(out, sent_by_faults(injected(args), also=sent, per_node=nproc))
     if not check:
         return proc.returncode, out
     if proc.returncode != 0:
@@ -119,3 +125,29 @@ SLOW_MEGATRON = [
     pytest.mark.slow,
     pytest.mark.skipif(not have_megatron(), reason="megatron-core is not installed"),
 ]
+
+
+# The parallel layouts of test_layouts_megatron.py and the elastic PP test (4 ranks each). Every one of them
+# shares one fault-free reference run per session (layout_reference).
+LAYOUTS = {
+    "tp1pp2dp2": ["--pipeline-model-parallel-size", 2, "--global-batch-size", 8],
+    "moe_ep2dp2": ["--num-experts", 4, "--expert-model-parallel-size", 2],
+    # no DP replica exists: --replica-cnt 1; 4 layers in 2 virtual stages per pipeline rank (interleaved)
+    "tp2pp2dp1_vpp2": ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2, "--num-layers", 4,
+                       "--num-layers-per-virtual-pipeline-stage", 1, "--global-batch-size", 4, "--replica-cnt", 1],
+}
+LAYOUT_ITERS = 20
+
+
+def layout_args(layout: str, ha_flag: str = "--enable-high-availability") -> list:
+    return ["--use-distributed-optimizer", ha_flag, "--train-iters", LAYOUT_ITERS, "--seed", 1234,
+            *LAYOUTS[layout]]
+
+
+def layout_reference(fault_free_run, layout: str) -> str:
+    """Output of the fault-free run of ``layout`` (torchrun, high availability on, no fault), once per
+    session. Its losses and digest are those of any run of the layout with the same seed and replica
+    count: the flags that only switch on mindio (which strategies, which launcher) change no number."""
+    args = layout_args(layout)
+    key = (str(PRETRAIN), "torch.distributed.run", tuple(map(str, args)))
+    return fault_free_run(key, lambda d: torchrun(PRETRAIN, args, timeout=400))

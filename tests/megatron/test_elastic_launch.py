@@ -30,6 +30,8 @@ import pytest
 from _mgt_launch import (REPO, PRETRAIN, _kill_tree, free_port,
                          losses, torchrun, assert_relaunch_reproduces, SLOW_MEGATRON)
 
+from tests._exits import assert_no_signal_deaths, check_codes, injected, sent_by_faults
+
 pytestmark = SLOW_MEGATRON
 
 ITERS = 40
@@ -82,7 +84,13 @@ def _run(tmp: Path, args: list, timeout: float = 600, standby: bool = True) -> t
         for p in procs.values():
             if p.poll() is None:
                 _kill_tree(p)
-    return {n: (procs[n].returncode, files[n].read_text()) for n in procs}, _events(events)
+    res = {n: (procs[n].returncode, files[n].read_text()) for n in procs}
+    spec = injected(args)  # kill-node SIGKILLs node 1's agent (its workers die with it)
+    check_codes({n: c for n, (c, _t) in res.items()}, {"node1": "SIGKILL"} if "kill-node:" in spec else {},
+                what="agent", context=str({n: t[-2000:] for n, (_c, t) in res.items()}))
+    for _code, text in res.values():
+        assert_no_signal_deaths(text, sent_by_faults(spec, per_node=2))
+    return res, _events(events)
 
 
 @pytest.mark.timeout(1200)

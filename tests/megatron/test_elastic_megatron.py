@@ -3,8 +3,10 @@
 DP=4 with optimizer replicas (2 instances: ranks [0,1] and [2,3], each a full sharded copy). The drill
 SIGKILLs rank 3 at step 7 and no standby exists: the controller removes the instance [2,3] (rank 2 exits
 77), rebuilds a 2-rank world and training goes on at DP=2 with 2 micro-batches per step (same global
-batch). Two standby processes, started by the test at the beginning (warm, like spares) and released once
-the downgrade is done ("a node came back"), register for ranks 2 and 3: the controller pauses the
+batch; each step paced by _elastic_paced.py while downgraded, up to 4 s and cut short at the upgrade's
+fence: unpaced, the 54 remaining steps took ~1.5 s and the job could end before the standbys came up on
+a loaded machine). Two standby processes, started by the test at the beginning (warm, like spares) and
+released once the downgrade is done ("a node came back"), register for ranks 2 and 3: the controller pauses the
 survivors at a step, rebuilds the 4-rank world, repairs the new ranks from their replicas, rolls back and
 training goes on at DP=4; ``--check-replicas`` checks after every step that every replica of every
 optimizer shard is bitwise identical (digests all-gathered across each replica pair). With
@@ -27,14 +29,17 @@ from pathlib import Path
 
 import pytest
 
-from _mgt_launch import (PRETRAIN, REPO, _kill_tree, free_port,
+from _mgt_launch import (PRETRAIN, REPO, LAYOUT_ITERS, _kill_tree, free_port, layout_args, layout_reference,
                          losses, torchrun, assert_relaunch_reproduces, SLOW_MEGATRON)
+
+from tests._exits import check_codes, injected, sent_by_faults
 
 pytestmark = SLOW_MEGATRON
 
 ITERS = 60
 ARGS = ["--use-distributed-optimizer", "--enable-elastic-training", "--train-iters", ITERS]
 STANDBY = Path(__file__).resolve().parent / "_elastic_standby.py"
+PACED = Path(__file__).resolve().parent / "_elastic_paced.py"
 
 
 def _events(path: Path) -> list:
@@ -43,21 +48,23 @@ def _events(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys: bool = True) -> dict:
-    """4 ranks started directly (torchrun would stop the survivors when rank 3 dies) + 2 standbys."""
+def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys=(2, 3), script: Path = PRETRAIN,
+                    env_extra=None) -> dict:
+    """4 ranks of ``script`` started directly (torchrun would stop the survivors when rank 3 dies) + a
+    standby for each rank of ``standbys`` (the ranks the downgrade removes)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "TTP_PORT": str(free_port()), "WORLD_SIZE": "4",
            "LOCAL_WORLD_SIZE": "4", "HIGH_AVAILABILITY": "elastic-training,dump", "MINDIO_ACP_IDLE_EXIT": "20",
            "MINDIO_EVENT_LOG": str(tmp / "events.jsonl"), "TTP_LOG_PATH": str(tmp / "logs"),
            "ELASTIC_TEST_GO": str(tmp / "go"), "MINDIO_DUMP_AFTER_UPGRADE": "1",
-           "MINDIO_DRILL_DIR": str(tmp)}  # each --inject fault fires once per job (ranks are renumbered)
+           "MINDIO_DRILL_DIR": str(tmp), **(env_extra or {})}  # each --inject fault fires once per job
     cmd = [sys.executable, "-W", "ignore"]
     procs, sbs = [], []
     for r in range(4):
-        procs.append(subprocess.Popen(cmd + [str(PRETRAIN), *map(str, args)], stdout=open(tmp / f"rank{r}.out", "w"),
+        procs.append(subprocess.Popen(cmd + [str(script), *map(str, args)], stdout=open(tmp / f"rank{r}.out", "w"),
                                       stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                                       start_new_session=True))
-    for r in (2, 3) if standbys else ():
+    for r in standbys:
         sbs.append(subprocess.Popen(cmd + [str(STANDBY), *map(str, args)],
                                          stdout=open(tmp / f"standby{r}.out", "w"), stderr=subprocess.STDOUT,
                                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True))
@@ -75,8 +82,11 @@ def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys: bool 
         for p in procs + sbs:
             if p.poll() is None:
                 _kill_tree(p)
+    out = (tmp / "rank0.out").read_text()
+    check_codes([p.returncode for p in procs], sent_by_faults(injected(args)), context=out[-4000:])
+    check_codes([p.returncode for p in sbs], what="standby", context=out[-4000:])
     return {"rc": [p.returncode for p in procs], "standby_rc": [p.returncode for p in sbs],
-            "out": (tmp / "rank0.out").read_text(), "events": _events(tmp / "events.jsonl")}
+            "out": out, "events": _events(tmp / "events.jsonl")}
 
 
 @pytest.mark.timeout(1500)
@@ -87,7 +97,7 @@ def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     run = _launch_elastic(tmp_path, ARGS + ["--seed", 1234, "--check-replicas", "--inject", "kill:rank=3,step=7",
-                                            "--save", ckpt])
+                                            "--save", ckpt], script=PACED, env_extra={"ELASTIC_TEST_PACE": "4"})
     out, evs = run["out"], run["events"]
     assert run["rc"] == [0, 0, 77, -9] and run["standby_rc"] == [0, 0], (run["rc"], run["standby_rc"], out[-4000:])
     down = [e for e in evs if e["kind"] == "downgrade_done"]
@@ -136,7 +146,7 @@ def test_two_downgrades_4_to_3_to_2_with_renumbered_ranks(tmp_path):
     within 1 % of the fault-free run with the same global batch."""
     args = ARGS[:-1] + [20, "--seed", 1234, "--replica-cnt", 4, "--global-batch-size", 24]
     run = _launch_elastic(tmp_path, args + ["--check-replicas", "--inject", "kill:rank=3,step=7; raise:rank=1,step=12"],
-                          standbys=False)
+                          standbys=())
     out, evs = run["out"], run["events"]
     assert run["rc"] == [0, 77, 0, -9], (run["rc"], out[-4000:])
     down = [e for e in evs if e["kind"] == "downgrade_done"]
@@ -148,4 +158,35 @@ def test_two_downgrades_4_to_3_to_2_with_renumbered_ranks(tmp_path):
     ref = losses(torchrun(PRETRAIN, args, timeout=400))
     worst = max(abs(got[i] - ref[i]) / ref[i] for i in range(1, 21))
     print(f"\ntwo downgrades: worst relative loss difference vs fault-free {worst:.2e}")
+    assert worst < 0.01
+
+
+@pytest.mark.timeout(900)
+def test_pipeline_parallel_downgrade_then_upgrade(tmp_path, fault_free_run):
+    """TP1 x PP2 x DP2 with 2 optimizer instances (DP positions 0 and 1 of each stage): SIGKILL of rank 3
+    (stage 1, DP position 1) at step 7 removes instance 1 from *both* stages' DP groups (ranks 1 and 3;
+    rank 1 exits 77), so a 2-rank PP2 x DP1 world trains on with 2x the micro-batches per step (same
+    global batch). Standbys for ranks 1 and 3 bring it back to PP2 x DP2 (repaired from the survivors,
+    every replica bitwise identical after every later step); every step trained once and each loss within
+    1 % of the fault-free run of the layout. While downgraded each step is paced (_elastic_paced.py, up to
+    4 s, cut short at the upgrade's fence) so that the standbys come up in time on a loaded machine."""
+    args = layout_args("tp1pp2dp2", "--enable-elastic-training")
+    ref = losses(layout_reference(fault_free_run, "tp1pp2dp2"))
+    run = _launch_elastic(tmp_path, args + ["--check-replicas", "--inject", "kill:rank=3,step=7"], standbys=(1, 3),
+                          script=PACED, env_extra={"ELASTIC_TEST_PACE": "4", "MINDIO_DUMP_AFTER_UPGRADE": "0"})
+    out, evs = run["out"], run["events"]
+    assert run["rc"] == [0, 77, 0, -9] and run["standby_rc"] == [0, 0], (run["rc"], run["standby_rc"], out[-4000:])
+    down = [e for e in evs if e["kind"] == "downgrade_done"]
+    up = [e for e in evs if e["kind"] == "upgrade_done"]
+    assert [(e["lock_step"], e["removed"], e["members"]) for e in down] == [(6, [1, 3], [0, 2])]
+    assert [(e["added"], e["members"]) for e in up] == [([1, 3], [0, 1, 2, 3])]
+    u = up[0]["lock_step"]
+    assert 6 <= u < LAYOUT_ITERS, u
+    got = losses(out)
+    assert sorted(got) == list(range(1, LAYOUT_ITERS + 1))
+    checked = {int(m) for m in re.findall(r"replicas-identical: iteration (\d+)", out)}
+    assert checked == set(range(1, 7)) | set(range(u + 1, LAYOUT_ITERS + 1)), sorted(checked)
+    worst = max(abs(got[i] - ref[i]) / ref[i] for i in got)
+    print(f"\nPP2 elastic: DP2 -> DP1 at step 6 ({down[0]['total_s']:.3f} s), back to DP2 at step {u} "
+          f"({up[0]['total_s']:.3f} s); worst relative loss difference vs fault-free {worst:.2e}")
     assert worst < 0.01

@@ -7,8 +7,8 @@ DP=4, two replicas per shard). Every scenario must end bit-identical to an unint
 - high availability end to end (when mindio.ttp is available): a fault injected on rank 1 at step 7
   makes mindio's controller order a dump at lock step 6 (our save + rename callbacks), the job
   exits with code 75, and ``--load`` continues from that dump bit for bit.
-- dump: at step 6 ranks 0 and 3 write one copy of each shard without collectives, rank 0 renames;
-  ``pretrain_gpt.py --load`` continues from it to 12.
+- dump: at step 6 ranks 0 and 3 write one copy of each shard without collectives (Megatron's torch_dist
+  format), rank 0 renames; ``pretrain_gpt.py --load`` continues from it to 12.
 """
 
 import pytest
@@ -38,9 +38,10 @@ def test_dump_then_load_is_bitwise(reference_digest, tmp_path):
     out = torchrun(WORKER, ["dump", 12, 6, ckpt], timeout=150)
     assert "dumped step 6" in out
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
-    # only the two dumping ranks wrote: one file per shard plus common.pt
+    # Megatron's torch_dist layout; only the two dumping ranks (one per shard) wrote data
     assert sorted(p.name for p in (ckpt / "iter_0000006").iterdir()) == [
-        "common.pt", "shard_tp00_pp000_dp000.pt", "shard_tp00_pp000_dp001.pt"]
+        ".metadata", "__0.mindio.json", "__0_0.distcp", "__3.mindio.json", "__3_0.distcp", "common.pt",
+        "metadata.json"]
     resumed = torchrun(PRETRAIN, ["--use-distributed-optimizer", "--replica-cnt", 2,
                                   "--train-iters", 12, "--load", ckpt], timeout=150)
     assert "loaded checkpoint iteration 6" in resumed
@@ -90,7 +91,7 @@ def test_controller_dump_tp2_dp2_loads_bitwise(tmp_path):
     rc, out = torchrun(PRETRAIN, common + ["--save", ckpt, "--inject", "raise:rank=1,step=6"],
                        timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
-    assert sorted(p.name for p in (ckpt / "iter_0000005").iterdir()) == [
-        "common.pt", "shard_tp00_pp000_dp000.pt", "shard_tp01_pp000_dp000.pt"]
+    # DP groups {0, 2} and {1, 3}: rank 1 failed, so ranks 0 and 3 hold a usable copy of every shard
+    assert sorted(p.name for p in (ckpt / "iter_0000005").glob("*.distcp")) == ["__0_0.distcp", "__3_0.distcp"]
     resumed = torchrun(PRETRAIN, common + ["--load", ckpt], timeout=150)
     assert digests(resumed)[-1] == reference

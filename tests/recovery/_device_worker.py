@@ -1,6 +1,6 @@
 """Worker for test_device.py: 2 gloo ranks all_reduce in a loop; rank 1 raises after a few steps,
-tears down through mindio.ttp.device, records when, and stays alive (so a release of rank 0 is due to
-the teardown, not to the process exiting). Rank 0 records when its blocked all_reduce raised."""
+tears down through mindio.ttp.device, records when, and stays alive until rank 0 has written its record
+(so a release of rank 0 is due to the teardown, not to the process exiting). Rank 0 records when its blocked all_reduce raised."""
 import json
 import os
 import sys
@@ -35,7 +35,10 @@ except RuntimeError as exc:
         result["initialized_after"] = dist.is_initialized()
     else:  # the released peer cleans too (a secondary failure), as the recovery flows do
         device.teardown(drop_references=model.clear)
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+with open(os.path.join(out, f"rank{rank}.json.part"), "w") as f:
     json.dump(result, f)
-if rank == 1:
-    time.sleep(5)
+os.replace(os.path.join(out, f"rank{rank}.json.part"), os.path.join(out, f"rank{rank}.json"))
+if rank == 1:  # alive until rank 0 has recorded its release (at most 60 s), not a fixed 5 s
+    end = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out, "rank0.json")) and time.monotonic() < end:
+        time.sleep(0.01)

@@ -113,6 +113,7 @@ def main() -> int:
         print("state-digest: " + hashlib.sha256("".join(digests).encode()).hexdigest(), flush=True)
     dist.barrier(group=toy.STATE["dp"])
     ttp.tft_destroy_processor()
+    toy.stop_groups(None, None)  # no group outlives main(): mindio/ttp/shutdown.py
     return 0
 
 

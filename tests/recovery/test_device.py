@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
 from mindio.ttp import device
+from tests._exits import check_codes
 
 WORKER = Path(__file__).with_name("_device_worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -30,6 +31,7 @@ def test_gloo_teardown_releases_blocked_peer_within_a_second(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    check_codes(codes)  # names the rank and the signal of a signal death
     assert codes == [0, 0]
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())

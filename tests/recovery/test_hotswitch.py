@@ -21,6 +21,8 @@ import pytest
 
 from test_recover_inplace import _port, digest  # tests/recovery is on sys.path (rootdir import mode)
 
+from tests._exits import assert_no_signal_deaths, check_codes
+
 import mindio.ttp as ttp
 from mindio.errors import ConfigError
 from mindio.ttp._runtime import state as _rt
@@ -55,6 +57,8 @@ def run(out: Path, scenario: str = "", timeout=150, victim: int = 1, env=None):
         text, _ = p.communicate()
         raise AssertionError(f"job did not end within {timeout} s (a hang):\n{text[-6000:]}")
     (out / "output.txt").write_text(text)
+    check_codes({"mindio-run": p.returncode}, what="process", context=text[-6000:])
+    assert_no_signal_deaths(text)  # no fault here kills a process: the switched-out rank exits with 78
     read = lambda f: [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
     return p.returncode, text, read(events), read(out / "brain.jsonl")
 

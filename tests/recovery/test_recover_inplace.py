@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from mindio._ports import free_port as _port  # outside the ephemeral range (mindio/_ports.py)
+from tests._exits import assert_no_signal_deaths, check_codes, sent_by_faults
 from mindio.ttp import protocol as P
 from mindio.ttp.controller import Controller
 
@@ -30,8 +31,11 @@ STEPS, FAULT_IT = 10, 7
 pytestmark = pytest.mark.slow
 
 
-def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", env=None, timeout=150, extra=()):
-    """One mindio-run job of the toy (``extra``: more mindio-run flags); returns (exit code, output, events)."""
+def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", env=None, timeout=150, extra=(),
+        sent=None):
+    """One mindio-run job of the toy (``extra``: more mindio-run flags); returns (exit code, output,
+    events). Fails if a worker died by a signal neither ``fault`` nor ``sent`` ({rank: signal name})
+    explains (tests/_exits.py)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
@@ -49,6 +53,8 @@ def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", e
         text, _ = p.communicate()
         raise AssertionError(f"job did not end within {timeout} s (a hang):\n{text[-6000:]}")
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
+    check_codes({"mindio-run": p.returncode}, what="process", context=text[-6000:])
+    assert_no_signal_deaths(text, sent_by_faults(fault, also=sent))
     return p.returncode, text, evs
 
 
@@ -144,7 +150,8 @@ def test_replica_killed_during_repair_falls_back_without_hang(tmp_path):
     """Cascading fault: the replica sending rank 1's shard dies in the middle of the repair. Both copies
     of that shard are gone, so neither recover nor a dump is possible: the job exits with a log line."""
     t0 = time.monotonic()
-    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT}", env={"TOY_FAIL_REPAIR": "kill"})
+    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT}", env={"TOY_FAIL_REPAIR": "kill"},
+                             sent={3: "SIGKILL"})  # the repair source (rank 1's replica) kills itself
     assert code != 0
     assert "recover failed at repair" in text, text[-6000:]
     fallback = [e for e in events if e["kind"] == "fallback"]

@@ -23,13 +23,16 @@ import pytest
 
 from test_recover_inplace import REPO, STEPS, TOY, _port, digest, fault_free_digest
 
+from tests._exits import assert_no_signal_deaths, check_codes, injected, sent_by_faults
+
 pytestmark = pytest.mark.slow
 
 
 def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None, env=None, during=None,
               step_sleep: float = 0.1):
     """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with ``fault``);
-    returns ({name: (code, text)}, events). ``during(procs, events_path)`` runs in a thread meanwhile."""
+    returns ({name: (code, text)}, events). ``during(procs, events_path)`` runs in a thread meanwhile.
+    Fails if an agent or a worker died by a signal the fault does not explain (tests/_exits.py)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
@@ -57,6 +60,14 @@ def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None,
         texts = {n: p.communicate()[0][-3000:] for n, p in procs.items()}
         raise AssertionError(f"agents did not end within {timeout} s (a hang): {texts}")
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
+    # kill-node SIGKILLs node 1's agent; its two workers die with it (PDEATHSIG)
+    spec = injected(tail)
+    killed = {"node1": "SIGKILL"} if "kill-node:" in spec else {}
+    check_codes({n: c for n, (c, _t) in res.items()}, killed, what="agent", context=str(
+        {n: t[-2000:] for n, (_c, t) in res.items()}))
+    sent = sent_by_faults(spec, per_node=2)
+    for _code, text in res.values():
+        assert_no_signal_deaths(text, sent)
     return res, evs
 
 

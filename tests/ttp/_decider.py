@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from tests._exits import check_codes
+
 from ._harness import ROOT, Job, free_port
 
 DECIDER = os.path.join(os.path.dirname(__file__), "_decider_proc.py")
@@ -37,6 +39,7 @@ class Decided:
         try:
             codes = self.job.wait(timeout)
             self.proc.wait(timeout=30)
+            check_codes({"decider": self.proc.returncode}, what="process", context=self.tail())
         finally:
             self.kill()
         return codes

@@ -14,6 +14,7 @@ import time
 import torch
 
 from mindio._ports import free_port  # outside the ephemeral range (mindio/_ports.py)
+from tests._exits import check_codes, sent_by_faults
 
 TOY = os.path.join(os.path.dirname(__file__), "_toy_train.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,12 +66,18 @@ def stop_plane(ctl, procs) -> None:
 
 
 class Job:
-    """One launch of ``world`` ranks; ``wait`` returns the exit codes, ``kill`` reaps leftovers."""
+    """One launch of ``world`` ranks; ``wait`` returns the exit codes, ``kill`` reaps leftovers.
+
+    ``wait`` fails if a rank died by a signal the test did not cause: a ``--fault`` that kills a rank
+    (kill, kill-update*, hang) causes SIGKILL on it; ``sent`` adds {rank: signal name} the test causes
+    otherwise (an environment switch of the toy, its own ``os.kill``)."""
 
     def __init__(self, out: str, world: int = 4, args: list | None = None, env: dict | None = None,
-                 ctl_port: int | None = None):
+                 ctl_port: int | None = None, sent: dict | None = None):
         os.makedirs(out, exist_ok=True)
         self.out, self.world = out, world
+        args = list(args or [])
+        self.sent = sent_by_faults(args[args.index("--fault") + 1] if "--fault" in args else "", also=sent)
         self.ctl_port = ctl_port or free_port()
         store_port = free_port()
         e = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", TTP_LOG_LEVEL="INFO",
@@ -93,7 +100,9 @@ class Job:
         finally:
             for f in self.logs:
                 f.close()
-        return [p.returncode for p in self.procs]
+        codes = [p.returncode for p in self.procs]
+        check_codes(codes, self.sent, context=self.tail())
+        return codes
 
     def kill(self) -> None:
         for p in self.procs:

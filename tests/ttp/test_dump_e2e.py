@@ -5,6 +5,7 @@ EXIT_CODE_DUMPED; a relaunch from the dump runs to the end, and its parameters a
 are bitwise equal to an uninterrupted run (the step being computed at the fault is the only one lost).
 """
 import os
+import re
 
 import pytest
 
@@ -54,8 +55,11 @@ def test_fault_dumps_and_relaunch_is_bitwise(baseline, tmp_path, kind, rank):
         # two teardowns here) or by the controller's stop, never by the process group's timeout
         assert {e["state"] for e in peers} == {"RS_NORMAL"}, peers
         assert not [e for e in peers if "imed out" in e["message"] or "imeout" in e["message"]], peers
-        released = [e["t"] for e in peers]
-        assert len(released) == 3 and max(released) - fault_t < 1.0, peers  # ~0.2 s measured (quiet)
+        # what released each peer, not how fast: the latency (~0.2 s quiet) is bench/detection_latency.py's;
+        # a peer that enters the collective late because its process had no CPU (load 30: 1.16 s) is
+        # still released by the closed connection, never by the group's 120 s timeout
+        assert len(peers) == 3 and all(re.search(r"Connection (closed|reset) by peer|FORCE STOP", e["message"])
+                                       for e in peers), peers
     if kind == "kill":
         dead = [e for e in _by_kind(events, "rank_dead") if e["dead_rank"] == rank][0]
         assert dead["t"] - fault_t < 4.5  # 3 missed 1 s beats = ~3.1 s measured; margin for load

@@ -119,7 +119,7 @@ def test_replica_killed_during_repair_falls_back_to_exit(tmp_path):
     neither retry nor dump is possible any more: every surviving rank exits with EXIT_CODE_FAULT."""
     out = str(tmp_path / "run")
     job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],
-              env=dict(HA, TOY_FAIL_REPAIR="kill"))
+              env=dict(HA, TOY_FAIL_REPAIR="kill"), sent={3: "SIGKILL"})  # the repair source kills itself
     assert job.wait(150) == [EXIT_CODE_FAULT, EXIT_CODE_FAULT, EXIT_CODE_FAULT, -9], job.tail()
     events = job.events()
     assert _kind(events, "retry_failed")[0]["step_name"] == "repair"

@@ -1,0 +1,364 @@
+"""Megatron's ``torch_dist`` checkpoint format, written by any subset of ranks without collectives.
+
+``megatron.core.dist_checkpointing.save`` is collective over the world (rank 0 plans, every rank
+takes part in a gather and a barrier), so it cannot write a dump, which only the ranks the controller
+picked take part in while the others are parked or dead. This module writes the same format with
+megatron-core's and PyTorch DCP's own pieces, split at the one point that needs communication:
+
+1. :func:`write_local` (each writing rank, alone): megatron's ``save_preprocess`` (factories,
+   common part), its ShardedTensor -> PyTorch conversion, its ``MCoreSavePlanner`` for the local plan,
+   DCP's ``FileSystemWriter`` for the data -> ``__<rank>_0.distcp`` (the file Megatron's own writer
+   produces), plus ``__<rank>.mindio.json``: the local plan and the write results, as JSON.
+2. :func:`finalize` (one rank, once every writer is done): reads the JSON pieces of the writers of
+   this save, rebuilds their plans and lets DCP merge them exactly as Megatron's coordinator does
+   (``create_global_plan``, which also validates that the chunks of every tensor cover it without
+   overlap), then writes ``.metadata`` (DCP's pickle, what Megatron and torch read) and
+   ``metadata.json`` (megatron's backend record).
+
+Which rank writes which item is decided before (``replica_id``: the main replica of every item
+is written, the others are dropped, as Megatron does); see checkpoint.py.
+
+I/O path: the data files and ``common.pt`` go through the mindio checkpoint store
+(``mindio.acp.create_file``: memory pool, persisted in the background) when it runs, else they are
+written to storage atomically; they are the exact bytes PyTorch's writer produces. Small metadata files
+are written to storage directly (another rank reads them at once).
+
+Reading (:func:`read_local`, one rank, no collectives) never unpickles: the DCP metadata is rebuilt
+from the JSON pieces, ``common.pt`` and the sharded objects are read with ``torch.load(weights_only=
+True)`` (plus argparse.Namespace and numpy's RNG state arrays, which Megatron's own files contain).
+Data is read through ``mindio.acp.open_file`` (the pool first, then storage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import (FileSystem, FileSystemReader, FileSystemWriter,
+                                                     _StorageInfo, _StoragePrefix)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties)
+from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from mindio.acp._storage import atomic_write, file_mode
+
+__all__ = ["COMMON", "write_local", "write_common", "finalize", "read_local", "read_common",
+           "has_index", "SAFE_GLOBALS"]
+
+_log = logging.getLogger(__name__)
+
+COMMON = "common.pt"
+CONFIG = "metadata.json"  # megatron's CheckpointingConfig
+_PIECE = "__{rank}.mindio.json"
+_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+            "common_backend": "torch", "common_backend_version": 1}
+
+
+def _safe_globals() -> list:
+    import numpy as np
+
+    out = [argparse.Namespace, np.ndarray, np.dtype, np.core.multiarray._reconstruct]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out.append(dtypes.UInt32DType)
+    return out
+
+
+#: What ``weights_only`` loading accepts beyond tensors and containers (Megatron's common.pt holds an
+#: argparse.Namespace, its RNG state numpy's MT19937 arrays).
+SAFE_GLOBALS = _safe_globals()
+
+
+# ---------------------------------------------------------------------------- byte I/O
+def _acp():
+    try:
+        from mindio import acp
+
+        return acp
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def _store(path: Path, data: bytes) -> None:
+    """``data`` to ``path``: through the mindio store when available, else atomically to storage."""
+    acp = _acp()
+    if acp is not None:
+        with acp.create_file(str(path), mode=file_mode()) as f:
+            f.write(data)
+        return
+    _atomic_write(path, data)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """The store's atomic write: exclusive temp file, fsync, rename, directory fsync, the umask's mode."""
+    atomic_write(str(path), [data], file_mode())
+
+
+def _fetch(path: Path) -> bytes:
+    """The newest bytes of ``path``: the mindio store's pool first, then storage."""
+    acp = _acp()
+    if acp is not None:
+        with acp.open_file(str(path)) as f:
+            return f.read()
+    return Path(path).read_bytes()
+
+
+class _StoredBuffer(io.BytesIO):
+    """A write stream whose bytes go to :func:`_store` when it is closed (DCP closes it itself)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self._path = path
+
+    def close(self) -> None:
+        if not self.closed:
+            _store(self._path, self.getvalue())
+        super().close()
+
+
+class _StoreFileSystem(FileSystem):
+    """DCP's file system with every data file written and read through :func:`_store`/:func:`_fetch`."""
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if mode == "wb":
+            with _StoredBuffer(Path(path)) as buf:
+                yield buf
+        elif mode == "rb":
+            yield io.BytesIO(_fetch(Path(path)))
+        else:  # pragma: no cover - DCP uses only these two
+            raise ValueError(f"unsupported mode {mode!r}")
+
+
+# ------------------------------------------------------------- plans <-> JSON (no pickle)
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a checkpoint index")
+    return value
+
+
+def _index_to_json(index: MetadataIndex) -> list:
+    return [index.fqn, None if index.offset is None else list(index.offset), index.index]
+
+
+def _index_from_json(raw: list) -> MetadataIndex:
+    fqn, offset, hint = raw
+    return MetadataIndex(str(fqn), None if offset is None else torch.Size(int(x) for x in offset),
+                         None if hint is None else int(hint))
+
+
+def _item_to_json(item: WriteItem) -> dict:
+    out = {"index": _index_to_json(item.index), "type": item.type.name}
+    if item.bytes_io_data is not None:
+        out["nbytes"] = item.bytes_io_data.nbytes
+    if item.tensor_data is not None:
+        td = item.tensor_data
+        out["tensor"] = {"offsets": list(td.chunk.offsets), "sizes": list(td.chunk.sizes),
+                         "size": list(td.size), "dtype": str(td.properties.dtype),
+                         "requires_grad": bool(td.properties.requires_grad)}
+    return out
+
+
+def _item_from_json(raw: dict) -> WriteItem:
+    tensor = raw.get("tensor")
+    td = None
+    if tensor is not None:
+        td = TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(tensor["offsets"]), sizes=torch.Size(tensor["sizes"])),
+            properties=TensorProperties(dtype=_dtype(tensor["dtype"]), requires_grad=tensor["requires_grad"]),
+            size=torch.Size(tensor["size"]))
+    nbytes = raw.get("nbytes")
+    return WriteItem(index=_index_from_json(raw["index"]), type=WriteItemType[raw["type"]],
+                     bytes_io_data=None if nbytes is None else BytesIOWriteData(int(nbytes)), tensor_data=td)
+
+
+def _result_to_json(res: WriteResult) -> dict:
+    info: _StorageInfo = res.storage_data
+    if info.transform_descriptors:
+        raise ValueError(f"{res.index.fqn}: storage transforms are not supported")
+    return {"index": _index_to_json(res.index), "size": res.size_in_bytes,
+            "file": info.relative_path, "offset": info.offset, "length": info.length}
+
+
+def _result_from_json(raw: dict) -> WriteResult:
+    name = str(raw["file"])
+    if "/" in name or name.startswith("."):
+        raise ValueError(f"checkpoint index names a file outside its directory: {name!r}")
+    return WriteResult(index=_index_from_json(raw["index"]), size_in_bytes=int(raw["size"]),
+                       storage_data=_StorageInfo(name, int(raw["offset"]), int(raw["length"])))
+
+
+# ------------------------------------------------------------------------------- writing
+def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: str,
+                writers: Iterable[int]) -> dict:
+    """Write this rank's main-replica items of ``sharded_state_dict`` (megatron ShardedTensors and
+    ShardedObjects whose replica_id was set by the caller) to ``directory``; no collectives.
+
+    ``writers``: every rank that writes this save (the finalizer reads exactly their pieces); ``save_id``
+    names the save, so that a piece left by another save in the same directory is never merged.
+    Returns the common (non-sharded) part of the state dict."""
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
+    pyt = mcore_to_pyt_state_dict(flat, False)
+    planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=False, thread_count=1,
+                              overwrite=True)
+    writer.fs = _StoreFileSystem()
+    planner.set_up_planner(pyt, is_coordinator=True)
+    writer.set_up_storage_writer(True)
+    plan = writer.prepare_local_plan(planner.create_local_plan())
+    plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_"))
+    final = planner.finish_plan(plan)
+    results = writer.write_data(final, planner).wait()
+    piece = {"save_id": save_id, "rank": rank, "writers": sorted(set(int(w) for w in writers)),
+             "items": [_item_to_json(i) for i in final.items],
+             "results": [_result_to_json(r) for r in results]}
+    _atomic_write(directory / _PIECE.format(rank=rank), json.dumps(piece).encode())
+    return common
+
+
+def write_common(common: dict, directory: Path) -> None:
+    """``common.pt`` (torch.save bytes, read by Megatron with ``torch.load``), through the store."""
+    buf = io.BytesIO()
+    torch.save(common, buf)
+    _store(Path(directory) / COMMON, buf.getvalue())
+
+
+def _pieces(directory: Path, save_id: str, writers: Optional[List[int]]) -> List[dict]:
+    directory = Path(directory)
+    if writers is None:  # the finalizer's own piece names the writers of its save
+        raise ValueError("the writers of a save must be known")
+    out = []
+    for r in writers:
+        path = directory / _PIECE.format(rank=r)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: rank {r} did not finish writing its part of "
+                                    f"checkpoint {directory}")
+        piece = json.loads(path.read_text())
+        if piece.get("save_id") != save_id or piece.get("rank") != r:
+            raise ValueError(f"{path} belongs to another save ({piece.get('save_id')!r}, rank "
+                             f"{piece.get('rank')}), not {save_id!r}: rank {r} did not write its part")
+        out.append(piece)
+    return out
+
+
+def _metadata(pieces: List[dict]) -> Metadata:
+    """The global DCP metadata of the pieces, merged and validated by DCP itself."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    plans = [SavePlan(items=[_item_from_json(i) for i in p["items"]],
+                      storage_data=_StoragePrefix(f"__{p['rank']}_"), planner_data={}) for p in pieces]
+    planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
+    _, metadata = planner.create_global_plan(plans)  # raises on a missing or overlapping chunk
+    storage = {}
+    for p in pieces:
+        for raw in p["results"]:
+            res = _result_from_json(raw)
+            storage[res.index] = res.storage_data
+    metadata.storage_data = storage
+    return metadata
+
+
+def finalize(directory: Path, rank: int) -> None:
+    """Merge the pieces of the save that this rank's piece belongs to into ``.metadata`` (what Megatron
+    and torch read) and write ``metadata.json``. Call once every writer has returned."""
+    directory = Path(directory)
+    own = json.loads((directory / _PIECE.format(rank=rank)).read_text())
+    metadata = _metadata(_pieces(directory, own["save_id"], own["writers"]))
+    metadata.version = "1.0.0"
+    metadata.storage_meta = StorageMeta(checkpoint_id=str(directory), save_id=own["save_id"])
+    if not (directory / COMMON).exists() and _acp() is None:
+        raise FileNotFoundError(f"{directory / COMMON} is missing: the checkpoint is incomplete")
+    buf = io.BytesIO()
+    pickle.dump(metadata, buf)
+    _atomic_write(directory / ".metadata", buf.getvalue())
+    _atomic_write(directory / CONFIG, json.dumps(_BACKEND).encode())
+
+
+def has_index(directory: Path) -> bool:
+    """Whether ``directory`` holds a checkpoint this module wrote (its JSON pieces)."""
+    return any(Path(directory).glob("__*.mindio.json"))
+
+
+# ------------------------------------------------------------------------------- reading
+class _IndexReader(FileSystemReader):
+    """DCP reader whose metadata comes from the JSON pieces (never from the pickled ``.metadata``)."""
+
+    def __init__(self, directory: Path):
+        super().__init__(directory)
+        self.fs = _StoreFileSystem()
+        self._dir = Path(directory)
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        raw = [json.loads(p.read_text()) for p in sorted(self._dir.glob("__*.mindio.json"))]
+        if not raw:
+            raise FileNotFoundError(f"{self._dir} holds no mindio checkpoint index (__<rank>.mindio.json)")
+        newest = max(raw, key=lambda p: os.path.getmtime(self._dir / _PIECE.format(rank=p["rank"])))
+        metadata = _metadata(_pieces(self._dir, newest["save_id"], newest["writers"]))
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+
+def _safe_load(data) -> Any:
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(data, map_location="cpu", weights_only=True)
+
+
+def read_common(directory: Path) -> dict:
+    path = Path(directory) / COMMON
+    return _safe_load(io.BytesIO(_fetch(path)))
+
+
+def read_local(sharded_state_dict: dict, directory: Path) -> dict:
+    """Load ``sharded_state_dict`` (megatron's, ``is_loading=True``) from ``directory`` on this rank alone.
+
+    The steps of megatron-core's ``dist_checkpointing.load`` with its torch_dist strategy, without the
+    collectives (DCP with ``no_dist``) and without unpickling (see the module docstring)."""
+    from megatron.core.dist_checkpointing.dict_utils import merge, nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreLoadPlanner, _replace_sharded_keys_with_state_dict_keys,
+        _replace_state_dict_keys_with_sharded_keys, _restore_dict_types, _unwrap_pyt_sharded_tensor,
+        mcore_to_pyt_state_dict)
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    class SafeLoadPlanner(MCoreLoadPlanner):
+        def load_bytes(self, read_item, value):  # DCP's own unpickles without restriction
+            self.original_state_dict[read_item.dest_index.fqn] = _safe_load(value)
+
+    common = read_common(directory)
+    sharded, nonpersistent, factories = load_preprocess(sharded_state_dict)
+    merge(common, nonpersistent)
+    sharded, _ = extract_sharded_base(sharded)
+    shapes = [t for t in nested_values(sharded) if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch]
+    orig = sharded
+    flat, flat_mapping, rename = _replace_state_dict_keys_with_sharded_keys(sharded)
+    pyt = mcore_to_pyt_state_dict(flat, True)
+    dcp.load(pyt, storage_reader=_IndexReader(directory),
+             planner=SafeLoadPlanner(shapes_validation_sharded_tensors=shapes, flatten_state_dict=False),
+             no_dist=True)
+    loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
+    loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename)
+    _restore_dict_types(loaded, orig)
+    merge(common, loaded)
+    return apply_factory_merges(common, factories)

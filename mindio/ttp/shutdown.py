@@ -1,0 +1,161 @@
+"""The end of a process that used mindio.ttp: nothing of ours, or of torch.distributed, still runs when
+the interpreter shuts down.
+
+The crash this prevents (measured, issue 13): after a finished run, a rank died at process exit with
+SIGABRT, "terminate called without an active exception" (tests/recovery/test_hotswitch.py's reference
+run, 1 run in 4 on a loaded 2-core machine). The core showed a gloo worker thread
+(``ProcessGroupGloo::runLoop``) destroying the work of the script's last collective -- a barrier holding
+the ``all_gather_object`` before it -- *after* the main thread had returned from it and entered
+``Py_FinalizeEx``. That destructor frees tensors Python created, so it takes the GIL; in a finalizing
+interpreter ``take_gil`` ends the thread (``pthread_exit``), the forced unwind meets the work's noexcept
+destructor and libstdc++ calls ``std::terminate``. It is torch's race (pytorch/pytorch#190489), present
+without mindio; a loaded machine widens it. The one safe moment to end it is while the interpreter is
+whole: destroying a process group joins its worker threads (``~ProcessGroupGloo``), so every pending
+work destructor has run.
+
+:func:`install` (called when a processor or a controller starts) registers :func:`at_exit` with atexit,
+once. It runs after the atexit handlers registered later (the training script's; the decorator's fast
+exit, which ends the process before) and before the interpreter shuts down:
+
+1. control plane: every running controller and processor link of this process stops, its threads are
+   joined and its sockets closed; then mindio's own zmq context is terminated (never the application's);
+2. torch.distributed: the frameworks drop their references (:func:`on_exit`, e.g. ``FrameworkAdapter.release``),
+   ``destroy_process_group()`` (every group), torch's references released in parallel
+   (``device.release``; each destructor joins its group's threads), awaited within MINDIO_EXIT_TIMEOUT s;
+3. leftovers are reported: gloo worker threads still running belong to groups the training script still
+   references (a global, a model wrapper); the log says how many and what to do.
+
+The same steps suit NCCL and HCCL: ``destroy_process_group`` shuts their communicators down (torch asks
+every application to call it before exit). A process ended by ``os._exit`` (the decorator's fast exit
+after an EXIT, a SIGKILL) never reaches the interpreter shutdown and needs none of this.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+
+from .. import _knobs
+
+__all__ = ["install", "track", "on_exit", "at_exit", "collective_threads"]
+
+_log = logging.getLogger(__name__)
+_installed = False
+_lock = threading.Lock()
+_live: "weakref.WeakSet" = weakref.WeakSet()  # controllers and links started in this process
+_releasers: list = []  # the frameworks' "drop every reference to a process group" (on_exit)
+
+
+def install() -> None:
+    """Register :func:`at_exit` once per process."""
+    global _installed
+    with _lock:
+        if not _installed:
+            _installed = True
+            atexit.register(at_exit)
+
+
+def track(part) -> None:
+    """Remember a started Controller or Link (anything with ``close(timeout) -> bool``); installs."""
+    install()
+    _live.add(part)
+
+
+def on_exit(release) -> None:
+    """Have the exit teardown call ``release()`` before it destroys the process groups: a framework's
+    way to drop the references it holds (megatron's parallel state, model wrappers); installs.
+    ``mindio.adapter.register`` adds ``FrameworkAdapter.release``."""
+    install()
+    with _lock:
+        if release not in _releasers:
+            _releasers.append(release)
+
+
+def collective_threads() -> int:
+    """The number of gloo worker threads (``pt_gloo_runloop``) alive in this process; 0 where /proc has
+    no thread names."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    n = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
+
+
+def _close_control_plane(deadline: float) -> bool:
+    """Stop every tracked controller and link; True when every thread of theirs ended."""
+    ok = True
+    for part in list(_live):
+        ok = part.close(max(0.1, deadline - time.monotonic())) and ok
+    return ok
+
+
+def _release_groups(deadline: float) -> None:
+    from . import device
+
+    groups = device.destroy_all()
+    device.release(groups)  # our references, dropped in parallel: an unreferenced group goes now
+    if not device.wait_released(max(0.1, deadline - time.monotonic())):
+        _log.warning("exit: process groups still being destroyed after MINDIO_EXIT_TIMEOUT=%.0f s (their "
+                     "worker threads wait for a collective with a peer); the interpreter shutdown may abort",
+                     _knobs.get("MINDIO_EXIT_TIMEOUT"))
+        return
+    if collective_threads():  # groups referenced from garbage cycles go with one collection
+        device.collect()
+    left = collective_threads()
+    if left:
+        _log.warning("exit: %d gloo worker thread(s) still run: the training script still references process "
+                     "groups (a global, a model or optimizer wrapper). Drop those references before the "
+                     "process ends (megatron: parallel_state.destroy_model_parallel()), or its interpreter "
+                     "shutdown can abort with SIGABRT (pytorch/pytorch#190489)", left)
+
+
+def _freeze_for_shutdown() -> None:
+    """One collection (garbage cycles are finalized as the interpreter's first shutdown pass would),
+    then freeze what is left: the interpreter's shutdown collections walk none of it again. Python
+    runs no ``__del__`` of objects alive at exit anyway. Measured on a process that imported torch and
+    megatron-core (load 25-30): exit 4.6-7.2 s -> 1.7-2.5 s; with the start-up objects frozen already
+    (device.freeze_startup_objects) the collection walks only the training objects."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def at_exit() -> None:
+    """(atexit) Close the control plane, then release every process group (module docstring)."""
+    timeout = _knobs.get("MINDIO_EXIT_TIMEOUT")
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    try:
+        closed = _close_control_plane(deadline)
+        from . import transport
+
+        if closed:
+            transport.close_context()
+        else:
+            _log.warning("exit: mindio control-plane threads still run after MINDIO_EXIT_TIMEOUT=%.0f s; "
+                         "its zmq context is left open", timeout)
+        import sys
+
+        for release in list(_releasers):
+            try:
+                release()
+            except Exception:
+                _log.exception("exit: %s failed", getattr(release, "__qualname__", release))
+        if "torch.distributed" in sys.modules:
+            _release_groups(deadline)
+        if _knobs.get("MINDIO_GC_FREEZE"):
+            _freeze_for_shutdown()
+    except Exception:  # an exit hook never raises: the process ends anyway, say why it was unclean
+        _log.exception("exit: teardown failed")
+    _log.debug("exit teardown: %.1f ms", (time.monotonic() - t0) * 1000)

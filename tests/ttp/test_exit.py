@@ -1,0 +1,59 @@
+"""The end of a process: mindio's exit teardown (mindio/ttp/shutdown.py) leaves nothing running.
+
+Issue 13: a rank whose training had finished died at exit with SIGABRT ("terminate called without an
+active exception") -- a gloo worker thread finished the last collective's work while the interpreter
+shut down. The probe (_exit_probe.py) ends exactly like that run, without tearing anything down itself;
+what it records just before the interpreter shuts down shows the teardown happened while it was whole.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mindio._ports import free_port
+
+from ._harness import ROOT
+
+PROBE = os.path.join(os.path.dirname(__file__), "_exit_probe.py")
+pytestmark = pytest.mark.slow
+
+
+def _run(tmp_path, mode):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, PROBE, str(r), str(port), str(tmp_path), mode], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{outs[r][-3000:]}"
+    threads = [json.loads((tmp_path / f"threads{r}.json").read_text()) for r in range(2)]
+    return outs, threads
+
+
+@pytest.mark.timeout(150)
+def test_exit_teardown_ends_every_collective_and_control_thread(tmp_path):
+    outs, threads = _run(tmp_path, "drop")
+    for r, t in enumerate(threads):
+        native = [n for n in t["native"] if n.startswith(("pt_gloo", "gloo_", "ZMQbg"))]
+        assert native == [], (r, t, outs[r][-2000:])  # groups destroyed (workers joined), zmq terminated
+        assert [n for n in t["python"] if n.startswith("mindio")] == [], (r, t)  # links, controller joined
+    assert "still run" not in outs[0] + outs[1]
+
+
+@pytest.mark.timeout(150)
+def test_exit_teardown_names_groups_the_script_still_holds(tmp_path):
+    outs, threads = _run(tmp_path, "keep")
+    for r in range(2):
+        assert "2 gloo worker thread(s) still run: the training script still references process groups" \
+            in outs[r], outs[r][-2000:]
+        assert "pt_gloo_runloop" in threads[r]["native"]  # what the message is about

@@ -18,6 +18,7 @@ class WorkerView(Protocol):
     """The node's agent as the launcher's high-availability parts see it (agent.Agent implements it)."""
 
     cfg: object                      # LaunchConfig; a standby's takeover replaces it (node rank)
+    secret: str                      # the job secret (secret.py): the hosted controller signs with it
     taken_over: dict                 # node given to a standby -> that node's last beat before (ha.py)
     lost_now: list                   # nodes lost in this round, not taken over (node 0)
     late_ranks: set                  # ranks that failed after their training finished (ha.py)

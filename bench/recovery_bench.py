@@ -92,7 +92,7 @@ def implemented() -> tuple:
     """The bench rows that can run: baseline, plus the strategies the controller carries out.
 
     ``mindio.ttp.controller.IMPLEMENTED_STRATEGIES`` when the module exports one; else what
-    ``Controller.implemented_strategies()`` finds (a ``_run_<strategy>`` method per strategy); else
+    ``Controller.implemented_strategies()`` finds (its ``STRATEGIES`` table); else
     dump, plus retry once its flow (mindio.ttp.retry) exists. A new strategy shows up here as soon as
     the controller can run it; give it a ``scenario()`` branch to measure it."""
     import importlib.util

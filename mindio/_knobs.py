@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .vocab import HA_STRATEGIES
 
 
 def _bool(text: str) -> bool:
@@ -63,7 +64,7 @@ def _upper(text: str) -> str:
 
 
 def _ha_list(text: str) -> tuple:
-    allowed = {"dump", "retry", "recover", "recover-in-place", "elastic-training", "exit"}
+    allowed = set(HA_STRATEGIES)
     items = tuple(s.strip() for s in text.split(",") if s.strip())
     bad = [s for s in items if s not in allowed]
     if bad:

@@ -207,3 +207,8 @@ class Operations:
     def op_shutdown(self, req, state):
         self._close_listener()      # before replying: no client may connect to a daemon that is leaving
         return {"ok": True}
+
+    # the daemon's requests: {"op" of a request: its handler(self, req, state)} -- an explicit table
+    OPS = {"hello": op_hello, "alloc": op_alloc, "abort": op_abort, "commit": op_commit, "delete": op_delete,
+           "lookup": op_lookup, "release": op_release, "wait": op_wait, "flush": op_flush, "lost": op_lost,
+           "stat": op_stat, "ping": op_ping, "shutdown": op_shutdown}

@@ -97,6 +97,10 @@ class Daemon(Operations):
         os.chmod(self.sock_path, 0o600)
         self.server.listen(64)
         self.last_active = time.monotonic()      # idle time counts from here, not from a slow start-up
+        # ... and not before the launcher heard "ok" (main: up()); under load the main thread can stall
+        # longer than a short idle timeout between here and that write, and an idle exit then looked like
+        # a death during start-up to the client (tests/acp/test_api.py::test_daemon_exits_when_idle, load 16)
+        self.announced = threading.Event()
         for target in (self._accept_loop, self._prefault, self._monitor):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         self.persist.start(self.cfg.persist_threads())
@@ -186,10 +190,10 @@ class Daemon(Operations):
         if req.get("release"):              # lease releases ride along with any request
             self.op_release({"leases": req["release"]}, state)
         op = req.get("op")
-        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        handler = self.OPS.get(op) if isinstance(op, str) else None
         if handler is None:
             return {"ok": False, "error": f"unknown op {op!r}"}
-        return handler(req, state)
+        return handler(self, req, state)
 
     def _close_listener(self) -> None:
         with self.lock:
@@ -208,8 +212,16 @@ class Daemon(Operations):
         """Something in memory is still on its way to storage (failed entries are not: they wait)."""
         return any(e.state in LIVE and not self.persist.gave_up(e) for e in self.entries.values())
 
+    def up(self) -> None:
+        """(main) The start-up was reported: from now on an idle daemon may exit."""
+        with self.lock:
+            self.last_active = time.monotonic()
+        self.announced.set()
+
     def _monitor(self) -> None:
         while not self.stopping.wait(0.5):
+            if not self.announced.is_set():
+                continue
             with self.lock:         # decided with the connection count it reads: no client slips in
                 idle = self.conns == 0 and not self.busy() and time.monotonic() - self.last_active > self.idle_exit
                 self.leaving = self.leaving or idle
@@ -299,6 +311,7 @@ def main(argv=None) -> int:
         os.close(ready_w)
     if not started:
         return 0
+    daemon.up()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=daemon.shutdown).start())
     signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=daemon.shutdown).start())
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # an oversize write must fail with EFBIG, not kill us

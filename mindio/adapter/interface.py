@@ -35,27 +35,28 @@ import abc
 import logging
 from typing import Any, Dict, List, Sequence
 
+from ..vocab import RepairType
+
 __all__ = ["FrameworkAdapter", "register", "repair_pairs", "RepairRole"]
 
 _log = logging.getLogger(__name__)
 
 
 class RepairRole:
-    """``repair_info["repair_type"]`` values, by name (the ttp enum's names)."""
+    """``repair_info["repair_type"]`` values, by name (the names of :class:`mindio.vocab.RepairType`)."""
 
-    SEND = "RT_SEND"
-    UCE_HIGHLEVEL = "RT_UCE_HIGHLEVEL"
-    UCE_LOWLEVEL = "RT_UCE_LOWLEVEL"
-    RECV_REPAIR = "RT_RECV_REPAIR"
-    ROLLBACK = "RT_ROLLBACK"
-    LOAD_CKPT = "RT_LOAD_CKPT"
-    LOAD_REBUILD = "RT_LOAD_REBUILD"
+    SEND = RepairType.RT_SEND.name
+    UCE_HIGHLEVEL = RepairType.RT_UCE_HIGHLEVEL.name
+    UCE_LOWLEVEL = RepairType.RT_UCE_LOWLEVEL.name
+    RECV_REPAIR = RepairType.RT_RECV_REPAIR.name
+    ROLLBACK = RepairType.RT_ROLLBACK.name
+    LOAD_CKPT = RepairType.RT_LOAD_CKPT.name
+    LOAD_REBUILD = RepairType.RT_LOAD_REBUILD.name
     RECEIVERS = (UCE_HIGHLEVEL, UCE_LOWLEVEL, RECV_REPAIR)
     LOADERS = (LOAD_CKPT, LOAD_REBUILD)
 
 
-_TYPE_BY_VALUE = ("RT_SEND", "RT_UCE_HIGHLEVEL", "RT_UCE_LOWLEVEL", "RT_RECV_REPAIR",
-                  "RT_ROLLBACK", "RT_LOAD_CKPT", "RT_LOAD_REBUILD")  # mindio.ttp RepairType values
+_TYPE_BY_VALUE = tuple(t.name for t in sorted(RepairType))  # by the reference enum's values
 
 
 def _type_name(repair_type: Any) -> str:

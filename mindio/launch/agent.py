@@ -92,15 +92,42 @@ class Agent:
         self._replacements: set = set()  # worker processes started as replacements (reboot)
         self.switch_backups: dict = {}  # rank -> (gen, Popen) of a hot-switch backup not released yet (switch.py)
         self.takeover_kind = "recover"  # how a standby took its node: "recover" or "elastic" (elastic.py)
-        self._removed = frozenset()  # ranks the controller removed by a downgrade (ha.tick, elastic.py)
+        self.removed = frozenset()  # ranks the controller removed by a downgrade (ha.RoundWatch.tick, elastic.py)
+        self.removed_published: tuple = ()  # the removed ranks node 0 published (elastic.py)
         # other nodes' beats, judged by our own (stall-free) observation; our beats from a thread (liveness.py)
         self._watch = liveness.BeatWatch(cfg.node_lost_after, cfg.node_lost_after / 3 + cfg.monitor_interval)
         self._beater: liveness.Beater | None = None
         self._logs: WorkerLogs | None = None
         self._failures: list = []  # this node's failures in the current round (failures.Failure)
         self._signal: int | None = None  # the signal that stopped the agent
-        self._hosted_code: int | None = None  # the exit code the hosted controller ended the job with (ha.py)
+        self.hosted_code: int | None = None  # the exit code the hosted controller ended the job with (ha.py)
+        self._ha: ha.RoundWatch | None = None  # this round's high-availability bookkeeping (ha.py)
         self.late_ranks: set = set()  # ranks that failed after their training finished (ha.py)
+
+    # --- the WorkerView (view.py): what ha.py, switch.py and elastic.py use of this agent ---------
+    store = property(lambda self: self._store)
+    lock = property(lambda self: self._lock)
+    workers = property(lambda self: self._workers)
+    replacements = property(lambda self: self._replacements)
+    hosted = property(lambda self: self._hosted)
+    current_round = property(lambda self: self._round)
+    stopping = property(lambda self: self._stopping)
+    clock = property(lambda self: self._watch.clock)
+
+    def lost_nodes(self) -> list[int]:
+        return self._lost_nodes()
+
+    def beat(self) -> None:
+        self._beat()
+
+    def request_refill(self) -> None:
+        self._refill = True
+
+    def refill_spares(self) -> None:
+        if self._refill:
+            self._refill = False
+            with self._lock:
+                self._spares.fill()
 
     # --- stores -------------------------------------------------------------------------------
     def _connect(self):
@@ -332,10 +359,8 @@ class Agent:
         """Watch the round until it succeeds (returns None) or fails (returns the reason)."""
         failed_key, done_key = f"round/{rnd}/failed", f"round/{rnd}/done"
         reported_done = False
-        self._reported, self._dead_since, self._declared_lost = set(), None, set()
         self._failures, self.late_ranks = [], set()
-        # a standby that took a node in this round must not replay orders its predecessor carried out
-        self._replace_seen = self._store.add(f"round/{rnd}/replace/{self.cfg.node_rank}", 0)
+        self._ha = ha.RoundWatch(self, rnd) if self.cfg.high_availability else None
         while not self._stopping:
             self._beat()
             if self._store.check([failed_key]):
@@ -358,7 +383,7 @@ class Agent:
             # a removed rank's worker (exited, or an elastic standby still waiting) does not hold up its node;
             # one an upgrade took back in while running does again; nor does a rank that failed after its
             # training finished (ha.py: the job then ends non-zero once the others are done)
-            finished = all(c == 0 or r in self._removed or r in self.late_ranks for r, c in codes.items())
+            finished = all(c == 0 or r in self.removed or r in self.late_ranks for r, c in codes.items())
             if finished != reported_done:
                 self._store.add(done_key, 1 if finished else -1)
                 reported_done = finished
@@ -422,7 +447,7 @@ class Agent:
             time.sleep(min(0.05, self.cfg.monitor_interval))
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
-        return ha.tick(self, rnd, bad)
+        return self._ha.tick(bad)
 
     def _vacant(self, rnd: int) -> int:
         return elastic.vacant_nodes(self, rnd) if self.cfg.high_availability and elastic.enabled(self.cfg) else 0
@@ -527,7 +552,7 @@ class Agent:
         """Say how round ``rnd`` ended (failures.outcome); the agent's exit code when the job ends, None
         when every worker restarts (``--max-restarts``)."""
         text, code = failures.outcome(self.round_failures(rnd), reason, rnd, self.cfg.max_restarts,
-                                      stopping=self._stopping, dumped=self._hosted_code == failures.EXIT_CODE_DUMPED,
+                                      stopping=self._stopping, dumped=self.hosted_code == failures.EXIT_CODE_DUMPED,
                                       node=self.cfg.node_rank)
         print(text, file=sys.stderr)
         return code

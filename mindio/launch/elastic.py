@@ -28,28 +28,29 @@ import json
 import logging
 
 from .. import _logging
+from ..vocab import EXIT_CODE_REMOVED, Strategy
+from .view import WorkerView
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KIND", "enabled", "removed_ranks", "is_removed_exit", "offer_vacant", "vacant_nodes", "start_standbys"]
 
 KIND = "elastic"
-EXIT_CODE_REMOVED = 77  # mindio.ttp.elastic.EXIT_CODE_REMOVED (not imported: the agent stays light)
 
 
 def enabled(cfg) -> bool:
     """The job may downgrade (``elastic-training`` among the launcher's strategies)."""
-    return "elastic-training" in cfg.high_availability
+    return Strategy.ELASTIC_TRAINING in cfg.high_availability
 
 
-def removed_ranks(agent, rnd: int) -> frozenset:
+def removed_ranks(agent: WorkerView, rnd: int) -> frozenset:
     """(agent main loop) The ranks the controller's downgrades removed, as node 0 published them."""
-    if agent._hosted is not None:
-        return frozenset(agent._hosted.ctl.removed)
+    if agent.hosted is not None:
+        return frozenset(agent.hosted.ctl.removed)
     key = f"round/{rnd}/removed"
-    if not agent._store.check([key]):
+    if not agent.store.check([key]):
         return frozenset()
-    return frozenset(json.loads(agent._store.get(key)))
+    return frozenset(json.loads(agent.store.get(key)))
 
 
 def is_removed_exit(rank: int, code, removed) -> bool:
@@ -57,14 +58,14 @@ def is_removed_exit(rank: int, code, removed) -> bool:
     return rank in removed or code == EXIT_CODE_REMOVED
 
 
-def offer_vacant(agent, rnd: int) -> None:
+def offer_vacant(agent: WorkerView, rnd: int) -> None:
     """(node 0's main loop, every tick) Publish the removed ranks; offer every lost node whose ranks
     were all removed to a standby agent (the takeover key of recover, kind "elastic")."""
-    hosted, store, n = agent._hosted, agent._store, agent.cfg.nproc_per_node
+    hosted, store, n = agent.hosted, agent.store, agent.cfg.nproc_per_node
     removed = tuple(sorted(hosted.ctl.removed))
-    if removed != getattr(agent, "_removed_published", ()):
+    if removed != agent.removed_published:
         store.set(f"round/{rnd}/removed", json.dumps(list(removed)))
-        agent._removed_published = removed
+        agent.removed_published = removed
     if not removed:
         return
     for node in sorted(hosted.lost):
@@ -81,9 +82,9 @@ def offer_vacant(agent, rnd: int) -> None:
         _logging.event("node_offered", node=node, ranks=ranks, round=rnd)
 
 
-def vacant_nodes(agent, rnd: int) -> int:
+def vacant_nodes(agent: WorkerView, rnd: int) -> int:
     """(any agent, when its own workers are done) Offered nodes no standby claimed: they count as done."""
-    store, count = agent._store, 0
+    store, count = agent.store, 0
     for node in range(agent.cfg.nnodes):
         key = f"round/{rnd}/takeover/{node}"
         if not store.check([key]) or store.check([f"claim/{rnd}/{node}"]):
@@ -93,17 +94,17 @@ def vacant_nodes(agent, rnd: int) -> int:
     return count
 
 
-def start_standbys(agent) -> None:
+def start_standbys(agent: WorkerView) -> None:
     """(a standby agent that claimed a vacant node) Start the node's ranks as elastic standbys, warm:
     the job's worker environment plus ``MINDIO_STANDBY=1``; they register with the controller and wait
     for the upgrade (the training script must support it: examples/megatron/pretrain_gpt.py does)."""
     cfg = agent.cfg
     ranks = []
-    with agent._lock:
+    with agent.lock:
         for local in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + local
-            agent._workers[rank] = agent.spawn(local, {"MINDIO_STANDBY": "1"}, replacement=True)
+            agent.workers[rank] = agent.spawn(local, {"MINDIO_STANDBY": "1"}, replacement=True)
             ranks.append(rank)
     log.warning("node %d: ranks %s started as elastic standbys", cfg.node_rank, ranks)
     _logging.event("standbys_started", node=cfg.node_rank, ranks=ranks)
-    agent._refill = True
+    agent.request_refill()

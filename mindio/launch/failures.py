@@ -22,9 +22,10 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 
+from ..vocab import EXIT_CODE_DUMPED
+
 __all__ = ["Failure", "describe", "first", "read", "record", "summary", "outcome", "trim"]
 
-EXIT_CODE_DUMPED = 75  # mindio.ttp._enums.EXIT_CODE_DUMPED (not imported: the agent stays light)
 
 _MAX_FILE = 1 << 20  # an error file larger than this is read only in part
 _MAX_TRACE_LINES = 40  # lines of a root cause's traceback other nodes print
@@ -56,9 +57,8 @@ def launcher_frames() -> tuple:
     """The file names of the frames that run a script under mindio-run (the bootstrap, runpy)."""
     import runpy
 
-    from . import _bootstrap
-
-    files = (os.path.abspath(_bootstrap.__file__), runpy.__file__)
+    # the bootstrap's path, not the module (it imports this one: no circle)
+    files = (os.path.abspath(os.path.join(os.path.dirname(__file__), "_bootstrap.py")), runpy.__file__)
     return tuple(os.path.realpath(p) for p in files) + files + ("<frozen runpy>",)
 
 

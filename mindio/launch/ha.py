@@ -48,12 +48,14 @@ import time
 
 from .. import _logging
 from .._secret import secret_key
+from ..vocab import EXIT_CODE_SWITCHED
 from . import elastic, liveness, switch
 from .failures import describe
+from .view import WorkerView
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HostedController", "ttp_env", "tick", "wait_for_takeover"]
+__all__ = ["HostedController", "RoundWatch", "ttp_env", "wait_for_takeover"]
 
 
 # a processor's enable flag -> the strategies this launcher carries out for it (HostedController.adopt)
@@ -73,7 +75,7 @@ def ttp_env(info: dict) -> dict:
 class HostedController:
     """Node 0's controller for one round, plus the replacer it calls (recover.py's protocol)."""
 
-    def __init__(self, agent, rnd: int):
+    def __init__(self, agent: WorkerView, rnd: int):
         from ..ttp.controller import Controller
 
         cfg = agent.cfg
@@ -91,7 +93,7 @@ class HostedController:
         port = self.ctl.port
         self.ctl.attach_replacer(self, timeout=cfg.recover_timeout)
         self.info = {"addr": cfg.master_addr, "port": port}
-        agent._store.set(f"round/{rnd}/ttp", json.dumps(self.info))
+        agent.store.set(f"round/{rnd}/ttp", json.dumps(self.info))
         self._deaths_seen = 0
         self.lost: set[int] = set()  # nodes whose agent is known gone (until a standby takes them)
         self._probing: dict[int, tuple] = {}  # node -> (its beat when a rank of it died, since)
@@ -197,7 +199,7 @@ class HostedController:
 
     def poll_deaths(self) -> str | None:
         """Deaths other nodes' agents reported; returns why the round fails, if one of them fails it."""
-        store = self.agent._store
+        store = self.agent.store
         n = store.add(f"round/{self.rnd}/deaths", 0)
         while self._deaths_seen < n:
             self._deaths_seen += 1
@@ -227,7 +229,7 @@ class HostedController:
             log.error("rank %d %s after its training finished (it had left the controller): nothing to "
                       "recover; the job ends, failed, once the other ranks are done", rank, reason)
             _logging.event("late_exit", dead_rank=rank, reason=reason)
-            self.agent._store.set(f"round/{self.rnd}/late/{rank}", reason)
+            self.agent.store.set(f"round/{self.rnd}/late/{rank}", reason)
             return None
         if not known:
             return f"{where} before it registered with the controller (which cannot recover a rank it never knew)"
@@ -238,8 +240,8 @@ class HostedController:
         """(agent main loop) When a rank of another node died, check that node's agent: if its beat
         does not change within 10 monitor intervals (>= 1 s), the node is lost -- sooner than the 3 s
         node-loss timeout. Returns the nodes found lost now (their ranks are declared dead)."""
-        cfg, store, ctl = self.agent.cfg, self.agent._store, self.ctl
-        clock = self.agent._watch.clock  # the main loop's time, less its own stalls (liveness.py)
+        cfg, store, ctl = self.agent.cfg, self.agent.store, self.ctl
+        clock = self.agent.clock  # the main loop's time, less its own stalls (liveness.py)
         with ctl._lock:
             all_dead = {r.rank for r in ctl.ranks.values() if not r.alive}
         self._probed &= all_dead  # a replaced rank that dies again is probed again
@@ -272,115 +274,125 @@ class HostedController:
         threading.Thread(target=self.ctl.destroy, name="mindio-ctl-destroy").start()
 
 
-def tick(agent, rnd: int, bad: dict) -> str | None:
-    """High availability: report deaths to the controller, carry out its replacement orders,
-    declare lost nodes (node 0); return why the round failed, or None while it goes on."""
-    from ..ttp.hotswitch import EXIT_CODE_SWITCHED
+class RoundWatch:
+    """One round of high availability on one node's agent (agent.py calls :meth:`tick` every monitor
+    interval): what it reported, since when a death waits for the controller, what it declared lost,
+    which replacement orders it carried out."""
 
-    cfg, store = agent.cfg, agent._store
-    on = elastic.enabled(cfg)
-    removed = agent._removed = elastic.removed_ranks(agent, rnd) if on else frozenset()
-    bad = {r: c for r, c in bad.items()  # switched out: its backup comes; removed by a downgrade: no death
-           if c != EXIT_CODE_SWITCHED and not (on and elastic.is_removed_exit(r, c, removed))}
-    with agent._lock:
-        procs = {r: agent._workers[r] for r in bad}
-    new = {r: c for r, c in bad.items() if procs[r] not in agent._reported}
-    failed = None
-    for rank, code in new.items():
-        agent._reported.add(procs[rank])
-        agent._dead_since = agent._dead_since or time.monotonic()
-        why = ("replacement " if procs[rank] in agent._replacements else "") + f"exited with {describe(code)}"
-        log.error("rank %d %s; telling the controller", rank, why)
-        _logging.event("worker_exited", round=rnd, dead_rank=rank, code=code)
-        if agent._hosted is not None:
-            failed = failed or agent._hosted.report_death(rank, why)
-        else:
-            i = store.add(f"round/{rnd}/deaths", 1)
-            store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
-    if new:  # after the reports (they are on the recovery's critical path): their error files, for the summary
-        agent.record_failures(rnd, new)
-    if failed:
-        return failed
-    agent.late_ranks |= {r for r in bad if r not in agent.late_ranks and store.check([f"round/{rnd}/late/{r}"])}
-    switch.poll(agent, rnd)  # a hot-switch backup that exited before it was released
-    if agent._refill:
-        agent._refill = False
-        with agent._lock:
-            agent._spares.fill()
-    if agent._hosted is not None:
-        agent._hosted.adopt()
-        failed = agent._hosted.poll_deaths()
+    def __init__(self, agent: WorkerView, rnd: int):
+        self.agent, self.rnd = agent, rnd
+        self.reported: set = set()  # worker processes whose exit was reported
+        self.dead_since: float | None = None  # a death waits for the controller's decision since then
+        self.declared_lost: set = set()  # nodes declared lost to the controller
+        # a standby that took a node in this round must not replay orders its predecessor carried out
+        self.replace_seen = agent.store.add(f"round/{rnd}/replace/{agent.cfg.node_rank}", 0)
+
+    def tick(self, bad: dict) -> str | None:
+        """High availability: report deaths to the controller, carry out its replacement orders,
+        declare lost nodes (node 0); return why the round failed, or None while it goes on."""
+        agent, rnd = self.agent, self.rnd
+        cfg, store = agent.cfg, agent.store
+        on = elastic.enabled(cfg)
+        removed = agent.removed = elastic.removed_ranks(agent, rnd) if on else frozenset()
+        bad = {r: c for r, c in bad.items()  # switched out: its backup comes; removed by a downgrade: no death
+               if c != EXIT_CODE_SWITCHED and not (on and elastic.is_removed_exit(r, c, removed))}
+        with agent.lock:
+            procs = {r: agent.workers[r] for r in bad}
+        new = {r: c for r, c in bad.items() if procs[r] not in self.reported}
+        failed = None
+        for rank, code in new.items():
+            self.reported.add(procs[rank])
+            self.dead_since = self.dead_since or time.monotonic()
+            why = ("replacement " if procs[rank] in agent.replacements else "") + f"exited with {describe(code)}"
+            log.error("rank %d %s; telling the controller", rank, why)
+            _logging.event("worker_exited", round=rnd, dead_rank=rank, code=code)
+            if agent.hosted is not None:
+                failed = failed or agent.hosted.report_death(rank, why)
+            else:
+                i = store.add(f"round/{rnd}/deaths", 1)
+                store.set(f"round/{rnd}/death/{i}", f"{rank} {why}")
+        if new:  # after the reports (they are on the recovery's critical path): their error files, for the summary
+            agent.record_failures(rnd, new)
         if failed:
             return failed
-        if agent._hosted.ended is not None:
-            agent._hosted_code = agent._hosted.ended
-            return f"the controller ended the job (exit code {agent._hosted.ended})"
-        raw_lost = agent._lost_nodes()
-        for node, stale in list(agent.taken_over.items()):
-            if store.get(f"agent/{node}/beat") != stale:
-                del agent.taken_over[node]  # the standby beats as that node now
-        agent._hosted.probe_nodes()  # a rank of another node died: is its agent gone too? (~1 s)
-        agent._hosted.lost.update(n for n in raw_lost if n not in agent.taken_over)
-        if on:
-            elastic.offer_vacant(agent, rnd)  # a lost node whose ranks were all removed: to a standby agent
-        agent.lost_now = sorted(n for n in agent._hosted.lost if n not in agent.taken_over)
-        for node in set(agent.lost_now) - agent._declared_lost:
-            ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
-            # workers die with their agent (PR_SET_PDEATHSIG): a rank that still beats to the controller
-            # has a stalled agent, not a dead one; its own heartbeats decide (a stall is not a death)
-            ctl = agent._hosted.ctl
-            beating = set(ctl.heard(ranks, 2 * ctl.interval))
-            dead = [r for r in ranks if r not in beating]
-            log.error("node %d lost (its agent stopped beating): its ranks %s are dead%s", node, dead,
-                      f"; ranks {sorted(beating)} still beat to the controller: left to their heartbeats"
-                      if beating else "")
-            ctl.declare_dead(dead, "node lost", node=node)
-            agent._dead_since = agent._dead_since or time.monotonic()
-        agent._declared_lost = set(agent.lost_now)
-    else:
-        key = f"round/{rnd}/replace/{cfg.node_rank}"
-        n = store.add(key, 0)
-        while agent._replace_seen < n and store.check([f"{key}/{agent._replace_seen + 1}"]):
-            agent._replace_seen += 1
-            order = json.loads(store.get(f"{key}/{agent._replace_seen}"))
-            if order.get("backup"):  # hot switch: start backups now, they join later (switch.py)
-                switch.start_local(agent, order["ranks"], order["gen"])
-                continue
-            agent.replace_local(order["ranks"], order["gen"], reboot_type=order.get("type", "arf"))
-            if order.get("type") == "hot switch":
-                switch.release(store, rnd, order["ranks"], order["gen"])
-            agent._dead_since = None
-        if 0 in agent._lost_nodes():
-            return "node 0 (the controller's node) lost"
-    with agent._lock:
-        all_live = all(p.poll() is None or p.poll() == 0 or r in removed or r in agent.late_ranks
-                       for r, p in agent._workers.items())
-    if all_live:
-        agent._dead_since = None
-    elif agent._dead_since and time.monotonic() - agent._dead_since > cfg.decision_timeout:
-        return (f"waited {cfg.decision_timeout:g} s for the controller (node 0's agent) to decide on a worker "
-                f"death (replace the rank, or end the job) and it did not; MINDIO_DECISION_TIMEOUT sets the bound")
-    return None
+        agent.late_ranks |= {r for r in bad if r not in agent.late_ranks and store.check([f"round/{rnd}/late/{r}"])}
+        switch.poll(agent, rnd)  # a hot-switch backup that exited before it was released
+        agent.refill_spares()
+        hosted = agent.hosted
+        if hosted is not None:
+            hosted.adopt()
+            failed = hosted.poll_deaths()
+            if failed:
+                return failed
+            if hosted.ended is not None:
+                agent.hosted_code = hosted.ended
+                return f"the controller ended the job (exit code {hosted.ended})"
+            raw_lost = agent.lost_nodes()
+            for node, stale in list(agent.taken_over.items()):
+                if store.get(f"agent/{node}/beat") != stale:
+                    del agent.taken_over[node]  # the standby beats as that node now
+            hosted.probe_nodes()  # a rank of another node died: is its agent gone too? (~1 s)
+            hosted.lost.update(n for n in raw_lost if n not in agent.taken_over)
+            if on:
+                elastic.offer_vacant(agent, rnd)  # a lost node whose ranks were all removed: to a standby agent
+            agent.lost_now = sorted(n for n in hosted.lost if n not in agent.taken_over)
+            for node in set(agent.lost_now) - self.declared_lost:
+                ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
+                # workers die with their agent (PR_SET_PDEATHSIG): a rank that still beats to the controller
+                # has a stalled agent, not a dead one; its own heartbeats decide (a stall is not a death)
+                ctl = hosted.ctl
+                beating = set(ctl.heard(ranks, 2 * ctl.interval))
+                dead = [r for r in ranks if r not in beating]
+                log.error("node %d lost (its agent stopped beating): its ranks %s are dead%s", node, dead,
+                          f"; ranks {sorted(beating)} still beat to the controller: left to their heartbeats"
+                          if beating else "")
+                ctl.declare_dead(dead, "node lost", node=node)
+                self.dead_since = self.dead_since or time.monotonic()
+            self.declared_lost = set(agent.lost_now)
+        else:
+            key = f"round/{rnd}/replace/{cfg.node_rank}"
+            n = store.add(key, 0)
+            while self.replace_seen < n and store.check([f"{key}/{self.replace_seen + 1}"]):
+                self.replace_seen += 1
+                order = json.loads(store.get(f"{key}/{self.replace_seen}"))
+                if order.get("backup"):  # hot switch: start backups now, they join later (switch.py)
+                    switch.start_local(agent, order["ranks"], order["gen"])
+                    continue
+                agent.replace_local(order["ranks"], order["gen"], reboot_type=order.get("type", "arf"))
+                if order.get("type") == "hot switch":
+                    switch.release(store, rnd, order["ranks"], order["gen"])
+                self.dead_since = None
+            if 0 in agent.lost_nodes():
+                return "node 0 (the controller's node) lost"
+        with agent.lock:
+            all_live = all(p.poll() is None or p.poll() == 0 or r in removed or r in agent.late_ranks
+                           for r, p in agent.workers.items())
+        if all_live:
+            self.dead_since = None
+        elif self.dead_since and time.monotonic() - self.dead_since > cfg.decision_timeout:
+            return (f"waited {cfg.decision_timeout:g} s for the controller (node 0's agent) to decide on a worker "
+                    f"death (replace the rank, or end the job) and it did not; MINDIO_DECISION_TIMEOUT sets the bound")
+        return None
 
 
-def wait_for_takeover(agent, me: str):
+def wait_for_takeover(agent: WorkerView, me: str):
     """High availability: wait until the controller gives a lost node to a standby (ha.py), claim
     it; return (round, generation) -- the ranks start as replacements in the running round."""
-    while not agent._stopping:
+    while not agent.stopping:
         try:
-            rnd = int(agent._store.get("job/round")) if agent._store.check(["job/round"]) else 0
+            rnd = int(agent.store.get("job/round")) if agent.store.check(["job/round"]) else 0
             for node in range(agent.cfg.nnodes):
                 key = f"round/{rnd}/takeover/{node}"
-                if not agent._store.check([key]):
+                if not agent.store.check([key]):
                     continue
-                if agent._store.compare_set(f"claim/{rnd}/{node}", "", me).decode() != me:
+                if agent.store.compare_set(f"claim/{rnd}/{node}", "", me).decode() != me:
                     continue
-                order = json.loads(agent._store.get(key))
+                order = json.loads(agent.store.get(key))
                 gen, agent.takeover_kind = order["gen"], order.get("kind", "recover")  # elastic.py: "elastic"
-                agent._store.add("standby/claimed", 1)
+                agent.store.add("standby/claimed", 1)
                 agent.cfg = dataclasses.replace(agent.cfg, node_rank=node, standby=False)
                 _logging.set_context(node=node, rank="agent")
-                agent._beat()
+                agent.beat()
                 print(f"mindio-run: standby takes over node {node} in round {rnd} (generation {gen}, "
                       f"{agent.takeover_kind})", file=sys.stderr)
                 _logging.event("standby_takeover", node=node, round=rnd, gen=gen, how=agent.takeover_kind)

@@ -16,7 +16,7 @@ backups first, while training goes on; keys in node 0's agent store, under
 
 A backup is started by the agent that owns its rank (a warm spare, as a replacement, with
 ``MINDIO_SWITCH_BACKUP`` naming the key prefix); other nodes get the order through
-``round/<n>/replace/<node>`` with ``"backup": true`` (ha.tick).
+``round/<n>/replace/<node>`` with ``"backup": true`` (ha.RoundWatch.tick).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import subprocess
 import time
 
 from .. import _logging
+from .view import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +36,22 @@ def prefix(rnd: int, gen: int) -> str:
     return f"round/{rnd}/switch/{gen}"
 
 
-def start_local(agent, ranks, gen: int) -> None:
+def start_local(agent: WorkerView, ranks, gen: int) -> None:
     """(any thread) Start a backup for each of ``ranks`` (this node's) in a warm spare."""
     cfg, t0 = agent.cfg, time.monotonic()
-    with agent._lock:
+    with agent.lock:
         for rank in ranks:
             old = agent.switch_backups.pop(rank, None)
             if old is not None and old[1].poll() is None:
                 old[1].kill()  # a backup of an earlier, unfinished switch of this rank
             extra = {"MINDIO_REBOOT_GEN": gen, "MINDIO_REBOOT_TYPE": "hot switch",
-                     "MINDIO_SWITCH_BACKUP": prefix(agent._round, gen)}
+                     "MINDIO_SWITCH_BACKUP": prefix(agent.current_round, gen)}
             agent.switch_backups[rank] = (gen, agent.spawn(rank - cfg.node_rank * cfg.nproc_per_node, extra))
     log.warning("hot switch: backups for ranks %s started (generation %d) in %.3f s", list(ranks), gen,
                 time.monotonic() - t0)
     _logging.event("switch_backups_started", ranks=list(ranks), gen=gen, node=cfg.node_rank,
                    pids=[agent.switch_backups[r][1].pid for r in ranks])
-    agent._refill = True
+    agent.request_refill()
 
 
 def status(store, rnd: int, ranks, gen: int) -> tuple[dict, dict]:
@@ -71,7 +72,7 @@ def dismiss(store, rnd: int, ranks, gen: int) -> None:
     _logging.event("switch_backups_dismissed", ranks=list(ranks), gen=gen)
 
 
-def take(agent, rank: int, gen: int) -> subprocess.Popen | None:
+def take(agent: WorkerView, rank: int, gen: int) -> subprocess.Popen | None:
     """(agent.replace_local, under its lock, after the rank's old process exited) The backup of ``rank``
     for ``gen``, which becomes the rank's worker (:func:`release` lets it join); None when there is none
     (a spare is started instead, as for recover-in-place)."""
@@ -94,28 +95,28 @@ def release(store, rnd: int, ranks, gen: int) -> None:
         store.set(f"{prefix(rnd, gen)}/order/{r}", "join")
 
 
-def poll(agent, rnd: int) -> None:
+def poll(agent: WorkerView, rnd: int) -> None:
     """(agent main loop) A backup that exited before it was released: tell the controller."""
     backups = agent.switch_backups
     if not backups:
         return
-    with agent._lock:
+    with agent.lock:
         gone = {r: (g, p) for r, (g, p) in backups.items() if p.poll() is not None}
         for r in gone:
             backups.pop(r)
     for r, (g, p) in gone.items():
         key = f"{prefix(rnd, g)}/order/{r}"
-        if agent._store.check([key]) and agent._store.get(key) == b"leave":
+        if agent.store.check([key]) and agent.store.get(key) == b"leave":
             continue  # dismissed: it left as told
         log.error("hot switch: the backup of rank %d (pid %d) exited with %s before the switch", r, p.pid,
                   p.returncode)
-        agent._store.set(f"{prefix(rnd, g)}/dead/{r}", f"backup pid {p.pid} exited with {p.returncode}")
+        agent.store.set(f"{prefix(rnd, g)}/dead/{r}", f"backup pid {p.pid} exited with {p.returncode}")
         _logging.event("switch_backup_exited", switched_rank=r, backup_pid=p.pid, code=p.returncode)
 
 
-def stop(agent) -> None:
+def stop(agent: WorkerView) -> None:
     """(end of a round) Backups not released are not needed any more."""
-    with agent._lock:
+    with agent.lock:
         procs = [p for _g, p in agent.switch_backups.values()]
         agent.switch_backups.clear()
     for p in procs:

@@ -24,6 +24,7 @@ from typing import Callable
 
 from .. import _knobs, _logging
 from ..errors import ConfigError
+from ..vocab import MINDX_STRATEGIES, REPLACING
 from . import transport
 from ._enums import ReportState
 from ._runtime import state as _rt
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-_STRATEGIES = ("retry", "downgrade", "upgrade", "recover", "dump", "continue", "migration", "exit")
+_STRATEGIES = MINDX_STRATEGIES
 _MINDX_ACTIONS = ("report_fault_ranks", "report_stop_complete", "report_strategies", "report_result")
 
 
@@ -68,7 +69,7 @@ def _ctl() -> Controller:
 
 
 # ----------------------------------------------------------------------------- launcher
-_REPLACING = {"recover", "recover-in-place"}
+_REPLACING = set(REPLACING)
 
 
 def _hosted_elsewhere() -> bool:

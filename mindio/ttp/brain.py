@@ -34,6 +34,7 @@ from typing import Iterable, Mapping
 
 from .. import _knobs
 from ..errors import ConfigError
+from ..vocab import HA_STRATEGIES
 from ._enums import ReportState, ResultCode
 
 __all__ = ["STRATEGIES", "FAULT_KEYS", "DEFAULT_TABLE_PATH", "Level", "Rule", "FaultTable", "RankFault",
@@ -41,7 +42,7 @@ __all__ = ["STRATEGIES", "FAULT_KEYS", "DEFAULT_TABLE_PATH", "Level", "Rule", "F
 
 _log = logging.getLogger(__name__)
 DEFAULT_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_table.json")
-STRATEGIES = ("retry", "recover-in-place", "recover", "elastic-training", "dump", "exit")  # fallback order
+STRATEGIES = HA_STRATEGIES  # fallback order
 _POLICY_NAME = {"elastic-training": "downgrade"}       # policy.feasible_strategies says "downgrade"
 _NOT_FAULTS = {"RS_NORMAL", "RS_INIT_FINISH", "RS_PREREPAIR_FINISH", "RS_STEP_FINISH"}
 FAULT_KEYS = tuple(s.name for s in ReportState if s.name not in _NOT_FAULTS) + ("DEAD",)

@@ -1,21 +1,18 @@
 """Elastic training (MindIO ZIT), rank side: the zit actions a processor runs (rebuild the shrunken or
-full world, repair a new rank from a replica, roll back), and the standby process that offers a removed
-rank back (:func:`start_standby`). The controller side and the flows are in elastic.py, which re-exports
-these names.
+full world, repair a new rank from a replica, roll back) and what a training script asks of them
+(:func:`is_standby`, :func:`job_rank`). The controller side and the flows are in elastic_flow.py, the
+standby process in standby.py; mindio.ttp.elastic, the public module, re-exports these names.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
-from datetime import timedelta
 
 from .. import _logging
-from ..errors import ConfigError
 from . import device
-from ._enums import OsStatus
+from ._enums import OsStatus, RepairType
 
-__all__ = ["ElasticActions", "start_standby", "is_standby", "job_rank"]
+__all__ = ["ElasticActions", "is_standby", "job_rank"]
 
 _log = logging.getLogger("mindio.ttp.elastic")
 
@@ -62,7 +59,7 @@ class ElasticActions:
         return {"gen": gen, "ms": round(ms, 2)}
 
     def _do_zit_repair(self, step: int, error_ranks: list, pairs: list) -> dict:
-        return self._repair_pairs("zit_upgrade_repair", step, error_ranks, pairs, lambda p: "RT_RECV_REPAIR",
+        return self._repair_pairs("zit_upgrade_repair", step, error_ranks, pairs, lambda p: RepairType.RT_RECV_REPAIR.name,
                                   self.torch_rank)  # inplace.py
 
     def _do_zit_rollback(self, step: int) -> dict:
@@ -73,46 +70,6 @@ class ElasticActions:
         self.standby = False
         _logging.set_context(step=step)
         return {"step": step}
-
-
-# ===================================================================== standby process
-def start_standby(rank: int, world_size: int, controller_ip: str, controller_port: int, master_addr: str,
-                  master_port: int, backend: str = "gloo", enable_tls: bool = False, tls_info: str = "",
-                  register=None) -> None:
-    """In a new process offering ``rank`` back after a downgrade: start a processor that registers with
-    the controller for that (removed) rank, with the job's store (``master_addr:master_port``, the
-    TCPStore the survivors' world lives on) remembered for the upgrade's rebuild. No process group exists
-    yet; then park the main thread with ``tft_wait_next_action()`` and enter ``train()`` on 0 (RETRY).
-    ``register()`` runs after the processor exists and before it registers: register the callbacks there
-    (the upgrade may start as soon as the registration arrives).
-    """
-    import torch.distributed as dist
-
-    from . import api
-
-    if dist.is_initialized():
-        raise ConfigError("start_standby: this process already has a process group; a standby joins the "
-                          "job's world only when the controller scales out")
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"start_standby: rank {rank} must be in [0, world_size={world_size})")
-    # the survivors rebuild on the store of their first default group (inplace.py remember_world): the
-    # env:// TCPStore under torch's prefixes "default_pg" and "<group name>/" (the first group is "0");
-    # without a secret of its own (MINDIO_SECRET / _FILE), the one the controller's rank published there
-    tcp = dist.TCPStore(master_addr, int(master_port), is_master=False, timeout=timedelta(seconds=60))
-    base = dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
-    from . import transport
-
-    if not transport.user_secret():
-        os.environ["MINDIO_SECRET"] = transport.published_secret(
-            base, f"tcp://{controller_ip}:{int(controller_port)}")
-    api.tft_init_processor(rank, world_size, False, enable_tls=enable_tls, tls_info=tls_info, enable_zit=True)
-    proc = api._proc()
-    proc.standby = True
-    proc._base_store = base
-    proc._pg_settings = {"backend": backend}
-    if register is not None:
-        register()
-    api.tft_start_processor(controller_ip, controller_port)
 
 
 def is_standby() -> bool:

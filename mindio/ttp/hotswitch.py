@@ -45,15 +45,15 @@ import logging
 import time
 
 from .. import _knobs, _logging
-from . import policy
-from ._enums import EXIT_CODE_FAULT, OsStatus, ResultCode
+from . import policy, sequence
+from ..vocab import HOT_SWITCH_ACTIONS
+from ._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
 from .states import Result, State
 
 __all__ = ["HotSwitchFlow", "EXIT_CODE_SWITCHED", "ACTIONS"]
 
 _log = logging.getLogger(__name__)
-EXIT_CODE_SWITCHED = 78  # this process was switched out by a hot switch; a backup serves its rank now
-ACTIONS = ("hot switch", "stop switch")
+ACTIONS = HOT_SWITCH_ACTIONS
 
 
 class HotSwitchFlow:
@@ -110,7 +110,7 @@ class HotSwitchFlow:
                 self._dismiss()
                 return self._as_fault() if why == "fault" else self._cancel_unpaused(why)
         self.sm.fire(Result.PAUSE, hot_switch=ranks[:16])
-        live = self._live()
+        live = sequence.live_ranks(self)
         if len(live) < self.world_size or self._faulted(inc):
             return self._fault_now() if self._faulted(inc) else self._cancel_switch(live, "ranks missing")
         caps = self._call("pause_query", {}, live, self.action_limit)
@@ -237,7 +237,7 @@ class HotSwitchFlow:
 
     def _switch(self, ranks: list, target: int, t0: float) -> bool:
         self.sm.fire(Result.MIGRATE, lock_step=target, ranks=ranks[:16])
-        everyone = self._live()
+        everyone = sequence.live_ranks(self)
         replies = self._call("clean", {"timeout": self.action_limit}, everyone, self.action_limit)
         bad = sorted(r for r in everyone if r not in replies or not replies[r].ok)
         with self._lock:  # the switched ranks count as dead: the repair takes their shards from replicas
@@ -269,7 +269,7 @@ class HotSwitchFlow:
             self._dismiss()
             self.sm.fire(Result.FAIL, failed="clean")
         self._switch_req = None
-        live = set(self._live()) - set(ranks) if not bad else set(self._live())
+        live = set(sequence.live_ranks(self)) - set(ranks) if not bad else set(sequence.live_ranks(self))
         views = [v if v.rank in live else policy.RankView(v.rank, False, True, target, v.data_status, v.replica)
                  for v in views]
         plan = policy.select_dump_ranks(views, target)

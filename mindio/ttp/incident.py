@@ -28,7 +28,7 @@ import time
 from dataclasses import replace
 
 from .. import _knobs, _logging
-from . import policy
+from . import policy, sequence
 from .brain import Brain, RankFault, fault_key, result_code
 from .pause import PauseFlow
 from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
@@ -41,6 +41,8 @@ OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
 
 
 class IncidentFlow(PauseFlow):
+    # {strategy (policy name): runner(self, ctx)} -- the explicit table controller.py fills in
+    STRATEGIES: dict = {}
     _brain: Brain | None = None
     _mindx_wait: float | None = None
 
@@ -129,8 +131,7 @@ class IncidentFlow(PauseFlow):
         graceful = inc["cause"] == "dump_request"
         self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc["first"], cause=inc["cause"])
         self._mindx_call("report_fault_ranks", self._error_rank_dict())
-        with self._lock:
-            live = [r.rank for r in self.ranks.values() if r.alive]
+        live = sequence.live_ranks(self)
         # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
         params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
@@ -202,7 +203,7 @@ class IncidentFlow(PauseFlow):
             if strategy == "exit":
                 break
             if strategy != "dump" or ctx["plan"].possible:
-                done = getattr(self, "_run_" + strategy.replace("-", "_"))(ctx)
+                done = self.STRATEGIES[strategy](self, ctx)
                 if done is not None:
                     return done  # True: the job trains again; False: it ended (dump + exit)
             left = [s for s in rest[i + 1:] if s != "dump" or ctx["plan"].possible]
@@ -229,9 +230,10 @@ class IncidentFlow(PauseFlow):
 
     # ------------------------------------------------------------------ strategies
     def implemented_strategies(self) -> tuple:
-        """Strategies (policy names) this controller can run: those with a ``_run_<name>`` method,
-        which returns True (the job trains again), False (the job ended) or None (failed: fall back)."""
-        return tuple(s for s in policy.STRATEGY_ORDER if hasattr(self, "_run_" + s.replace("-", "_")))
+        """Strategies (policy names) this controller can run, in fallback order: those in its
+        ``STRATEGIES`` table, whose runners return True (the job trains again), False (the job ended) or
+        None (failed: fall back)."""
+        return tuple(s for s in policy.STRATEGY_ORDER if s in self.STRATEGIES)
 
     def _run_retry(self, ctx: dict):
         if self._retry(ctx["lock"], ctx["views"], ctx["primary"], ctx["t0"]):
@@ -242,34 +244,12 @@ class IncidentFlow(PauseFlow):
         """After a failed strategy: a rank may have died meanwhile, so plan the dump again (returns None,
         the "fall back" answer of a ``_run_<name>``)."""
         with self._lock:
-            dead_now = {r.rank for r in self.ranks.values() if not r.alive}
+            dead_now = set(sequence.dead(self.ranks))
         ctx["views"] = [v if v.rank not in dead_now else policy.RankView(v.rank, False, True, v.step,
                                                                          v.data_status, v.replica)
                         for v in ctx["views"]]
         ctx["plan"] = policy.select_dump_ranks(ctx["views"], ctx["lock"])
         return None
-
-    def _resume_at(self, lock: int, ranks: list, timeout: float) -> None:
-        """The end of every in-process recovery: NORMAL again at the lock step, the incident closed,
-        every live rank healthy at ``lock``, then ``retry`` re-enters train() on ``ranks``."""
-        with self._lock:
-            self.sm.fire(Result.OK, lock_step=lock)
-            self._incident = None
-            self._incident_evt.clear()
-            for r in self.ranks.values():
-                if r.alive:
-                    r.faulty = False
-                    r.step = lock
-        self._call("retry", {}, ranks, timeout)
-
-    @staticmethod
-    def _phases(t0: float, marks: dict, order) -> tuple:
-        """(total s, {phase: s since the previous mark}) of a recovery timed from ``t0``."""
-        prev, parts = t0, {}
-        for k in order:
-            parts[k] = round(marks[k] - prev, 6)
-            prev = marks[k]
-        return marks[order[-1]] - t0, parts
 
     def _run_dump(self, ctx: dict):
         if not ctx["graceful"] and self.sm.state is not State.DUMP:
@@ -287,16 +267,12 @@ class IncidentFlow(PauseFlow):
         """Before exiting a job that had no fault (requested dump, exit while paused): every rank tears its
         healthy process groups down and parks first (the ``clean`` action), so no rank leaves while a peer
         still destroys a group connected to it -- seen as ``terminate called`` (SIGABRT) at exit on gloo."""
-        live = self._live_ranks()
+        live = sequence.live_ranks(self)
         replies = self._call("clean", {"timeout": self.action_limit / 2}, live, self.action_limit)
         bad = [r for r in live if r not in replies or not replies[r].ok]
         if bad:
             _log.error("ranks %s did not tear down before the exit: %s", bad[:16],
                        {r: replies[r].detail for r in bad[:4] if r in replies})
-
-    def _live_ranks(self) -> list:
-        with self._lock:
-            return sorted(r.rank for r in self.ranks.values() if r.alive)
 
     def _negotiate(self, strategies: list[str]) -> str:
         if "report_strategies" not in self.mindx:

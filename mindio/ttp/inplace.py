@@ -101,7 +101,7 @@ class InPlaceActions:
         _log.info("process groups rebuilt in place: generation %d in %.1f ms", gen, ms)
         return {"gen": gen, "ms": round(ms, 2)}
 
-    def _do_repair(self, step: int, error_ranks: list, pairs: list, dst_type: str = "RT_UCE_LOWLEVEL") -> dict:
+    def _do_repair(self, step: int, error_ranks: list, pairs: list, dst_type: str = RepairType.RT_UCE_LOWLEVEL.name) -> dict:
         # the receiver's kind per pair (retry: HIGHLEVEL/LOWLEVEL), else RT_RECV_REPAIR for a replacement
         # process (recover.py)
         return self._repair_pairs("repair", step, error_ranks, pairs, lambda p: p.get("repair_type", dst_type))
@@ -115,7 +115,7 @@ class InPlaceActions:
         done = []
         for pair in pairs:
             if self.rank == pair["src"]:
-                kind = "RT_SEND"
+                kind = RepairType.RT_SEND.name
             elif self.rank == pair["dst"]:
                 kind = recv_kind(pair)
             else:
@@ -123,7 +123,7 @@ class InPlaceActions:
             src, dst = torch_rank(pair["src"]), torch_rank(pair["dst"])
             info = {"type": pair["type"], "repair_type": RepairType[kind], "src": [src], "dst": [dst],
                     "rank_list": sorted({src, dst})}
-            need_rebuild = kind in ("RT_UCE_HIGHLEVEL", "RT_LOAD_REBUILD")  # model/optimizer rebuilt first
+            need_rebuild = kind in (RepairType.RT_UCE_HIGHLEVEL.name, RepairType.RT_LOAD_REBUILD.name)  # model/optimizer rebuilt first
             func(step, need_rebuild, [torch_rank(r) for r in error_ranks], info, self.step_args, ctx)
             done.append(kind)
         return {"done": done}

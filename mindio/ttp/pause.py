@@ -30,7 +30,7 @@ import logging
 import time
 
 from .. import _logging
-from . import policy
+from . import policy, sequence
 from ._enums import EXIT_CODE_FAULT, ResultCode
 from .states import Result, State
 
@@ -53,10 +53,6 @@ class PauseFlow:
             self._strategy_evt.clear()
         self._open_incident(None, None, cause="pause")
         return 0
-
-    def _live(self) -> list:
-        with self._lock:
-            return sorted(r.rank for r in self.ranks.values() if r.alive)
 
     def _faulted(self, inc: dict) -> bool:
         with self._lock:
@@ -81,7 +77,7 @@ class PauseFlow:
     def _run_pause(self, inc: dict) -> bool:
         req = self._pause_req or {"timeout": float(self.action_limit), "ranks": {}}
         self.sm.fire(Result.PAUSE, ranks=sorted(req["ranks"])[:16])
-        live = self._live()
+        live = sequence.live_ranks(self)
         if len(live) < self.world_size or self._faulted(inc):
             return self._as_fault() if self._faulted(inc) else self._end_pause(live, "ranks missing")
         caps = self._call("pause_query", {}, live, self.action_limit)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from .. import vocab
 from ._enums import OsStatus, ReportState
 
 __all__ = [
@@ -254,7 +255,7 @@ def ranks_to_advance(views: Iterable[RankView], fenced: Iterable[int]) -> tuple[
                            and v.step == started - 1 and v.data_status == OsStatus.UPDATED)
 
 
-STRATEGY_ORDER = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")
+STRATEGY_ORDER = vocab.STRATEGY_ORDER
 
 
 def strategies_of(features: Iterable[Mapping]) -> set:

@@ -282,11 +282,11 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
     def _run_action(self, env: P.Envelope) -> None:
         name, params = env.body.name, env.body.params
         t0 = time.monotonic()
-        handler = getattr(self, f"_do_{name}", None)
+        handler = self.ACTIONS.get(name)
         try:
             if handler is None:
                 raise LookupError(f"unknown action {name!r}")
-            reply = P.Reply(ok=True, detail=handler(**params) or {})
+            reply = P.Reply(ok=True, detail=handler(self, **params) or {})
         except Exception as exc:
             _log.exception("action %s failed", name)
             reply = P.Reply(ok=False, code=1, detail={"error": describe(exc)[:2000]})
@@ -432,3 +432,22 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
 
     def _do_ping(self) -> dict:
         return {"step": self.step}
+
+    # The controller's actions this processor runs (protocol.py ACTION frames, by name): an explicit
+    # table, {name: handler}; a handler takes the frame's params and returns the reply's detail.
+    # ``kill`` is answered before any table (_on_message); ``exit`` there too, then by its handler.
+    ACTIONS = {
+        # this module: the stop round, checkpoints, pause, lifecycle
+        "stop": _do_stop, "wait_quiet": _do_wait_quiet, "teardown": _do_teardown, "advance": _do_advance,
+        "save": _do_save, "rename": _do_rename, "exit": _do_exit, "unhold": _do_unhold, "ping": _do_ping,
+        "pause_query": _do_pause_query, "pause_at": _do_pause_at, "pause_resume": _do_pause_resume,
+        # inplace.py: retry (and the recoveries' clean, rebuild, repair, rollback)
+        "clean": InPlaceActions._do_clean, "rebuild": InPlaceActions._do_rebuild,
+        "repair": InPlaceActions._do_repair, "rollback": InPlaceActions._do_rollback,
+        "retry": InPlaceActions._do_retry,
+        # reboot.py: a replacement process
+        "prerepair": RebootActions._do_prerepair,
+        # elastic_rank.py: downgrade and upgrade
+        "zit_rebuild": ElasticActions._do_zit_rebuild, "zit_repair": ElasticActions._do_zit_repair,
+        "zit_rollback": ElasticActions._do_zit_rollback,
+    }

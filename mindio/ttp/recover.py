@@ -33,17 +33,17 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _logging
-from . import policy
+from .. import _logging, vocab
+from . import policy, sequence
 from . import protocol as P
-from ._enums import ReportState
+from ._enums import RepairType, ReportState
 from .retry import uce_repair_type
 from .states import Result, State
 
 __all__ = ["RecoverFlow", "REPLACING"]
 
 _log = logging.getLogger(__name__)
-REPLACING = ("recover-in-place", "recover")
+REPLACING = vocab.REPLACING
 
 
 class RecoverFlow:
@@ -115,7 +115,7 @@ class RecoverFlow:
     def _run_replacing(self, strategy: str, ctx: dict):
         """True: every rank trains again; None: not possible or failed (the caller falls back)."""
         with self._lock:
-            dead = sorted(r.rank for r in self.ranks.values() if not r.alive)
+            dead = sequence.dead(self.ranks)
         dead += sorted(set(range(self.world_size)) - set(self.ranks))
         if not self.can_replace(strategy, dead):
             why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
@@ -156,18 +156,12 @@ class RecoverFlow:
                     return False
                 self._cond.wait(min(0.05, deadline - now))
 
-    def _abandon_recover(self, survivors: list, failed: str) -> bool:
-        self._call("clean", {"timeout": 5.0}, survivors, 10.0)
-        self.sm.fire(Result.FAIL, failed=failed)
-        return False
-
     def _recover(self, strategy: str, lock: int, views: list, t_incident: float) -> bool:
         """Run the sequence of the module docstring; True when every rank trains again."""
         marks = {"decide": time.monotonic()}
         self.sm.fire(Result.RECOVER, lock_step=lock, strategy=strategy)
         with self._lock:
-            dead = sorted(r.rank for r in self.ranks.values() if not r.alive)
-            survivors = sorted(r.rank for r in self.ranks.values() if r.alive)
+            dead, survivors = sequence.dead(self.ranks), sequence.live(self.ranks)
         dead += sorted(set(range(self.world_size)) - set(self.ranks))
         if not dead:
             _log.error("recover: no rank is dead")
@@ -187,7 +181,7 @@ class RecoverFlow:
             return False
         limit = self.action_limit
         if not self._recover_step("clean", {"timeout": limit}, survivors, limit, survivors):
-            return self._abandon_recover(survivors, "clean")
+            return sequence.abandon(self, survivors, "clean")
         marks["clean"] = time.monotonic()
         self.gen += 1
         gen = self.gen
@@ -198,19 +192,19 @@ class RecoverFlow:
             self.replacer.replace(dead, gen, strategy)
         except Exception as exc:
             _log.error("recover: starting replacement(s) for %s failed: %s", dead, exc)
-            return self._abandon_recover(survivors, "replace")
+            return sequence.abandon(self, survivors, "replace")
         marks["replace"] = time.monotonic()
         deadline = time.monotonic() + self.recover_timeout
         if not self._recover_step("rebuild", {"gen": gen, "fault_ranks": dead}, survivors,
                                   self.recover_timeout, survivors):
-            return self._abandon_recover(survivors, "rebuild")
+            return sequence.abandon(self, survivors, "rebuild")
         marks["rebuild"] = time.monotonic()
         if not self._wait_registered(dead, gen, deadline):
-            return self._abandon_recover(survivors, "register")
+            return sequence.abandon(self, survivors, "register")
         everyone = sorted(survivors + dead)
         if not self._recover_step("prerepair", {"timeout": max(1.0, deadline - time.monotonic())}, dead,
                                   max(1.0, deadline - time.monotonic()) + 2, everyone):
-            return self._abandon_recover(everyone, "prerepair")
+            return sequence.abandon(self, everyone, "prerepair")
         marks["start"] = time.monotonic()
         self.sm.fire(Result.OK, gen=gen)
         status = {v.rank: v.data_status for v in views}
@@ -221,15 +215,15 @@ class RecoverFlow:
         _log.warning("recover: repairing %s from replicas %s", sorted(dead + stale),
                      {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
         if not self._recover_step("repair", {"step": lock, "error_ranks": sorted(dead + stale), "pairs": pairs,
-                                             "dst_type": "RT_RECV_REPAIR"}, involved, limit, everyone):
-            return self._abandon_recover(everyone, "repair")
+                                             "dst_type": RepairType.RT_RECV_REPAIR.name}, involved, limit, everyone):
+            return sequence.abandon(self, everyone, "repair")
         marks["repair"] = time.monotonic()
         if not self._recover_step("rollback", {"step": lock}, everyone, limit, everyone):
-            return self._abandon_recover(everyone, "rollback")
+            return sequence.abandon(self, everyone, "rollback")
         marks["rollback"] = time.monotonic()
-        self._resume_at(lock, everyone, limit)
+        sequence.resume(self, lock, everyone, limit)
         marks["resume"] = time.monotonic()
-        total, parts = self._phases(t_incident, marks, ("decide", "clean", "replace", "rebuild", "start",
+        total, parts = sequence.phases(t_incident, marks, ("decide", "clean", "replace", "rebuild", "start",
                                                         "repair", "rollback", "resume"))
         _log.warning("%s done: every rank trains again %.3f s after the fault (%s), generation %d, lock step "
                      "%d, replaced %s", strategy, total, parts, gen, lock, dead)

@@ -31,9 +31,9 @@ import logging
 import time
 
 from .. import _knobs, _logging
-from . import policy
+from . import policy, sequence
 from . import protocol as P
-from ._enums import OsStatus, ReportState
+from ._enums import OsStatus, RepairType, ReportState
 from .states import Result
 
 __all__ = ["RetryFlow", "uce_repair_type", "STOP_GRACE_S", "STOP_LOOK_S"]
@@ -51,8 +51,8 @@ def uce_repair_type(state: ReportState, data_status: int) -> str:
     UPDATED (the error hit between ``tft_start_updating_os`` and ``tft_end_updating_os``);
     ``RT_UCE_LOWLEVEL`` -- the shard is received into the existing objects -- otherwise."""
     if state == ReportState.RS_UCE_CORRUPTED or int(data_status) != int(OsStatus.UPDATED):
-        return "RT_UCE_HIGHLEVEL"
-    return "RT_UCE_LOWLEVEL"
+        return RepairType.RT_UCE_HIGHLEVEL.name
+    return RepairType.RT_UCE_LOWLEVEL.name
 
 
 def _mains(replies: dict) -> dict:
@@ -185,19 +185,11 @@ class RetryFlow:
             _logging.event("retry_failed", step_name=name, ranks=sorted(bad)[:64])
         return not bad
 
-    def _abandon(self, live: list, failed: str) -> bool:
-        """A step after the rebuild failed: destroy the new generation's groups on every rank (a rank
-        blocked in a transfer with a failed peer is released), then REPAIR -FAIL-> ABNORMAL."""
-        self._call("clean", {"timeout": 5.0}, live, 10.0)
-        self.sm.fire(Result.FAIL, failed=failed)
-        return False
-
     def _retry(self, lock: int, views: list, primary: dict, t_incident: float) -> bool:
         """Run the retry sequence (module docstring); True when every rank trains again."""
         marks = {"decide": time.monotonic()}
         self.sm.fire(Result.RETRY, lock_step=lock)
-        with self._lock:
-            live = sorted(r.rank for r in self.ranks.values() if r.alive)
+        live = sequence.live_ranks(self)
         uce = sorted(r for r, s in primary.items() if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED))
         if len(live) != self.world_size:
             _log.error("retry needs every rank alive; live %d of %d", len(live), self.world_size)
@@ -247,14 +239,14 @@ class RetryFlow:
             _log.warning("retry: repairing %s (%s) from replicas %s", targets, kinds,
                          {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
             if not self._step_ok("repair", {"step": lock, "error_ranks": targets, "pairs": pairs}, involved):
-                return self._abandon(live, "repair")
+                return sequence.abandon(self, live, "repair")
         marks["repair"] = time.monotonic()
         if not self._step_ok("rollback", {"step": lock}, live):
-            return self._abandon(live, "rollback")
+            return sequence.abandon(self, live, "rollback")
         marks["rollback"] = time.monotonic()
-        self._resume_at(lock, live, self.action_limit)
+        sequence.resume(self, lock, live, self.action_limit)
         marks["resume"] = time.monotonic()
-        total, parts = self._phases(t_incident, marks, ("decide", "clean", "rebuild", "repair", "rollback", "resume"))
+        total, parts = sequence.phases(t_incident, marks, ("decide", "clean", "rebuild", "repair", "rollback", "resume"))
         _log.warning("retry done: every rank trains again %.3f s after the fault report (%s), generation %d, "
                      "lock step %d, repaired %s, stale %s", total, parts, self.gen, lock, uce, stale)
         _logging.event("retry_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, repaired=uce, stale=stale,

@@ -47,6 +47,7 @@ _installed = False
 _lock = threading.Lock()
 _live: "weakref.WeakSet" = weakref.WeakSet()  # controllers and links started in this process
 _releasers: list = []  # the frameworks' "drop every reference to a process group" (on_exit)
+_closers: list = []  # once the control plane's threads ended: close its sockets (transport.close_context)
 
 
 def install() -> None:
@@ -62,6 +63,14 @@ def track(part) -> None:
     """Remember a started Controller or Link (anything with ``close(timeout) -> bool``); installs."""
     install()
     _live.add(part)
+
+
+def after_control_plane(close) -> None:
+    """Have the exit teardown call ``close()`` once every tracked part's threads ended (step 1): how
+    transport.py hands over ``close_context`` (this module imports no part of the control plane)."""
+    with _lock:
+        if close not in _closers:
+            _closers.append(close)
 
 
 def on_exit(release) -> None:
@@ -138,10 +147,9 @@ def at_exit() -> None:
     deadline = t0 + timeout
     try:
         closed = _close_control_plane(deadline)
-        from . import transport
-
         if closed:
-            transport.close_context()
+            for close in list(_closers):
+                close()
         else:
             _log.warning("exit: mindio control-plane threads still run after MINDIO_EXIT_TIMEOUT=%.0f s; "
                          "its zmq context is left open", timeout)

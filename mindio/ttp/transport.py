@@ -72,6 +72,9 @@ def close_context() -> None:
         ctx.destroy(linger=0)
 
 
+shutdown.after_control_plane(close_context)  # at process exit, once our threads ended (shutdown.py)
+
+
 def _default_store():
     try:
         import torch.distributed as dist

@@ -1,0 +1,32 @@
+"""Controller side: what the controller knows of one rank (its row of the rank table).
+
+The record is shared by the registration (controller.py) and the flows that add ranks to the table
+(elastic_flow.py's upgrade, recover.py's replacements); it lives here so that none of them imports the
+controller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RankRecord"]
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    ident: bytes
+    pid: int = 0
+    host: str = ""
+    last_seen: float = 0.0
+    step: int = 0
+    data_status: int = 0
+    in_collective: bool = False
+    progress_age: float = -1.0
+    replica: list = field(default_factory=list)
+    dp_group: list = field(default_factory=list)
+    alive: bool = True
+    faulty: bool = False
+    registered: bool = True
+    features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
+    gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
+    left: bool = False  # said BYE: its late heartbeats are answered "BYE", never "register again"

@@ -1,0 +1,153 @@
+"""mindio's vocabulary: every enum, strategy name and exit code that the controller, the processors
+and the launcher share, defined once.
+
+Importing it is light (the standard library only: no torch, no zmq), so the launcher's agent and
+:mod:`mindio._knobs` use it too. The reference import paths stay: ``mindio.ttp`` and
+``mindio.ttp._enums`` re-export the enums of the ``tft_*`` API (values as in MindIO TFT).
+"""
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode", "ExitCode",
+           "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_MEANINGS",
+           "Strategy", "HA_STRATEGIES", "STRATEGY_ORDER", "MINDX_STRATEGIES", "REPLACING", "HOT_SWITCH_ACTIONS"]
+
+
+# ----------------------------------------------------------------------------- exit codes
+class ExitCode(enum.IntEnum):
+    """Process exit codes after an incident (distinct from 0 and from Python's 1 for an uncaught error)."""
+    DUMPED = 75    # a complete last-words checkpoint was written; relaunch and resume from it
+    FAULT = 76     # the job stopped on a fault without a new checkpoint (no strategy possible)
+    REMOVED = 77   # this rank's DP slice was removed by an elastic downgrade; its process is no longer needed
+    SWITCHED = 78  # this process was switched out by a hot switch; a backup serves its rank now
+
+    @property
+    def meaning(self) -> str:
+        """What the code tells the person reading the console."""
+        return EXIT_MEANINGS[self]
+
+
+# the module-level names are plain ints (as they always were: they travel in control frames and logs)
+EXIT_CODE_DUMPED = int(ExitCode.DUMPED)
+EXIT_CODE_FAULT = int(ExitCode.FAULT)
+EXIT_CODE_REMOVED = int(ExitCode.REMOVED)
+EXIT_CODE_SWITCHED = int(ExitCode.SWITCHED)
+EXIT_MEANINGS = {
+    EXIT_CODE_DUMPED: "a last-words checkpoint was written: relaunch the job to resume from it",
+    EXIT_CODE_FAULT: "stopped on a fault; no new checkpoint could be written (resume from the last one)",
+    EXIT_CODE_REMOVED: "this rank's data-parallel slice was removed by an elastic downgrade; the job goes on "
+                       "without it",
+    EXIT_CODE_SWITCHED: "switched out by a hot switch; a backup process serves this rank now",
+}
+
+
+# ----------------------------------------------------------------------------- strategies
+class Strategy(str, enum.Enum):
+    """The names of the recovery strategies. A member *is* its string (equal, same hash, prints as it),
+    so it stands wherever the name was written as a literal: in sets, dict keys, control frames, logs."""
+    RETRY = "retry"                        # in place: clean, rebuild groups, repair from replicas, roll back
+    RECOVER_IN_PLACE = "recover-in-place"  # replace dead ranks' processes on their (live) nodes
+    RECOVER = "recover"                    # a standby node takes a lost node's ranks
+    ELASTIC_TRAINING = "elastic-training"  # the enable name of downgrade/upgrade (HIGH_AVAILABILITY)
+    DOWNGRADE = "downgrade"                # go on without the faulty ranks' data-parallel slices
+    UPGRADE = "upgrade"                    # take removed ranks back when standbys offer them
+    HOT_SWITCH = "hot switch"              # move healthy ranks to backup processes
+    DUMP = "dump"                          # write a last-words checkpoint and exit 75
+    EXIT = "exit"                          # stop without a checkpoint (76)
+    CONTINUE = "continue"                  # (MindX, after a pause) go on training
+    MIGRATION = "migration"                # (MindX) a strategy name tft_notify_controller_change_strategy accepts
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+# the lists below hold the plain names (they print as before in messages and reprs)
+S = Strategy
+# what a job may enable (HIGH_AVAILABILITY / --high-availability; the cluster brain's fallback order)
+HA_STRATEGIES = tuple(s.value for s in (S.RETRY, S.RECOVER_IN_PLACE, S.RECOVER, S.ELASTIC_TRAINING, S.DUMP, S.EXIT))
+# the incident flow's fallback order (policy.feasible_strategies; "downgrade" for elastic-training)
+STRATEGY_ORDER = tuple(s.value for s in (S.RETRY, S.RECOVER_IN_PLACE, S.RECOVER, S.DOWNGRADE, S.DUMP, S.EXIT))
+# what tft_notify_controller_change_strategy accepts (the MindX names)
+MINDX_STRATEGIES = tuple(s.value for s in (S.RETRY, S.DOWNGRADE, S.UPGRADE, S.RECOVER, S.DUMP, S.CONTINUE,
+                                           S.MIGRATION, S.EXIT))
+# the strategies that start new processes for ranks (a replacer carries them out)
+REPLACING = (S.RECOVER_IN_PLACE.value, S.RECOVER.value)
+# tft_notify_controller_prepare_action's hot-switch actions
+HOT_SWITCH_ACTIONS = (S.HOT_SWITCH.value, "stop switch")
+del S
+
+
+# ----------------------------------------------------------------------------- the reference enums
+class ReportState(enum.IntEnum):
+    """What the exception decorator reports for the training state of its rank."""
+    RS_NORMAL = 0            # this rank is fine; it was stopped (FORCE STOP) or failed only because a peer did
+    RS_RETRY = 1
+    RS_UCE = 2               # UCE ERROR: a memory error whose data can be repaired from a replica
+    RS_UCE_CORRUPTED = 3     # HBM MULTI BIT ECC inside the optimizer update window: this rank's state is lost
+    RS_HCCL_FAILED = 4       # network fault; no repair needed
+    RS_INIT_FINISH = 5
+    RS_PREREPAIR_FINISH = 6  # ARF FINISH
+    RS_STEP_FINISH = 7       # STEP FINISH
+    RS_UNKNOWN = 8           # anything else
+
+
+class RepairType(enum.IntEnum):
+    """``repair_info["repair_type"]`` of the repair handler. A member equals its value (the reference's
+    enum) and also its name: a handler written against the reference (``== RepairType.RT_SEND``) and
+    one that compares names (``== "RT_SEND"``) both work; it prints as its name."""
+    # (control frames carry the name: ``RepairType.RT_SEND.name``)
+    RT_SEND = 0
+    RT_UCE_HIGHLEVEL = 1
+    RT_UCE_LOWLEVEL = 2
+    RT_RECV_REPAIR = 3
+    RT_ROLLBACK = 4
+    RT_LOAD_CKPT = 5
+    RT_LOAD_REBUILD = 6
+
+    def __eq__(self, other):
+        return self.name == other if isinstance(other, str) else int.__eq__(self, other)
+
+    def __ne__(self, other):
+        return self.name != other if isinstance(other, str) else int.__ne__(self, other)
+
+    __hash__ = int.__hash__
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        return format(self.name, spec)
+
+
+class Action(enum.IntEnum):
+    """What the parked main thread does next (return of tft_wait_next_action, see decorator)."""
+    RETRY = 0
+    EXIT = 1
+
+
+class OptimizerType(enum.IntEnum):
+    ATTENTION = 0
+    MOE = 1
+
+
+class OsStatus(enum.IntEnum):
+    """Optimizer-state status of one rank (tft_start_updating_os / tft_end_updating_os / tft_start_copy_os)."""
+    UPDATED = 0
+    UPDATING = 1
+    COPYING = 2
+
+
+class ResultCode(enum.IntEnum):
+    """Codes reported to the cluster brain (report_stop_complete / report_result)."""
+    OK = 0
+    ACCEPTED = 201
+    NOT_READY = 404          # processors not all ready
+    RETRY_FAILED = 405       # retry failed; recover, dump, exit allowed
+    DUMP_OR_EXIT = 406       # repair failed; dump or exit allowed
+    EXIT_ONLY = 499

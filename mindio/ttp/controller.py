@@ -324,6 +324,12 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                 r.last_seen = now
                 self._seen.move_to_end(env.rank)
             self.actions.on_reply(env.rank, env.sn, body)
+        elif env.type is P.MsgType.REQUEST and env.rank in self.ranks:
+            if env.body.name == "dump":
+                self.request_dump(f"rank {env.rank}: {env.body.reason}")
+            else:
+                _log.warning("rank %d asked for %r, which is no request this controller knows", env.rank,
+                             env.body.name[:40])
         elif env.type is P.MsgType.BEATS:
             self._on_beats(ident, env, now)
         elif env.type is P.MsgType.BATCH:
@@ -397,6 +403,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                                    rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
             self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
+            self.serve_dump_request()  # a preemption before every rank registered (incident.py)
             _log.info("every rank registered; the job's strategies: %s (asked for by the controller: %s, by "
                       "the ranks' tft_init_processor flags: %s)", sorted(self.brain.enabled(self.job_strategies())),
                       sorted(self.enabled), sorted(self._ranks_ask()))

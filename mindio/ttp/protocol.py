@@ -42,7 +42,7 @@ from ..errors import AuthError, ProtocolError
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
-    "Report", "Info", "Action", "Reply", "Bye", "Beats", "Batch", "encode", "decode", "DropCounter", "BODY_TYPES",
+    "Report", "Info", "Action", "Reply", "Bye", "Request", "Beats", "Batch", "encode", "decode", "DropCounter", "BODY_TYPES",
 ]
 
 VERSION = 2
@@ -63,6 +63,7 @@ class MsgType(enum.IntEnum):
     BYE = 9            # processor -> controller: leaving normally (training finished); not a fault
     BEATS = 10         # relay -> controller: heartbeats of many ranks in one frame (v2)
     BATCH = 11         # relay <-> controller: many messages of other types in one frame (v2)
+    REQUEST = 12       # processor -> controller: ask for a graceful action ("dump": preemption, preempt.py)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,12 @@ class Bye:
 
 
 @dataclass(frozen=True)
+class Request:
+    name: str         # "dump": a last-words checkpoint at the current step, then exit (EXIT_CODE_DUMPED)
+    reason: str = ""  # why, for the log ("SIGTERM")
+
+
+@dataclass(frozen=True)
 class Beats:
     """Heartbeats of ``len(ranks)`` ranks; column i of every list belongs to ``ranks[i]``."""
     ranks: list
@@ -153,6 +160,7 @@ BODY_TYPES: dict[MsgType, type] = {
     MsgType.REGISTER: Register, MsgType.REGISTER_ACK: RegisterAck, MsgType.HEARTBEAT: Heartbeat,
     MsgType.HEARTBEAT_ACK: HeartbeatAck, MsgType.REPORT: Report, MsgType.INFO: Info,
     MsgType.ACTION: Action, MsgType.REPLY: Reply, MsgType.BYE: Bye, MsgType.BEATS: Beats, MsgType.BATCH: Batch,
+    MsgType.REQUEST: Request,
 }
 _PY_TYPES = {"int": (int,), "str": (str,), "float": (float, int), "bool": (bool,), "list": (list,), "dict": (dict,)}
 

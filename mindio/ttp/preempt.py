@@ -109,7 +109,7 @@ def check() -> None:
     timeout = _knobs.get("MINDIO_PREEMPT_TIMEOUT")
     if not _told:
         _told = True
-        _log.warning("%s: preemption; asked the controller for a last-words checkpoint at the current step "
+        _log.info("%s: preemption; asked the controller for a last-words checkpoint at the current step "
                      "(the process then ends with exit code 75; bound: MINDIO_PREEMPT_TIMEOUT=%g s)", name, timeout)
         _logging.event("preempt_requested", signal=name)
     if _expired():

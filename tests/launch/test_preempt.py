@@ -129,3 +129,27 @@ def test_sigterm_to_a_worker_checkpoints_and_max_restarts_resumes_bitwise(tmp_pa
     steps = [int(line.split()[0]) for line in (out / "trained_rank2").read_text().splitlines()]
     assert steps[len(steps) - (STEPS - step):] == list(range(step + 1, STEPS + 1)), steps
     assert_bitwise(run.final(), reference)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_torchrun_reaches_the_workers_which_checkpoint_and_exit_75(tmp_path):
+    """torchrun forwards SIGTERM to its workers (SIGKILL 30 s later): their processors turn it into the
+    same checkpoint. torchrun itself ends with its SignalException (exit 1), as without mindio."""
+    out = tmp_path / "job"
+    seen: dict = {}
+
+    def preempt(p):
+        seen["before"] = _wait_for_steps(out, SIGNAL_AFTER)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+        seen["exit_s"] = time.monotonic() - t0
+
+    run = Run(out, ["--resume", *SLOW], "torchrun", during=preempt)
+    print(f"\nSIGTERM to torchrun -> exited {run.code} in {seen['exit_s']:.2f} s")
+    check_codes({"torchrun": run.code})
+    assert run.code == 1 and "SignalException" in run.text, run.tail()
+    assert seen["exit_s"] < GRACE_S, run.tail()
+    _assert_workers_exited(run, 75)
+    step = _checkpoint(out)
+    assert max(seen["before"].values()) <= step < STEPS, (seen["before"], step)

@@ -289,6 +289,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             if r is not None and r.left:  # a beat sent after its BYE: it must not register again (then die)
                 state = "BYE"
             self._chan.send_raw(self._ack(env.rank, state), ident)
+            if self._dump_wanted is not None and body.step > 0:  # asked before the first step (incident.py)
+                self.serve_dump_request()
         elif env.type is P.MsgType.REGISTER:
             self._on_register(ident, env.rank, body, now, env.gen)
         elif env.type is P.MsgType.REPORT and env.rank in self.ranks:
@@ -352,6 +354,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             if r.alive:
                 seen[rank] = None
                 seen.move_to_end(rank)
+        if self._dump_wanted is not None:  # asked before the first step (incident.py)
+            self.serve_dump_request()
         state = self.sm.state.value
         if unknown:
             self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups), unknown)),

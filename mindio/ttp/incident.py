@@ -374,10 +374,15 @@ class IncidentFlow(PauseFlow):
         self.serve_dump_request()
 
     def serve_dump_request(self) -> None:
-        """Open the requested dump's incident if the job is training (NORMAL) and no other incident is
-        open; else it stays asked for."""
-        if self._dump_wanted is not None and self.sm.state is State.NORMAL and \
-                self._open_incident(None, None, cause="dump_request"):
+        """Open the requested dump's incident if the job is training (NORMAL), no other incident is open
+        and some rank finished a step in this run; else it stays asked for. Before the first step there
+        is nothing newer than what the job started from, and a save then would label the loaded state
+        step 0: the first heartbeat that carries a step serves it (controller.py)."""
+        if self._dump_wanted is None or self.sm.state is not State.NORMAL:
+            return
+        with self._lock:
+            trained = any(r.step > 0 for r in self.ranks.values() if r.alive)
+        if trained and self._open_incident(None, None, cause="dump_request"):
             self._dump_wanted = None
 
     def notify_stop_train(self, fault_ranks: dict, wait: float | None = None) -> int:

@@ -7,7 +7,8 @@ signals of ``MINDIO_PREEMPT_SIGNAL`` (default SIGTERM):
 
 * the handler does no work: it queues a ``REQUEST("dump")`` for the processor's link thread and wakes
   it (a queue put and a pipe write, safe wherever the main thread was interrupted), and notes the time;
-* the controller (rank 0's, or the one mindio-run hosts) stops every rank at one step (the fence),
+* the controller (rank 0's, or the one mindio-run hosts) stops every rank at one step (the fence) --
+  asked before any rank finished a step of this run, at the first finished step --
   has one rank per shard save it, renames it "latest" and orders EXIT(75): the decorator ends the
   process with ``EXIT_CODE_DUMPED``, as after any dump (incident.py);
 * the same signal again (a scheduler that signals every process, and the launcher forwarding it too)
@@ -81,7 +82,7 @@ def _on_signal(signum, frame) -> None:
         return  # asked already
     proc = _rt.processor
     link = proc.link if proc is not None else None
-    if link is None or not link.registered.is_set():
+    if link is None or not link.is_alive() or not link.registered.is_set():
         _default(signum)  # nothing to checkpoint (yet, or any more)
         return
     _first = (signum, time.monotonic())

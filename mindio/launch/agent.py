@@ -295,6 +295,10 @@ class Agent:
                             p.pid, self.cfg.term_grace, signal.Signals(self._signal or signal.SIGTERM).name)
                 p.kill()
                 p.wait()
+        if procs:  # for the operator (and tests): how every worker of this node ended
+            log.info("workers' exit codes: %s", ", ".join(
+                f"rank {r}: {failures.describe(p.returncode)}{' (stopped by this agent)' if p in live else ''}"
+                for r, p in sorted(procs.items())))
         self._workers = {}
         if self._logs is not None:
             self._logs.stop()

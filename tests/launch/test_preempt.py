@@ -49,11 +49,18 @@ def _wait_for_steps(out: Path, step: int, timeout: float = 120) -> dict:
     return last
 
 
-def _assert_workers_exited(run: Run, code: int, ranks=range(4)) -> None:
+def _assert_workers_exited(run: Run, code: int) -> None:
     """Every worker said it exits with ``code`` (its decorator's line), and none died by a signal."""
-    for rank in ranks:
+    for rank in range(4):
         assert re.search(rf"\[0/{rank}\][^\n]*exiting with code {code}:", run.text), (rank, run.tail())
     assert_no_signal_deaths(run.text)
+
+
+def _rounds(run: Run) -> list:
+    """{rank: exit code} of every round's workers, from mindio-run's "workers' exit codes" lines (a
+    worker that died by a signal is missing: "rank 1: signal SIGKILL")."""
+    return [{int(r): int(c) for r, c in re.findall(r"rank (\d+): exit code (-?\d+)", line)}
+            for line in run.text.splitlines() if "workers' exit codes:" in line]
 
 
 def _checkpoint(out: Path) -> int:
@@ -85,6 +92,7 @@ def test_sigterm_to_mindio_run_checkpoints_the_current_step_and_the_rerun_resume
     assert "mindio-run: job stopped: a last-words checkpoint was written (workers exited 75) after: preemption " \
            "(SIGTERM to node 0's mindio-run); run it again" in run.text, run.tail()
     _assert_workers_exited(run, 75)
+    assert _rounds(run) == [{r: 75 for r in range(4)}], run.tail()
     step = _checkpoint(out)
     after = _trained(out)
     # the step the ranks were at: none lost of those finished before the signal, none beyond what trained
@@ -96,6 +104,7 @@ def test_sigterm_to_mindio_run_checkpoints_the_current_step_and_the_rerun_resume
     check_codes({"mindio-run": rerun.code})
     assert rerun.code == 0, rerun.tail()
     assert_no_signal_deaths(rerun.text)
+    assert _rounds(rerun) == [{r: 0 for r in range(4)}], rerun.tail()
     steps = [int(line.split()[0]) for line in (out / "trained_rank0").read_text().splitlines()]
     assert steps[len(steps) - (STEPS - step):] == list(range(step + 1, STEPS + 1)), steps  # resumed after it
     assert_bitwise(rerun.final(), reference)
@@ -122,6 +131,7 @@ def test_sigterm_to_a_worker_checkpoints_and_max_restarts_resumes_bitwise(tmp_pa
     assert "mindio-run: round 0: a last-words checkpoint was written (workers exited 75)" in run.text, run.tail()
     assert "relaunching every worker to resume from it (restart 1 of 1)" in run.text, run.tail()
     _assert_workers_exited(run, 75)
+    assert _rounds(run) == [{r: 75 for r in range(4)}, {r: 0 for r in range(4)}], run.tail()
     step = _checkpoint(out)
     assert max(seen["before"].values()) <= step < STEPS, (seen["before"], step)
     requested = run.events("dump_requested")

@@ -14,7 +14,12 @@ signals of ``MINDIO_PREEMPT_SIGNAL`` (default SIGTERM):
 * the same signal again (a scheduler that signals every process, and the launcher forwarding it too)
   changes nothing; if the process still runs ``MINDIO_PREEMPT_TIMEOUT`` s after the first, the link
   thread logs it and ends the process with ``EXIT_CODE_FAULT`` (stopped without a new checkpoint), and
-  a signal after that acts as it would without mindio. A lost request never keeps a preempted job alive.
+  a signal after that acts as it would without mindio; so it does as soon as the link lost its
+  controller (``misses`` heartbeat intervals of silence; with backup controllers, twice that). A lost request never keeps a preempted job alive.
+
+The same holds for a launcher's stop signal after a failure (torchrun SIGTERMs the survivors of a
+crashed rank, mindio-run those of a failed round): a worker whose controller is dumping after the
+fault finishes that checkpoint within the launcher's grace, where it used to die mid-dump.
 
 A script that installed its own handler for such a signal before ``tft_start_processor`` keeps it (no
 preemption checkpoint on that signal); a signal that comes while no processor is registered with a
@@ -45,6 +50,7 @@ _log = logging.getLogger(__name__)
 _installed: dict = {}  # signum -> the handler ours replaced
 _first: tuple | None = None  # (signum, time.monotonic()) of the first preemption signal handled
 _told = False  # the request was logged (by the link thread)
+_lost_since: float | None = None  # since when the link has had no controller, after the request
 
 
 def install() -> None:
@@ -99,10 +105,12 @@ def _expired() -> bool:
     return _first is not None and time.monotonic() - _first[1] > _knobs.get("MINDIO_PREEMPT_TIMEOUT")
 
 
-def check() -> None:
-    """(the processor's link thread, every heartbeat) Log the request once; past MINDIO_PREEMPT_TIMEOUT
-    end the process (module docstring)."""
-    global _told
+def check(link=None) -> None:
+    """(the processor's link thread, every heartbeat) Log the request once; end the process past
+    MINDIO_PREEMPT_TIMEOUT, or sooner when ``link`` lost its controller (with backups: for another
+    ``misses`` heartbeat intervals). A controller that died with its rank (torchrun then SIGTERMs the
+    survivors) writes no checkpoint: waiting for the bound would only delay the end."""
+    global _told, _lost_since
     first = _first
     if first is None:
         return
@@ -111,12 +119,18 @@ def check() -> None:
     if not _told:
         _told = True
         _log.info("%s: preemption; asked the controller for a last-words checkpoint at the current step "
-                     "(the process then ends with exit code 75; bound: MINDIO_PREEMPT_TIMEOUT=%g s)", name, timeout)
+                  "(the process then ends with exit code 75; bound: MINDIO_PREEMPT_TIMEOUT=%g s)", name, timeout)
         _logging.event("preempt_requested", signal=name)
-    if _expired():
-        _log.error("%s %.0f s ago and no last-words checkpoint ended this process (the controller did not "
-                   "answer, or its dump did not finish; MINDIO_PREEMPT_TIMEOUT sets the bound): exiting with %d",
-                   name, time.monotonic() - first[1], EXIT_CODE_FAULT)
+    now = time.monotonic()
+    lost = link is not None and not link.registered.is_set()
+    _lost_since = (_lost_since or now) if lost else None
+    # with backup controllers to fail over to, the link gets another misses * interval to register again
+    gone = lost and (len(link.addrs) == 1 or now - _lost_since > link.misses * link.interval)
+    if _expired() or gone:
+        _log.error("%s %.0f s ago and no last-words checkpoint ended this process (%s): exiting with %d", name,
+                   now - first[1], "no controller reachable" if gone else
+                   "the controller did not answer, or its dump did not finish; MINDIO_PREEMPT_TIMEOUT sets the bound",
+                   EXIT_CODE_FAULT)
         for handler in logging.getLogger("mindio").handlers:
             handler.flush()
         os._exit(EXIT_CODE_FAULT)

@@ -136,7 +136,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         return _in_collective(sys._current_frames().get(self._main_ident))
 
     def _beat(self) -> P.Heartbeat:
-        preempt.check()  # a preemption signal's request: logged here, bounded (preempt.py)
+        preempt.check(self.link)  # a preemption signal's request: logged here, bounded (preempt.py)
         age = -1.0 if self._progress_t is None else time.monotonic() - self._progress_t
         return P.Heartbeat(step=self.step, data_status=int(self.data_status),
                            in_collective=self._main_in_collective(), progress_age=age)

@@ -21,6 +21,10 @@ The same holds for a launcher's stop signal after a failure (torchrun SIGTERMs t
 crashed rank, mindio-run those of a failed round): a worker whose controller is dumping after the
 fault finishes that checkpoint within the launcher's grace, where it used to die mid-dump.
 
+A process that leaves already with the controller's exit code (the decorator's ``exit_process``: 75
+after a dump, 76) ignores the signal: torchrun SIGTERMs the other workers once the first one exited,
+and they would die by it in their last second instead of exiting with that code.
+
 A script that installed its own handler for such a signal before ``tft_start_processor`` keeps it (no
 preemption checkpoint on that signal); a signal that comes while no processor is registered with a
 controller (before it, or after ``train()`` returned) acts as it would without mindio: there is
@@ -82,6 +86,8 @@ def requested() -> bool:
 def _on_signal(signum, frame) -> None:
     """(signal handler, main thread) Ask for the checkpoint; no work here (module docstring)."""
     global _first
+    if _rt.leaving is not None:
+        return  # the process leaves already, with the controller's exit code (75 after a dump)
     if _first is not None:
         if _expired():
             _default(signum)

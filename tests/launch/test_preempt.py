@@ -4,10 +4,10 @@ The user's loop is tests/dropin/plain_loop.py (the reference ``tft_*`` API only,
 handlers, resuming from ``ckpt/latest`` with ``--resume``); real mindio-run agents, real worker
 processes, real gloo. Nothing of mindio's internals is called: the test sends signals and reads files.
 
-* SIGTERM to ``mindio-run`` (Kubernetes signals the container's first process): every worker exits with
-  75 after a checkpoint of a step no earlier than the last one finished before the signal, mindio-run
-  exits with 75 well inside a 30 s grace period, and running the job again resumes from it, bitwise
-  equal to the fault-free run.
+* SIGTERM to ``mindio-run`` (Kubernetes signals the container's first process), with the controller in
+  rank 0 or in mindio-run: every worker exits with 75 after a checkpoint of a step no earlier than the
+  last one finished before the signal, mindio-run exits with 75 well inside a 30 s grace period, and
+  running the job again resumes from it, bitwise equal to the fault-free run.
 * SIGTERM to one worker under ``--max-restarts 1 --high-availability dump`` (the controller hosted by
   the agent): the same checkpoint, then the agent relaunches every worker, which resume from it; the
   job ends 0, bitwise equal too.
@@ -73,7 +73,10 @@ def _checkpoint(out: Path) -> int:
 
 
 @pytest.mark.timeout(400)
-def test_sigterm_to_mindio_run_checkpoints_the_current_step_and_the_rerun_resumes_bitwise(tmp_path, reference):
+@pytest.mark.parametrize("ha", [False, True], ids=["controller-in-rank-0", "controller-in-mindio-run"])
+def test_sigterm_to_mindio_run_checkpoints_the_current_step_and_the_rerun_resumes_bitwise(tmp_path, reference, ha):
+    """Without --high-availability the agent forwards the signal and the workers ask rank 0's controller;
+    with it the agent asks the controller it hosts (the rerun is the same in both: run once)."""
     out = tmp_path / "job"
     seen: dict = {}
 
@@ -84,7 +87,8 @@ def test_sigterm_to_mindio_run_checkpoints_the_current_step_and_the_rerun_resume
         p.wait(60)
         seen["exit_s"] = time.monotonic() - t0
 
-    run = Run(out, ["--resume", *SLOW], "mindio-run", during=preempt)
+    run = Run(out, ["--resume", *SLOW], "mindio-run", during=preempt,
+              launcher_args=["--high-availability", "dump"] if ha else [])
     print(f"\nSIGTERM after step {max(seen['before'].values())} -> mindio-run exited {run.code} in "
           f"{seen['exit_s']:.2f} s")
     check_codes({"mindio-run": run.code})
@@ -98,8 +102,12 @@ def test_sigterm_to_mindio_run_checkpoints_the_current_step_and_the_rerun_resume
     after = _trained(out)
     # the step the ranks were at: none lost of those finished before the signal, none beyond what trained
     assert max(seen["before"].values()) <= step <= max(after.values()) < STEPS, (seen["before"], step, after)
-    requested = [e for e in run.events("dump_requested")]
-    assert requested and "SIGTERM" in requested[0]["why"], requested
+    requested = run.events("dump_requested")
+    # asked by the agent itself (it hosts the controller), or by a worker the agent forwarded the signal to
+    want = r"SIGTERM to node 0's mindio-run" if ha else r"rank \d: SIGTERM"
+    assert requested and re.fullmatch(want, requested[0]["why"]), requested
+    if ha:
+        return
 
     rerun = Run(out, ["--resume"], "mindio-run")
     check_codes({"mindio-run": rerun.code})

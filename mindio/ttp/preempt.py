@@ -14,8 +14,9 @@ signals of ``MINDIO_PREEMPT_SIGNAL`` (default SIGTERM):
 * the same signal again (a scheduler that signals every process, and the launcher forwarding it too)
   changes nothing; if the process still runs ``MINDIO_PREEMPT_TIMEOUT`` s after the first, the link
   thread logs it and ends the process with ``EXIT_CODE_FAULT`` (stopped without a new checkpoint), and
-  a signal after that acts as it would without mindio; so it does as soon as the link lost its
-  controller (``misses`` heartbeat intervals of silence; with backup controllers, twice that). A lost request never keeps a preempted job alive.
+  a signal after that acts as it would without mindio. It ends so as soon as the link lost its
+  controller (``misses`` heartbeat intervals of silence; with backup controllers, twice that): a lost
+  request never keeps a preempted job alive.
 
 The same holds for a launcher's stop signal after a failure (torchrun SIGTERMs the survivors of a
 crashed rank, mindio-run those of a failed round): a worker whose controller is dumping after the

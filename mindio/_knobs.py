@@ -63,6 +63,19 @@ def _upper(text: str) -> str:
     return text.strip().upper()
 
 
+def _signals(text: str) -> tuple:
+    """A comma list of signal names (``SIGTERM,SIGUSR1``; ``TERM`` is read as ``SIGTERM``); ``none``: ()."""
+    import signal
+
+    if text.strip().lower() in ("none", "off", "0"):
+        return ()
+    names = tuple(n if n.startswith("SIG") else "SIG" + n for n in (s.strip().upper() for s in text.split(",")) if n)
+    bad = [n for n in names if not isinstance(getattr(signal, n, None), signal.Signals) or n in ("SIGKILL", "SIGSTOP")]
+    if bad:
+        raise ValueError(f"{bad} not a signal that can be handled; use e.g. SIGTERM,SIGUSR1 or none")
+    return names
+
+
 def _ha_list(text: str) -> tuple:
     allowed = set(HA_STRATEGIES)
     items = tuple(s.strip() for s in text.split(",") if s.strip())
@@ -165,6 +178,16 @@ _ALL = [
     Knob("MINDIO_DECISION_TIMEOUT", float, 300.0,
          "mindio-run with --high-availability: seconds a worker death may wait for the controller's decision "
          "(replace the rank, or end the job) before the agent fails the round anyway.", min=1, max=86400),
+    Knob("MINDIO_PREEMPT_SIGNAL", _signals, ("SIGTERM",),
+         "Signals that mean preemption (comma list, e.g. SIGTERM,SIGUSR1; none: off). mindio-run, or a worker "
+         "whose processor started (tft_start_processor), that receives one asks the controller for a last-words "
+         "checkpoint at the current step; the workers then exit with EXIT_CODE_DUMPED (75), and so does "
+         "mindio-run (docs/recovery.md, Preemption). mindio-run: --preempt-signal."),
+    Knob("MINDIO_PREEMPT_TIMEOUT", float, 20.0,
+         "Seconds from a preemption signal to the end of the last-words checkpoint and of every worker; past it "
+         "mindio-run stops its workers as for any other signal (--shutdown-timeout later SIGKILL), and a worker "
+         "still running ends itself by the signal. 20 s plus the 3 s shutdown timeout fit a 30 s grace period "
+         "(Kubernetes' default, Slurm's KillWait). mindio-run: --preempt-timeout.", min=1, max=3600),
     Knob("MINDIO_PRELOAD", str, "",
          "mindio-run: comma list of extra modules its warm worker interpreters import before they know their "
          "rank (only modules that read no rank variable at import; torch, numpy, megatron.core and mindio "

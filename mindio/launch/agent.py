@@ -48,7 +48,7 @@ import time
 
 from .. import _logging
 from ..errors import ConfigError
-from . import elastic, failures, ha, liveness, netif, secret, switch
+from . import elastic, failures, ha, liveness, netif, preempt, secret, switch
 from .config import LaunchConfig
 from .logs import WorkerLogs
 from .spares import Spares
@@ -102,6 +102,8 @@ class Agent:
         self._signal: int | None = None  # the signal that stopped the agent
         self.hosted_code: int | None = None  # the exit code the hosted controller ended the job with (ha.py)
         self._ha: ha.RoundWatch | None = None  # this round's high-availability bookkeeping (ha.py)
+        self._preempt: tuple | None = None  # (signum, time.monotonic()) of a preemption signal (preempt.py)
+        self._preempt_asked = False  # the checkpoint was asked for (main loop, _preempt_tick)
         self.late_ranks: set = set()  # ranks that failed after their training finished (ha.py)
 
     # --- the WorkerView (view.py): what ha.py, switch.py and elastic.py use of this agent ---------
@@ -365,6 +367,10 @@ class Agent:
             self._beat()
             if self._store.check([failed_key]):
                 return self._store.get(failed_key).decode()
+            if self._preempt is not None:
+                preempt.tick(self, rnd)
+                if self._stopping:
+                    break
             codes = self._exit_codes()
             bad = {r: c for r, c in codes.items() if c not in (None, 0)}
             if self.cfg.high_availability:
@@ -489,7 +495,7 @@ class Agent:
         """Run the job on this node; returns the agent's exit code: 0, 75 when it ended with a
         last-words checkpoint and no restart left (relaunch to resume from it), else 1. A bad setting
         (a port in use, a job secret that is not private: secret.py) raises ConfigError (cli.py: one line)."""
-        for name in self.cfg.signals:
+        for name in dict.fromkeys(self.cfg.signals + self.cfg.preempt_signals):
             signal.signal(getattr(signal, name), self._on_signal)
         self._logs = WorkerLogs(self.cfg)
         self._spares.fill(self.cfg.nproc_per_node)  # every first worker warms up while the agents rendezvous
@@ -551,9 +557,10 @@ class Agent:
     def _report_round(self, rnd: int, reason: str) -> int | None:
         """Say how round ``rnd`` ended (failures.outcome); the agent's exit code when the job ends, None
         when every worker restarts (``--max-restarts``)."""
-        text, code = failures.outcome(self.round_failures(rnd), reason, rnd, self.cfg.max_restarts,
-                                      stopping=self._stopping, dumped=self.hosted_code == failures.EXIT_CODE_DUMPED,
-                                      node=self.cfg.node_rank)
+        preempted = preempt.reason(self, rnd)  # this agent, or another, was preempted: no restart
+        text, code = failures.outcome(self.round_failures(rnd), preempted or reason, rnd, self.cfg.max_restarts,
+                                      stopping=self._stopping or bool(preempted),
+                                      dumped=self.hosted_code == failures.EXIT_CODE_DUMPED, node=self.cfg.node_rank)
         print(text, file=sys.stderr)
         return code
 
@@ -576,6 +583,10 @@ class Agent:
             pass
 
     def _on_signal(self, signum, frame):
+        """(signal handler) Note the signal; the main loop acts on it. A preemption signal while workers
+        run asks for a last-words checkpoint first (preempt.py); any other stops the agent now."""
+        if preempt.on_signal(self, signum):
+            return
         self._stopping = True
         self._signal = self._signal or signum
 

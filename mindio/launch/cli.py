@@ -78,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "launcher (the script may start one in rank 0, as under torchrun)")
     g.add_argument("--recover-timeout", action=env, type=float, default=60.0, metavar="S",
                    help="seconds for a replacement process to join the survivors (recover-in-place/recover)")
+    g.add_argument("--preempt-signal", action=env, default=os.environ.get("MINDIO_PREEMPT_SIGNAL", "SIGTERM"),
+                   metavar="LIST",
+                   help="signals that mean preemption (default: $MINDIO_PREEMPT_SIGNAL, else SIGTERM; none: off): "
+                        "mindio-run, or a worker, that receives one has the controller write a last-words checkpoint "
+                        "at the current step; the workers and mindio-run then exit with 75 (rerun the job to resume)")
+    g.add_argument("--preempt-timeout", action=env, type=float, default=None, metavar="S",
+                   help="seconds from a preemption signal to the end of that checkpoint and of every worker, after "
+                        "which they are stopped as for any other signal (default: $MINDIO_PREEMPT_TIMEOUT, else 20; "
+                        "with --shutdown-timeout 3 it fits a 30 s grace period)")
     g.add_argument("--warm-spares", action=env, type=int, default=1, metavar="N",
                    help="pre-started interpreters kept per node (torch imported, waiting for a rank)")
     return p
@@ -162,6 +171,11 @@ def parse_args(argv=None):
             p.error(f"--local-ranks-filter {a.local_ranks_filter!r}: expected a comma list of local ranks, e.g. 0,1")
     from .. import _knobs
 
+    try:
+        preempt = _knobs.get("MINDIO_PREEMPT_SIGNAL", {"MINDIO_PREEMPT_SIGNAL": a.preempt_signal})
+        preempt_timeout = a.preempt_timeout if a.preempt_timeout is not None else _knobs.get("MINDIO_PREEMPT_TIMEOUT")
+    except ConfigError as exc:
+        p.error(str(exc).replace("MINDIO_PREEMPT_SIGNAL=", "--preempt-signal "))
     grace = a.shutdown_timeout
     if grace is None:
         try:
@@ -185,6 +199,10 @@ def parse_args(argv=None):
             duplicate_stderr_filters=tuple(a.duplicate_stderr_filters), no_python=a.no_python,
             virtual_local_rank=a.virtual_local_rank,
             signals=tuple(s.strip() for s in a.signals_to_handle.split(",") if s.strip()),
+            preempt_signals=preempt, preempt_timeout=float(preempt_timeout),
+            # the workers' own handlers (mindio.ttp.preempt) read the same settings
+            extra_env={"MINDIO_PREEMPT_SIGNAL": ",".join(preempt) or "none",
+                       "MINDIO_PREEMPT_TIMEOUT": repr(float(preempt_timeout))},
         )
     except ConfigError as exc:
         p.error(str(exc))

@@ -74,6 +74,12 @@ class LaunchConfig:
     """``--virtual-local-rank``: every worker sees LOCAL_RANK=0 and only its own device."""
     signals: tuple = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     """``--signals-to-handle``: signals that stop the agent; it forwards them to its workers."""
+    preempt_signals: tuple = ("SIGTERM",)
+    """``--preempt-signal`` (MINDIO_PREEMPT_SIGNAL): signals that mean preemption: a last-words checkpoint
+    at the current step, then the agent exits with its code, 75 (agent.py, Preemption)."""
+    preempt_timeout: float = 20.0
+    """``--preempt-timeout`` (MINDIO_PREEMPT_TIMEOUT): seconds from a preemption signal to the end of the
+    checkpoint and of every worker; past it the workers are stopped as for any other signal."""
 
     def __post_init__(self):
         if self.nproc_per_node < 1:
@@ -103,7 +109,9 @@ class LaunchConfig:
             except ValueError:
                 raise ConfigError(f"{flag} {value}: expected 0-3 for every local rank, or LOCAL_RANK:0-3 "
                                   f"pairs (e.g. 3, or 0:3,1:1); 1 stdout, 2 stderr, 3 both") from None
-        for name in self.signals:
+        if self.preempt_timeout <= 0:
+            raise ConfigError(f"--preempt-timeout must be > 0 seconds, got {self.preempt_timeout}")
+        for name in self.signals + self.preempt_signals:
             if not hasattr(signal, name) or not name.startswith("SIG"):
                 raise ConfigError(f"--signals-to-handle: {name!r} is not a signal name (e.g. SIGTERM,SIGUSR1)")
 

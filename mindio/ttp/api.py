@@ -25,7 +25,7 @@ from typing import Callable
 from .. import _knobs, _logging
 from ..errors import ConfigError
 from ..vocab import MINDX_STRATEGIES, REPLACING
-from . import transport
+from . import preempt, transport
 from ._enums import ReportState
 from ._runtime import state as _rt
 from .brain import Brain, load_table
@@ -268,6 +268,10 @@ def tft_start_processor(master_ip: str, port: int, local_ip=''):
     first). Under ``mindio-run --high-availability`` (``MINDIO_CONTROLLER_EXTERNAL=1``) the processor
     connects to the controller the launcher hosts (``TTP_ADDR``, ``TTP_PORT``) whatever is passed here.
 
+    Called from the main thread, it also handles ``MINDIO_PREEMPT_SIGNAL`` (default SIGTERM) unless the
+    script handles that signal itself: the signal asks the controller for a last-words checkpoint at the
+    current step, after which this process exits with 75 (mindio.ttp.preempt, docs/recovery.md).
+
     Returns:
         None.
     Raises:
@@ -285,6 +289,7 @@ def tft_start_processor(master_ip: str, port: int, local_ip=''):
         raise ConfigError(f"controller port {port} must be in [1024, 65535]")
     addr = f"tcp://{master_ip}:{int(port)}"
     _proc().start(addr, transport.job_secret(create=False, controller=addr))
+    preempt.install()  # MINDIO_PREEMPT_SIGNAL (SIGTERM) -> a last-words checkpoint (preempt.py)
 
 
 def tft_destroy_processor():

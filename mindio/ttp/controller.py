@@ -374,6 +374,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             if r is not None and r.left:  # a beat sent after its BYE: it must not register again (then die)
                 state = "BYE"
             self._ack(ident, env.rank, state)
+            if self._dump_wanted is not None and body.step > 0:  # asked before the first step (incident.py)
+                self.serve_dump_request()
         elif env.type is P.MsgType.REGISTER:
             self._on_register(ident, env.rank, body, now, env.gen)
         elif env.type is P.MsgType.REPORT and env.rank in self.ranks:
@@ -409,6 +411,12 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                 r.last_seen = now
                 self._seen.move_to_end(env.rank)
             self.actions.on_reply(env.rank, env.sn, body)
+        elif env.type is P.MsgType.REQUEST and env.rank in self.ranks:
+            if env.body.name == "dump":
+                self.request_dump(f"rank {env.rank}: {env.body.reason}")
+            else:
+                _log.warning("rank %d asked for %r, which is no request this controller knows", env.rank,
+                             env.body.name[:40])
         elif env.type is P.MsgType.BEATS:
             self._on_beats(ident, env, now)
         elif env.type is P.MsgType.BATCH:
@@ -431,6 +439,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             if r.alive:
                 seen[rank] = None
                 seen.move_to_end(rank)
+        if self._dump_wanted is not None:  # asked before the first step (incident.py)
+            self.serve_dump_request()
         state = self.sm.state.value
         if unknown:
             self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups), unknown)),
@@ -481,6 +491,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                                    rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
             self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
+            self.serve_dump_request()  # a preemption before every rank registered (incident.py)
             _log.info("every rank registered; the job's strategies: %s (asked for by the controller: %s, by "
                       "the ranks' tft_init_processor flags: %s)", sorted(self.brain.enabled(self.job_strategies())),
                       sorted(self.enabled), sorted(self._ranks_ask()))

@@ -102,6 +102,7 @@ def exit_process(proc, code: int):
     """Leave the process after EXIT: exit callback, let an in-process controller finish, SystemExit
     (``finally`` blocks and atexit handlers of the framework run; the interpreter teardown is skipped:
     :func:`_finish`)."""
+    _rt.leaving = code  # a stop signal now changes nothing (preempt.py): the process ends with ``code``
     if "exit" in _rt.callbacks:
         func, ctx = _rt.callbacks["exit"]
         try:

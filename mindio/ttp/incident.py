@@ -60,22 +60,26 @@ class IncidentFlow(PauseFlow):
 
     # ------------------------------------------------------------------ incidents
     def _open_incident(self, rank: int | None, state: ReportState | None, cause: str = "fault",
-                       message: str = "") -> None:
+                       message: str = "") -> bool:
+        """Open an incident (or add ``rank`` to the one open); whether this call opened it."""
         if not self.active:
-            return
+            return False
+        opened = False
         with self._lock:
             inc = self._incident
             if inc is None:
                 if self.sm.state not in OPEN_STATES:
-                    return
+                    return False
                 inc = self._incident = {"t0": time.monotonic(), "primary": {}, "cause": cause, "first": rank,
                                         "seen": {}, "messages": {}}
                 self._incident_evt.set()
+                opened = True
             if rank is not None and (state is None or policy.is_primary(state)):
                 inc["primary"][rank] = state if state is not None else ReportState.RS_UNKNOWN
                 inc["seen"].setdefault(rank, time.monotonic())
                 if message:
                     inc["messages"][rank] = message
+        return opened
 
     def _secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
         """(I/O thread, under the lock) ``state`` of a report, or RS_NORMAL when it is secondary: an
@@ -117,6 +121,7 @@ class IncidentFlow(PauseFlow):
                         continue
                     return
                 if self._run_incident():
+                    self.serve_dump_request()  # a preemption during the recovery: its dump now
                     continue  # retried: every rank trains again; wait for the next incident
             except Exception:
                 _log.exception("incident handling failed; stopping the job without a dump")
@@ -322,6 +327,39 @@ class IncidentFlow(PauseFlow):
             return 1
         self._open_incident(None, None, cause="dump_request")
         return 0
+
+    _dump_wanted: str | None = None  # why a last-words checkpoint was requested, until one starts
+
+    def request_dump(self, why: str) -> None:
+        """(I/O thread, or node 0's agent) A preemption (preempt.py, mindio-run): a last-words checkpoint
+        at the current step, then EXIT(75) -- the incident of ``notify_dump``. Asked while another incident
+        runs (or before every rank registered) it waits for the job to train again: a recovery that ends
+        in a dump or an exit needs none, one that resumes training is followed by this dump."""
+        with self._lock:
+            inc = self._incident
+            under_way = (inc is not None and inc["cause"] == "dump_request") or \
+                self.sm.state in (State.DUMP, State.EXIT, State.FINAL)
+        if under_way:
+            _log.info("last-words checkpoint requested again (%s): one is under way", why)
+            return
+        if self._dump_wanted is None:
+            _log.warning("last-words checkpoint requested (%s): every rank stops at its current step, the "
+                         "ranks that hold each shard save it, then the job exits with %d", why, EXIT_CODE_DUMPED)
+            _logging.event("dump_requested", why=why, state=self.sm.state.value)
+        self._dump_wanted = why
+        self.serve_dump_request()
+
+    def serve_dump_request(self) -> None:
+        """Open the requested dump's incident if the job is training (NORMAL), no other incident is open
+        and some rank finished a step in this run; else it stays asked for. Before the first step there
+        is nothing newer than what the job started from, and a save then would label the loaded state
+        step 0: the first heartbeat that carries a step serves it (controller.py)."""
+        if self._dump_wanted is None or self.sm.state is not State.NORMAL:
+            return
+        with self._lock:
+            trained = any(r.step > 0 for r in self.ranks.values() if r.alive)
+        if trained and self._open_incident(None, None, cause="dump_request"):
+            self._dump_wanted = None
 
     def notify_stop_train(self, fault_ranks: dict, wait: float | None = None) -> int:
         """Open or widen an incident for ``fault_ranks``; ``wait`` (tft_notify_controller_on_global_rank's

@@ -68,7 +68,7 @@ class InPlaceActions:
         """(main thread, under ``_cond``) Raise FORCE STOP when the clean action asked for it."""
         if self._force:
             self._force = False
-            raise RuntimeError("FORCE STOP: the controller stopped training on this rank for a retry")
+            raise RuntimeError("FORCE STOP: the controller stopped training on this rank (clean: a retry, or the end of the job)")
 
     def _do_clean(self, timeout: float = 60.0) -> dict:
         end = time.monotonic() + timeout

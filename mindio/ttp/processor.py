@@ -42,7 +42,7 @@ from ..errors import ConfigError, NoController, describe
 from . import protocol as P
 from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
-from . import device
+from . import device, preempt
 from .inplace import InPlaceActions
 from .elastic_rank import ElasticActions
 from .reboot import RebootActions, adopt as _adopt_reboot
@@ -136,6 +136,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         return _in_collective(sys._current_frames().get(self._main_ident))
 
     def _beat(self) -> P.Heartbeat:
+        preempt.check(self.link)  # a preemption signal's request: logged here, bounded (preempt.py)
         age = -1.0 if self._progress_t is None else time.monotonic() - self._progress_t
         return P.Heartbeat(step=self.step, data_status=int(self.data_status),
                            in_collective=self._main_in_collective(), progress_age=age)

@@ -52,8 +52,8 @@ from ..errors import AuthError, ProtocolError
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
-    "Report", "Info", "Action", "Reply", "Bye", "Beats", "Batch", "Hello", "Challenge", "encode", "pack_body",
-    "decode", "DropCounter", "BODY_TYPES",
+    "Report", "Info", "Action", "Reply", "Bye", "Request", "Beats", "Batch", "Hello", "Challenge", "encode",
+    "pack_body", "decode", "DropCounter", "BODY_TYPES",
 ]
 
 VERSION = 3
@@ -76,6 +76,7 @@ class MsgType(enum.IntEnum):
     BATCH = 11         # relay <-> controller: many messages of other types in one frame (v2)
     HELLO = 12         # any -> controller: a fresh nonce; asks for a session (v3)
     CHALLENGE = 13     # controller -> sender of a HELLO: its nonce back and the session to register in (v3)
+    REQUEST = 14       # processor -> controller: ask for a graceful action ("dump": preemption, preempt.py)
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,12 @@ class Bye:
 
 
 @dataclass(frozen=True)
+class Request:
+    name: str         # "dump": a last-words checkpoint at the current step, then exit (EXIT_CODE_DUMPED)
+    reason: str = ""  # why, for the log ("SIGTERM")
+
+
+@dataclass(frozen=True)
 class Beats:
     """Heartbeats of ``len(ranks)`` ranks; column i of every list belongs to ``ranks[i]``."""
     ranks: list
@@ -177,7 +184,7 @@ BODY_TYPES: dict[MsgType, type] = {
     MsgType.REGISTER: Register, MsgType.REGISTER_ACK: RegisterAck, MsgType.HEARTBEAT: Heartbeat,
     MsgType.HEARTBEAT_ACK: HeartbeatAck, MsgType.REPORT: Report, MsgType.INFO: Info,
     MsgType.ACTION: Action, MsgType.REPLY: Reply, MsgType.BYE: Bye, MsgType.BEATS: Beats, MsgType.BATCH: Batch,
-    MsgType.HELLO: Hello, MsgType.CHALLENGE: Challenge,
+    MsgType.HELLO: Hello, MsgType.CHALLENGE: Challenge, MsgType.REQUEST: Request,
 }
 _PY_TYPES = {"int": (int,), "str": (str,), "float": (float, int), "bool": (bool,), "list": (list,), "dict": (dict,)}
 

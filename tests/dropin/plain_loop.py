@@ -21,7 +21,9 @@ at the start of the step, ``uce`` overwrites the rank's parameters and optimizer
 raises ``RuntimeError("UCE ERROR ...")``, ``kill`` SIGKILLs the rank. The time of the (latest) fault
 goes to ``DIR/fault_t``; the time every rank is training again after a recovery can be read from each rank's
 ``DIR/trained_rank<r>`` (time of each finished step). At the end every rank writes
-``DIR/final_rank<r>.pt``.
+``DIR/final_rank<r>.pt``. ``--resume``: start from ``DIR/ckpt/latest`` when there is one (every rank holds
+the whole state, so any saved rank's file will do); ``--step-sleep S``: each step also takes S seconds (a
+longer step, for a test that signals the job mid-training).
 """
 from __future__ import annotations
 
@@ -56,6 +58,17 @@ class Job:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.step = 0
 
+    def resume(self) -> None:
+        """Load the checkpoint ``DIR/ckpt/latest`` names, if any (written by save + rename)."""
+        latest = os.path.join(self.args.out, "ckpt", "latest")
+        if not os.path.exists(latest):
+            return
+        d = os.path.join(self.args.out, "ckpt", f"step_{int(open(latest).read())}")
+        state = torch.load(os.path.join(d, sorted(os.listdir(d))[0]))
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step = state["step"]
+
     def batch(self, step: int):
         g = torch.Generator().manual_seed(1000 + step)
         x = torch.randn(4 * self.world, 8, generator=g)
@@ -82,6 +95,7 @@ class Job:
         tft_end_updating_os(step)
         with open(os.path.join(self.args.out, f"trained_rank{self.rank}"), "a") as f:
             f.write(f"{step} {time.time()!r}\n")
+        time.sleep(self.args.step_sleep)
 
     def maybe_fault(self, step: int) -> None:
         for fault in filter(None, self.args.fault.split(",")):
@@ -168,6 +182,8 @@ def main() -> int:
     p.add_argument("--stop-clean", action="store_true", help="register stop and clean handlers (no group handling)")
     p.add_argument("--keep-group", action="store_true", help="all-reduce on a group the loop keeps")
     p.add_argument("--pg-timeout", type=float, default=60.0)
+    p.add_argument("--resume", action="store_true", help="start from DIR/ckpt/latest when there is one")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes")
     p.add_argument("--enable-arf", action="store_true", help="tft_init_processor(enable_arf=True)")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -181,6 +197,8 @@ def main() -> int:
     tft_start_processor(addr, port)
     tft_set_optimizer_replica(rank, [{"rank_list": list(range(world)), "replica_cnt": 2, "replica_shift": 0}])
     job = Job(args)
+    if args.resume:
+        job.resume()
     tft_register_save_ckpt_handler(job.save)
     tft_register_rename_handler(job.rename)
     if args.repair:

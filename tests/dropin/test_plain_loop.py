@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,7 +37,8 @@ class Run:
     """One 4-rank job of the plain loop: launcher exit code, output, the time it ended, its files."""
 
     def __init__(self, out: Path, args: list, launcher: str = "torchrun", launcher_args: list = (),
-                 timeout: float = 150):
+                 timeout: float = 150, during=None):
+        """``during(popen)``: called once the launcher started (e.g. to signal it mid-training)."""
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         env = {k: v for k, v in os.environ.items() if k != "HIGH_AVAILABILITY"}  # only what a test asks for
@@ -48,10 +50,23 @@ class Run:
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
         try:
-            self.text, _ = p.communicate(timeout=timeout)
+            if during is not None:  # the output is read meanwhile: a full pipe would stall the job
+                chunks: list = []
+                reader = threading.Thread(target=lambda: chunks.append(p.stdout.read()), daemon=True)
+                reader.start()
+                try:
+                    during(p)
+                    p.wait(timeout)
+                finally:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    reader.join(30)
+                    self.text = "".join(chunks)
+            else:
+                self.text, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)  # the launcher's session: it and every worker it started
-            text, _ = p.communicate()
+            text = self.text if during is not None else p.communicate()[0]
             raise AssertionError(f"the job did not end within {timeout} s (a hang):\n{text[-6000:]}")
         self.ended = time.time()
         self.code, self.launcher = p.returncode, launcher

@@ -78,6 +78,20 @@ def test_torchrun_flags_keep_their_meaning(script, monkeypatch):
     assert (cfg.nproc_per_node, cfg.max_restarts, cfg.high_availability) == (5, 2, ("dump", "retry"))
 
 
+def test_preemption_flags_reach_the_agent_and_its_workers(script, capsys, monkeypatch):
+    cfg = parse_args([script])
+    assert (cfg.preempt_signals, cfg.preempt_timeout) == (("SIGTERM",), 20.0)
+    cfg = parse_args(["--preempt-signal", "term,USR1", "--preempt-timeout", "12", script])
+    assert (cfg.preempt_signals, cfg.preempt_timeout) == (("SIGTERM", "SIGUSR1"), 12.0)
+    # the workers' handlers (mindio.ttp.preempt) read the same settings from their environment
+    assert cfg.extra_env == {"MINDIO_PREEMPT_SIGNAL": "SIGTERM,SIGUSR1", "MINDIO_PREEMPT_TIMEOUT": "12.0"}
+    assert parse_args(["--preempt-signal", "none", script]).extra_env["MINDIO_PREEMPT_SIGNAL"] == "none"
+    monkeypatch.setenv("MINDIO_PREEMPT_TIMEOUT", "9")
+    assert parse_args([script]).preempt_timeout == 9.0
+    assert "--preempt-signal 'SIGKILL' is not valid" in _error(capsys, ["--preempt-signal", "SIGKILL", script])
+    assert "--preempt-timeout must be > 0" in _error(capsys, ["--preempt-timeout", "0", script])
+
+
 def test_flags_mindio_run_cannot_honour_fail_with_one_line(script, capsys):
     assert "--rdzv-backend etcd: not supported" in _error(capsys, ["--rdzv-backend", "etcd", script])
     assert "elastic ranges are not supported" in _error(capsys, ["--nnodes", "1:4", script])

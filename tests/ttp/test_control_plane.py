@@ -185,6 +185,34 @@ def test_graceful_dump_on_request(plane):
     assert _until(lambda: all(p._next == (Action.EXIT, 75) for p in procs))
 
 
+@pytest.mark.timeout(60)
+def test_a_ranks_dump_request_is_a_last_words_checkpoint(plane):
+    """REQUEST("dump") from a rank (mindio.ttp.preempt: its process got SIGTERM): the dump of
+    tft_notify_controller_dump, at the first finished step when asked before it; a second request
+    starts nothing more; an unknown request changes nothing."""
+    ctl, procs, _ = plane
+    ctl.action_limit = 1.0
+    saved = []
+    for p in procs:
+        p.replica = [{"rank_list": [0, 1], "replica_cnt": 1, "replica_shift": 0}]
+        p.send_info()
+        p.callbacks["save_ckpt"] = (lambda step, info, args, ctx, r=p.rank: saved.append((r, step)), None)
+        p.callbacks["rename"] = (lambda step, args, ctx: saved.append(("rename", step)), None)
+    assert _until(lambda: all(ctl.ranks[p.rank].replica for p in procs))
+    procs[0].link.send(P.Envelope(P.MsgType.REQUEST, P.Request("reboot", reason="?")))
+    for p in procs:
+        p.link.send(P.Envelope(P.MsgType.REQUEST, P.Request("dump", reason="SIGTERM")))
+    assert _until(lambda: ctl._dump_wanted is not None)
+    time.sleep(0.5)  # several heartbeats at step 0: nothing trained yet, nothing to save
+    assert ctl.sm.state is State.NORMAL and saved == []
+    for p in procs:
+        p.end_updating_os(5)
+    assert _until(lambda: ctl.final.is_set(), 30)
+    assert sorted(saved[:2]) == [(0, 5), (1, 5)] and saved[2:] == [("rename", 5)]  # one dump
+    assert ctl.exit_code == 75
+    assert _until(lambda: all(p._next == (Action.EXIT, 75) for p in procs))
+
+
 @pytest.mark.timeout(30)
 def test_report_is_handed_to_zmq_before_report_returns(plane):
     """The decorator tears the rank down right after ``report`` (a full gc that holds the GIL for

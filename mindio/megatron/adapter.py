@@ -98,6 +98,8 @@ class TrainingContext:
             "dp_pos": groups[0][0],
             "dp_size": groups[0][1],
             "groups": groups,
+            "rank": dist.get_rank(),  # also for a dump after mindio destroyed the default group
+            "world": dist.get_world_size(),
         }
 
     # -- state --------------------------------------------------------------------------------
@@ -439,7 +441,7 @@ class MegatronAdapter(FrameworkAdapter):
         checkpoint.save_dump(self.ctx, step, save_info)
 
     def rename(self, step: int) -> None:
-        checkpoint.finish_dump(Path(self.ctx.args.save), step)
+        checkpoint.finish_dump(Path(self.ctx.args.save), step, checkpoint._rank(self.ctx))
 
     def stream_sync(self) -> None:
         if torch.cuda.is_available() and not _cpu_patched():

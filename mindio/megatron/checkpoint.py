@@ -113,6 +113,12 @@ class Writers:
     save_id: str = ""
 
 
+def _rank(ctx) -> int:
+    """This rank's global rank: from the default group while it exists, else as cached by
+    init_parallel (a dump runs after mindio's teardown destroyed every group, the default one too)."""
+    return dist.get_rank() if dist.is_initialized() else ctx.layout["rank"]
+
+
 def _periodic_writers(ctx, iteration: int) -> Writers:
     types = range(len(ctx.layout["groups"]))
     return Writers(shards=[ctx.replica_instance(t) == 0 for t in types],
@@ -122,7 +128,7 @@ def _periodic_writers(ctx, iteration: int) -> Writers:
 
 def _dump_writers(ctx, step: int, save_info: Any) -> Writers:
     infos = list(save_info if isinstance(save_info, (list, tuple)) else [save_info])
-    rank = dist.get_rank()
+    rank = _rank(ctx)
     chosen = {int(i.get("type", n)): {int(r) for r in i.get("ranks", [])} for n, i in enumerate(infos) if i}
     every = sorted(set().union(*chosen.values())) if chosen else []
     types = range(len(ctx.layout["groups"]))
@@ -270,9 +276,9 @@ def _assign(sd: Dict[str, Any], writers: Writers) -> None:
     _set_replica(sd["rng_state"], writers.slice[0], keep_model_parts=False)
 
 
-def _write(sd: Dict[str, Any], writers: Writers, directory: Path) -> None:
+def _write(sd: Dict[str, Any], writers: Writers, directory: Path, rank: int, world: Optional[int] = None) -> None:
     _assign(sd, writers)
-    common = torch_dist.write_local(sd, directory, dist.get_rank(), writers.save_id, writers.ranks)
+    common = torch_dist.write_local(sd, directory, rank, writers.save_id, writers.ranks, world)
     if writers.common:
         torch_dist.write_common(common, directory)
 
@@ -283,7 +289,7 @@ def save_checkpoint(ctx, root: Optional[Path] = None) -> float:
     t0 = time.perf_counter()
     root = Path(root or ctx.args.save)
     directory = checkpoint_dir(root, ctx.iteration)
-    _write(snapshot(ctx), _periodic_writers(ctx, ctx.iteration), directory)
+    _write(snapshot(ctx), _periodic_writers(ctx, ctx.iteration), directory, dist.get_rank())
     dist.barrier()
     if dist.get_rank() == 0:
         torch_dist.finalize(directory, 0)
@@ -298,8 +304,8 @@ def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bo
     ``save_info`` is ``[{"type": t, "ranks": [...]}, ...]`` (one rank per optimizer shard and type).
     Returns whether this rank wrote anything. :func:`finish_dump` (the rename step) must follow on one
     of the writing ranks."""
-    writers = _dump_writers(ctx, step, save_info)
-    if dist.get_rank() not in writers.ranks:
+    writers, rank = _dump_writers(ctx, step, save_info), _rank(ctx)
+    if rank not in writers.ranks:
         return False
     if ctx.iteration != step:
         raise RuntimeError(f"dump for step {step} asked, but this rank's state is at iteration {ctx.iteration}")
@@ -308,16 +314,17 @@ def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bo
     elif ctx._kept is not None and ctx._kept.get("checkpoint") is not None:
         sd = ctx._kept["checkpoint"]  # kept by clean(), which ran when this rank's training raised
     else:
-        raise RuntimeError(f"dump of step {step}: rank {dist.get_rank()} has neither its model and optimizer "
+        raise RuntimeError(f"dump of step {step}: rank {rank} has neither its model and optimizer "
                            "nor the state clean() keeps (clean could not read it; see its warning)")
-    _write(sd, writers, checkpoint_dir(Path(root or ctx.args.save), step))
-    _log.info("dump checkpoint of step %d written by rank %d", step, dist.get_rank())
+    _write(sd, writers, checkpoint_dir(Path(root or ctx.args.save), step), rank, ctx.layout.get("world"))
+    _log.info("dump checkpoint of step %d written by rank %d", step, rank)
     return True
 
 
-def finish_dump(root: Path, step: int) -> None:
-    """The rename step of a dump (on a writing rank): merge the index, then point the tracker at it."""
-    torch_dist.finalize(checkpoint_dir(root, step), dist.get_rank())
+def finish_dump(root: Path, step: int, rank: Optional[int] = None) -> None:
+    """The rename step of a dump (on a writing rank, ``rank``: default the default group's): merge the
+    index, then point the tracker at it."""
+    torch_dist.finalize(checkpoint_dir(root, step), dist.get_rank() if rank is None else rank)
     write_tracker(root, step)
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import (FileSystem, FileSystemReader, FileSystemWriter,
                                                      _StorageInfo, _StoragePrefix)
@@ -202,8 +203,27 @@ def _result_from_json(raw: dict) -> WriteResult:
 
 
 # ------------------------------------------------------------------------------- writing
+@contextmanager
+def _default_group(rank: int, world: Optional[int]):
+    """megatron-core's conversion to DCP's ShardedTensors reads the rank and world size from the
+    default process group. A dump runs after mindio's teardown destroyed every group (the default one
+    too, to release ranks blocked in a collective with the failed one): then a communication-free
+    stand-in (torch's "fake" backend) answers with this rank's coordinates while the pieces are
+    written, and is destroyed afterwards. Nothing is sent anywhere."""
+    if dist.is_initialized() or world is None:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: str,
-                writers: Iterable[int]) -> dict:
+                writers: Iterable[int], world: Optional[int] = None) -> dict:
     """Write this rank's main-replica items of ``sharded_state_dict`` (megatron ShardedTensors and
     ShardedObjects whose replica_id was set by the caller) to ``directory``; no collectives.
 
@@ -218,17 +238,18 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
     directory.mkdir(parents=True, exist_ok=True)
     sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
-    pyt = mcore_to_pyt_state_dict(flat, False)
-    planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=False, thread_count=1,
-                              overwrite=True)
-    writer.fs = _StoreFileSystem()
-    planner.set_up_planner(pyt, is_coordinator=True)
-    writer.set_up_storage_writer(True)
-    plan = writer.prepare_local_plan(planner.create_local_plan())
-    plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_"))
-    final = planner.finish_plan(plan)
-    results = writer.write_data(final, planner).wait()
+    with _default_group(rank, world):  # no default group after mindio's teardown: a stand-in
+        pyt = mcore_to_pyt_state_dict(flat, False)
+        planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
+        writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=False, thread_count=1,
+                                  overwrite=True)
+        writer.fs = _StoreFileSystem()
+        planner.set_up_planner(pyt, is_coordinator=True)
+        writer.set_up_storage_writer(True)
+        plan = writer.prepare_local_plan(planner.create_local_plan())
+        plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_"))
+        final = planner.finish_plan(plan)
+        results = writer.write_data(final, planner).wait()
     piece = {"save_id": save_id, "rank": rank, "writers": sorted(set(int(w) for w in writers)),
              "items": [_item_to_json(i) for i in final.items],
              "results": [_result_to_json(r) for r in results]}

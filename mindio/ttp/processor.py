@@ -329,6 +329,24 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self.teardown(is_uce=False)
         return self._stop_reply(self._main)
 
+    def _do_unblock(self, timeout: float = 5.0) -> dict:
+        """(after ``stop``) A rank whose main thread still runs inside a collective -- waiting for a peer
+        that vanished without a reset, or for one stuck behind it -- shuts its own collective
+        connections down (unblock.py): the collective fails at once, the decorator parks the rank.
+        Reply once it is quiet, at most after ``timeout`` s; a rank not in a collective is left as it is."""
+        from . import unblock
+
+        n = 0
+        if self._main == "running" and self._main_in_collective():
+            link = self.link
+            n = unblock.shutdown_connections(unblock.protected_ports(link.addrs if link is not None else ()))
+            _log.warning("unblock: main thread blocked in a collective during an incident; shut down %d "
+                         "collective connection(s)", n)
+            _logging.event("unblocked", connections=n)
+        reply = self._stop_reply(self._wait_quiet(timeout))
+        reply["shut"] = n
+        return reply
+
     def _do_advance(self, step: int, timeout: float = 60.0) -> dict:
         """(after ``stop``) A rank held at its fence before its update of ``step`` finishes that update
         -- every peer that holds its shards did (policy.ranks_to_advance) -- and is held at its next

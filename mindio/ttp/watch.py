@@ -72,7 +72,11 @@ class LivenessWatch:
             self.declare_dead([r.rank for r in dead], "heartbeat", log=False,
                               silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
         if check_hang and self.hang_timeout > 0 and self.sm.state is State.NORMAL:
-            views = [(r.rank, r.progress_age, r.in_collective, r.step) for r in self.ranks.values() if r.alive]
+            # the progress clock restarts when the state (re)enters NORMAL: a rank paused by a recovery,
+            # or whose last beat still carries the age from before it, is not hung
+            normal_for = now - self.sm.since
+            views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
+                      r.in_collective, r.step) for r in self.ranks.values() if r.alive]
             for rank in policy.find_hung_ranks(views, self.hang_timeout):
                 _log.error("rank %d hung (no progress for %.0f s outside a collective): ordering SIGKILL",
                            rank, self.hang_timeout)

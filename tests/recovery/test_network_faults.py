@@ -127,3 +127,16 @@ def test_partitioned_node_ends_in_a_dump_from_the_survivors(tmp_path):
     saved = _first(evs, "transition", dst="EXIT")
     print(f"\nnode 1 frozen: survivors released {unblocked['t'] - fault_t:.2f} s, dump complete "
           f"{saved['t'] - fault_t:.2f} s after the freeze")
+
+
+@pytest.mark.timeout(200)
+def test_outage_within_the_tolerance_is_no_death(reference, tmp_path):
+    """Rank 3 is frozen for 3 s (SIGSTOP, then SIGCONT): longer than the default tolerance (3 missed
+    1 s beats, counting the beat interval before the freeze), inside the one the job set with
+    MINDIO_HEARTBEAT_MISSES=6 (6 s). Nobody is declared dead, nothing recovers, the run is bitwise."""
+    code, text, events = run(tmp_path / "run", fault=f"freeze:3:{FAULT_IT}",
+                             env={**SILENT, "MINDIO_HEARTBEAT_MISSES": "6", "TOY_FREEZE_S": "3"})
+    assert code == 0, text[-6000:]
+    assert _first(events, "fault_injected"), text[-4000:]
+    assert not [e for e in events if e["kind"] in ("rank_dead", "rank_hung", "decision")], text[-6000:]
+    assert digest(text) == reference

@@ -57,7 +57,9 @@ FAULTS = [
     Row("partition node 1 for 2 s", "partition", seconds=2.0),
     Row("partition node 1 for 10 s", "partition", seconds=10.0),
     Row("link flapping (100 ms down every 1 s, 10 s)", "flap", seconds=10.0),
+    Row("link flapping, MINDIO_HEARTBEAT_MISSES=8", "flap", seconds=10.0, env={"MINDIO_HEARTBEAT_MISSES": "8"}),
     Row("NIC flapping on node 1 (eth0 100 ms down every 1 s, 10 s)", "flap-nic", seconds=10.0),
+    Row("kill node 0 (controller + stores; no backup)", "kill-node0"),
     Row("hang rank 1 (MINDIO_HANG_TIMEOUT=5)", "none", toy_fault="hang:1:{step}", env={"MINDIO_HANG_TIMEOUT": "5"}),
     Row("fault during recovery (replacement dies)", "none", toy_fault="kill:1:{step}",
         env={"TOY_REPLACEMENT_FAILS": "1"}),
@@ -181,6 +183,8 @@ class Drill:
         self.fault_t = time.time()
         if row.apply == "kill-node":
             net.kill_host(1)
+        elif row.apply == "kill-node0":
+            net.kill_host(0)
         elif row.apply == "silent-death":
             net.link(1, False)
             time.sleep(0.5)
@@ -201,17 +205,18 @@ class Drill:
         self.start()
         t = threading.Thread(target=self.fault, daemon=True)
         t.start()
-        node0 = self.procs["node0"]
+        # the node whose agent says how the job ended: node 1 when node 0 is the one killed
+        main = self.procs["node1" if self.row.apply == "kill-node0" else "node0"]
         hung = False
         try:
-            node0.wait(self.timeout)
+            main.wait(self.timeout)
         except subprocess.TimeoutExpired:
             hung = True
         t.join(timeout=15)
         # the other agents end with node 0's round; whatever is left (a frozen or cut-off host) is killed
         deadline = time.monotonic() + 10
         for name, p in self.procs.items():
-            if name != "node0":
+            if p is not main:
                 try:
                     p.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -222,7 +227,7 @@ class Drill:
             p.wait()
         self.net.link(1, True)
         self.net.link(1, True, host_side=True)
-        return self.summary(node0.returncode, hung)
+        return self.summary(main.returncode, hung)
 
     def summary(self, code: int, hung: bool) -> dict:
         events = []
@@ -233,43 +238,37 @@ class Drill:
         digests = re.findall(r"state-digest: ([0-9a-f]{64})", text)
         done = [e for e in events if e["kind"] in ("recover_done", "retry_done")]
         dead = [e for e in events if e["kind"] == "rank_dead"]
-        resumed = [e["t"] for e in events if e["kind"] == "train_resumed"]
         fault_t = self.fault_t or next((e["t"] for e in events if e["kind"] == "fault_injected"), None)
         if self.row.toy_fault:
             fault_t = next((e["t"] for e in events if e["kind"] == "fault_injected"), fault_t)
         if hung:
             outcome = "HUNG (row timeout)"
         elif code == 0 and done:
-            outcome = f"recovered: {done[-1].get('strategy', 'retry')} (ranks {done[-1].get('replaced', [])})"
+            outcome = "recovered: " + ", then ".join(f"{d.get('strategy', 'retry')} {d.get('replaced', [])}"
+                                                     for d in done)
         elif code == 0:
             outcome = "ridden out (no recovery)" if not dead else "recovered"
         elif code == 75:
             outcome = "dump (exit 75): last-words checkpoint"
         else:
             outcome = f"exit {code}, nothing saved" if not (self.out / "ckpt" / "latest").exists() else f"exit {code}"
-        lock = done[-1].get("lock_step") if done else None
-        again = f"{max(resumed) - fault_t:.2f} s" if resumed and fault_t and done else "-"
-        if code == 75 and (self.out / "ckpt" / "latest").exists():
-            lock = int((self.out / "ckpt" / "latest").read_text())
+        if self.row.apply == "kill-node0" and not hung:
+            said = re.findall(r"mindio-run: job failed[^\n]*", (self.out / "node1.log").read_text(errors="replace"))
+            tb = "mindio/launch/agent.py" in (self.out / "node1.log").read_text(errors="replace")  # agent traceback
+            outcome = (f"node 1 exit {code}" + (", with a traceback" if tb else "") +
+                       (f": \"{said[0][:110]}...\"" if said else ", no reason printed"))
+        again = f"{done[0]['t'] - fault_t:.2f} s" if done and fault_t else "-"  # every rank trains again
         reached = max((int(i) for i in re.findall(r"\[rank \d\] iteration (\d+)", text)), default=0)
-        lost = "-" if lock is None else str(max(0, self._reached_before(text) - lock))
+        if done:  # iterations some rank computed twice (its old process, then its replacement / a rollback)
+            lost = str(max(len(its) - len(set(its)) for its in
+                           ([int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+)", text)] for r in range(4))))
+        elif (self.out / "ckpt" / "latest").exists():  # resuming from the dump redoes what came after it
+            lost = str(max(0, reached - int((self.out / "ckpt" / "latest").read_text())))
+        else:
+            lost = "-" if code == 0 else "all"
         return {"fault": self.row.name, "outcome": outcome, "again": again, "lost": lost,
                 "digest": digests[0] if digests else None, "hung": "yes" if hung else "no", "code": code,
                 "reached": reached, "dead": sorted({e["dead_rank"] for e in dead})}
-
-    def _reached_before(self, text: str) -> int:
-        """The highest iteration any rank finished before the recovery rolled it back (the log lines in
-        order: the last before the first repeated one)."""
-        best = 0
-        for r in range(4):
-            its = [int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+)", text)]
-            for a, b in zip(its, its[1:]):
-                if b <= a:
-                    best = max(best, a)
-                    break
-            else:
-                best = max(best, its[-1] if its else 0)
-        return best
 
 
 def main() -> int:

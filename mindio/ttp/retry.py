@@ -91,8 +91,11 @@ class RetryFlow:
         3. if some ranks still run while others are fenced, ``teardown`` to the fenced ones (the
            framework keeps their state for a dump, ARCHITECTURE section 3), which fails the blocked
            collective at once;
-        4. the ranks still running: :meth:`_kill_stuck`, then ``wait_quiet`` with the stop's full
-           timeout.
+        4. the ranks still running inside a collective then wait for a peer that is gone without a reset
+           (a silent host death, a partition) or for one blocked behind it: ``unblock`` (:meth:`_unblock`)
+           makes each shut its own collective connections, and it parks;
+        5. the ranks still running: :meth:`_kill_stuck` (never one holding the last copy of a shard),
+           then ``wait_quiet`` with the stop's full timeout.
 
         {rank: Reply} (the latest reply of each rank)."""
         grace = min(params["timeout"], STOP_GRACE_S)
@@ -135,7 +138,7 @@ class RetryFlow:
         return replies
 
     def _unblock(self, running: list, replies: dict) -> list:
-        """Step 3b of :meth:`_stop_all`: ranks still running inside a collective once every other rank
+        """Step 4 of :meth:`_stop_all`: ranks still running inside a collective once every other rank
         stopped wait for a peer that is gone without a reset (a silent host death, a partition) or for
         one blocked behind it; no teardown of ours reaches them. Each shuts its own collective
         connections down (processor ``unblock``, unblock.py) and parks; returns the ranks still running.
@@ -164,7 +167,9 @@ class RetryFlow:
         replace them, the running ranks get ``MINDIO_STOP_STUCK_S`` more; then those *outside* a
         collective (their main thread is not in torch.distributed; all of them if every one is inside)
         are SIGKILLed and replaced like dead ranks, and the others get the window again (a rank waiting
-        for a killed one fails at once). Otherwise the running ranks get the full stop timeout."""
+        for a killed one fails at once). Ranks whose death would leave some optimizer shard without a
+        usable copy are never killed (:meth:`_last_copies`): they are kept for the dump or the repair.
+        Otherwise the running ranks get the full stop timeout."""
         window = _knobs.get("MINDIO_STOP_STUCK_S")
         if window <= 0 or "recover-in-place" not in self.brain.enabled(self.job_strategies()):
             return running

@@ -7,7 +7,8 @@ is behind), or at once when another detector reports it (``declare_dead``: the s
 the launcher agent, a lost node). A silent rank whose process runs on this host and is alive and not
 stopped is starved of CPU, not dead: it gets up to ``MINDIO_HANG_TIMEOUT`` s (``_starved``), then is
 SIGKILLed through its pidfd and declared dead. A rank making no progress outside a collective for
-``MINDIO_HANG_TIMEOUT`` s is ordered SIGKILLed. ``heard`` tells whether ranks still beat (ha.py uses it
+``MINDIO_HANG_TIMEOUT`` s is ordered SIGKILLed; progress is counted from the moment the controller last
+entered NORMAL at the earliest (a rank parked by a recovery is not hung). ``heard`` tells whether ranks still beat (ha.py uses it
 before it declares a lost node's ranks dead).
 """
 from __future__ import annotations

@@ -130,19 +130,21 @@ class RetryFlow:
             replies.update(self._call("teardown", {}, fenced, self.action_limit))
             running, _ = _split(replies)
         if running:
-            running = self._unblock(running, replies)
+            running = self._unblock(running, replies, params["timeout"])
         if running:
             running = self._kill_stuck(running, params, replies)
         if running:
             replies.update(self._call("wait_quiet", {"timeout": params["timeout"]}, running, self.action_limit))
         return replies
 
-    def _unblock(self, running: list, replies: dict) -> list:
+    def _unblock(self, running: list, replies: dict, timeout: float) -> list:
         """Step 4 of :meth:`_stop_all`: ranks still running inside a collective once every other rank
         stopped wait for a peer that is gone without a reset (a silent host death, a partition) or for
         one blocked behind it; no teardown of ours reaches them. Each shuts its own collective
         connections down (processor ``unblock``, unblock.py) and parks; returns the ranks still running.
-        The rank keeps its state: it may hold the only copy of a shard."""
+        A released rank is waited for until it parked (``timeout``: the stop's); one still inside a
+        collective :data:`STOP_GRACE_S` after its shutdown was not released and answers then. The rank
+        keeps its state: it may hold the only copy of a shard."""
         inside = [r for r in running if replies[r].detail.get("in_collective")]
         if not inside:
             return running
@@ -151,7 +153,7 @@ class RetryFlow:
         _log.warning("stop: ranks %s still blocked in a collective (dead ranks %s); releasing them from their "
                      "collective connections", inside[:16], dead[:16])
         t0 = time.monotonic()
-        more = self._call("unblock", {"timeout": STOP_GRACE_S}, inside, self.action_limit)
+        more = self._call("unblock", {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.action_limit)
         replies.update(more)
         still = sorted(r for r in running if replies[r].ok and replies[r].detail.get("main") == "running")
         _logging.event("stop_unblocked", ranks=inside[:64], dead=dead[:64], still=still[:64],

@@ -91,9 +91,9 @@ class RetryFlow:
         3. if some ranks still run while others are fenced, ``teardown`` to the fenced ones (the
            framework keeps their state for a dump, ARCHITECTURE section 3), which fails the blocked
            collective at once;
-        4. the ranks still running inside a collective then wait for a peer that is gone without a reset
-           (a silent host death, a partition) or for one blocked behind it: ``unblock`` (:meth:`_unblock`)
-           makes each shut its own collective connections, and it parks;
+        4. with some rank dead, the ranks still running inside a collective wait for a peer that is gone
+           without a reset (a silent host death, a partition) or for one blocked behind it: ``unblock``
+           (:meth:`_unblock`) makes each shut its own collective connections, and it parks;
         5. the ranks still running: :meth:`_kill_stuck` (never one holding the last copy of a shard),
            then ``wait_quiet`` with the stop's full timeout.
 
@@ -139,17 +139,17 @@ class RetryFlow:
 
     def _unblock(self, running: list, replies: dict, timeout: float) -> list:
         """Step 4 of :meth:`_stop_all`: ranks still running inside a collective once every other rank
-        stopped wait for a peer that is gone without a reset (a silent host death, a partition) or for
+        stopped, while some rank is dead, wait for a peer that is gone without a reset (a silent host death, a partition) or for
         one blocked behind it; no teardown of ours reaches them. Each shuts its own collective
         connections down (processor ``unblock``, unblock.py) and parks; returns the ranks still running.
         A released rank is waited for until it parked (``timeout``: the stop's); one still inside a
         collective :data:`STOP_GRACE_S` after its shutdown was not released and answers then. The rank
         keeps its state: it may hold the only copy of a shard."""
         inside = [r for r in running if replies[r].detail.get("in_collective")]
-        if not inside:
-            return running
         with self._lock:
             dead = sorted(r.rank for r in self.ranks.values() if not r.alive)
+        if not inside or not dead:  # every peer lives: the teardown of the stopped ones releases them
+            return running
         _log.warning("stop: ranks %s still blocked in a collective (dead ranks %s); releasing them from their "
                      "collective connections", inside[:16], dead[:16])
         t0 = time.monotonic()

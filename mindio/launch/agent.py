@@ -538,6 +538,19 @@ class Agent:
         except (JobError, TimeoutError, _Stopped) as exc:
             print(f"mindio-run: job failed: {exc or 'agent stopped by a signal'}", file=sys.stderr)
             return 1
+        except Exception as exc:  # node 0's store is gone (its host died or is cut off): one line, no traceback
+            from torch.distributed import DistError  # loaded by now (the store client)
+
+            if not isinstance(exc, DistError):
+                raise
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            where = "this node's" if self.cfg.node_rank == 0 and not self.cfg.standby else "node 0's"
+            print(f"mindio-run: job failed on node {self.cfg.node_rank}: {where} agents' store at "
+                  f"{self.cfg.master_addr}:{self.cfg.master_port} is unreachable ({first}); node 0 hosts the "
+                  "stores and the controller, so the job cannot go on without it: resume from the last "
+                  "checkpoint", file=sys.stderr)
+            _logging.event("store_lost", node=self.cfg.node_rank, error=first)
+            return 1
         finally:
             self._stop_workers()
             self._spares.close()

@@ -192,6 +192,8 @@ def parse_args(argv=None):
             run_id=run_id, standby=a.standby, high_availability=strategies,
             recover_timeout=a.recover_timeout, term_grace=float(grace),
             decision_timeout=_knobs.get("MINDIO_DECISION_TIMEOUT"),
+            # one outage tolerance for ranks (controller) and nodes (agents): docs/recovery.md
+            node_lost_after=max(3.0, _knobs.get("MINDIO_HEARTBEAT_MISSES") * _knobs.get("MINDIO_HEARTBEAT_INTERVAL")),
             role=a.role, local_addr=a.local_addr, dynamic_rank=dynamic,
             is_host=None if is_host is None else is_host.lower() in ("1", "true", "yes"),
             log_dir=a.log_dir, redirects=a.redirects, tee=a.tee, local_ranks_filter=ranks,

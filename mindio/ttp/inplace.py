@@ -141,6 +141,8 @@ class InPlaceActions:
             if self._main != "parked":
                 raise RuntimeError(f"main thread is {self._main}, not parked: cannot re-enter train()")
             self._hold, self._allow, self._limit = False, None, None
+            if self._progress_t is not None:  # training resumes: the time parked by the recovery is no hang
+                self._progress_t = time.monotonic()
             self._next = (Action.RETRY, 0)
             self._cond.notify_all()
         return {}

@@ -330,6 +330,35 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             self.teardown(is_uce=False)
         return self._stop_reply(self._main)
 
+    def _do_unblock(self, timeout: float = 60.0, look: float = 1.0) -> dict:
+        """(after ``stop``) A rank whose main thread still runs inside a collective -- waiting for a peer
+        that vanished without a reset, or for one stuck behind it -- shuts its own collective
+        connections down (unblock.py): the collective fails at once, the decorator parks the rank.
+        Reply once it is quiet (its teardown may take seconds on a loaded host), or when it is still
+        inside a collective ``look`` s later (not released: the controller goes on), at most after
+        ``timeout`` s; a rank not in a collective is left as it is."""
+        from . import unblock
+
+        n, before = 0, self.last_report
+        if self._main == "running" and self._main_in_collective():
+            link = self.link
+            n = unblock.shutdown_connections(unblock.protected_ports(link.addrs if link is not None else ()))
+            _log.warning("unblock: main thread blocked in a collective during an incident; shut down %d "
+                         "collective connection(s)", n)
+            _logging.event("unblocked", connections=n)
+        t0 = time.monotonic()
+        with self._cond:  # released: the decorator reports (a new last_report), tears down and parks
+            while self._main == "running":
+                now = time.monotonic()
+                if now - t0 >= timeout or (now - t0 >= look and self.last_report is before
+                                           and self._main_in_collective()):
+                    break
+                self._cond.wait(min(0.05, t0 + timeout - now))
+            main = self._main
+        reply = self._stop_reply(main)
+        reply["shut"] = n
+        return reply
+
     def _do_advance(self, step: int, timeout: float = 60.0) -> dict:
         """(after ``stop``) A rank held at its fence before its update of ``step`` finishes that update
         -- every peer that holds its shards did (policy.ranks_to_advance) -- and is held at its next

@@ -91,8 +91,11 @@ class RetryFlow:
         3. if some ranks still run while others are fenced, ``teardown`` to the fenced ones (the
            framework keeps their state for a dump, ARCHITECTURE section 3), which fails the blocked
            collective at once;
-        4. the ranks still running: :meth:`_kill_stuck`, then ``wait_quiet`` with the stop's full
-           timeout.
+        4. with some rank dead, the ranks still running inside a collective wait for a peer that is gone
+           without a reset (a silent host death, a partition) or for one blocked behind it: ``unblock``
+           (:meth:`_unblock`) makes each shut its own collective connections, and it parks;
+        5. the ranks still running: :meth:`_kill_stuck` (never one holding the last copy of a shard),
+           then ``wait_quiet`` with the stop's full timeout.
 
         {rank: Reply} (the latest reply of each rank)."""
         grace = min(params["timeout"], STOP_GRACE_S)
@@ -125,11 +128,37 @@ class RetryFlow:
                          "fenced ranks down so that a collective between them fails", running[:16], fenced[:16])
             _logging.event("stop_release_fenced", running=running[:64], fenced=fenced[:64])
             replies.update(self._call("teardown", {}, fenced, self.action_limit))
+            running, _ = _split(replies)
+        if running:
+            running = self._unblock(running, replies, params["timeout"])
         if running:
             running = self._kill_stuck(running, params, replies)
         if running:
             replies.update(self._call("wait_quiet", {"timeout": params["timeout"]}, running, self.action_limit))
         return replies
+
+    def _unblock(self, running: list, replies: dict, timeout: float) -> list:
+        """Step 4 of :meth:`_stop_all`: ranks still running inside a collective once every other rank
+        stopped, while some rank is dead, wait for a peer that is gone without a reset (a silent host death, a partition) or for
+        one blocked behind it; no teardown of ours reaches them. Each shuts its own collective
+        connections down (processor ``unblock``, unblock.py) and parks; returns the ranks still running.
+        A released rank is waited for until it parked (``timeout``: the stop's); one still inside a
+        collective :data:`STOP_GRACE_S` after its shutdown was not released and answers then. The rank
+        keeps its state: it may hold the only copy of a shard."""
+        inside = [r for r in running if replies[r].detail.get("in_collective")]
+        with self._lock:
+            dead = sorted(r.rank for r in self.ranks.values() if not r.alive)
+        if not inside or not dead:  # every peer lives: the teardown of the stopped ones releases them
+            return running
+        _log.warning("stop: ranks %s still blocked in a collective (dead ranks %s); releasing them from their "
+                     "collective connections", inside[:16], dead[:16])
+        t0 = time.monotonic()
+        more = self._call("unblock", {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.action_limit)
+        replies.update(more)
+        still = sorted(r for r in running if replies[r].ok and replies[r].detail.get("main") == "running")
+        _logging.event("stop_unblocked", ranks=inside[:64], dead=dead[:64], still=still[:64],
+                       took_s=round(time.monotonic() - t0, 6))
+        return still
 
     def _kill_stuck(self, running: list, params: dict, replies: dict) -> list:
         """Ranks still running once every other rank stopped: the ones to keep waiting for.
@@ -140,7 +169,9 @@ class RetryFlow:
         replace them, the running ranks get ``MINDIO_STOP_STUCK_S`` more; then those *outside* a
         collective (their main thread is not in torch.distributed; all of them if every one is inside)
         are SIGKILLed and replaced like dead ranks, and the others get the window again (a rank waiting
-        for a killed one fails at once). Otherwise the running ranks get the full stop timeout."""
+        for a killed one fails at once). Ranks whose death would leave some optimizer shard without a
+        usable copy are never killed (:meth:`_last_copies`): they are kept for the dump or the repair.
+        Otherwise the running ranks get the full stop timeout."""
         window = _knobs.get("MINDIO_STOP_STUCK_S")
         if window <= 0 or "recover-in-place" not in self.brain.enabled(self.job_strategies()):
             return running
@@ -156,6 +187,13 @@ class RetryFlow:
                 dead = {r.rank for r in self.ranks.values() if not r.alive}
             if not still or not self.can_replace("recover-in-place", sorted(dead | set(victims))):
                 return still
+            last = self._last_copies(replies, dead, victims)
+            if last:
+                _log.error("stop: ranks %s still running %.0f s after every other rank stopped, but they hold the "
+                           "only surviving copy of some optimizer shard: not killed (a dump or repair needs them)",
+                           last[:16], window)
+                _logging.event("stop_stuck_spared", ranks=last[:64], window_s=window)
+                return still
             _log.error("stop: ranks %s still running %.0f s after every other rank stopped (%s): ordering SIGKILL, "
                        "they are replaced like dead ranks", victims[:16], window,
                        "outside a collective" if outside else "all inside a collective")
@@ -167,6 +205,22 @@ class RetryFlow:
             if not running:
                 return []
         return running
+
+    def _last_copies(self, replies: dict, dead: set, victims: list) -> list:
+        """Those of ``victims`` whose death would leave some optimizer shard with no usable copy at the
+        lock step (policy.select_dump_ranks), where one is left now: never kill the last copy."""
+        views = self._views(replies)  # incident.py
+        lock = policy.choose_lock_step(views)
+        if not policy.select_dump_ranks(views, lock).possible:
+            return []  # nothing complete to keep: killing does not lose a shard that could be saved
+        gone = set(dead) | set(victims)
+        after = [policy.RankView(v.rank, False, True, v.step, v.data_status, v.replica) if v.rank in gone else v
+                 for v in views]
+        if policy.select_dump_ranks(after, lock).possible:
+            return []
+        return [r for r in victims  # the victims whose own survival would keep the plan whole
+                if policy.select_dump_ranks([v if v.rank != r else views[i] for i, v in enumerate(after)],
+                                            lock).possible] or list(victims)
 
     def uce_refused(self) -> list:
         """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not

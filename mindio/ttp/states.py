@@ -134,6 +134,11 @@ class StateMachine:
     def state(self) -> State:
         return self._state
 
+    @property
+    def since(self) -> float:
+        """time.monotonic() when the current state was entered."""
+        return self._since
+
     def can(self, result: Result) -> bool:
         return (self._state, result) in self._table
 

@@ -7,7 +7,8 @@ is behind), or at once when another detector reports it (``declare_dead``: the s
 the launcher agent, a lost node). A silent rank whose process runs on this host and is alive and not
 stopped is starved of CPU, not dead: it gets up to ``MINDIO_HANG_TIMEOUT`` s (``_starved``), then is
 SIGKILLed through its pidfd and declared dead. A rank making no progress outside a collective for
-``MINDIO_HANG_TIMEOUT`` s is ordered SIGKILLed. ``heard`` tells whether ranks still beat (ha.py uses it
+``MINDIO_HANG_TIMEOUT`` s is ordered SIGKILLed; progress is counted from the moment the controller last
+entered NORMAL at the earliest (a rank parked by a recovery is not hung). ``heard`` tells whether ranks still beat (ha.py uses it
 before it declares a lost node's ranks dead).
 """
 from __future__ import annotations
@@ -72,7 +73,11 @@ class LivenessWatch:
             self.declare_dead([r.rank for r in dead], "heartbeat", log=False,
                               silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
         if check_hang and self.hang_timeout > 0 and self.sm.state is State.NORMAL:
-            views = [(r.rank, r.progress_age, r.in_collective, r.step) for r in self.ranks.values() if r.alive]
+            # the progress clock restarts when the state (re)enters NORMAL: a rank paused by a recovery,
+            # or whose last beat still carries the age from before it, is not hung
+            normal_for = now - self.sm.since
+            views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
+                      r.in_collective, r.step) for r in self.ranks.values() if r.alive]
             for rank in policy.find_hung_ranks(views, self.hang_timeout):
                 _log.error("rank %d hung (no progress for %.0f s outside a collective): ordering SIGKILL",
                            rank, self.hang_timeout)

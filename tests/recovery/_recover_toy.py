@@ -6,7 +6,9 @@ hosts (MINDIO_CONTROLLER_EXTERNAL, TTP_PORT, MINDIO_SECRET). A replacement proce
 (``tft_is_reboot_node()``) builds the same objects and parks before ``train()``; its shard, moments
 and iteration come from the replica (repair), its parameters from the all-gather (rollback).
 Faults fire once per job: a marker file in ``--out`` is created before firing. ``kill-node:R:IT``
-SIGKILLs rank R's launcher agent, then R itself (the node's other workers die with the agent).
+SIGKILLs rank R's launcher agent, then R itself (the node's other workers die with the agent);
+``stop-node:R:IT`` SIGSTOPs the process group of rank R's agent (the agent and its workers: a frozen or
+partitioned host, as seen from the others).
 
 ``TOY_ENABLE_ARF=1``: the processors register with ``enable_arf`` (worker reboot).
 
@@ -51,6 +53,9 @@ class Trainer(toy.Trainer):
             import signal
             os.kill(int(os.environ["MINDIO_AGENT_PID"]), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "stop-node":  # the node freezes (agent and workers: one process group); peers see silence
+            import signal
+            os.killpg(os.getpgid(int(os.environ["MINDIO_AGENT_PID"])), signal.SIGSTOP)
         super().inject(kind)
 
 

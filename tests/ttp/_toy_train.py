@@ -13,7 +13,8 @@ Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) a
 ``DIR/ckpt/latest``. ``--resume`` starts from ``latest``. ``--fault kind:rank:iteration[,...]`` injects
 raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
 raise-uce-update (a UCE inside the optimizer update window, the shard half written), raise-unknown,
-kill (SIGKILL) or hang (sleep outside any collective) on that rank, once per process, at the start of the
+kill (SIGKILL), hang (sleep outside any collective), stop (SIGSTOP of its own process) or freeze (SIGSTOP,
+SIGCONT by a helper TOY_FREEZE_S s later) on that rank, once per process, at the start of the
 iteration (raise-uce-update, and kill-update (SIGKILL): after the fence, once every rank that
 TOY_STOP_BEFORE_FENCE does not hold has passed its own). Faults of several ranks in one iteration fire together
 (:meth:`Trainer.maybe_inject`). ``TOY_STOP_BEFORE_FENCE=0/3:7``: ranks 0 and 3 reach their fence of
@@ -175,6 +176,14 @@ class Trainer:
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "hang":
             time.sleep(3600)
+        if kind == "stop":  # frozen: no reset reaches the peers (a silent host death; MINDIO_PID_PROBE=0)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if kind == "freeze":  # a short outage: frozen for TOY_FREEZE_S s, then continued by a helper
+            import subprocess
+            self.helper = subprocess.Popen(["sh", "-c", f"sleep {float(os.environ['TOY_FREEZE_S'])}; "
+                                                        f"kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+            self.helper.wait(10)
 
     def save(self, step, save_info, args, ctx):
         d = os.path.join(self.args.out, "ckpt", f"iter_{step:07d}.tmp")

@@ -1,0 +1,318 @@
+"""Network drills: a small mindio-run job across hosts simulated as network namespaces, one fault each.
+
+Run as root (``bash scripts/drills.sh``; else it prints why it skips and exits 0). It builds a switch
+namespace with a bridge and ``--hosts`` host namespaces (``mdrill<id>-h<i>``, address 10.213.<id>.<i+1>
+on ``eth0``, a veth whose other end sits on the bridge), runs the toy job of
+tests/recovery/_recover_toy.py (DP=4, ZeRO-1 Adam over 2 replica halves; shard k on ranks k and k+2) with
+2 ranks on each of hosts 0 and 1 and (where the row says so) a ``--standby`` agent on host 2, applies one
+fault per row, and prints the table::
+
+    fault | outcome | time to training again | steps lost | digest equal | hung?
+
+Every agent runs with ``GLOO_SOCKET_IFNAME=eth0`` and ``MINDIO_PID_PROBE=0`` (only cross-host paths see
+a death). Links flap with ``ip link set`` (no tc netem needed). Traffic stays inside the namespaces this
+script creates; each row is bounded (``--row-timeout``), and the namespaces are removed at the end (also
+after an error or Ctrl-C). Every process a row starts is killed with its namespace's processes.
+
+Faults (the ``FAULTS`` table): kill node 1 (with / without a standby), silent host death (node 1's link
+down, then every process on it killed), a partition of node 1 for 2 s and for 10 s, link flapping
+(100 ms down every second for 10 s), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
+replacement dies at start).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = REPO / "tests" / "recovery" / "_recover_toy.py"
+PORT = 29400
+
+
+@dataclass
+class Row:
+    name: str
+    apply: str                     # what the harness does to the network / processes (see Drill.fault)
+    standby: bool = True
+    toy_fault: str = ""            # a --fault of the toy (fires inside the job)
+    env: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+FAULTS = [
+    Row("kill node 1 (standby)", "kill-node"),
+    Row("kill node 1 (no standby)", "kill-node", standby=False),
+    Row("silent host death (link down, then kill)", "silent-death"),
+    Row("partition node 1 for 2 s", "partition", seconds=2.0),
+    Row("partition node 1 for 10 s", "partition", seconds=10.0),
+    Row("link flapping (100 ms down every 1 s, 10 s)", "flap", seconds=10.0),
+    Row("link flapping, MINDIO_HEARTBEAT_MISSES=8", "flap", seconds=10.0, env={"MINDIO_HEARTBEAT_MISSES": "8"}),
+    Row("NIC flapping on node 1 (eth0 100 ms down every 1 s, 10 s)", "flap-nic", seconds=10.0),
+    Row("kill node 0 (controller + stores; no backup)", "kill-node0"),
+    Row("hang rank 1 (MINDIO_HANG_TIMEOUT=5)", "none", toy_fault="hang:1:{step}", env={"MINDIO_HANG_TIMEOUT": "5"}),
+    Row("fault during recovery (replacement dies)", "none", toy_fault="kill:1:{step}",
+        env={"TOY_REPLACEMENT_FAILS": "1"}),
+]
+
+
+def sh(*cmd, check=True, ns: str | None = None) -> subprocess.CompletedProcess:
+    full = (["ip", "netns", "exec", ns] if ns else []) + [str(c) for c in cmd]
+    return subprocess.run(full, check=check, capture_output=True, text=True)
+
+
+def can_run() -> str:
+    """'' when the drills can run here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (ip)"
+    probe = f"mdrillprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ""
+
+
+class Net:
+    """A switch namespace with a bridge and ``n`` host namespaces on it; :meth:`close` removes them."""
+
+    def __init__(self, n: int, ident: int):
+        self.ident, self.sw = ident, f"mdrill{ident}-sw"
+        self.hosts = [f"mdrill{ident}-h{i}" for i in range(n)]
+        self.addrs = [f"10.213.{ident}.{i + 1}" for i in range(n)]
+        sh("ip", "netns", "add", self.sw)
+        try:
+            sh("ip", "link", "add", "br0", "type", "bridge", ns=self.sw)
+            sh("ip", "link", "set", "br0", "up", ns=self.sw)
+            for i, (h, a) in enumerate(zip(self.hosts, self.addrs)):
+                sh("ip", "netns", "add", h)
+                sh("ip", "link", "add", "eth0", "netns", h, "type", "veth", "peer", "name", f"p{i}", "netns", self.sw)
+                sh("ip", "link", "set", f"p{i}", "master", "br0", "up", ns=self.sw)
+                sh("ip", "addr", "add", f"{a}/24", "dev", "eth0", ns=h)
+                sh("ip", "link", "set", "eth0", "up", ns=h)
+                sh("ip", "link", "set", "lo", "up", ns=h)
+        except BaseException:
+            self.close()
+            raise
+
+    def link(self, i: int, up: bool, host_side: bool = False) -> None:
+        """Host ``i``'s port on the switch up or down (the host itself sees its link stay up: a cable or
+        switch fault); ``host_side``: the host's own eth0 (a NIC fault the host's kernel sees: its routes
+        over eth0 go away with it and come back on up)."""
+        if host_side:
+            sh("ip", "link", "set", "eth0", "up" if up else "down", ns=self.hosts[i])
+        else:
+            sh("ip", "link", "set", f"p{i}", "up" if up else "down", ns=self.sw)
+
+    def kill_host(self, i: int) -> None:
+        """SIGKILL every process in host ``i``'s namespace (its power is cut)."""
+        r = sh("ip", "netns", "pids", self.hosts[i], check=False)
+        for pid in r.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        for i in range(len(self.hosts)):
+            self.kill_host(i)
+        for h in self.hosts + [self.sw]:
+            subprocess.run(["ip", "netns", "del", h], capture_output=True)
+
+
+class Drill:
+    def __init__(self, net: Net, row: Row, out: Path, steps: int, fault_step: int, timeout: float,
+                 step_sleep: float):
+        self.net, self.row, self.out = net, row, out
+        self.steps, self.fault_step, self.timeout, self.step_sleep = steps, fault_step, timeout, step_sleep
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.fault_t: float | None = None
+
+    def start(self) -> None:
+        self.out.mkdir(parents=True)
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
+                   GLOO_SOCKET_IFNAME="eth0", MINDIO_PID_PROBE="0",
+                   MINDIO_EVENT_LOG=str(self.out / "events.jsonl"), **self.row.env)
+        fault = self.row.toy_fault.format(step=self.fault_step)
+        common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
+                  "--master-addr", self.net.addrs[0], "--master-port", str(PORT),
+                  "--high-availability", "retry,recover-in-place,recover,dump"]
+        tail = [str(TOY), "--out", str(self.out), "--steps", str(self.steps), "--step-sleep", str(self.step_sleep)]
+        tail += ["--fault", fault] if fault else []
+        agents = [("node0", 0, ["--node-rank", "0"]), ("node1", 1, ["--node-rank", "1"])]
+        if self.row.standby:
+            agents.append(("standby", 2, ["--standby", "--warm-spares", "2"]))
+        for name, host, flags in agents:
+            log = open(self.out / f"{name}.log", "w")
+            self.procs[name] = subprocess.Popen(
+                ["ip", "netns", "exec", self.net.hosts[host]] + common + flags
+                + ["--local-addr", self.net.addrs[host]] + tail,
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            time.sleep(0.3)
+
+    def iteration(self) -> int:
+        """The highest iteration rank 0 printed so far."""
+        try:
+            text = (self.out / "node0.log").read_text(errors="replace")
+        except OSError:
+            return 0
+        its = re.findall(r"\[rank 0\] iteration (\d+)", text)
+        return max(map(int, its)) if its else 0
+
+    def fault(self) -> None:
+        """Apply the row's network / process fault once rank 0 reached the fault step."""
+        row, net = self.row, self.net
+        end = time.monotonic() + self.timeout
+        while self.iteration() < self.fault_step and time.monotonic() < end:
+            if all(p.poll() is not None for p in self.procs.values()):
+                return
+            time.sleep(0.05)
+        self.fault_t = time.time()
+        if row.apply == "kill-node":
+            net.kill_host(1)
+        elif row.apply == "kill-node0":
+            net.kill_host(0)
+        elif row.apply == "silent-death":
+            net.link(1, False)
+            time.sleep(0.5)
+            net.kill_host(1)
+        elif row.apply == "partition":
+            net.link(1, False)
+            time.sleep(row.seconds)
+            net.link(1, True)
+        elif row.apply in ("flap", "flap-nic"):
+            stop = time.monotonic() + row.seconds
+            while time.monotonic() < stop:
+                net.link(1, False, host_side=row.apply == "flap-nic")
+                time.sleep(0.1)
+                net.link(1, True, host_side=row.apply == "flap-nic")
+                time.sleep(0.9)
+
+    def run(self) -> dict:
+        self.start()
+        t = threading.Thread(target=self.fault, daemon=True)
+        t.start()
+        # the node whose agent says how the job ended: node 1 when node 0 is the one killed
+        main = self.procs["node1" if self.row.apply == "kill-node0" else "node0"]
+        hung = False
+        try:
+            main.wait(self.timeout)
+        except subprocess.TimeoutExpired:
+            hung = True
+        t.join(timeout=15)
+        # the other agents end with node 0's round; whatever is left (a frozen or cut-off host) is killed
+        deadline = time.monotonic() + 10
+        for name, p in self.procs.items():
+            if p is not main:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for i in range(len(self.net.hosts)):
+            self.net.kill_host(i)
+        for p in self.procs.values():
+            p.wait()
+        self.net.link(1, True)
+        self.net.link(1, True, host_side=True)
+        return self.summary(main.returncode, hung)
+
+    def summary(self, code: int, hung: bool) -> dict:
+        events = []
+        path = self.out / "events.jsonl"
+        if path.exists():
+            events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        text = "".join((self.out / f"{n}.log").read_text(errors="replace") for n in self.procs)
+        digests = re.findall(r"state-digest: ([0-9a-f]{64})", text)
+        done = [e for e in events if e["kind"] in ("recover_done", "retry_done")]
+        dead = [e for e in events if e["kind"] == "rank_dead"]
+        fault_t = self.fault_t or next((e["t"] for e in events if e["kind"] == "fault_injected"), None)
+        if self.row.toy_fault:
+            fault_t = next((e["t"] for e in events if e["kind"] == "fault_injected"), fault_t)
+        if hung:
+            outcome = "HUNG (row timeout)"
+        elif code == 0 and done:
+            outcome = "recovered: " + ", then ".join(f"{d.get('strategy', 'retry')} {d.get('replaced', [])}"
+                                                     for d in done)
+        elif code == 0:
+            outcome = "ridden out (no recovery)" if not dead else "recovered"
+        elif code == 75:
+            outcome = "dump (exit 75): last-words checkpoint"
+        else:
+            outcome = f"exit {code}, nothing saved" if not (self.out / "ckpt" / "latest").exists() else f"exit {code}"
+        if self.row.apply == "kill-node0" and not hung:
+            said = re.findall(r"mindio-run: job failed[^\n]*", (self.out / "node1.log").read_text(errors="replace"))
+            tb = "mindio/launch/agent.py" in (self.out / "node1.log").read_text(errors="replace")  # agent traceback
+            outcome = (f"node 1 exit {code}" + (", with a traceback" if tb else "") +
+                       (f": \"{said[0][:110]}...\"" if said else ", no reason printed"))
+        again = f"{done[0]['t'] - fault_t:.2f} s" if done and fault_t else "-"  # every rank trains again
+        reached = max((int(i) for i in re.findall(r"\[rank \d\] iteration (\d+)", text)), default=0)
+        if done:  # iterations some rank computed twice (its old process, then its replacement / a rollback)
+            lost = str(max(len(its) - len(set(its)) for its in
+                           ([int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+)", text)] for r in range(4))))
+        elif (self.out / "ckpt" / "latest").exists():  # resuming from the dump redoes what came after it
+            lost = str(max(0, reached - int((self.out / "ckpt" / "latest").read_text())))
+        else:
+            lost = "-" if code == 0 else "all"
+        return {"fault": self.row.name, "outcome": outcome, "again": again, "lost": lost,
+                "digest": digests[0] if digests else None, "hung": "yes" if hung else "no", "code": code,
+                "reached": reached, "dead": sorted({e["dead_rank"] for e in dead})}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--fault-step", type=int, default=12)
+    p.add_argument("--step-sleep", type=float, default=0.2)
+    p.add_argument("--row-timeout", type=float, default=150.0)
+    p.add_argument("--only", default="", help="run the rows whose name contains this text")
+    p.add_argument("--keep", action="store_true", help="keep the logs (printed path)")
+    a = p.parse_args()
+    why = can_run()
+    if why:
+        print(f"drills skipped: {why}")
+        return 0
+    rows = [r for r in FAULTS if a.only.lower() in r.name.lower()]
+    work = Path(tempfile.mkdtemp(prefix="mindio-drills-"))
+    ident = os.getpid() % 200 + 20
+    net = Net(3, ident)
+    results = []
+    try:
+        ref = Drill(net, Row("no fault (reference)", "none"), work / "ref", a.steps, a.fault_step,
+                    a.row_timeout, a.step_sleep).run()
+        results.append(ref)
+        for i, row in enumerate(rows):
+            results.append(Drill(net, row, work / f"row{i}", a.steps, a.fault_step, a.row_timeout,
+                                 a.step_sleep).run())
+            print(f"  {results[-1]['fault']}: {results[-1]['outcome']}", flush=True)
+    finally:
+        net.close()
+    print()
+    print("| fault | outcome | time to training again | steps lost | digest equal | hung? |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        equal = "-" if r["digest"] is None else ("yes" if r["digest"] == ref["digest"] else "NO")
+        if r is ref:
+            equal = "(reference)"
+        print(f"| {r['fault']} | {r['outcome']} | {r['again']} | {r['lost']} | {equal} | {r['hung']} |")
+    if a.keep:
+        print(f"\nlogs: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

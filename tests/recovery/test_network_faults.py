@@ -1,0 +1,142 @@
+"""Network faults on one host: a peer gone without a reset, the hang detector after a recovery.
+
+A host that dies silently (power, panic, NIC) or drops off the network sends no TCP reset: its peers
+stay blocked in gloo until the group timeout (the toy's: 120 s). On one host a SIGSTOPped process is
+that peer (its sockets stay open), with MINDIO_PID_PROBE=0 so that only heartbeats can find it: the
+controller declares it dead after MINDIO_HEARTBEAT_MISSES x MINDIO_HEARTBEAT_INTERVAL s (3 s), and the
+survivors blocked in a collective with it are released by mindio (processor ``unblock``: they shut
+their own collective connections down), never SIGKILLed while they hold the only copy of a shard.
+
+Real processes: mindio-run agents, the toy job of _recover_toy.py (DP=4, ZeRO-1 Adam over 2 replica
+halves; shard k on ranks k and k+2), gloo on loopback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_recover_inplace import REPO, STEPS, TOY, FAULT_IT, _port, digest, fault_free_digest, run
+
+from tests._exits import assert_no_signal_deaths, check_codes
+
+pytestmark = pytest.mark.slow
+SILENT = {"MINDIO_PID_PROBE": "0"}  # only heartbeats see the stopped rank: as from another host
+
+
+@pytest.fixture(scope="module")
+def reference(fault_free_run):
+    return fault_free_digest(fault_free_run)
+
+
+def _first(events, kind, **match):
+    return next((e for e in events if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())), None)
+
+
+@pytest.mark.timeout(200)
+def test_silent_death_releases_survivors_and_recovers_in_place(reference, tmp_path):
+    """Rank 3 freezes (SIGSTOP) at step FAULT_IT; ranks 0-2 block in the gradient all-reduce with it.
+    Heartbeats declare it dead; the survivors are released from the collective by ``unblock`` (not by
+    the gloo timeout, not SIGKILLed as "stuck": rank 1 holds the only live copy of shard 1), the agent
+    kills the frozen process and recover-in-place replaces it; the run stays bitwise."""
+    code, text, events = run(tmp_path / "run", fault=f"stop:3:{FAULT_IT}", env=SILENT)
+    assert code == 0, text[-6000:]
+    assert digest(text) == reference
+    dead = _first(events, "rank_dead")
+    assert dead and dead["dead_rank"] == 3 and dead["cause"] == "heartbeat", dead
+    unblocked = _first(events, "stop_unblocked")
+    assert unblocked and unblocked["still"] == [] and set(unblocked["ranks"]) <= {0, 1, 2}, unblocked
+    assert not [e for e in events if e["kind"] in ("stop_stuck_killed", "killed_as_hung")], text[-6000:]
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert [(d["strategy"], d["replaced"]) for d in done] == [("recover-in-place", [3])], done
+    fault_t = _first(events, "fault_injected")["t"]
+    resumed = max(e["t"] for e in events if e["kind"] == "train_resumed")
+    print(f"\nsilent death of rank 3: declared dead {dead['t'] - fault_t:.2f} s after the freeze, survivors "
+          f"released {unblocked['t'] - fault_t:.2f} s after, training again {resumed - fault_t:.2f} s after")
+    assert unblocked["t"] - fault_t < 60  # released by mindio, long before the toy's 120 s gloo timeout
+
+
+@pytest.mark.timeout(200)
+def test_hang_detector_after_a_recovery_blames_nobody_else(reference, tmp_path):
+    """MINDIO_HANG_TIMEOUT=5: rank 1 hangs outside any collective at step FAULT_IT, is declared hung
+    and SIGKILLed, and recover-in-place replaces it. The survivors were parked by the recovery for
+    longer than the timeout; once training resumes none of them is hung (the progress clock restarts
+    when the controller is NORMAL again). Before: they were declared hung 0.2 s after the resume."""
+    code, text, events = run(tmp_path / "run", fault=f"hang:1:{FAULT_IT}", env={"MINDIO_HANG_TIMEOUT": "5"})
+    assert code == 0, text[-6000:]
+    assert [e["hung_rank"] for e in events if e["kind"] == "rank_hung"] == [1], text[-6000:]
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert [(d["strategy"], d["replaced"]) for d in done] == [("recover-in-place", [1])], done
+    assert digest(text) == reference
+
+
+def _agent(common: list, flags: list, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(common + flags, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.timeout(200)
+def test_partitioned_node_ends_in_a_dump_from_the_survivors(tmp_path):
+    """Two agents (2 ranks each), no standby. Rank 2 freezes its whole node at step FAULT_IT (SIGSTOP
+    of node 1's process group: agent and workers), which node 0 sees as a partition that does not heal.
+    No rank can be replaced (node 1's agent is silent, no standby), so the controller's node-0 ranks,
+    blocked in a collective with node 1 and holding a copy of every shard, are released and dump:
+    exit 75 and a complete checkpoint -- never exit 76 with nothing saved."""
+    out = tmp_path / "run"
+    out.mkdir()
+    events = out / "events.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
+               MINDIO_EVENT_LOG=str(events), **SILENT)
+    common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
+              "--master-port", str(_port()), "--high-availability", "recover-in-place,recover,dump"]
+    tail = [str(TOY), "--out", str(out), "--steps", str(STEPS), "--fault", f"stop-node:2:{FAULT_IT}",
+            "--step-sleep", "0.1"]
+    node0 = _agent(common + ["--node-rank", "0"], tail, env)
+    time.sleep(0.3)
+    node1 = _agent(common + ["--node-rank", "1"], tail, env)
+    try:
+        text0, _ = node0.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(node0.pid, signal.SIGKILL)
+        text0, _ = node0.communicate()
+        raise AssertionError(f"node 0 did not end within 150 s (a hang):\n{text0[-6000:]}")
+    finally:
+        if node0.poll() is None:
+            os.killpg(node0.pid, signal.SIGKILL)
+        os.killpg(node1.pid, signal.SIGKILL)  # the frozen node: the test froze it, the test ends it
+        text1, _ = node1.communicate()
+    evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    check_codes({"node0": node0.returncode, "node1": node1.returncode}, {"node1": "SIGKILL"}, what="agent",
+                context=text0[-6000:])
+    assert_no_signal_deaths(text0, {})
+    assert node0.returncode == 75, text0[-6000:]  # EXIT_CODE_DUMPED: the last words were saved
+    ckpt = out / "ckpt"
+    step = int((ckpt / "latest").read_text())
+    assert step == FAULT_IT and sorted(p.name for p in (ckpt / f"iter_{step:07d}").iterdir()) == \
+        ["shard0.pt", "shard1.pt"], text0[-6000:]
+    assert not [e for e in evs if e["kind"] in ("stop_stuck_killed", "killed_as_hung")], text0[-6000:]
+    unblocked = _first(evs, "stop_unblocked")
+    assert unblocked and unblocked["still"] == [] and set(unblocked["ranks"]) <= {0, 1}, unblocked
+    fault_t = _first(evs, "fault_injected")["t"]
+    saved = _first(evs, "transition", dst="EXIT")
+    print(f"\nnode 1 frozen: survivors released {unblocked['t'] - fault_t:.2f} s, dump complete "
+          f"{saved['t'] - fault_t:.2f} s after the freeze")
+
+
+@pytest.mark.timeout(200)
+def test_outage_within_the_tolerance_is_no_death(reference, tmp_path):
+    """Rank 3 is frozen for 3 s (SIGSTOP, then SIGCONT): longer than the default tolerance (3 missed
+    1 s beats, counting the beat interval before the freeze), inside the one the job set with
+    MINDIO_HEARTBEAT_MISSES=6 (6 s). Nobody is declared dead, nothing recovers, the run is bitwise."""
+    code, text, events = run(tmp_path / "run", fault=f"freeze:3:{FAULT_IT}",
+                             env={**SILENT, "MINDIO_HEARTBEAT_MISSES": "6", "TOY_FREEZE_S": "3"})
+    assert code == 0, text[-6000:]
+    assert _first(events, "fault_injected"), text[-4000:]
+    assert not [e for e in events if e["kind"] in ("rank_dead", "rank_hung", "decision")], text[-6000:]
+    assert digest(text) == reference

@@ -468,7 +468,8 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
     # ``kill`` is answered before any table (_on_message); ``exit`` there too, then by its handler.
     ACTIONS = {
         # this module: the stop round, checkpoints, pause, lifecycle
-        "stop": _do_stop, "wait_quiet": _do_wait_quiet, "teardown": _do_teardown, "advance": _do_advance,
+        "stop": _do_stop, "wait_quiet": _do_wait_quiet, "teardown": _do_teardown, "unblock": _do_unblock,
+        "advance": _do_advance,
         "save": _do_save, "rename": _do_rename, "exit": _do_exit, "unhold": _do_unhold, "ping": _do_ping,
         "pause_query": _do_pause_query, "pause_at": _do_pause_at, "pause_resume": _do_pause_resume,
         # inplace.py: retry (and the recoveries' clean, rebuild, repair, rollback)

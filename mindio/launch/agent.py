@@ -80,6 +80,10 @@ class Agent:
         if cfg.standby and cfg.high_availability and cfg.warm_spares < cfg.nproc_per_node:
             # a standby takes a whole node at once: every one of its ranks should start warm
             self.cfg = cfg = dataclasses.replace(cfg, warm_spares=cfg.nproc_per_node)
+        if cfg.warm_spares and not (cfg.high_availability or cfg.max_restarts or cfg.standby):
+            # no controller to replace a rank, no restart, no standby: this job never starts a worker
+            # after its first ones; a spare would only cost a core its torch import, then be thrown away
+            self.cfg = cfg = dataclasses.replace(cfg, warm_spares=0)
         self._spares = Spares(cfg, base)
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None

@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recover-timeout", action=env, type=float, default=60.0, metavar="S",
                    help="seconds for a replacement process to join the survivors (recover-in-place/recover)")
     g.add_argument("--warm-spares", action=env, type=int, default=1, metavar="N",
-                   help="pre-started interpreters kept per node (torch imported, waiting for a rank)")
+                   help="pre-started interpreters kept per node (torch imported, waiting for a rank); none "
+                        "without --high-availability, --max-restarts or --standby (no worker is ever started "
+                        "again)")
     return p
 
 

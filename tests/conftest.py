@@ -51,3 +51,26 @@ def fault_free_run(tmp_path_factory):
         return done[key]
 
     return get
+
+
+# pytest-xdist (scripts/test.sh runs the suite on 2 workers, --dist loadgroup): the tests of one module run
+# on one worker, so that a module-scoped fixture runs once; modules that compare against the same
+# fault-free reference run (``fault_free_run`` keys) form one group, so that it runs once too.
+_SHARE_A_REFERENCE = {
+    "tests/megatron/test_elastic_megatron.py": "layout-references",  # layout_reference (tests/megatron/_mgt_launch.py)
+    "tests/megatron/test_layouts_megatron.py": "layout-references",
+    "tests/recovery/test_recover_inplace.py": "toy-under-mindio-run",  # fault_free_digest
+    "tests/recovery/test_recover_node.py": "toy-under-mindio-run",
+    "tests/launch/test_launch_ha.py": "toy-under-mindio-run",
+    "tests/ttp/test_dump_e2e.py": "ttp-toy",  # fault_free_state (tests/ttp/_harness.py)
+    "tests/ttp/test_negotiation_e2e.py": "ttp-toy",
+    "tests/ttp/test_pause_e2e.py": "ttp-toy",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(_SHARE_A_REFERENCE.get(module, module)))

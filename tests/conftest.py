@@ -68,9 +68,26 @@ _SHARE_A_REFERENCE = {
 }
 
 
+def _group(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    module = item.nodeid.split("::")[0]
+    return _SHARE_A_REFERENCE.get(module, module)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            module = item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(_SHARE_A_REFERENCE.get(module, module)))
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    if getattr(config.option, "dist", None) == "loadgroup":
+        # the groups go to the workers in this order (scripts/test.sh passes --no-loadscope-reorder): the
+        # heaviest first (multi-process tests; the Megatron ones weigh most), the many quick ones last, so
+        # that both workers end together instead of one finishing a long group alone
+        weight: dict = {}
+        for item in items:
+            w = 4 if item.get_closest_marker("megatron") else 1 if item.get_closest_marker("slow") else 0.02
+            weight[_group(item)] = weight.get(_group(item), 0) + w
+        first = {g: i for i, g in reversed(list(enumerate(_group(item) for item in items)))}
+        items.sort(key=lambda item: (-weight[_group(item)], first[_group(item)]))

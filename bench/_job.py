@@ -5,6 +5,9 @@ relaunch needs that the example leaves to its launcher script.
   as a resubmitted job's script would; the first launch starts from scratch.
 * ``BENCH_TORCH_SAVE=1``: periodic checkpoints are written with plain ``torch.save`` (no mindio
   checkpoint store), the baseline everyone uses today.
+* ``BENCH_TIMINGS=1``: the data path is timed where it moves state, one line each, for the
+  benchmark's bytes-and-rate columns: ``bench-job: save|load|dump|repair-send|repair-recv rank=R
+  bytes=N s=T`` (periodic save and load on rank 0; every dumping, sending and receiving rank).
 * ``--inject`` is the example's own flag (:mod:`mindio.drill`: fires once per job, also across
   relaunches when MINDIO_DRILL_DIR is set, as the benchmark does).
 
@@ -34,6 +37,40 @@ from mindio.megatron import checkpoint  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatron" / "pretrain_gpt.py"
 
 
+def _shard_bytes(ctx) -> int:
+    """Bytes of this rank's optimizer shard (fp32 main params, moments, steps): what a save writes,
+    a load reads and a repair sends, per rank."""
+    return sum(t.numel() * t.element_size() for t in ctx.shard_tensors())
+
+
+def _timed(module, name: str, label: str, nbytes, rank0_only: bool = False) -> None:
+    """Replace ``module.name`` with a wrapper printing ``bench-job: <label> rank= bytes= s=`` (no line
+    when ``nbytes`` returns None: a dump call on a rank that writes nothing)."""
+    inner = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        took = time.perf_counter() - t0
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
+        n = nbytes(args, out)
+        if n is not None and (not rank0_only or rank == 0):
+            print(f"bench-job: {label} rank={rank} bytes={n} s={took:.6f}", flush=True)
+        return out
+    setattr(module, name, wrapper)
+
+
+def time_data_path() -> None:
+    from mindio.megatron import adapter
+
+    tensor_bytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    _timed(checkpoint, "save_checkpoint", "save", lambda a, out: _shard_bytes(a[0]), rank0_only=True)
+    _timed(checkpoint, "load_checkpoint", "load", lambda a, out: _shard_bytes(a[0]), rank0_only=True)
+    _timed(checkpoint, "save_dump", "dump", lambda a, out: _shard_bytes(a[0]) if out else None)
+    _timed(adapter, "send_state", "repair-send", lambda a, out: tensor_bytes(a[0]))
+    _timed(adapter, "recv_state", "repair-recv", lambda a, out: tensor_bytes(a[0]))
+
+
 def main() -> None:
     rank = os.environ.get("RANK", "0")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -47,6 +84,8 @@ def main() -> None:
     if os.environ.get("BENCH_TORCH_SAVE") == "1":
         checkpoint.torch_dist._acp = lambda: None  # checkpoint files go straight to storage (no store)
         checkpoint.initialize_store = lambda *a, **k: False
+    if os.environ.get("BENCH_TIMINGS") == "1":
+        time_data_path()
     sys.argv = [str(EXAMPLE), *argv]
     spec = importlib.util.spec_from_file_location("pretrain_gpt", EXAMPLE)
     example = importlib.util.module_from_spec(spec)

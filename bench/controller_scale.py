@@ -4,10 +4,11 @@
     python bench/controller_scale.py --n 100000      # 100k (multiplexed connections, see below)
 
 The controller runs in this process (its two threads, exactly as in a job). The processors are
-simulated by a few child processes, each holding many DEALER sockets: one socket per rank (identity =
-rank, as in a job without a launcher) up to 2,000 ranks; above, one socket per 8 ranks with a relay
-identity ``agent-<k>`` (as a node agent relays for its ranks) -- every rank still registers, beats and
-answers on its own, so the controller handles exactly N ranks' messages; only the simulators' poll()
+simulated by a few child processes, each holding many DEALER sockets: one socket per rank (as in a job
+without a launcher) up to 2,000 ranks; above, one socket per 8 ranks registered as a relay (as a node
+agent would relay for its ranks; the controller accepts relays with MINDIO_RELAYS=1, here relays=True)
+-- every rank still registers, beats and answers on its own, so the controller handles exactly N ranks'
+messages; every connection opens a session first (protocol v3); only the simulators' poll()
 over thousands of sockets (O(sockets) per call, on 2 shared cores) and this machine's 20,000-descriptor
 limit per process are avoided. Simulated ranks answer every action at once, so the figures are the
 controller's own cost.
@@ -33,52 +34,60 @@ KEY = b"bench-secret-0123456789abcdef0123"
 DP = 16  # contiguous DP groups of 16 ranks, 2 replicas: a realistic replica layout
 
 
+class _Conn:
+    """One simulated connection: its socket, its ranks, and its session (protocol v3: HELLO, CHALLENGE,
+    REGISTER; every frame carries the session and the next counter)."""
+
+    def __init__(self, sock, chunk: list, relay: bool):
+        self.sock, self.chunk, self.relay = sock, chunk, relay
+        self.sess = self.ctr = 0
+        self.nonce = 0
+
+    def send(self, env) -> None:
+        from mindio.ttp import protocol as P
+
+        self.ctr += 1
+        self.sock.send(P.encode(env._replace(sess=self.sess, ctr=self.ctr), KEY))
+
+
 def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_evt, report_t, halt, ready,
          nice: int = 10) -> None:
     import zmq
 
     from mindio.ttp import protocol as P
+    from mindio.ttp.session import fresh
     os.nice(nice)  # in a job the processors run on other hosts: by default never let them take the controller's CPU
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 60000)
+    relay = per_conn > 1  # a connection for several ranks registers as a relay (MINDIO_RELAYS)
     conns = []
     for i in range(0, len(ranks), per_conn):
-        chunk = ranks[i:i + per_conn]
         sock = ctx.socket(zmq.DEALER)
-        ident = str(chunk[0]) if per_conn == 1 else f"agent-{chunk[0]}"
-        sock.setsockopt(zmq.IDENTITY, ident.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.connect(f"tcp://127.0.0.1:{port}")
-        conns.append((sock, chunk))
-    relay_batch = batch and per_conn > 1  # a relay sends one frame for all its ranks (protocol v2)
-    if relay_batch:
-        beats = {sock: P.encode(P.Envelope(P.MsgType.BEATS, P.Beats(ranks=chunk, steps=[5] * len(chunk),
-                                                                    status=[0] * len(chunk), coll=[False] * len(chunk),
-                                                                    age=[0.0] * len(chunk))), KEY)
-                 for sock, chunk in conns}
-    else:
-        beats = {sock: [P.encode(P.Envelope(P.MsgType.HEARTBEAT, P.Heartbeat(step=5, data_status=0), rank=r), KEY)
-                        for r in chunk] for sock, chunk in conns}
+        conns.append(_Conn(sock, ranks[i:i + per_conn], relay))
+    relay_batch = batch and relay  # a relay sends one frame for all its ranks (protocol v2)
     ready.put(len(conns))
     go.wait()
-    for sock, chunk in conns:
-        hellos = []
-        for r in chunk:
+    for c in conns:
+        c.nonce = fresh()
+        c.send(P.Envelope(P.MsgType.HELLO, P.Hello(c.nonce), rank=-1 if relay else c.chunk[0]))
+
+    def hellos(c):
+        out = []
+        for r in c.chunk:
             g = DP * (r // DP)
-            hellos.append(P.Envelope(P.MsgType.REGISTER, P.Register(
+            out.append(P.Envelope(P.MsgType.REGISTER, P.Register(
                 world_size=n, pid=os.getpid(), host="sim", step=5,
                 replica=[{"rank_list": list(range(g, g + DP)), "replica_cnt": 2, "replica_shift": 0}]), rank=r))
-        if relay_batch:
-            sock.send(P.encode(P.Envelope(P.MsgType.BATCH, P.Batch(hellos)), KEY))
-        else:
-            for env in hellos:
-                sock.send(P.encode(env, KEY))
+        return out
+
     poller = zmq.Poller()
-    for sock, _ in conns:
-        poller.register(sock, zmq.POLLIN)
-    interval, next_beat, reported, acks = 1.0, time.monotonic(), False, set()
-    by_sock = {sock: chunk for sock, chunk in conns}
+    for c in conns:
+        poller.register(c.sock, zmq.POLLIN)
+    interval, next_beat, reported = 1.0, time.monotonic(), False
+    by_sock = {c.sock: c for c in conns}
     while not halt.is_set():
         # poll() costs O(sockets) here: batch the work (at most one pass per 10 ms), as N separate
         # processes would not pay this at all
@@ -86,45 +95,59 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
         for sock, _ in poller.poll(max(0, min(0.05, next_beat - time.monotonic())) * 1000):
             if halt.is_set():
                 break
+            c = by_sock[sock]
             while True:
                 try:
                     frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if frame in acks:  # the controller caches its acks: a repeat needs no decoding here
+                if frame[2] == P.MsgType.HEARTBEAT_ACK:  # [v, type, ...]: a plain ack needs no decoding here
                     continue
                 env = P.decode(frame, KEY)
-                if env.type is P.MsgType.HEARTBEAT_ACK:
-                    if not env.body.unknown:
-                        acks.add(frame)
+                if env.type is P.MsgType.CHALLENGE and env.body.nonce == c.nonce:
+                    c.sess, c.ctr = env.body.session, 0
+                    if relay:
+                        c.send(P.Envelope(P.MsgType.REGISTER, P.Register(world_size=n, pid=os.getpid(), host="sim",
+                                                                         role="relay")))
+                        if relay_batch:
+                            c.send(P.Envelope(P.MsgType.BATCH, P.Batch(hellos(c))))
+                        else:
+                            for env in hellos(c):
+                                c.send(env)
+                    else:
+                        c.send(hellos(c)[0])
                 elif env.type is P.MsgType.REGISTER_ACK:
                     interval = env.body.interval
                 elif env.type is P.MsgType.ACTION:
                     detail = {"step": 5, "data_status": 0, "main": "parked"} if env.body.name == "stop" else {}
-                    to = env.body.ranks or by_sock[sock][:1]
+                    to = env.body.ranks or c.chunk[:1]
                     replies = [P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail=detail), rank=r, sn=env.sn)
                                for r in to]
                     if relay_batch:
-                        sock.send(P.encode(P.Envelope(P.MsgType.BATCH, P.Batch(replies)), KEY))
+                        c.send(P.Envelope(P.MsgType.BATCH, P.Batch(replies)))
                     else:
                         for rep in replies:
-                            sock.send(P.encode(rep, KEY))
+                            c.send(rep)
         if time.monotonic() >= next_beat:
             next_beat += interval
-            for sock, _ in conns:
+            for c in conns:
+                if not c.sess:
+                    continue
                 if relay_batch:
-                    sock.send(beats[sock])
+                    k = len(c.chunk)
+                    c.send(P.Envelope(P.MsgType.BEATS, P.Beats(ranks=c.chunk, steps=[5] * k, status=[0] * k,
+                                                               coll=[False] * k, age=[0.0] * k)))
                 else:
-                    for frame in beats[sock]:
-                        sock.send(frame)
+                    for r in c.chunk:
+                        c.send(P.Envelope(P.MsgType.HEARTBEAT, P.Heartbeat(step=5, data_status=0), rank=r))
         if report_evt.is_set() and not reported and 1 in ranks:
             reported = True
-            sock = next(s for s, c in by_sock.items() if 1 in c)
+            c = next(c for c in conns if 1 in c.chunk)
             report_t.value = time.time()
-            sock.send(P.encode(P.Envelope(P.MsgType.REPORT, P.Report(state=2, message="UCE ERROR", step=5), rank=1), KEY))
+            c.send(P.Envelope(P.MsgType.REPORT, P.Report(state=2, message="UCE ERROR", step=5), rank=1))
         time.sleep(max(0.0, 0.01 - (time.monotonic() - t_pass)))
-    for sock, _ in conns:
-        sock.close(0)
+    for c in conns:
+        c.sock.close(0)
     ctx.term()
 
 
@@ -142,7 +165,8 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
     ranks = list(range(n))
     children = [fork.Process(target=_sim, args=(ranks[i::procs], n, port, per_conn, batch, go, report_evt, report_t, halt,
                                                 ready, nice), daemon=True) for i in range(procs)]
-    ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=interval, misses=3, hang_timeout=0)
+    ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=interval, misses=3, hang_timeout=0,
+                     relays=per_conn > 1)
     try:
         ctl.start("127.0.0.1", port)
         for c in children:

@@ -14,9 +14,13 @@ shards. Formula: a rank holds ``12*P*R/d`` bytes (P = params of its model-parall
 pipeline parallelism its stage --, d = DP size, R = replica count), so the replicas add
 ``12*P*(R-1)/d``; the bench prints measured extra / formula (1.0000 when they match).
 
-    python bench/ha_overhead.py                  # DP=4, 60 steps, 3 rounds
+    python bench/ha_overhead.py                  # DP=4, 60 steps, 3 rounds, tiny GPT
     python bench/ha_overhead.py --nproc 2 --iters 100 --rounds 5
     python bench/ha_overhead.py --pp 2           # TP1 x PP2 x DP2 (2 micro-batches per step)
+    python bench/ha_overhead.py --size 1g        # >= 1 GiB of state per rank (bench/_sizes.py); 12 steps
+
+``measure()`` / ``report()`` are what bench/peers/run_all.py calls; the last line of the report checks
+issue 18's target (on <= 1.05x off).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import sys
 from pathlib import Path
 
 from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _sizes  # noqa: E402  (bench/_sizes.py)
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
@@ -95,44 +102,69 @@ def parse(out: str, warmup: int):
     return steps, tuple(int(x) for x in mem.groups()), float(rss.group(1))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=4, help="ranks (TP=1; DP = nproc / pp)")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
-
+def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int = 1, echo=print) -> dict:
+    """Step times of the three configurations, alternated over ``rounds``; memory of rank 0."""
+    flags = _sizes.get(size).args() + layout(nproc, pp)
     steps = {k: [] for k in CONFIGS}
     per_round = {k: [] for k in CONFIGS}
     mem, rss = {}, {}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name, extra in CONFIGS.items():
-            s, m, x = parse(run(args.nproc, args.iters, layout(args.nproc, args.pp) + extra), args.warmup)
+            s, m, x = parse(run(nproc, iters, flags + extra), warmup)
             steps[name] += s
             per_round[name].append(statistics.median(s))
             mem[name], rss[name] = m, x
-            print(f"round {r + 1}: {name:8s} median step {statistics.median(s):7.2f} ms", flush=True)
-
-    base = statistics.median(steps["off"])
-    best = min(per_round["off"])
-    print(f"\nTP1 x PP{args.pp} x DP{args.nproc // args.pp}, {args.iters} steps x {args.rounds} rounds, warm-up {args.warmup} "
-          f"excluded; step time (ms) and ratio to 'off': median over all steps | best round")
+            echo(f"round {r + 1}: {name:8s} median step {statistics.median(s):7.2f} ms")
+    base, best = statistics.median(steps["off"]), min(per_round["off"])
+    out = {"size": size, "nproc": nproc, "pp": pp, "iters": iters, "warmup": warmup, "rounds": rounds,
+           "configs": {}, "mem": mem, "rss": rss, "load": os.getloadavg()[0]}
     for name in CONFIGS:
         med, fast = statistics.median(steps[name]), min(per_round[name])
-        print(f"  {name:8s} {med:8.2f} ms  x{med / base:.3f}   | {fast:8.2f} ms  x{fast / best:.3f}")
-    print("\noptimizer state of rank 0, measured vs 12*P*R/d:")
+        out["configs"][name] = {"median_ms": med, "ratio": med / base, "best_ms": fast, "best_ratio": fast / best}
+    return out
+
+
+def report(res: dict) -> str:
+    pp, nproc = res["pp"], res["nproc"]
+    rows = [f"TP1 x PP{pp} x DP{nproc // pp}, size {res['size']}, {res['iters']} steps x {res['rounds']} rounds, "
+            f"warm-up {res['warmup']} excluded; step time (ms) and ratio to 'off': median over all steps | "
+            f"best round; load average {res['load']:.1f} at the end"]
+    for name, c in res["configs"].items():
+        rows.append(f"  {name:8s} {c['median_ms']:8.2f} ms  x{c['ratio']:.3f}   | {c['best_ms']:8.2f} ms  "
+                    f"x{c['best_ratio']:.3f}")
+    rows.append("optimizer state of rank 0, measured vs 12*P*R/d:")
     for name in CONFIGS:
-        b, p, r, d = mem[name]
-        formula = 12 * p * r / d
-        print(f"  {name:8s} {b:10d} B  vs {formula:10.0f} B (P={p}, R={r}, d={d}): x{b / formula:.4f}")
-    (b_off, p, _, d), (b_on, _, r_on, _) = mem["off"], mem["on"]
+        b, p, r, d = res["mem"][name]
+        rows.append(f"  {name:8s} {b:10d} B  vs {12 * p * r / d:10.0f} B (P={p}, R={r}, d={d}): x{b / (12 * p * r / d):.4f}")
+    (b_off, p, _, d), (b_on, _, r_on, _) = res["mem"]["off"], res["mem"]["on"]
     formula = 12 * p * (r_on - 1) / d
-    print(f"extra of 'on': {b_on - b_off} B vs 12*P*(R-1)/d = {formula:.0f} B: x{(b_on - b_off) / formula:.4f} "
-          "(a DP shard is cut at element boundaries of megatron's padded buckets, so a rank may hold a few "
-          "params more or less than P/d)")
-    print("rank-0 peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
+    rows.append(f"extra of 'on': {b_on - b_off} B vs 12*P*(R-1)/d = {formula:.0f} B: x{(b_on - b_off) / formula:.4f} "
+                "(a DP shard is cut at element boundaries of megatron's padded buckets, so a rank may hold a few "
+                "params more or less than P/d)")
+    rows.append("rank-0 peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in res["rss"].items()))
+    on = res["configs"]["on"]["ratio"]
+    rows.append(f"target {'PASS' if on <= 1.05 else 'FAIL'}: replicas + control plane x{on:.3f} <= x1.05 "
+                f"the step time of plain Megatron (median)")
+    return "\n".join(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="tiny", choices=list(_sizes.SIZES), help="model size (bench/_sizes.py)")
+    ap.add_argument("--nproc", type=int, default=4, help="ranks (TP=1; DP = nproc / pp)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--iters", type=int, default=None, help="steps per run (default: 60, 12 at size 1g)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps excluded (default: 5, 2 at size 1g)")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    big = args.size == "1g"
+    args.iters = args.iters or (12 if big else 60)
+    args.warmup = args.warmup if args.warmup is not None else (2 if big else 5)
+    if args.pp == 1:  # (with pipeline stages a rank holds one stage's share)
+        print(_sizes.get(args.size).describe(2, args.nproc), flush=True)
+    res = measure(args.size, args.nproc, args.iters, args.warmup, args.rounds, args.pp,
+                  echo=lambda s: print(s, flush=True))
+    print("\n" + report(res))
 
 
 if __name__ == "__main__":

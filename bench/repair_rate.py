@@ -1,6 +1,7 @@
 """Repair data path throughput: what recover-in-place / recover pay per byte of optimizer state.
 
     .venv/bin/python bench/repair_rate.py --mb 256 --rounds 3
+    .venv/bin/python bench/repair_rate.py --size 1g      # one rank's optimizer shard at that size (684 MB)
 
 Two processes on loopback, gloo on CPU: rank 0 sends an optimizer shard (fp32 master, two Adam moments,
 a step counter) plus the scalar state to rank 1 with ``mindio.adapter.send_state`` / ``recv_state`` --
@@ -59,12 +60,21 @@ def _worker(mb: int, rounds: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=256, help="optimizer-shard megabytes to send")
+    p.add_argument("--size", default=None, help="send one rank's optimizer shard of this model size "
+                   "(bench/_sizes.py: 12 B x P x R / d at DP=4, R=2); overrides --mb")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         _worker(a.mb, a.rounds)
         return 0
+    if a.size:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _sizes
+
+        size = _sizes.get(a.size)
+        a.mb = max(1, round(12 * size.params * 2 // 4 / 2**20))
+        print(f"repair-rate: {size.describe()}; sending its optimizer shard, {a.mb} MiB", flush=True)
     from mindio._ports import free_port
 
     port = free_port()  # outside the ephemeral range (see mindio/_ports.py)

@@ -138,7 +138,21 @@ _ALL = [
          "Seconds the exit teardown (mindio/ttp/shutdown.py) waits in all for mindio's control-plane threads "
          "to end and for the process groups it destroys to release their worker threads, before the "
          "interpreter shuts down.", min=0.1, max=600),
-    Knob("MINDIO_SECRET", str, "", "Per-job secret that signs control messages (hex); generated if empty."),
+    Knob("MINDIO_SECRET", str, "",
+         "Per-job secret that signs control messages (>= 16 characters; the same on every rank). mindio-run "
+         "sets it for its workers; empty: MINDIO_SECRET_FILE, else the controller's rank generates one and "
+         "publishes it in the job's torch.distributed store, readable by anyone who reaches that port (logged "
+         "once; docs/security.md)."),
+    Knob("MINDIO_SECRET_FILE", str, "",
+         "File holding the job secret (a regular file of your own uid with no group/other access, e.g. mode "
+         "0600; a symlink is refused), used when MINDIO_SECRET is empty; also how mindio-run agents on "
+         "several nodes share one secret without the open store."),
+    Knob("MINDIO_BACKUP_CONTROLLERS", int, 0,
+         "How many backup controllers (start_backup_controller) the primary accepts; each is advertised to "
+         "every processor. 0: none (a backup's registration is refused and logged).", min=0, max=2),
+    Knob("MINDIO_RELAYS", _bool, False,
+         "1: the controller accepts relays (one connection carrying the heartbeats and messages of many ranks, "
+         "protocol v2 BEATS/BATCH); 0: refused."),
     Knob("HIGH_AVAILABILITY", _ha_list, (),
          "Comma list of strategies to enable (the job's recover-strategy list): dump, retry, recover, "
          "recover-in-place, elastic-training, exit."),

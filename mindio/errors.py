@@ -16,9 +16,23 @@ class ConfigError(MindIOError, ValueError):
 class ProtocolError(MindIOError):
     """A frame could not be decoded: wrong version, unknown type, malformed or oversize body."""
 
+    reason = "protocol"  # the DropCounter's category (mindio.ttp.protocol)
+
 
 class AuthError(ProtocolError):
     """A frame failed authentication (bad or missing HMAC)."""
+
+    reason = "auth"
+
+
+class SessionError(ProtocolError):
+    """An authentic frame that belongs to no live session of this connection (``reason`` "session"),
+    repeats or precedes one already received (``"replay"``), or asks for something this side does not
+    allow (``"refused"``): protocol v3, mindio/ttp/session.py."""
+
+    def __init__(self, message: str, reason: str = "session"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class LostPeer(MindIOError):

@@ -48,7 +48,7 @@ import time
 
 from .. import _logging
 from ..errors import ConfigError
-from . import elastic, failures, ha, liveness, netif, switch
+from . import elastic, failures, ha, liveness, netif, secret, switch
 from .config import LaunchConfig
 from .logs import WorkerLogs
 from .spares import Spares
@@ -88,6 +88,7 @@ class Agent:
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
         self._ttp: dict | None = None
+        self.secret = ""  # the job secret, handed to every worker (secret.py)
         self._round = self._port = 0
         self.lost_now: list[int] = []
         self.taken_over: dict[int, bytes] = {}  # node given to a standby -> its last beat before
@@ -194,6 +195,7 @@ class Agent:
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "MINDIO_AGENT_STORE": f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
             "MINDIO_AGENT_PID": os.getpid(),  # the node's agent: mindio.drill's kill-node target
+            "MINDIO_SECRET": self.secret,  # through the spare's stdin pipe, never a store (secret.py)
             **(ha.ttp_env(self._ttp) if self._ttp else {}),
         }
         if cfg.virtual_local_rank:  # as torchrun: LOCAL_RANK 0, and only this worker's device visible
@@ -297,6 +299,10 @@ class Agent:
                             p.pid, self.cfg.term_grace, signal.Signals(self._signal or signal.SIGTERM).name)
                 p.kill()
                 p.wait()
+        if any(p.returncode for p in procs.values()):  # for the operator (and tests): how every worker ended
+            log.info("workers' exit codes: %s", ", ".join(
+                f"rank {r}: {failures.describe(p.returncode)}{' (stopped by this agent)' if p in live else ''}"
+                for r, p in sorted(procs.items())))
         self._workers = {}
         if self._logs is not None:
             self._logs.stop()
@@ -460,7 +466,8 @@ class Agent:
 
     def run(self) -> int:
         """Run the job on this node; returns the agent's exit code: 0, 75 when it ended with a
-        last-words checkpoint and no restart left (relaunch to resume from it), else 1."""
+        last-words checkpoint and no restart left (relaunch to resume from it), else 1. A bad setting
+        (a port in use, a job secret that is not private: secret.py) raises ConfigError (cli.py: one line)."""
         for name in self.cfg.signals:
             signal.signal(getattr(signal, name), self._on_signal)
         self._logs = WorkerLogs(self.cfg)
@@ -468,6 +475,7 @@ class Agent:
         try:
             if self._store is None:
                 self._connect()
+            self.secret = secret.resolve(self.cfg, self._store)
         except BaseException:
             self._spares.close()
             self._logs.close()

@@ -3,10 +3,11 @@
 Active when the job enables strategies (``--high-availability`` or ``HIGH_AVAILABILITY``). Then, per
 round, in addition to the keys of agent.py (all in node 0's agent store):
 
-* ``round/<n>/ttp``             node 0: JSON {addr, port, secret} of the controller it hosts (rank -1).
-                                Every agent passes them to its workers as TTP_ADDR / TTP_PORT /
-                                MINDIO_SECRET with MINDIO_CONTROLLER_EXTERNAL=1, so no rank hosts it
-                                (rank 0 may die like any other).
+* ``round/<n>/ttp``             node 0: JSON {addr, port} of the controller it hosts (rank -1). Every
+                                agent passes them to its workers as TTP_ADDR / TTP_PORT with
+                                MINDIO_CONTROLLER_EXTERNAL=1, so no rank hosts it (rank 0 may die like
+                                any other). The controller signs with the job secret every worker
+                                already has (secret.py); it is never in this store.
 * ``round/<n>/deaths``          counter; ``round/<n>/death/<i>`` = "<rank> <reason>": a worker of
                                 another node exited. Node 0 tells the controller (in-process).
                                 Node 0's own workers are reported directly. Either way a SIGKILLed
@@ -39,15 +40,14 @@ high availability); or when a death was neither replaced nor ended within the ba
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
-import secrets
 import sys
 import threading
 import time
 
 from .. import _logging
+from .._secret import secret_key
 from . import elastic, liveness, switch
 from .failures import describe
 
@@ -67,8 +67,7 @@ def _reboot_type(strategy: str) -> str:
 
 def ttp_env(info: dict) -> dict:
     """Worker environment that points the training script's processor at the hosted controller."""
-    return {"MINDIO_CONTROLLER_EXTERNAL": "1", "TTP_ADDR": info["addr"], "TTP_PORT": info["port"],
-            "MINDIO_SECRET": info["secret"]}
+    return {"MINDIO_CONTROLLER_EXTERNAL": "1", "TTP_ADDR": info["addr"], "TTP_PORT": info["port"]}
 
 
 class HostedController:
@@ -86,13 +85,12 @@ class HostedController:
         # the controller's driver thread gets its own client of the agent store (not shared across threads)
         self.store = TCPStore(cfg.master_addr, cfg.master_port, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=cfg.rdzv_timeout))
-        self.secret = secrets.token_hex(32)
-        key = hashlib.sha256(self.secret.encode()).digest()  # as mindio.ttp.transport.job_secret
-        self.ctl = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability), key=key)
+        self.ctl = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability),
+                              key=secret_key(agent.secret))
         self.ctl.start(cfg.master_addr, 0)  # the bind picks a free port
         port = self.ctl.port
         self.ctl.attach_replacer(self, timeout=cfg.recover_timeout)
-        self.info = {"addr": cfg.master_addr, "port": port, "secret": self.secret}
+        self.info = {"addr": cfg.master_addr, "port": port}
         agent._store.set(f"round/{rnd}/ttp", json.dumps(self.info))
         self._deaths_seen = 0
         self.lost: set[int] = set()  # nodes whose agent is known gone (until a standby takes them)
@@ -267,7 +265,11 @@ class HostedController:
         return self.ctl.exit_code if self.ctl.final.is_set() else None
 
     def close(self) -> None:
-        threading.Thread(target=self.ctl.destroy, daemon=True).start()  # joins its threads (<= 2 s each)
+        # joins its threads (<= 2 s each) and ends its zmq context off the agent's main loop; not a daemon
+        # thread: the interpreter's exit waits for it, so it is never stopped inside a zmq call (a daemon
+        # thread that wakes up in the interpreter's teardown is ended with pthread_exit, and unwinding
+        # through C++ frames then aborts the process: "terminate called without an active exception")
+        threading.Thread(target=self.ctl.destroy, name="mindio-ctl-destroy").start()
 
 
 def tick(agent, rnd: int, bad: dict) -> str | None:

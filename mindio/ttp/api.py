@@ -11,8 +11,9 @@ Call order in a training script (rank r of w; the controller's rank also runs a 
     tft_set_optimizer_replica(r, [{"rank_list": dp_ranks, "replica_cnt": 2, "replica_shift": 0}])
     tft_exception_handler(train)(...)             # around each step: start/end_updating_os
 
-The secret that signs control frames is shared through the torch.distributed store when a default
-process group exists (call init_process_group first), else through MINDIO_SECRET.
+The secret that signs control frames comes from MINDIO_SECRET or MINDIO_SECRET_FILE (mindio-run sets
+it for its workers); without either, the controller's rank publishes one in the torch.distributed store
+(call init_process_group first) and logs what that exposes (docs/security.md).
 """
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ def _start(bind_ip, port, enable_tls, tls_info, primary=None):
         except ConfigError:  # no server_public given: the controller derives it from the shared keypair
             client = None
     ctl = Controller(key=transport.job_secret(create=primary is None), curve=curve, backup=primary is not None,
-                     curve_client=client,
+                     curve_client=client, curve_clients=transport.curve_clients(enable_tls, tls_info),
                      **_rt.controller_init)
     ctl.brain = Brain(table)
     ctl.start(bind_ip, int(port), primary=primary)

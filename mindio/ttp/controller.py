@@ -10,11 +10,18 @@ cached replies for a repeated sn).
 The incident flow (what happens after a fault) is in incident.py.
 
 Backups: a backup controller binds its own socket, announces itself to the primary (which advertises
-it to processors in every ack) and stays passive until the primary is silent *and* more than half of
-the ranks registered with it; then it drives the job.
+it to processors in every ack; only when the primary accepts backups, MINDIO_BACKUP_CONTROLLERS) and
+stays passive until the primary is silent *and* more than half of the ranks registered with it; then it
+drives the job.
+
+Every frame belongs to a session (session.py): a connection speaks for a rank only after an
+authenticated REGISTER in a session this controller offered it, and a rank's route (where its ACTIONs
+go) changes only through such a REGISTER. With CURVE, a ZAP handler lets in only the job's client key
+(derived from the secret) and the client keys it was given.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import queue
@@ -37,8 +44,10 @@ from .recover import RecoverFlow
 from .hotswitch import HotSwitchFlow
 from .watch import LivenessWatch
 from .pidprobe import PidProbe
-from . import shutdown, transport
-from .transport import RELAY_PREFIX, Channel, Link, Waker
+from ..errors import SessionError
+from . import shutdown
+from .session import Sessions
+from .transport import Channel, Link, Waker, job_curve_keypair
 
 __all__ = ["Controller"]
 
@@ -71,16 +80,17 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
 
     def __init__(self, rank: int, world_size: int, enabled, key: bytes, backup: bool = False,
                  curve: dict | None = None, interval: float | None = None, misses: int | None = None,
-                 curve_client: dict | None = None,
-                 hang_timeout: float | None = None):
+                 curve_client: dict | None = None, curve_clients=(),
+                 hang_timeout: float | None = None, backups_allowed: int | None = None,
+                 relays: bool | None = None):
         self.rank, self.world_size, self.key, self.curve = rank, world_size, key, curve or {}
-        # a backup's link to the primary is a CURVE client too: its keys, or the server keypair shared
-        # with the primary (the client then authenticates the primary by that public key)
+        # a backup's link to the primary is a CURVE client too: its keys, or the job's client keypair and
+        # the public key of the server keypair shared with the primary (which it then authenticates)
         if curve_client is None and self.curve.get(zmq.CURVE_SECRETKEY):
-            pub, sec = zmq.curve_keypair()
-            curve_client = {zmq.CURVE_SERVERKEY: zmq.curve_public(self.curve[zmq.CURVE_SECRETKEY]),
-                            zmq.CURVE_PUBLICKEY: pub, zmq.CURVE_SECRETKEY: sec}
+            curve_client = {zmq.CURVE_SERVERKEY: zmq.curve_public(self.curve[zmq.CURVE_SECRETKEY])}
         self.curve_client = curve_client or {}
+        # CURVE clients let in (ZAP): the job's own key and the ones given (tls_info client_public)
+        self.curve_clients = {job_curve_keypair(key)[0], *curve_clients}
         self.enabled = set(enabled)
         self.interval = interval or _knobs.get("MINDIO_HEARTBEAT_INTERVAL")
         self.misses = misses or _knobs.get("MINDIO_HEARTBEAT_MISSES")
@@ -91,6 +101,11 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self.backups: list[str] = []
         self.ranks: dict[int, _Rank] = {}
         self.drops = P.DropCounter()
+        self.sessions = Sessions(max_pending=2 * world_size + 64,
+                                 backups=_knobs.get("MINDIO_BACKUP_CONTROLLERS") if backups_allowed is None
+                                 else backups_allowed,
+                                 relays=_knobs.get("MINDIO_RELAYS") if relays is None else relays)
+        self._relays: set[bytes] = set()  # connections of relay sessions
         self.mindx: dict = {}
         self.address = ""
         self.final = threading.Event()
@@ -107,7 +122,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._chosen: str | None = None
         self._primary_link: Link | None = None
         self._threads: list[threading.Thread] = []
-        self._ack_cache: dict[int, bytes] = {}
+        self._ack_body: bytes = b""
         self._registered = 0
         self._drained_at = time.monotonic()
         self._lagging = False
@@ -122,22 +137,29 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged (watch.py)
         self._held_reports: list = []  # reports received while a passive backup (see _take_over)
         self._poller: zmq.Poller | None = None
+        self._ctx: zmq.Context | None = None
+        self._auth = None
         self.status_server = None  # status.py's server, when MINDIO_STATUS_PORT is set
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
-        sock = transport.context().socket(zmq.ROUTER)
+        ctx = self._ctx = zmq.Context()  # its own: the ZAP handler below serves this context's sockets
+        if self.curve:
+            self._start_zap(ctx)
+        sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * P.MAX_FRAME)  # zmq drops the connection of a flooding peer
         sock.setsockopt(zmq.BACKLOG, 4096)  # thousands of ranks connect at once; a short accept queue drops SYNs
-        # a rank that reconnects (its link found us silent) before we dropped its old connection must take
-        # its identity over; without this zmq ignores the new connection for good and the rank, alive and
-        # beating, is declared dead misses * interval later (CI 2026-11-21: rank 0 after a 4.7 s stall)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # no ROUTER_HANDOVER and no identities chosen by peers: zmq names every connection, so a rank that
+        # reconnects (its link found us silent) before we dropped its old connection is a new connection
+        # that registers afresh, and nobody can take a rank's route by connecting with its identity
         for opt, val in self.curve.items():
             sock.setsockopt(opt, val)
+        if self.curve:  # no ZAP handler, no connection (rather than CURVE without client authentication)
+            sock.setsockopt(zmq.ZAP_DOMAIN, b"mindio")
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         try:
             if port == 0:  # any free port, chosen by the bind itself (no window for another socket to take it)
                 port = sock.bind_to_random_port(f"tcp://{bind_ip}", min_port=20000, max_port=65535, max_tries=1000)
@@ -145,10 +167,16 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                 sock.bind(f"tcp://{bind_ip}:{port}")
         except zmq.ZMQError:
             sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+                atexit.unregister(self._auth.stop)
+                self._auth = None
+            ctx.term()
+            self._ctx = None
             raise
         self.port = port
         self.address = f"tcp://{bind_ip}:{port}"
-        self._chan = Channel(sock, self.key, self.drops)
+        self._chan = Channel(sock, self.key, self.drops, sess=self.sessions.epoch)
         if self.backup:
             if not primary:
                 raise ValueError("a backup controller needs the primary's address")
@@ -170,6 +198,28 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         _log.info("controller %s listening on %s (world %d, strategies %s)",
                   "backup" if self.backup else "primary", self.address, self.world_size, sorted(self.enabled))
 
+    def _start_zap(self, ctx: zmq.Context) -> None:
+        """CURVE client authentication: a ZAP handler (pyzmq's ThreadAuthenticator) that lets in only the
+        client keys in ``self.curve_clients`` and logs each refusal."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        allowed, refused = self.curve_clients, [0]
+
+        class _Keys:
+            def callback(self, domain, key):
+                if key in allowed:
+                    return True
+                refused[0] += 1
+                if refused[0] <= 5 or refused[0] % 1000 == 0:
+                    _log.warning("refused CURVE client #%d: key %s is not a key of this job (the job's own, "
+                                 "derived from its secret, or tls_info's client_public)", refused[0], key.decode())
+                return False
+
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("mindio.ttp.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback("mindio", _Keys())  # the ROUTER's ZAP_DOMAIN
+        atexit.register(self._auth.stop)  # stopped while the interpreter still runs threads normally
+
     def destroy(self) -> None:
         self.close(timeout=4)
 
@@ -190,37 +240,47 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             self._primary_link.stop()
         for t in parts:
             t.join(timeout=max(0.0, end - time.monotonic()))
-        return not any(t.is_alive() for t in parts)
+        if self._auth is not None:
+            atexit.unregister(self._auth.stop)
+            self._auth.stop()
+            self._auth = None
+        ended = not any(t.is_alive() for t in parts)
+        if self._ctx is not None and ended:
+            self._ctx.term()  # the I/O thread closed the socket
+            self._ctx = None
+        return ended
 
     # ------------------------------------------------------------------ I/O thread
     def _send(self, rank: int, body, mtype=P.MsgType.ACTION, sn: int = 0) -> None:
-        """(any thread) Sign and queue a message for ``rank``; the envelope's rank names the rank it
-        concerns (the recipient here), so a relaying agent can deliver it."""
+        """(any thread) Queue a message for ``rank``; the envelope's rank names the rank it concerns (the
+        recipient here), so a relay can deliver it. The I/O thread signs it (session.py: the counter of
+        the controller's frames follows the order they are sent in). A rank without a route is skipped."""
         r = self.ranks.get(rank)
-        ident = r.ident if r is not None else str(rank).encode()
-        if mtype is P.MsgType.ACTION and ident.startswith(RELAY_PREFIX):
+        if r is None or not r.ident:
+            return
+        if mtype is P.MsgType.ACTION and r.ident in self._relays:
             body = P.Action(body.name, body.params, [rank])
-        self._out.put(((ident,), P.encode(P.Envelope(mtype, body, rank=rank, sn=sn), self.key)))
+        self._out.put(((r.ident,), P.Envelope(mtype, body, rank=rank, sn=sn)))
         self._waker.wake()
 
     def _send_many(self, ranks, body: P.Action, sn: int) -> None:
-        """(any thread) Broadcast one ACTION to many ranks: one signed frame (envelope rank -1) for all
-        ranks with a connection of their own, and one frame per relay listing its ranks; a single
+        """(any thread) Broadcast one ACTION to many ranks: one frame (envelope rank -1), signed once, for
+        all ranks with a connection of their own, and one frame per relay listing its ranks; a single
         wake-up of the I/O thread. Signing per rank was most of a 10k-rank stop round."""
-        get = self.ranks.get
+        get, relay_idents = self.ranks.get, self._relays
         direct, relays = [], {}
         for rank in ranks:
             r = get(rank)
-            ident = r.ident if r is not None else str(rank).encode()
-            if ident.startswith(RELAY_PREFIX):
-                relays.setdefault(ident, []).append(rank)
+            if r is None or not r.ident:
+                continue
+            if r.ident in relay_idents:
+                relays.setdefault(r.ident, []).append(rank)
             else:
-                direct.append(ident)
+                direct.append(r.ident)
         if direct:
-            self._out.put((direct, P.encode(P.Envelope(P.MsgType.ACTION, body, rank=-1, sn=sn), self.key)))
+            self._out.put((direct, P.Envelope(P.MsgType.ACTION, body, rank=-1, sn=sn)))
         for ident, rs in relays.items():
-            self._out.put(((ident,), P.encode(P.Envelope(P.MsgType.ACTION, P.Action(body.name, body.params, rs),
-                                                         rank=-1, sn=sn), self.key)))
+            self._out.put(((ident,), P.Envelope(P.MsgType.ACTION, P.Action(body.name, body.params, rs), rank=-1, sn=sn)))
         self._waker.wake()
 
     def _io_loop(self) -> None:
@@ -242,9 +302,10 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             send_raw = self._chan.send_raw
             while True:
                 try:
-                    idents, frame = self._out.get_nowait()
+                    idents, env = self._out.get_nowait()
                 except queue.Empty:
                     break
+                frame = self._chan.frame(env)
                 for ident in idents:
                     send_raw(frame, ident)
             if self._chan.sock in events:
@@ -274,7 +335,40 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._chan.sock.close(0)
 
     def _on_frame(self, ident: bytes, env: P.Envelope) -> None:
+        """One authentic frame from connection ``ident``: admitted only within its session (session.py)."""
+        sessions = self.sessions
+        try:
+            if env.type is P.MsgType.HELLO:
+                self._chan.send(P.Envelope(P.MsgType.CHALLENGE, P.Challenge(env.body.nonce, sessions.challenge(ident)),
+                                           rank=env.rank), ident)
+                return
+            s = sessions.by_ident.get(ident)
+            if env.type is P.MsgType.REGISTER and (s is None or s.sid != env.sess):
+                s = sessions.open(ident, env, self.backups)
+                if s.role == "relay":
+                    self._relays.add(ident)
+                    _log.info("relay %r registered", ident)
+            else:
+                s = sessions.admit(ident, env)
+            if s.role != "relay" and env.type in (P.MsgType.BEATS, P.MsgType.BATCH):
+                raise SessionError(f"{env.type.name} from a {s.role} session (only a relay may send it)", "refused")
+        except SessionError as exc:
+            self.drops.drop(exc, origin=repr(ident))
+            return
+        if s.role == "relay" and env.type is P.MsgType.REGISTER:
+            self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
+                                                                             backups=list(self.backups))), ident)
+            return
+        self._dispatch(ident, env, relay=s.role == "relay")
+
+    def _dispatch(self, ident: bytes, env: P.Envelope, relay: bool = False) -> None:
         body, now = env.body, time.monotonic()
+        if relay and env.rank >= 0 and env.type is not P.MsgType.REGISTER:
+            r = self.ranks.get(env.rank)
+            if r is None or r.ident != ident:  # a relay speaks only for the ranks that registered through it
+                self.drops.drop(SessionError(f"{env.type.name} for rank {env.rank}, which is not registered through "
+                                             "this relay", "session"), origin=repr(ident))
+                return
         if env.rank >= 0 and self.refuse_stale(env):  # a replaced rank's old process (recover.py)
             return
         if env.type is P.MsgType.HEARTBEAT:
@@ -285,10 +379,11 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                     self._seen[env.rank] = None
                     self._seen.move_to_end(env.rank)
                 r.in_collective, r.progress_age = body.in_collective, body.progress_age
-            state = "UNKNOWN" if (r is None or not r.registered) and env.rank >= 0 else self.sm.state.value
+            state = "UNKNOWN" if (r is None or not r.registered or r.ident != ident) and env.rank >= 0 \
+                else self.sm.state.value
             if r is not None and r.left:  # a beat sent after its BYE: it must not register again (then die)
                 state = "BYE"
-            self._chan.send_raw(self._ack(env.rank, state), ident)
+            self._ack(ident, env.rank, state)
         elif env.type is P.MsgType.REGISTER:
             self._on_register(ident, env.rank, body, now, env.gen)
         elif env.type is P.MsgType.REPORT and env.rank in self.ranks:
@@ -328,7 +423,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             self._on_beats(ident, env, now)
         elif env.type is P.MsgType.BATCH:
             for item in body.items:
-                self._on_frame(ident, item)
+                self._dispatch(ident, item, relay=True)
 
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
         """A relay's heartbeats for many ranks: the same per-rank bookkeeping as HEARTBEAT, one ack."""
@@ -336,7 +431,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         replaced = getattr(self, "_replaced", None)  # ranks replaced by a recovery (recover.py)
         for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
             r = get(rank)
-            if r is None or not r.registered:
+            if r is None or not r.registered or r.ident != ident:  # not (or no longer) through this relay
                 if r is None or not r.left:
                     unknown.append(rank)
                 continue
@@ -351,23 +446,20 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
             self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups), unknown)),
                             ident)
         else:
-            self._chan.send_raw(self._ack(-1, state), ident)
+            self._ack(ident, -1, state)
 
-    def _ack(self, rank: int, state: str) -> bytes:
-        """The signed HEARTBEAT_ACK for ``rank``, cached: the hot path of a large job is one beat and one
-        ack per rank per interval, and the ack only changes with the state or the backup list."""
+    def _ack(self, ident: bytes, rank: int, state: str) -> None:
+        """Send the HEARTBEAT_ACK for ``rank``. The hot path of a large job is one beat and one ack per rank
+        per interval; each ack has its own counter (session.py), but its body only changes with the state
+        or the backup list, so it is packed once per change."""
         version = (state, tuple(self.backups))
         if self._ack_version != version:
-            self._ack_cache.clear()
+            self._ack_body = P.pack_body(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups))))
             self._ack_version = version
-        frame = self._ack_cache.get(rank)
-        if frame is None:
-            frame = self._ack_cache[rank] = P.encode(
-                P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups)), rank=rank), self.key)
-        return frame
+        self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, None, rank=rank), ident, body=self._ack_body)
 
     def _on_register(self, ident: bytes, rank: int, body: P.Register, now: float, gen: int = 0) -> None:
-        if body.role == "backup":
+        if body.role == "backup":  # its session was accepted: backups are allowed (session.py)
             if body.addr and body.addr != self.address and body.addr not in self.backups and len(self.backups) < 2:
                 self.backups.append(body.addr)
                 _log.info("backup controller %s announced", body.addr)
@@ -381,6 +473,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         else:
             with self._lock:
                 old = self.ranks.get(rank)
+                if old is not None and old.ident and old.ident != ident and old.ident not in self._relays:
+                    self.sessions.close(old.ident)  # the rank's previous connection speaks for it no more
                 r = _Rank(rank, ident, body.pid, body.host, now, body.step, body.data_status,
                           replica=body.replica, dp_group=body.dp_group, gen=gen)
                 r.faulty = old is not None and old.faulty
@@ -419,7 +513,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         with self._lock:
             for rank in range(self.world_size):  # ranks that never come are declared dead by the sweep
                 if rank not in self.ranks:
-                    self.ranks[rank] = _Rank(rank, str(rank).encode(), last_seen=now, registered=False)
+                    self.ranks[rank] = _Rank(rank, b"", last_seen=now, registered=False)  # no route yet
                     self._seen[rank] = None
             self.active = True
             held, self._held_reports = self._held_reports, []

@@ -97,13 +97,14 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
         raise ConfigError(f"start_standby: rank {rank} must be in [0, world_size={world_size})")
     # the survivors rebuild on the store of their first default group (inplace.py remember_world): the
     # env:// TCPStore under torch's prefixes "default_pg" and "<group name>/" (the first group is "0");
-    # the job secret that signs control frames was published there by the controller's rank
+    # without a secret of its own (MINDIO_SECRET / _FILE), the one the controller's rank published there
     tcp = dist.TCPStore(master_addr, int(master_port), is_master=False, timeout=timedelta(seconds=60))
     base = dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
-    if not os.environ.get("MINDIO_SECRET"):
-        from .transport import published_secret
+    from . import transport
 
-        os.environ["MINDIO_SECRET"] = published_secret(base, f"tcp://{controller_ip}:{int(controller_port)}")
+    if not transport.user_secret():
+        os.environ["MINDIO_SECRET"] = transport.published_secret(
+            base, f"tcp://{controller_ip}:{int(controller_port)}")
     api.tft_init_processor(rank, world_size, False, enable_tls=enable_tls, tls_info=tls_info, enable_zit=True)
     proc = api._proc()
     proc.standby = True

@@ -1,16 +1,20 @@
 """The wire format of the control plane: the only module that touches bytes.
 
-A frame is ``msgpack([v, type, sn, rank, gen, body]) + HMAC-SHA256(secret, msgpack-bytes)``.
+A frame is ``msgpack([v, type, sn, rank, gen, sess, ctr, body]) + HMAC-SHA256(secret, msgpack-bytes)``.
 
 * ``v``    protocol version (:data:`VERSION`); any other version is rejected.
 * ``type`` a :class:`MsgType`; ``body`` is the payload dataclass for that type, as a dict.
 * ``sn``   the action sequence number for ACTION / REPLY (0 for other messages).
-* ``rank`` the sender's rank (-1 for a controller, -2 for a backup controller's hello); on a controller's
+* ``rank`` the sender's rank (-1 for a controller, -1000-k for backup controller k's link); on a controller's
            ACTION, -1 means "every rank this frame is delivered to" (one signed frame per broadcast).
 * ``gen``  the job generation; a processor of an older generation is refused by a later issue's rebuild.
+* ``sess`` the session the frame belongs to (v3): on the way up, the session the controller offered in its
+           CHALLENGE; on the way down, the controller's epoch (a random number drawn at its start).
+* ``ctr``  the sender's counter in that session (v3): strictly increasing, so a receiver drops a frame that
+           repeats or precedes one it already accepted (a replay, or an old frame delivered late).
 
 Version 2 added batching, so that one frame carries the traffic of many ranks (a node agent relaying for
-its ranks, or the scale benchmark's multiplexer; see transport.RELAY_PREFIX):
+its ranks, or the scale benchmark's multiplexer; relays are off unless enabled, see session.py):
 
 * BEATS: the heartbeats of many ranks, in columns (``ranks``, ``steps``, ``status``, ``coll``, ``age``);
   liveness stays per rank -- a relay lists only the ranks it heard from in the last interval. The
@@ -19,11 +23,17 @@ its ranks, or the scale benchmark's multiplexer; see transport.RELAY_PREFIX):
   own (a bad item drops the whole frame); used for many REPLY / REGISTER / REPORT at once.
 * ACTION.ranks: a relay delivers the action to these ranks (empty: to the recipient itself).
 
+Version 3 added sessions (mindio/ttp/session.py): a connection says HELLO (a fresh nonce), the controller
+answers CHALLENGE (that nonce, and a fresh session number), the REGISTER carries the session number as its
+``sess``; only then does the connection speak for a rank, and every later frame carries that ``sess`` and a
+higher ``ctr``. A captured frame replayed on another connection, into a later session or after a newer
+one, is dropped.
+
 Authentication is always on: every frame carries an HMAC over its bytes with the per-job secret, and
 the MAC is checked *before* anything is unpacked. A frame that is oversize, unauthenticated, not valid
 msgpack, of a wrong version or an unknown type, or whose body does not match its payload type raises
 :class:`mindio.errors.ProtocolError` (or :class:`mindio.errors.AuthError`); receivers drop it and count
-it in a :class:`DropCounter`. Nothing is ever pickled.
+it in a :class:`DropCounter`, by reason. Nothing is ever pickled.
 """
 from __future__ import annotations
 
@@ -42,17 +52,18 @@ from ..errors import AuthError, ProtocolError
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
-    "Report", "Info", "Action", "Reply", "Bye", "Beats", "Batch", "encode", "decode", "DropCounter", "BODY_TYPES",
+    "Report", "Info", "Action", "Reply", "Bye", "Beats", "Batch", "Hello", "Challenge", "encode", "pack_body",
+    "decode", "DropCounter", "BODY_TYPES",
 ]
 
-VERSION = 2
+VERSION = 3
 MAX_FRAME = 1 << 20  # 1 MiB: control messages are small; anything bigger is an attack or a bug
 _MAC_LEN = 32
 _log = logging.getLogger(__name__)
 
 
 class MsgType(enum.IntEnum):
-    REGISTER = 1       # processor -> controller: hello (also a backup controller's hello, rank -2)
+    REGISTER = 1       # processor -> controller: join as a rank (or a backup / relay); opens the session
     REGISTER_ACK = 2   # controller -> processor: accepted; heartbeat interval, backup addresses
     HEARTBEAT = 3      # processor -> controller: liveness + step progress
     HEARTBEAT_ACK = 4  # controller -> processor: controller liveness
@@ -63,6 +74,8 @@ class MsgType(enum.IntEnum):
     BYE = 9            # processor -> controller: leaving normally (training finished); not a fault
     BEATS = 10         # relay -> controller: heartbeats of many ranks in one frame (v2)
     BATCH = 11         # relay <-> controller: many messages of other types in one frame (v2)
+    HELLO = 12         # any -> controller: a fresh nonce; asks for a session (v3)
+    CHALLENGE = 13     # controller -> sender of a HELLO: its nonce back and the session to register in (v3)
 
 
 @dataclass(frozen=True)
@@ -74,7 +87,7 @@ class Register:
     data_status: int = 0
     replica: list = field(default_factory=list)   # tft_set_optimizer_replica's replica_info
     dp_group: list = field(default_factory=list)  # tft_set_dp_group_info's dp_rank_list
-    role: str = "processor"                       # "processor" | "backup"
+    role: str = "processor"                       # "processor" | "backup" | "relay" (session.py)
     addr: str = ""                                # a backup controller's tcp://host:port
     pidns: str = ""                               # pidprobe.host_token(): same host + pid namespace (v2)
     features: dict = field(default_factory=dict)  # tft_init_processor's enable flags {"uce", "arf", "zit"}
@@ -146,13 +159,25 @@ class Beats:
 
 @dataclass(frozen=True)
 class Batch:
-    items: list   # after decode: a list of Envelope (gen and v of the outer frame)
+    items: list   # after decode: a list of Envelope (gen, sess, ctr and v of the outer frame)
+
+
+@dataclass(frozen=True)
+class Hello:
+    nonce: int    # random, fresh for this HELLO: the CHALLENGE that echoes it answers this HELLO
+
+
+@dataclass(frozen=True)
+class Challenge:
+    nonce: int    # the HELLO's nonce
+    session: int  # random, single use: the ``sess`` of the REGISTER that opens the session
 
 
 BODY_TYPES: dict[MsgType, type] = {
     MsgType.REGISTER: Register, MsgType.REGISTER_ACK: RegisterAck, MsgType.HEARTBEAT: Heartbeat,
     MsgType.HEARTBEAT_ACK: HeartbeatAck, MsgType.REPORT: Report, MsgType.INFO: Info,
     MsgType.ACTION: Action, MsgType.REPLY: Reply, MsgType.BYE: Bye, MsgType.BEATS: Beats, MsgType.BATCH: Batch,
+    MsgType.HELLO: Hello, MsgType.CHALLENGE: Challenge,
 }
 _PY_TYPES = {"int": (int,), "str": (str,), "float": (float, int), "bool": (bool,), "list": (list,), "dict": (dict,)}
 
@@ -165,6 +190,8 @@ class Envelope(NamedTuple):
     rank: int = -1
     sn: int = 0
     gen: int = 0
+    sess: int = 0
+    ctr: int = 0
     v: int = VERSION
 
 
@@ -176,7 +203,8 @@ _SPECS = {cls: tuple((f.name, _PY_TYPES[f.type], f.type,
 
 
 _NAMES = {cls: frozenset(name for name, *_ in spec) for cls, spec in _SPECS.items()}
-_ITEM_TYPES = {int(t): t for t in MsgType if t not in (MsgType.BEATS, MsgType.BATCH)}
+_ITEM_TYPES = {int(t): t for t in MsgType
+               if t not in (MsgType.BEATS, MsgType.BATCH, MsgType.HELLO, MsgType.CHALLENGE)}
 _BEAT_COLS = (("steps", {int}, "int"), ("status", {int}, "int"), ("coll", {bool}, "bool"), ("age", {float, int}, "float"))
 
 
@@ -232,13 +260,22 @@ def _raw_body(body) -> dict:
     return {name: getattr(body, name) for name, *_ in _SPECS[type(body)]}
 
 
-def encode(env: Envelope, key: bytes) -> bytes:
-    """Serialize and sign one envelope. Raises ProtocolError if the result would be oversize."""
+def pack_body(env: Envelope) -> bytes:
+    """The msgpack bytes of ``env``'s body, for :func:`encode`'s ``body``: a sender that sends the same body
+    many times (the controller's heartbeat acks) packs it once."""
     if env.type is MsgType.BATCH:
-        body = {"items": [[int(e.type), e.sn, e.rank, _raw_body(e.body)] for e in env.body.items]}
-    else:
-        body = _raw_body(env.body)
-    payload = msgpack.packb([env.v, int(env.type), env.sn, env.rank, env.gen, body], use_bin_type=True)
+        return msgpack.packb({"items": [[int(e.type), e.sn, e.rank, _raw_body(e.body)] for e in env.body.items]},
+                             use_bin_type=True)
+    return msgpack.packb(_raw_body(env.body), use_bin_type=True)
+
+
+def encode(env: Envelope, key: bytes, body: bytes | None = None, sess: int | None = None,
+           ctr: int | None = None) -> bytes:
+    """Serialize and sign one envelope (``body``: its :func:`pack_body`, when the caller has it already;
+    ``sess`` / ``ctr``: instead of the envelope's). Raises ProtocolError if the result would be oversize."""
+    head = msgpack.packb([env.v, env.type, env.sn, env.rank, env.gen, env.sess if sess is None else sess,
+                   env.ctr if ctr is None else ctr])
+    payload = b"%c%b%b" % (0x98, head[1:], pack_body(env) if body is None else body)  # fixarray of 7 -> of 8
     if len(payload) + _MAC_LEN > MAX_FRAME:
         raise ProtocolError(f"oversize {env.type.name} frame ({len(payload)} bytes > {MAX_FRAME})")
     return payload + hmac.digest(key, payload, "sha256")
@@ -258,20 +295,22 @@ def decode(frame: bytes, key: bytes) -> Envelope:
         items = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises many types on garbage; all mean "malformed"
         raise ProtocolError(f"malformed msgpack ({exc.__class__.__name__})") from None
-    if not isinstance(items, list) or len(items) != 6:
-        raise ProtocolError("envelope must be a 6-element array [v, type, sn, rank, gen, body]")
-    v, mtype, sn, rank, gen, body = items
-    if v != VERSION:
-        raise ProtocolError(f"protocol version {v!r} is not supported (this side speaks {VERSION})")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (mtype, sn, rank, gen)):
-        raise ProtocolError("envelope type/sn/rank/gen must be integers")
+    if not isinstance(items, list) or not items:
+        raise ProtocolError("envelope must be an array [v, type, sn, rank, gen, sess, ctr, body]")
+    if items[0] != VERSION:
+        raise ProtocolError(f"protocol version {items[0]!r} is not supported (this side speaks {VERSION})")
+    if len(items) != 8:
+        raise ProtocolError("envelope must be an 8-element array [v, type, sn, rank, gen, sess, ctr, body]")
+    v, mtype, sn, rank, gen, sess, ctr, body = items
+    if not all(x.__class__ is int for x in (mtype, sn, rank, gen, sess, ctr)):
+        raise ProtocolError("envelope type/sn/rank/gen/sess/ctr must be integers")
     mtype = _TYPES.get(mtype)
     if mtype is None:
         raise ProtocolError(f"unknown message type {items[1]}")
     body = _body_from(mtype, body)
     if mtype is MsgType.BATCH:
-        body = Batch(items=[e._replace(gen=gen) for e in body.items])
-    return Envelope(type=mtype, body=body, rank=rank, sn=sn, gen=gen, v=v)
+        body = Batch(items=[e._replace(gen=gen, sess=sess, ctr=ctr) for e in body.items])
+    return Envelope(type=mtype, body=body, rank=rank, sn=sn, gen=gen, sess=sess, ctr=ctr, v=v)
 
 
 class DropCounter:
@@ -282,7 +321,9 @@ class DropCounter:
         self._lock = threading.Lock()
 
     def drop(self, exc: Exception, origin: str = "") -> None:
-        reason = "auth" if isinstance(exc, AuthError) else "protocol"
+        """Count ``exc`` under its reason (``auth``, ``protocol``, and for frames outside a session
+        ``session`` / ``replay`` / ``refused``: errors.SessionError) and log it with that reason."""
+        reason = getattr(exc, "reason", "protocol")
         with self._lock:
             self._counts[reason] += 1
             n = self._counts[reason]

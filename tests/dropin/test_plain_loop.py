@@ -66,7 +66,7 @@ class Run:
         if self.launcher == "torchrun":
             found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", self.text)
         else:
-            found = re.findall(r"rank (\d+) exited with exit code (-?\d+)", self.text)
+            found = re.findall(r"rank (\d+): exit code (-?\d+)", self.text)  # the agent's "workers' exit codes"
         return {int(r): int(c) for r, c in found}
 
     def final(self) -> list:

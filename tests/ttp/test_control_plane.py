@@ -38,13 +38,13 @@ def test_bad_frames_and_forged_peer_are_dropped(plane):
     forged.send(P.encode(report, b"wrong-secret"))                        # forged signature
     forged.send(b"\x00garbage" * 10)                                      # malformed
     forged.send(b"x" * (P.MAX_FRAME + 10))                                # oversize
-    forged.send(P.encode(report, KEY))                                    # right key, rank != identity
+    forged.send(P.encode(report, KEY))                                    # right key, but in no session
     payload = msgpack.packb([9, 5, 0, 7, 0, {"state": 2, "message": "x", "step": 1}])
     import hashlib, hmac
     forged.send(payload + hmac.new(KEY, payload, hashlib.sha256).digest())  # wrong version
     forged.send_multipart([b"a", b"b", b"c"])                              # wrong shape
     assert _until(lambda: ctl.drops.total >= 6), ctl.drops.snapshot()
-    assert ctl.drops.snapshot() == {"auth": 2, "protocol": 4}  # garbage fails the MAC check first
+    assert ctl.drops.snapshot() == {"auth": 2, "protocol": 3, "session": 1}  # garbage fails the MAC check first
     time.sleep(0.5)
     assert ctl.sm.state is State.NORMAL and ctl.last_decision == {}       # no effect
     assert all(r.alive and not r.faulty for r in ctl.ranks.values())

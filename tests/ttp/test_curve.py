@@ -13,7 +13,7 @@ from mindio.ttp import protocol as P
 from mindio.ttp.controller import Controller
 from mindio.ttp.processor import Processor
 from mindio.ttp.states import State
-from mindio.ttp.transport import Link, curve_options
+from mindio.ttp.transport import Link, curve_options, job_curve_keypair, with_client_keys
 
 from ._harness import free_port
 
@@ -72,7 +72,11 @@ def test_tls_info_forms_and_errors(tmp_path):
     keyfile = tmp_path / "server.pub"
     keyfile.write_text(k["server_public"] + "\n")
     opts = curve_options(True, {"server_public": str(keyfile)}, server=False)
-    assert opts[zmq.CURVE_SERVERKEY] == k["server_public"].encode() and len(opts[zmq.CURVE_PUBLICKEY]) == 40
+    # no client keys given: the link uses the job's keypair, derived from the secret (the controller's ZAP
+    # handler lets that key in), filled in when it connects
+    assert opts == {zmq.CURVE_SERVERKEY: k["server_public"].encode()}
+    full = with_client_keys(opts, KEY)
+    assert full[zmq.CURVE_PUBLICKEY] == job_curve_keypair(KEY)[0] == zmq.curve_public(full[zmq.CURVE_SECRETKEY])
     assert curve_options(True, json.dumps(k), server=False)[zmq.CURVE_PUBLICKEY] == k["client_public"].encode()
     assert curve_options(False, k, server=True) == {} and curve_options(True, "", server=True) == {}
     with pytest.raises(ConfigError, match="not X.509"):
@@ -103,7 +107,7 @@ def test_curve_encrypts_the_control_traffic(tls):
     k = _keys()
     port = free_port()
     ctl = Controller(rank=-1, world_size=1, enabled={"dump"}, key=KEY, interval=0.2, misses=5, hang_timeout=0,
-                     curve=curve_options(tls, k, server=True))
+                     curve=curve_options(tls, k, server=True), curve_clients=[k["client_public"].encode()])
     ctl.start("127.0.0.1", port)
     tap = _Tap(port)
     tap.start()
@@ -131,28 +135,39 @@ def test_curve_encrypts_the_control_traffic(tls):
 
 
 @pytest.mark.timeout(60)
-def test_wrong_or_missing_server_key_cannot_talk():
+def test_wrong_or_missing_keys_cannot_talk(caplog):
+    """No talk with a wrong or no server key (the client refuses the server), nor with the right server
+    key but a client key that is not the job's (the controller's ZAP handler refuses the client)."""
     k = _keys()
     port = free_port()
     ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=KEY, interval=0.2, misses=5, hang_timeout=0,
-                     curve=curve_options(True, k, server=True))
+                     curve=curve_options(True, k, server=True), curve_clients=[k["client_public"].encode()])
     ctl.start("127.0.0.1", port)
     wrong = dict(k, server_public=zmq.curve_keypair()[0].decode())
+    pub, sec = zmq.curve_keypair()
+    stranger = dict(k, client_public=pub.decode(), client_secret=sec.decode())  # server key known, client key not
     hello = lambda: P.Register(world_size=2, pid=0, host="x")
     beat = lambda: P.Heartbeat(step=0, data_status=0)
-    links = [Link(0, KEY, [f"tcp://127.0.0.1:{port}"], hello, beat, lambda env: None, interval=0.2,
+    addr = [f"tcp://127.0.0.1:{port}"]
+    links = [Link(0, KEY, addr, hello, beat, lambda env: None, interval=0.2,
                   curve=curve_options(True, wrong, server=False)),                       # wrong server key
-             Link(1, KEY, [f"tcp://127.0.0.1:{port}"], hello, beat, lambda env: None, interval=0.2)]  # no CURVE
+             Link(1, KEY, addr, hello, beat, lambda env: None, interval=0.2),             # no CURVE
+             Link(1, KEY, addr, hello, beat, lambda env: None, interval=0.2,
+                  curve=curve_options(True, stranger, server=False))]                     # client key not allowed
     try:
         for link in links:
             link.start()
         assert not any(link.registered.wait(2.0) for link in links)
         assert ctl.ranks == {} and ctl.sm.state is State.INIT
-        good = Link(0, KEY, [f"tcp://127.0.0.1:{port}"], hello, beat, lambda env: None, interval=0.2,
-                    curve=curve_options(True, k, server=False))
-        links.append(good)
-        good.start()
-        assert good.registered.wait(10.0) and 0 in ctl.ranks  # the same controller, the right key: accepted
+        assert f"key {pub.decode()} is not a key of this job" in caplog.text  # the refusal, with its reason
+        good = [Link(0, KEY, addr, hello, beat, lambda env: None, interval=0.2,
+                     curve=curve_options(True, k, server=False)),                        # tls_info's client keys
+                Link(1, KEY, addr, hello, beat, lambda env: None, interval=0.2,           # the job's own client key
+                     curve=curve_options(True, {"server_public": k["server_public"]}, server=False))]
+        links += good
+        for link in good:
+            link.start()
+        assert all(link.registered.wait(10.0) for link in good) and set(ctl.ranks) == {0, 1}
     finally:
         for link in links:
             link.stop()
@@ -165,7 +180,8 @@ def test_backup_link_to_primary_uses_curve(client_keys):
     k = _keys()
     port, bport = free_port(), free_port()
     primary = Controller(rank=-1, world_size=1, enabled={"dump"}, key=KEY, interval=0.2, misses=5, hang_timeout=0,
-                         curve=curve_options(True, k, server=True))
+                         curve=curve_options(True, k, server=True), backups_allowed=1,
+                         curve_clients=[k["client_public"].encode()])
     primary.start("127.0.0.1", port)
     # with client keys from tls_info (as tft's start_backup_controller passes them), or without: the backup
     # then derives the primary's public key from the server keypair they share

@@ -21,7 +21,7 @@ def test_backup_takes_over_and_dumps(tmp_path, monkeypatch):
     secret = "failover-test-secret"
     monkeypatch.setenv("MINDIO_SECRET", secret)
     port, backup_port = free_port(), free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", MINDIO_SECRET=secret)
+    env = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", MINDIO_SECRET=secret, MINDIO_BACKUP_CONTROLLERS="1")
     ctl_log = open(tmp_path / "primary.log", "w+")
     primary = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_controller_proc.py"),
                                 "4", str(port)], env=env, stdout=ctl_log, stderr=subprocess.STDOUT, text=True)
@@ -89,7 +89,8 @@ def test_report_to_a_passive_backup_is_acted_on_after_takeover(monkeypatch):
 
     monkeypatch.setenv("MINDIO_HEARTBEAT_MISSES", "3")
     key, port, bport = b"f" * 32, free_port(), free_port()
-    primary = Controller(rank=-1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=3, hang_timeout=0)
+    primary = Controller(rank=-1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=3, hang_timeout=0,
+                         backups_allowed=1)
     primary.start("127.0.0.1", port)
     backup = Controller(rank=1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=20, hang_timeout=0,
                         backup=True)

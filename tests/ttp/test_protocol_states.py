@@ -17,19 +17,20 @@ def test_roundtrip_every_type():
               P.HeartbeatAck(state="NORMAL"), P.Report(state=2, message="UCE ERROR", step=3),
               P.Info(replica=[], dp_group=[0, 1]), P.Action(name="save", params={"step": 3}),
               P.Reply(ok=True, detail={"x": 1}), P.Bye("done"), P.Beats(**_BEATS_BODY),
-              P.Action(name="stop", params={}, ranks=[4, 5]), P.HeartbeatAck(state="NORMAL", unknown=[7])]
+              P.Action(name="stop", params={}, ranks=[4, 5]), P.HeartbeatAck(state="NORMAL", unknown=[7]),
+              P.Hello(nonce=(1 << 63) - 1), P.Challenge(nonce=5, session=9)]
     for body in bodies:
         mtype = next(t for t, c in P.BODY_TYPES.items() if c is type(body))
-        env = P.Envelope(type=mtype, body=body, rank=3, sn=7, gen=2)
+        env = P.Envelope(type=mtype, body=body, rank=3, sn=7, gen=2, sess=(1 << 62) + 3, ctr=11)
         assert P.decode(P.encode(env, KEY), KEY) == env
 
 
-def test_batch_roundtrip_items_take_the_frame_generation():
+def test_batch_roundtrip_items_take_the_frame_generation_and_session():
     items = [P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail={"step": 5}), rank=r, sn=9) for r in range(3)]
     items.append(P.Envelope(P.MsgType.REGISTER, P.Register(world_size=4, pid=1, host="h"), rank=3))
-    got = P.decode(P.encode(P.Envelope(P.MsgType.BATCH, P.Batch(items), rank=-1, gen=4), KEY), KEY)
+    got = P.decode(P.encode(P.Envelope(P.MsgType.BATCH, P.Batch(items), rank=-1, gen=4, sess=8, ctr=2), KEY), KEY)
     assert got.type is P.MsgType.BATCH and got.gen == 4
-    assert got.body.items == [e._replace(gen=4) for e in items]
+    assert got.body.items == [e._replace(gen=4, sess=8, ctr=2) for e in items]
 
 
 def _frame(items, key=KEY):
@@ -43,22 +44,25 @@ _BEATS = {"ranks": [1, 2], "steps": [3, 3], "status": [0, 0], "coll": [False, Tr
 
 
 @pytest.mark.parametrize("items,match", [
-    ([V + 1, 3, 0, 1, 0, {"step": 1, "data_status": 0}], "version"),
-    ([1, 3, 0, 1, 0, {"step": 1, "data_status": 0}], "version"),  # v1 peers are refused, not misread
-    ([V, 99, 0, 1, 0, {}], "unknown message type"),
-    ([V, 3, 0, 1, 0, {"step": "x", "data_status": 0}], "must be int"),
-    ([V, 3, 0, 1, 0, {"step": 1, "data_status": 0, "evil": 1}], "unknown fields"),
-    ([V, 3, 0, 1, 0, {"data_status": 0}], "lacks field"),
-    ([V, 3, 0], "6-element"),
-    ([V, 3, "0", 1, 0, {}], "integers"),
-    ([V, 10, 0, -1, 0, dict(_BEATS, steps=[3])], "1 entries for 2 ranks"),
-    ([V, 10, 0, -1, 0, dict(_BEATS, ranks=[1, "2"])], "ranks must be integers"),
-    ([V, 10, 0, -1, 0, dict(_BEATS, coll=[0, 1])], "coll entries must be bool"),
-    ([V, 10, 0, -1, 0, dict(_BEATS, steps=[True, 3])], "steps entries must be int"),
-    ([V, 11, 0, -1, 0, {"items": [[3, 0, 1]]}], "4-element"),
-    ([V, 11, 0, -1, 0, {"items": [[11, 0, 1, {"items": []}]]}], "nested"),
-    ([V, 11, 0, -1, 0, {"items": [[3, 0, 1, {"step": "x", "data_status": 0}]]}], "must be int"),
-    ([V, 11, 0, -1, 0, {"items": [[3, 0, "1", {"step": 1, "data_status": 0}]]}], "integers"),
+    ([V + 1, 3, 0, 1, 0, 0, 0, {"step": 1, "data_status": 0}], "version"),
+    ([1, 3, 0, 1, 0, 0, 0, {"step": 1, "data_status": 0}], "version"),  # v1 peers are refused, not misread
+    ([V, 99, 0, 1, 0, 0, 0, {}], "unknown message type"),
+    ([V, 3, 0, 1, 0, 0, 0, {"step": "x", "data_status": 0}], "must be int"),
+    ([V, 3, 0, 1, 0, 0, 0, {"step": 1, "data_status": 0, "evil": 1}], "unknown fields"),
+    ([V, 3, 0, 1, 0, 0, 0, {"data_status": 0}], "lacks field"),
+    ([V, 3, 0], "8-element"),
+    ([V, 3, 0, 1, 0, 0, 0, {"step": 1, "data_status": 0}, 9], "8-element"),
+    ([V, 3, 0, 1, 0, "0", 0, {"step": 1, "data_status": 0}], "integers"),
+    ([2, 3, 0, 1, 0, {"step": 1, "data_status": 0}], "version"),  # v2 (no session) is refused
+    ([V, 3, "0", 1, 0, 0, 0, {}], "integers"),
+    ([V, 10, 0, -1, 0, 0, 0, dict(_BEATS, steps=[3])], "1 entries for 2 ranks"),
+    ([V, 10, 0, -1, 0, 0, 0, dict(_BEATS, ranks=[1, "2"])], "ranks must be integers"),
+    ([V, 10, 0, -1, 0, 0, 0, dict(_BEATS, coll=[0, 1])], "coll entries must be bool"),
+    ([V, 10, 0, -1, 0, 0, 0, dict(_BEATS, steps=[True, 3])], "steps entries must be int"),
+    ([V, 11, 0, -1, 0, 0, 0, {"items": [[3, 0, 1]]}], "4-element"),
+    ([V, 11, 0, -1, 0, 0, 0, {"items": [[11, 0, 1, {"items": []}]]}], "nested"),
+    ([V, 11, 0, -1, 0, 0, 0, {"items": [[3, 0, 1, {"step": "x", "data_status": 0}]]}], "must be int"),
+    ([V, 11, 0, -1, 0, 0, 0, {"items": [[3, 0, "1", {"step": 1, "data_status": 0}]]}], "integers"),
 ])
 def test_bad_frames_rejected(items, match):
     with pytest.raises(ProtocolError, match=match):
@@ -87,9 +91,12 @@ def test_garbage_never_crashes(data):
 
 
 def test_drop_counter():
+    from mindio.errors import SessionError
+
     c = P.DropCounter()
     c.drop(AuthError("x")); c.drop(ProtocolError("y")); c.drop(ProtocolError("z"))
-    assert c.snapshot() == {"auth": 1, "protocol": 2} and c.total == 3
+    c.drop(SessionError("a", "replay")); c.drop(SessionError("b"))
+    assert c.snapshot() == {"auth": 1, "protocol": 2, "replay": 1, "session": 1} and c.total == 5
 
 
 def test_dump_path_and_illegal_transition():

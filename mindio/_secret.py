@@ -1,0 +1,57 @@
+"""The job secret a user gives: MINDIO_SECRET, or a private file MINDIO_SECRET_FILE (no zmq, no torch: the
+launcher's agents import this too). How the secret travels otherwise: mindio/ttp/transport.py (job_secret)
+and mindio/launch/secret.py."""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+from . import _knobs
+from .errors import ConfigError
+
+__all__ = ["read_secret_file", "user_secret", "secret_key"]
+
+_MIN_SECRET = 16
+
+
+def read_secret_file(path: str) -> str:
+    """The secret in ``path``: a regular file of the caller's own uid, no symlink, no group/other access
+    (checked on the opened file, so it cannot be swapped in between). Raises ConfigError naming the file
+    and what to do."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"MINDIO_SECRET_FILE {path}: cannot open it ({exc.strerror}; a symlink is refused): "
+                          "give a regular file of your own, mode 0600") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ConfigError(f"MINDIO_SECRET_FILE {path}: must be a regular file owned by uid {os.geteuid()} with "
+                              f"no group/other access (it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); "
+                              f"fix: chmod 600 {path}")
+        text = os.read(fd, 4096).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+    return _checked(text, f"MINDIO_SECRET_FILE {path}")
+
+
+def _checked(text: str, where: str) -> str:
+    if len(text) < _MIN_SECRET:
+        raise ConfigError(f"{where}: the job secret has {len(text)} characters; give at least {_MIN_SECRET} "
+                          "(e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
+    return text
+
+
+def user_secret() -> str:
+    """The job secret the user gave (MINDIO_SECRET, else MINDIO_SECRET_FILE), or ""."""
+    text = _knobs.get("MINDIO_SECRET")
+    if text:
+        return _checked(text, "MINDIO_SECRET")
+    path = _knobs.get("MINDIO_SECRET_FILE")
+    return read_secret_file(path) if path else ""
+
+
+def secret_key(text: str) -> bytes:
+    """The 32-byte HMAC key of the control plane made from the secret text."""
+    return hashlib.sha256(text.encode()).digest()

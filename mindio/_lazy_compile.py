@@ -2,8 +2,8 @@
 
 megatron-core 0.16.1 binds ``megatron.core.jit.jit_fuser = torch.compile`` and decorates ~40 fused
 kernels with it at import time (gelu/swiglu fusions, MoE router helpers, ...). ``torch.compile(fn)``
-imports torch._dynamo and torch._inductor on the spot: about 1.5-2.5 CPU-seconds per process, about
-half of ``import megatron.core``, paid by every rank (and every warm spare of mindio-run) although a
+imports torch._dynamo and torch._inductor on the spot: about 1.4 CPU-seconds per process (the imports
+of examples/megatron/pretrain_gpt.py: 4.3-4.6 CPU-s before, 2.8-3.2 after, on a loaded 2-core machine), paid by every rank (and every warm spare of mindio-run) although a
 function is compiled only when it is first called, and most are never called (the fusions are off on
 CPU and in most configurations).
 

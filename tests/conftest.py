@@ -51,3 +51,55 @@ def fault_free_run(tmp_path_factory):
         return done[key]
 
     return get
+
+
+# pytest-xdist (scripts/test.sh runs the suite on 2 workers, --dist loadgroup): the tests of one module run
+# on one worker, so that a module-scoped fixture runs once; modules that compare against the same
+# fault-free reference run (``fault_free_run`` keys) form one group, so that it runs once too.
+# The groups are made by the scheduler below from the test ids: pytest-xdist 3.8 turns an
+# ``xdist_group`` mark into a suffix of ``item._nodeid``, which pytest 9 no longer reads (its node ids
+# live in ``item._id``), so marks alone would group nothing.
+_SHARE_A_REFERENCE = {
+    "tests/megatron/test_elastic_megatron.py": "layout-references",  # layout_reference (tests/megatron/_mgt_launch.py)
+    "tests/megatron/test_layouts_megatron.py": "layout-references",
+    "tests/recovery/test_recover_inplace.py": "toy-under-mindio-run",  # fault_free_digest
+    "tests/recovery/test_recover_node.py": "toy-under-mindio-run",
+    "tests/launch/test_launch_ha.py": "toy-under-mindio-run",
+    "tests/ttp/test_dump_e2e.py": "ttp-toy",  # fault_free_state (tests/ttp/_harness.py)
+    "tests/ttp/test_negotiation_e2e.py": "ttp-toy",
+    "tests/ttp/test_pause_e2e.py": "ttp-toy",
+}
+
+
+def _group_of(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return _SHARE_A_REFERENCE.get(module, module)
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist not installed: the suite runs in one process (a hook it does not know fails)
+    pass
+else:
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") != "loadgroup":
+            return None
+
+        class ByGroup(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return _group_of(nodeid)
+
+        return ByGroup(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "loadgroup", False):  # set in each xdist worker under --dist loadgroup
+        # the groups go to the workers in this order (scripts/test.sh passes --no-loadscope-reorder): the
+        # heaviest first (multi-process tests; the Megatron ones weigh most), the many quick ones last, so
+        # that both workers end together instead of one finishing a long group alone
+        weight: dict = {}
+        for item in items:
+            w = 4 if item.get_closest_marker("megatron") else 1 if item.get_closest_marker("slow") else 0.02
+            weight[_group_of(item.nodeid)] = weight.get(_group_of(item.nodeid), 0) + w
+        first = {g: i for i, g in reversed(list(enumerate(_group_of(item.nodeid) for item in items)))}
+        items.sort(key=lambda item: (-weight[_group_of(item.nodeid)], first[_group_of(item.nodeid)]))

@@ -83,7 +83,15 @@ def _preload(target: str, is_module: bool) -> list[str]:
     extra = tuple(filter(None, (s.strip() for s in os.environ.get("MINDIO_PRELOAD", "").split(","))))
     names = [] if is_module else top_level_imports(target)
     done = []
-    for name in preloadable(names, extra) + [n for n in extra if n not in names]:
+    wanted = preloadable(names, extra) + [n for n in extra if n not in names]
+    if any(n == "megatron" or n.startswith("megatron.") for n in wanted):
+        try:  # first, with its torch.compile decorations deferred to their first call (mindio/_lazy_compile.py)
+            from mindio._lazy_compile import import_megatron_core
+
+            import_megatron_core()
+        except Exception:  # not installed or broken: the script raises the same error itself
+            pass
+    for name in wanted:
         try:  # the script's directory is not on sys.path yet: only installed packages are found
             importlib.import_module(name)
             done.append(name)

@@ -80,6 +80,10 @@ class Agent:
         if cfg.standby and cfg.high_availability and cfg.warm_spares < cfg.nproc_per_node:
             # a standby takes a whole node at once: every one of its ranks should start warm
             self.cfg = cfg = dataclasses.replace(cfg, warm_spares=cfg.nproc_per_node)
+        if cfg.warm_spares and not (cfg.high_availability or cfg.max_restarts or cfg.standby):
+            # no controller to replace a rank, no restart, no standby: this job never starts a worker
+            # after its first ones; a spare would only cost a core its torch import, then be thrown away
+            self.cfg = cfg = dataclasses.replace(cfg, warm_spares=0)
         self._spares = Spares(cfg, base)
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
@@ -440,17 +444,28 @@ class Agent:
             return {r: p.poll() for r, p in self._workers.items()}
 
     def _settle(self) -> dict:
-        """The failed workers, after waiting up to ``EXIT_GRACE_S`` for the others to exit too.
+        """The failed workers, after waiting up to ``EXIT_GRACE_S`` for the others to exit too, or up to
+        ``--shutdown-timeout`` while every failure seen is a consequence of another (failures.py).
 
         A worker that fails closes its sockets before its process is gone (interpreter teardown), so a
         peer blocked in a collective with it can die first; reporting only what the first look saw would
-        name the peer's abort and not the failure that caused it."""
-        deadline = time.monotonic() + max(EXIT_GRACE_S, 2 * self.cfg.monitor_interval)
+        name the peer's abort and not the failure that caused it. On a loaded machine the failed worker's
+        teardown can outlast ``EXIT_GRACE_S``: while only consequences are known, its exit is awaited."""
+        start = time.monotonic()
+        grace = max(EXIT_GRACE_S, 2 * self.cfg.monitor_interval)
         while True:
             codes = self._exit_codes()
-            if all(c is not None for c in codes.values()) or time.monotonic() >= deadline:
-                return {r: c for r, c in codes.items() if c not in (None, 0)}
+            bad = {r: c for r, c in codes.items() if c not in (None, 0)}
+            waited = time.monotonic() - start
+            if all(c is not None for c in codes.values()) or waited >= max(grace, self.cfg.term_grace) or (
+                    waited >= grace and not self._only_consequences(bad)):
+                return bad
             time.sleep(min(0.05, self.cfg.monitor_interval))
+
+    def _only_consequences(self, bad: dict) -> bool:
+        """Every failure of ``bad`` ({rank: code}) is a consequence of another (its error file says so)."""
+        base = self.cfg.node_rank * self.cfg.nproc_per_node
+        return all(failures.read(r, c, self._logs.error_file(r - base)).secondary for r, c in bad.items())
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
         return self._ha.tick(bad)

@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "which they are stopped as for any other signal (default: $MINDIO_PREEMPT_TIMEOUT, else 20; "
                         "with --shutdown-timeout 3 it fits a 30 s grace period)")
     g.add_argument("--warm-spares", action=env, type=int, default=1, metavar="N",
-                   help="pre-started interpreters kept per node (torch imported, waiting for a rank)")
+                   help="pre-started interpreters kept per node (torch imported, waiting for a rank); none "
+                        "without --high-availability, --max-restarts or --standby (no worker is ever started "
+                        "again)")
     return p
 
 

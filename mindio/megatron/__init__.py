@@ -5,8 +5,10 @@ only by :func:`setup_cpu` (``mindio.megatron._cpu_compat.apply``) in CPU-only pr
 See docs/megatron.md for the integration points.
 """
 from .._extras import require as _require
+from .._lazy_compile import deferred_compile as _deferred_compile
 
-_require("megatron.core", "megatron")  # a missing extra names its pip command, under any launcher
+with _deferred_compile():  # megatron-core's torch.compile decorations cost nothing until used (_lazy_compile.py)
+    _require("megatron.core", "megatron")  # a missing extra names its pip command, under any launcher
 
 from . import checkpoint, replica  # noqa: E402
 from .adapter import MegatronAdapter, TrainingContext

@@ -134,6 +134,20 @@ def test_warm_interpreters_import_only_what_cannot_read_the_rank(tmp_path):
     assert preloadable(names, extra=("helper",)) == ["helper", "torch.distributed", "megatron.core", "mindio"]
 
 
+def test_a_spare_is_kept_only_where_a_worker_can_start_again(script):
+    """A warm spare costs a core its imports while the first workers start; it is kept only where the
+    agent can start a worker again: a controller that replaces ranks, a whole-job restart, a standby."""
+    from mindio.launch.agent import Agent
+
+    def spares(*argv):
+        return Agent(parse_args([*argv, script])).cfg.warm_spares
+
+    assert spares() == 0 and spares("--warm-spares", "3") == 0
+    assert spares("--max-restarts", "1") == 1 and spares("--max-restarts", "1", "--warm-spares", "2") == 2
+    assert spares("--high-availability", "dump") == 1
+    assert spares("--nnodes", "2", "--standby", "--warm-spares", "1") == 1
+
+
 def test_root_cause_and_round_outcome_wording(tmp_path):
     """failures.read parses torchrun's error-file format; the root cause is the earliest failure that is not
     a peer's consequence; a round that ended with a dump is said to, and relaunched, or exits 75."""

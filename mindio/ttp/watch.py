@@ -124,6 +124,11 @@ class LivenessWatch:
                     newly.append(rank)
             if newly:
                 self._cond.notify_all()
+        if newly and self.sm.state in (State.EXIT, State.FINAL):
+            # the controller ordered every rank to exit: a process ending now carries that order out (no
+            # fault, no incident); marked dead above only so that no action waits for its reply
+            _log.info("rank(s) %s gone after the exit order (%s)", newly[:16], cause)
+            return []
         if newly and log:
             _log.error("rank(s) %s%s declared dead (%s)", newly[:16], " ..." if len(newly) > 16 else "", cause)
         per_rank = {k: v for k, v in detail.items() if isinstance(v, dict)}

@@ -1,5 +1,6 @@
 """Same-host death detection (pidprobe.py): a SIGKILLed rank process on the controller's host is declared
 dead through its pidfd, long before 3 missed heartbeats; a rank that says BYE and exits is no fault."""
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from mindio.ttp.states import State
 from ._harness import ROOT, free_port
 
 KEY = b"p" * 32
-CHILD = textwrap.dedent("""
+_START = """
     import os, sys, time
     from mindio.ttp.processor import Processor
     rank, port, go = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -25,6 +26,8 @@ CHILD = textwrap.dedent("""
     p.start(f"tcp://127.0.0.1:{port}", bytes.fromhex(sys.argv[4]))
     while not os.path.exists(go):
         time.sleep(0.02)
+"""
+CHILD = textwrap.dedent(_START + """
     if rank == 1:
         p.destroy("training finished")
         sys.exit(0)
@@ -43,6 +46,28 @@ def _until(pred, timeout=20.0):
     return False
 
 
+@contextlib.contextmanager
+def _job(tmp_path, monkeypatch, child: str, **ctl_args):
+    """A controller in this process and two ranks running ``child``; yields (controller, processes,
+    go file, event log); every process is reaped and the controller destroyed at the end."""
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("MINDIO_EVENT_LOG", str(events))
+    port, go = free_port(), str(tmp_path / "go")
+    ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=KEY, misses=3, **ctl_args)
+    ctl.start("127.0.0.1", port)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    kids = [subprocess.Popen([sys.executable, "-c", child, str(r), str(port), go, KEY.hex()], env=env)
+            for r in range(2)]
+    try:
+        yield ctl, kids, go, events
+    finally:
+        for k in kids:
+            if k.poll() is None:
+                k.kill()
+            k.wait()
+        ctl.destroy()
+
+
 def test_host_token_names_host_and_pid_namespace():
     token = host_token()
     boot, ns = token.split("/")
@@ -52,16 +77,8 @@ def test_host_token_names_host_and_pid_namespace():
 
 @pytest.mark.timeout(120)
 def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch):
-    events = tmp_path / "events.jsonl"
-    monkeypatch.setenv("MINDIO_EVENT_LOG", str(events))
-    port, go = free_port(), str(tmp_path / "go")
     # 1 s heartbeats, 3 misses: the heartbeat path alone would need > 3 s
-    ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=KEY, interval=1.0, misses=3, hang_timeout=0)
-    ctl.start("127.0.0.1", port)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    kids = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(port), go, KEY.hex()], env=env)
-            for r in range(2)]
-    try:
+    with _job(tmp_path, monkeypatch, CHILD, interval=1.0, hang_timeout=0) as (ctl, kids, go, events):
         assert _until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"  # imports, loaded host
         assert ctl._probe.watched == 2  # both processes share this host and pid namespace
         open(go, "w").close()
@@ -77,12 +94,6 @@ def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch
         dead = [e for e in dead if e["kind"] == "rank_dead"]
         assert [(e["dead_rank"], e["cause"], e["pid"]) for e in dead] == [(0, "pid", kids[0].pid)]
         assert ctl.ranks[0].faulty and ctl._incident is not None  # the incident is opened as for any death
-    finally:
-        for k in kids:
-            if k.poll() is None:
-                k.kill()
-            k.wait()
-        ctl.destroy()
 
 
 def test_other_host_or_namespace_is_not_watched():
@@ -105,14 +116,7 @@ def test_other_host_or_namespace_is_not_watched():
         probe.close(poller)
 
 
-SILENT = textwrap.dedent("""
-    import os, sys, time
-    from mindio.ttp.processor import Processor
-    rank, port, go = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    p = Processor(rank, 2)
-    p.start(f"tcp://127.0.0.1:{port}", bytes.fromhex(sys.argv[4]))
-    while not os.path.exists(go):
-        time.sleep(0.02)
+SILENT = textwrap.dedent(_START + """
     p.link.stop()  # no BYE: from now on this live process is silent, as one starved of CPU
     p.link.join(5)
     time.sleep(600)
@@ -125,15 +129,7 @@ def test_a_silent_live_process_is_starved_not_dead_until_the_hang_timeout(tmp_pa
     declared the live rank dead, which ended the job. A silent rank whose process on this host is alive
     and not stopped is starved: it gets MINDIO_HANG_TIMEOUT, then is SIGKILLed and declared dead; a
     stopped one (SIGSTOP) is dead at once."""
-    events = tmp_path / "events.jsonl"
-    monkeypatch.setenv("MINDIO_EVENT_LOG", str(events))
-    port, go = free_port(), str(tmp_path / "go")
-    ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=KEY, interval=0.2, misses=3, hang_timeout=4.0)
-    ctl.start("127.0.0.1", port)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    kids = [subprocess.Popen([sys.executable, "-c", SILENT, str(r), str(port), go, KEY.hex()], env=env)
-            for r in range(2)]
-    try:
+    with _job(tmp_path, monkeypatch, SILENT, interval=0.2, hang_timeout=4.0) as (ctl, kids, go, events):
         assert _until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"
         open(go, "w").close()
         t0 = time.monotonic()
@@ -145,9 +141,3 @@ def test_a_silent_live_process_is_starved_not_dead_until_the_hang_timeout(tmp_pa
         assert ctl.ranks[0].alive and time.monotonic() - t0 < 4.0
         assert _until(lambda: not ctl.ranks[0].alive, 10.0)  # the hang timeout: SIGKILLed, dead
         assert kids[0].wait(10) == -signal.SIGKILL
-    finally:
-        for k in kids:
-            if k.poll() is None:
-                k.kill()
-            k.wait()
-        ctl.destroy()

@@ -123,6 +123,7 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
 
         def __init__(self, mains, steps=None):
             self.mains, self.calls, self.steps = mains, [], steps or {}
+            self._lock, self.ranks = threading.Lock(), {}  # the rank table: no rank declared dead
 
         def job_strategies(self):
             return {"dump", "retry"}  # no recover-in-place: no stuck-rank kill

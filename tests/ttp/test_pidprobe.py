@@ -90,6 +90,9 @@ def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch
         assert _until(lambda: not ctl.ranks[0].alive, 10.0)
         dt = time.monotonic() - t0
         assert dt < 3.0, f"declared dead after {dt:.2f} s: the pidfd path did not fire"
+        # the I/O thread marks the rank dead, then writes its event and opens the incident: wait for both
+        # (under xdist load the test read the file in between: [] != [(0, 'pid', ...)])
+        assert _until(lambda: '"rank_dead"' in events.read_text() and ctl._incident is not None, 10.0)
         dead = [json.loads(line) for line in events.read_text().splitlines()]
         dead = [e for e in dead if e["kind"] == "rank_dead"]
         assert [(e["dead_rank"], e["cause"], e["pid"]) for e in dead] == [(0, "pid", kids[0].pid)]

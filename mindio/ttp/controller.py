@@ -38,9 +38,10 @@ from .ranks import RankRecord as _Rank  # noqa: F401 (the old name, still import
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import IncidentFlow
-from .retry import RetryFlow
-from .elastic_flow import ElasticFlow
-from .recover import RecoverFlow
+from .retry import Retry, RetryFlow
+from .elastic_flow import Downgrade, ElasticFlow
+from .recover import RecoverFlow, Replace
+from .dump import Dump
 from .hotswitch import HotSwitchFlow
 from .watch import LivenessWatch
 from .pidprobe import PidProbe
@@ -57,15 +58,15 @@ _log = logging.getLogger(__name__)
 class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
-    # The strategies an incident may run: {policy name: runner(self, ctx)}. A runner returns True (the
-    # job trains again), False (it ended: dump + exit) or None (failed: the incident falls back to the
-    # next strategy of its order). A new strategy: its flow in a file of its own, and one line here.
+    # The strategies an incident may run: {name: strategy.Strategy}. Each ``run(ctl, ctx)`` returns an
+    # Outcome: RESUMED (the job trains again), ENDED (dump + exit) or FAILED (the incident falls back to
+    # the next strategy of its order). A new strategy: a file of its own, and one line here.
     STRATEGIES = {
-        Strategy.RETRY: IncidentFlow._run_retry,
-        Strategy.RECOVER_IN_PLACE: RecoverFlow._run_recover_in_place,
-        Strategy.RECOVER: RecoverFlow._run_recover,
-        Strategy.DOWNGRADE: ElasticFlow._run_downgrade,
-        Strategy.DUMP: IncidentFlow._run_dump,
+        Strategy.RETRY: Retry(),
+        Strategy.RECOVER_IN_PLACE: Replace(Strategy.RECOVER_IN_PLACE),
+        Strategy.RECOVER: Replace(Strategy.RECOVER),
+        Strategy.DOWNGRADE: Downgrade(),
+        Strategy.DUMP: Dump(),
     }
 
     def __init__(self, rank: int, world_size: int, enabled, key: bytes, backup: bool = False,

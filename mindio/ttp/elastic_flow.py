@@ -44,12 +44,15 @@ import logging
 import time
 
 from .. import _knobs, _logging
-from . import policy, sequence
+from . import dump, policy, sequence
 from ._enums import EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
+from .. import vocab
 from .ranks import RankRecord
+from .sequence import Sequence
 from .states import Result, State
+from .strategy import Context, Outcome, Strategy
 
-__all__ = ["ElasticFlow", "plan_downgrade", "UPGRADE_STOP_TRIES", "EXIT_CODE_REMOVED"]
+__all__ = ["ElasticFlow", "Downgrade", "plan_downgrade", "UPGRADE_STOP_TRIES", "EXIT_CODE_REMOVED"]
 
 _log = logging.getLogger("mindio.ttp.elastic")  # the name it always logged under
 UPGRADE_STOP_TRIES = 3   # stops before an upgrade gives up on survivors caught at different points
@@ -103,39 +106,10 @@ class ElasticFlow:
         """The ranks of the current world (every rank unless a downgrade removed some)."""
         return list(range(self.world_size)) if self.members is None else list(self.members)
 
-    # ---------------------------------------------------------------- downgrade (driver thread)
-    def _run_downgrade(self, ctx: dict):
-        return True if self._downgrade(ctx["lock"], ctx["views"], ctx["t0"]) else None
-
-    def _downgrade(self, lock: int, views: list, t_incident: float) -> bool:
-        marks = {"decide": time.monotonic()}
-        self.sm.fire(Result.DOWNGRADE, lock_step=lock)
+    def remove_ranks(self, removed: list, survivors: list, replicas: dict) -> None:
+        """(driver thread, a downgrade) ``removed`` leave the rank table (removed, not dead); the world is
+        ``survivors`` now; the layout before the first downgrade is kept for the upgrade."""
         members = self.job_ranks()
-        faulty = sorted(v.rank for v in views if v.faulty and v.rank in members)
-        replicas = {v.rank: [dict(e) for e in v.replica] for v in views}
-        try:
-            survivors, removed, dp_groups = plan_downgrade(replicas, members, faulty)
-        except ValueError as exc:
-            _log.error("downgrade impossible: %s", exc)
-            self.sm.fire(Result.FAIL, failed="plan")
-            return False
-        live = set(sequence.live_ranks(self))
-        bad = [v.rank for v in views if v.rank in survivors and not (
-            v.rank in live and v.step == lock and v.data_status == OsStatus.UPDATED)]
-        if bad:
-            _log.error("downgrade: survivors %s are dead or not at the lock step %d with complete optimizer "
-                       "state", bad[:16], lock)
-            self.sm.fire(Result.FAIL, failed="survivors")
-            return False
-        _log.warning("downgrade: removing ranks %s (DP slices of faulty %s); %d ranks go on", removed[:16],
-                     faulty[:16], len(survivors))
-        if not self._step_ok("clean", {"timeout": self.action_limit}, survivors):
-            self.sm.fire(Result.FAIL, failed="clean")
-            return False
-        marks["clean"] = time.monotonic()
-        leaving = sorted(r for r in removed if r in live)
-        if leaving:
-            self._call("exit", {"code": EXIT_CODE_REMOVED}, leaving, 10.0)
         with self._cond:
             if self._layout is None:
                 self._layout = {r: replicas[r] for r in members if r in replicas}
@@ -150,26 +124,12 @@ class ElasticFlow:
                         self._registered -= 1
             self.members, self.removed = survivors, tuple(sorted(set(self.removed) | set(removed)))
             self._cond.notify_all()
-        self.gen += 1
-        params = {"gen": self.gen, "members": survivors, "kind": "downgrade", "dp_groups": dp_groups}
-        if not self._step_ok("zit_rebuild", params, survivors):
-            return sequence.abandon(self, survivors, "zit_rebuild")
-        marks["rebuild"] = time.monotonic()
-        if not self._step_ok("rollback", {"step": lock}, survivors):
-            return sequence.abandon(self, survivors, "rollback")
-        marks["rollback"] = time.monotonic()
-        sequence.resume(self, lock, survivors, self.action_limit, mark=survivors, world=len(survivors))
-        marks["resume"] = time.monotonic()
-        total, parts = sequence.phases(t_incident, marks, ["decide", "clean", "rebuild", "rollback", "resume"])
-        _log.warning("downgrade done: %d ranks train again %.3f s after the fault (%s), generation %d, lock step "
-                     "%d, removed %s", len(survivors), total, parts, self.gen, lock, removed[:16])
-        _logging.event("downgrade_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, removed=removed,
-                       world=len(survivors), table=sorted(self.ranks)[:64], members=self.job_ranks()[:64], **{f"{k}_s": v for k, v in parts.items()})
-        self._mindx_call("report_result", 0, "downgrade done", {r: 1 for r in faulty}, "downgrade")
+
+    def standbys_waiting(self) -> None:
+        """After a downgrade: standbys already registered for every removed rank -> upgrade now."""
         if set(self.removed) <= set(self._standbys or {}):
             self._upgrade_due = True   # standbys were already waiting
             self._incident_evt.set()
-        return True
 
     # ---------------------------------------------------------------- standbys (I/O thread)
     def _on_standby(self, ident: bytes, rank: int, body, now: float) -> None:
@@ -220,8 +180,8 @@ class ElasticFlow:
             _log.warning("standby for rank %d silent for more than %.1f s: forgotten", r, limit)
         if not ready:
             return True
-        t0 = time.monotonic()
-        marks = {}
+        seq = Sequence(self, "upgrade", time.monotonic(), first=None,
+                       then="the survivors' groups are gone: ending the job")
         survivors, new = self.job_ranks(), sorted(self.removed)
         self.sm.fire(Result.UPGRADE, ranks=new)
         for attempt in range(UPGRADE_STOP_TRIES):
@@ -239,12 +199,13 @@ class ElasticFlow:
             _logging.event("upgrade_stop_again", steps={str(r): steps.get(r) for r in survivors[:64]})
             self._call("unhold", {}, survivors, self.action_limit)
             time.sleep(0.1 * (attempt + 1))
-        marks["stop"] = time.monotonic()
-        if stale or not self._step_ok("clean", {"timeout": self.action_limit}, survivors):
+        seq.mark("stop")
+        if stale:
             _log.error("upgrade: survivors %s did not stop at step %d with complete state (%s)", stale[:16], lock,
                        {r: steps.get(r) for r in stale[:8]})
             return self._upgrade_failed(survivors, "stop")
-        marks["clean"] = time.monotonic()
+        if not seq.step("clean", {"timeout": self.action_limit}, survivors, abandon=survivors):
+            return self._upgrade_ended()
         with self._cond:
             for r in new:
                 ident, pid, host, _t = self._standbys.pop(r)
@@ -255,46 +216,92 @@ class ElasticFlow:
             self.members = None if full == list(range(self.world_size)) else full
             self.removed = tuple(sorted(set(self.removed) - set(new)))
         self.gen += 1
-        if not self._step_ok("zit_rebuild", {"gen": self.gen, "members": full, "kind": "upgrade",
-                                             "rank_list": new}, full):
-            return self._upgrade_failed(full, "zit_rebuild")
-        marks["rebuild"] = time.monotonic()
+        if not seq.step("zit_rebuild", {"gen": self.gen, "members": full, "kind": "upgrade", "rank_list": new},
+                        full, abandon=full, mark="rebuild"):
+            return self._upgrade_ended()
         pairs = _repair_pairs(self._layout or {}, survivors, new)
         if pairs is None:
             return self._upgrade_failed(full, "repair plan")
         involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
-        if not self._step_ok("zit_repair", {"step": lock, "error_ranks": new, "pairs": pairs}, involved):
-            return self._upgrade_failed(full, "zit_repair")
-        marks["repair"] = time.monotonic()
-        if not self._step_ok("zit_rollback", {"step": lock}, full):
-            return self._upgrade_failed(full, "zit_rollback")
-        marks["rollback"] = time.monotonic()
+        if not seq.step("zit_repair", {"step": lock, "error_ranks": new, "pairs": pairs}, involved, abandon=full,
+                        mark="repair"):
+            return self._upgrade_ended()
+        if not seq.step("zit_rollback", {"step": lock}, full, abandon=full, mark="rollback"):
+            return self._upgrade_ended()
         if _knobs.get("MINDIO_DUMP_AFTER_UPGRADE"):
             views = [policy.RankView(r, True, False, lock, 0, tuple((self._layout or {}).get(r, ())))
                      for r in full]
             plan = policy.select_dump_ranks(views, lock)
-            if not plan.possible or not self._dump(lock, plan):
+            if not plan.possible or not dump.save(self, lock, plan):
                 _log.error("upgrade: the checkpoint after the scale-out failed (missing %s)", plan.missing[:4])
             else:
                 _logging.event("upgrade_dump", step=lock)
-        marks["dump"] = time.monotonic()
+        seq.mark("dump")
         # no incident to close: the upgrade opened none (a fault that arrived meanwhile stays open)
-        sequence.resume(self, lock, full, self.action_limit, mark=full, close_incident=False, world=len(full))
-        marks["resume"] = time.monotonic()
-        total, parts = sequence.phases(t0, marks, ["stop", "clean", "rebuild", "repair", "rollback", "dump", "resume"])
-        _log.warning("upgrade done: %d ranks train again after %.3f s (%s), generation %d, lock step %d, new "
-                     "ranks %s", len(full), total, parts, self.gen, lock, new[:16])
-        _logging.event("upgrade_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, added=new,
-                       world=len(full), table=sorted(self.ranks)[:64], members=self.job_ranks()[:64], **{f"{k}_s": v for k, v in parts.items()})
-        self._mindx_call("report_result", 0, "upgrade done", {}, "upgrade")
+        seq.resume(lock, full, mark=full, close_incident=False, world=len(full))
+        seq.done(f"{len(full)} ranks train again", f"new ranks {new[:16]}", ({}, "upgrade"), lock_step=lock,
+                 added=new, world=len(full), table=sorted(self.ranks)[:64], members=self.job_ranks()[:64])
         return True
 
     def _upgrade_failed(self, ranks: list, failed: str) -> bool:
+        """A failure outside a step (the stop, the repair plan): logged, ``ranks`` cleaned, the job ends."""
         _log.error("upgrade failed at %s; the survivors' groups are gone: ending the job", failed)
         _logging.event("upgrade_failed", step_name=failed)
         sequence.abandon(self, ranks, failed)
+        return self._upgrade_ended()
+
+    def _upgrade_ended(self) -> bool:
         self._exit(EXIT_CODE_FAULT)
         return False
+
+
+class Downgrade(Strategy):
+    """Scale in by whole DP slices (module docstring): clean -> zit_rebuild -> rollback -> resume."""
+
+    name = vocab.Strategy.DOWNGRADE.value
+
+    def run(self, ctl, ctx: Context) -> Outcome:
+        # no dump re-plan after a failed downgrade (as before): the incident's plan stands
+        return Outcome.RESUMED if self.steps(ctl, ctx.lock, ctx.views, ctx.t0) else Outcome.FAILED
+
+    def steps(self, ctl, lock: int, views: list, t_incident: float) -> bool:
+        seq = Sequence(ctl, self.name, t_incident, label="retry")  # its failures were always "retry_failed"
+        ctl.sm.fire(Result.DOWNGRADE, lock_step=lock)
+        members = ctl.job_ranks()
+        faulty = sorted(v.rank for v in views if v.faulty and v.rank in members)
+        replicas = {v.rank: [dict(e) for e in v.replica] for v in views}
+        try:
+            survivors, removed, dp_groups = plan_downgrade(replicas, members, faulty)
+        except ValueError as exc:
+            _log.error("downgrade impossible: %s", exc)
+            return seq.fail("plan")
+        live = set(sequence.live_ranks(ctl))
+        bad = [v.rank for v in views if v.rank in survivors and not (
+            v.rank in live and v.step == lock and v.data_status == OsStatus.UPDATED)]
+        if bad:
+            _log.error("downgrade: survivors %s are dead or not at the lock step %d with complete optimizer "
+                       "state", bad[:16], lock)
+            return seq.fail("survivors")
+        _log.warning("downgrade: removing ranks %s (DP slices of faulty %s); %d ranks go on", removed[:16],
+                     faulty[:16], len(survivors))
+        if not seq.step("clean", {"timeout": ctl.action_limit}, survivors):
+            return False
+        leaving = sorted(r for r in removed if r in live)
+        if leaving:
+            ctl._call("exit", {"code": EXIT_CODE_REMOVED}, leaving, 10.0)
+        ctl.remove_ranks(removed, survivors, replicas)
+        ctl.gen += 1
+        params = {"gen": ctl.gen, "members": survivors, "kind": "downgrade", "dp_groups": dp_groups}
+        if not seq.step("zit_rebuild", params, survivors, abandon=survivors, mark="rebuild"):
+            return False
+        if not seq.step("rollback", {"step": lock}, survivors, abandon=survivors):
+            return False
+        seq.resume(lock, survivors, mark=survivors, world=len(survivors))
+        seq.done(f"{len(survivors)} ranks train again", f"removed {removed[:16]}",
+                 ({r: 1 for r in faulty}, self.name), lock_step=lock, removed=removed, world=len(survivors),
+                 table=sorted(ctl.ranks)[:64], members=ctl.job_ranks()[:64])
+        ctl.standbys_waiting()
+        return True
 
 
 def _repair_pairs(layout: dict, survivors: list, new: list) -> list | None:

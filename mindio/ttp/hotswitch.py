@@ -46,7 +46,11 @@ import time
 
 from .. import _knobs, _logging
 from . import policy, sequence
+from .. import vocab
 from ..vocab import HOT_SWITCH_ACTIONS
+from .dump import Dump
+from .recover import Replace
+from .strategy import Context
 from ._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
 from .states import Result, State
 
@@ -259,7 +263,7 @@ class HotSwitchFlow:
                 self._cond.notify_all()
             _logging.event("switched_out", ranks=ranks, step=target, code=EXIT_CODE_SWITCHED)
             self._switch_req = None  # the backups are released by the replace step of the recover sequence
-            if self._recover("hot switch", target, views, t0):  # recover.py: MIGRATION -RECOVER-> ...
+            if Replace(vocab.Strategy.HOT_SWITCH.value).steps(self, target, views, t0):  # MIGRATION -RECOVER-> ...
                 self._pending_backups = None  # released by the recover sequence's replace step: ranks now
                 return True
             self._dismiss()  # any backup not released yet
@@ -277,7 +281,8 @@ class HotSwitchFlow:
                          {r: 1 for r in ranks}, "migration")
         _logging.event("fallback", src="hot switch", dst="dump" if plan.possible else "exit")
         if plan.possible:
-            return self._run_dump({"lock": target, "plan": plan, "graceful": False})
+            Dump().run(self, Context(target, views, plan=plan))
+            return False
         self.sm.fire(Result.EXIT, reason="hot switch failed, no dump possible")
         self._exit(EXIT_CODE_FAULT)
         return False

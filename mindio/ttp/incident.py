@@ -33,6 +33,7 @@ from .brain import Brain, RankFault, fault_key, result_code
 from .pause import PauseFlow
 from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
 from .states import Result, State
+from .strategy import Context, Outcome
 
 __all__ = ["IncidentFlow", "OPEN_STATES"]
 
@@ -41,7 +42,7 @@ OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
 
 
 class IncidentFlow(PauseFlow):
-    # {strategy (policy name): runner(self, ctx)} -- the explicit table controller.py fills in
+    # {strategy (policy name): strategy.Strategy} -- the explicit table controller.py fills in
     STRATEGIES: dict = {}
     _brain: Brain | None = None
     _mindx_wait: float | None = None
@@ -183,7 +184,12 @@ class IncidentFlow(PauseFlow):
         alive = {v.rank: v.alive for v in views}
         faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
                                   seen.get(r, inc["t0"])) for r in sorted(set(primary) | set(faulty))]
+        added = [] if graceful else self._added_strategies(enabled, incident)
+        feasible = feasible[:-1] + added + feasible[-1:]
         order, verdict = self.brain.plan(faults, feasible, self.implemented_strategies())
+        for name in added:  # a strategy policy.py does not know goes right before the one it names
+            before = self.STRATEGIES[name].before
+            order.insert(order.index(before) if before in order else order.index("exit"), name)
         strategy = order[0] if graceful else self._negotiate(order)  # a requested dump: nothing to ask
         latency = time.monotonic() - inc["t0"]
         self.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
@@ -201,23 +207,22 @@ class IncidentFlow(PauseFlow):
                          "shard of a UCE rank has a usable replica: %s); using %s",
                          {r: s.name for r, s in list(primary.items())[:16]}, sorted(incident.dead)[:16],
                          repairable, strategy)
-        ctx = {"lock": lock, "views": views, "primary": primary, "plan": plan, "t0": inc["t0"],
-               "graceful": graceful}
+        ctx = Context(lock, views, primary, plan, inc["t0"], graceful)
         rest = order[order.index(strategy):] if strategy in order else order
         for i, strategy in enumerate(rest):
             if strategy == "exit":
                 break
-            if strategy != "dump" or ctx["plan"].possible:
-                done = self.STRATEGIES[strategy](self, ctx)
-                if done is not None:
-                    return done  # True: the job trains again; False: it ended (dump + exit)
-            left = [s for s in rest[i + 1:] if s != "dump" or ctx["plan"].possible]
+            if strategy != "dump" or ctx.plan.possible:
+                outcome = self.STRATEGIES[strategy].run(self, ctx)
+                if outcome is not Outcome.FAILED:
+                    return outcome is Outcome.RESUMED  # True: the job trains again; False: it ended
+            left = [s for s in rest[i + 1:] if s != "dump" or ctx.plan.possible]
             _log.error("%s failed; falling back to %s (remaining %s)", strategy, left[0], left)
             self._mindx_call("report_result", int(result_code(left)), f"{strategy} failed",
                              self._error_rank_dict(), strategy)
             _logging.event("fallback", src=strategy, dst=left[0])
         self.sm.fire(Result.FAIL if self.sm.state is State.DUMP else Result.EXIT,
-                     reason="no dump possible" if ctx["plan"].missing else "exit chosen")
+                     reason="no dump possible" if ctx.plan.missing else "exit chosen")
         self._exit(EXIT_CODE_FAULT)
         return False
 
@@ -235,38 +240,14 @@ class IncidentFlow(PauseFlow):
 
     # ------------------------------------------------------------------ strategies
     def implemented_strategies(self) -> tuple:
-        """Strategies (policy names) this controller can run, in fallback order: those in its
-        ``STRATEGIES`` table, whose runners return True (the job trains again), False (the job ended) or
-        None (failed: fall back)."""
+        """Strategies (policy names) this controller can run, in fallback order: those policy.py knows
+        that are in its ``STRATEGIES`` table (strategy.py: each ``run`` returns an Outcome)."""
         return tuple(s for s in policy.STRATEGY_ORDER if s in self.STRATEGIES)
 
-    def _run_retry(self, ctx: dict):
-        if self._retry(ctx["lock"], ctx["views"], ctx["primary"], ctx["t0"]):
-            return True
-        return self._replan_dump(ctx)
-
-    def _replan_dump(self, ctx: dict) -> None:
-        """After a failed strategy: a rank may have died meanwhile, so plan the dump again (returns None,
-        the "fall back" answer of a ``_run_<name>``)."""
-        with self._lock:
-            dead_now = set(sequence.dead(self.ranks))
-        ctx["views"] = [v if v.rank not in dead_now else policy.RankView(v.rank, False, True, v.step,
-                                                                         v.data_status, v.replica)
-                        for v in ctx["views"]]
-        ctx["plan"] = policy.select_dump_ranks(ctx["views"], ctx["lock"])
-        return None
-
-    def _run_dump(self, ctx: dict):
-        if not ctx["graceful"] and self.sm.state is not State.DUMP:
-            self.sm.fire(Result.DUMP, lock_step=ctx["lock"])
-        ok = self._dump(ctx["lock"], ctx["plan"])
-        self.sm.fire(Result.OK if ok else Result.FAIL)
-        self._mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
-                         "dump done" if ok else "dump failed", self._error_rank_dict(), "dump")
-        if ctx["graceful"]:
-            self._settle()
-        self._exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
-        return False
+    def _added_strategies(self, enabled: set, facts: policy.Incident) -> list:
+        """Strategies of ``STRATEGIES`` that policy.py does not know and that say they are feasible."""
+        return [name for name, s in self.STRATEGIES.items()
+                if name not in policy.STRATEGY_ORDER and s.feasible(self, enabled, facts)]
 
     def _settle(self) -> None:
         """Before exiting a job that had no fault (requested dump, exit while paused): every rank tears its
@@ -291,18 +272,6 @@ class IncidentFlow(PauseFlow):
         _log.warning("cluster brain chose %r (allowed %s) or did not answer; using %s", self._chosen,
                      strategies, strategies[0])
         return strategies[0]
-
-    def _dump(self, lock: int, plan: policy.DumpPlan) -> bool:
-        _log.warning("dump at step %d by %d ranks %s%s", lock, len(plan.ranks), list(plan.ranks[:16]),
-                     " ..." if len(plan.ranks) > 16 else "")
-        saved = self._call("save", {"step": lock, "save_info": plan.save_info}, plan.ranks, self.action_limit)
-        bad = [r for r in plan.ranks if r not in saved or not saved[r].ok]
-        if bad:
-            _log.error("dump failed on %d ranks %s: %s", len(bad), bad[:16],
-                       {r: saved[r].detail for r in bad[:16] if r in saved})
-            return False
-        renamed = self._call("rename", {"step": lock}, [plan.ranks[0]], self.action_limit)
-        return plan.ranks[0] in renamed and renamed[plan.ranks[0]].ok
 
     def _exit(self, code: int) -> None:
         if self.sm.state is not State.EXIT:

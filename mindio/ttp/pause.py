@@ -32,7 +32,9 @@ import time
 from .. import _logging
 from . import policy, sequence
 from ._enums import EXIT_CODE_FAULT, ResultCode
+from .dump import Dump
 from .states import Result, State
+from .strategy import Context
 
 __all__ = ["PauseFlow"]
 
@@ -141,4 +143,5 @@ class PauseFlow:
             views = [policy.RankView(r.rank, r.alive, r.faulty, target, 0, tuple(r.replica))
                      for r in self.ranks.values()]
         plan = policy.select_dump_ranks(views, target)
-        return self._run_dump({"lock": target, "plan": plan, "graceful": True})
+        Dump().run(self, Context(target, views, plan=plan, graceful=True))
+        return False

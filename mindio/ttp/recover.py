@@ -38,9 +38,11 @@ from . import policy, sequence
 from . import protocol as P
 from ._enums import RepairType, ReportState
 from .retry import uce_repair_type
+from .sequence import Sequence
 from .states import Result, State
+from .strategy import Context, Outcome, Strategy
 
-__all__ = ["RecoverFlow", "REPLACING"]
+__all__ = ["RecoverFlow", "Replace", "REPLACING"]
 
 _log = logging.getLogger(__name__)
 REPLACING = vocab.REPLACING
@@ -105,40 +107,7 @@ class RecoverFlow:
                            replaced_gen=g, count=self.stale_refused)
         return True
 
-    # ------------------------------------------------------------------ strategies (incident.py calls these)
-    def _run_recover_in_place(self, ctx: dict):
-        return self._run_replacing("recover-in-place", ctx)
-
-    def _run_recover(self, ctx: dict):
-        return self._run_replacing("recover", ctx)
-
-    def _run_replacing(self, strategy: str, ctx: dict):
-        """True: every rank trains again; None: not possible or failed (the caller falls back)."""
-        with self._lock:
-            dead = sequence.dead(self.ranks)
-        dead += sorted(set(range(self.world_size)) - set(self.ranks))
-        if not self.can_replace(strategy, dead):
-            why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
-                   if self.replacer is None else f"the launcher cannot replace ranks {dead[:16]} this way")
-            _log.error("%s not possible: %s", strategy, why)
-            return None
-        if self._recover(strategy, ctx["lock"], ctx["views"], ctx["t0"]):
-            return True
-        return self._replan_dump(ctx)
-
     # ------------------------------------------------------------------ the flow (driver thread)
-    def _recover_step(self, name: str, params: dict, ranks: list, timeout: float, watch: list) -> bool:
-        replies = self._call(name, params, ranks, timeout, fail_fast=True)
-        with self._lock:
-            lost = [r for r in watch if not self.ranks[r].alive] + sorted(self._replacement_dead)
-        bad = {r: (replies[r].detail if r in replies else "no reply (dead or past the deadline)")
-               for r in ranks if r not in replies or not replies[r].ok}
-        if bad or lost:
-            _log.error("recover failed at %s: ranks %s failed %s, ranks %s died; falling back", name,
-                       sorted(bad)[:16], {r: bad[r] for r in sorted(bad)[:4]}, lost[:16])
-            _logging.event("recover_failed", step_name=name, ranks=sorted(bad)[:64], lost=lost[:64])
-        return not bad and not lost
-
     def _wait_registered(self, ranks: list, gen: int, deadline: float) -> bool:
         """Block until every rank in ``ranks`` registered in generation >= ``gen`` and is alive."""
         with self._cond:
@@ -156,17 +125,36 @@ class RecoverFlow:
                     return False
                 self._cond.wait(min(0.05, deadline - now))
 
-    def _recover(self, strategy: str, lock: int, views: list, t_incident: float) -> bool:
+
+class Replace(Strategy):
+    """recover-in-place / recover (module docstring): new processes for the dead ranks, from the
+    launcher's replacer; the hot switch (hotswitch.py) runs the same sequence as ``Replace("hot switch")``."""
+
+    def __init__(self, name: str):
+        self.name = str(name)
+
+    def run(self, ctl, ctx: Context) -> Outcome:
+        with ctl._lock:
+            dead = sequence.dead(ctl.ranks)
+        dead += sorted(set(range(ctl.world_size)) - set(ctl.ranks))
+        if not ctl.can_replace(self.name, dead):
+            why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
+                   if ctl.replacer is None else f"the launcher cannot replace ranks {dead[:16]} this way")
+            _log.error("%s not possible: %s", self.name, why)
+            return Outcome.FAILED
+        return Outcome.RESUMED if self.steps(ctl, ctx.lock, ctx.views, ctx.t0) else self.fall_back(ctl, ctx)
+
+    def steps(self, ctl, lock: int, views: list, t_incident: float) -> bool:
         """Run the sequence of the module docstring; True when every rank trains again."""
-        marks = {"decide": time.monotonic()}
-        self.sm.fire(Result.RECOVER, lock_step=lock, strategy=strategy)
-        with self._lock:
-            dead, survivors = sequence.dead(self.ranks), sequence.live(self.ranks)
-        dead += sorted(set(range(self.world_size)) - set(self.ranks))
+        strategy = self.name
+        seq = Sequence(ctl, strategy, t_incident, label="recover", lost=lambda: ctl._replacement_dead)
+        ctl.sm.fire(Result.RECOVER, lock_step=lock, strategy=strategy)
+        with ctl._lock:
+            dead, survivors = sequence.dead(ctl.ranks), sequence.live(ctl.ranks)
+        dead += sorted(set(range(ctl.world_size)) - set(ctl.ranks))
         if not dead:
             _log.error("recover: no rank is dead")
-            self.sm.fire(Result.FAIL, failed="lock step")
-            return False
+            return seq.fail("lock step")
         # survivors the stop caught at another step than the lock step (policy.choose_lock_step) or
         # mid-update: repaired from replicas like a UCE rank (retry.py), next to the replacements
         stale = policy.stale_ranks(views, lock, among=survivors)
@@ -177,36 +165,33 @@ class RecoverFlow:
             sources = policy.select_repair_sources(views, lock, dead + stale)
         except ValueError as exc:
             _log.error("recover: %s", exc)
-            self.sm.fire(Result.FAIL, failed="repair plan")
+            return seq.fail("repair plan")
+        limit = ctl.action_limit
+        if not seq.step("clean", {"timeout": limit}, survivors, watch=survivors, abandon=survivors):
             return False
-        limit = self.action_limit
-        if not self._recover_step("clean", {"timeout": limit}, survivors, limit, survivors):
-            return sequence.abandon(self, survivors, "clean")
-        marks["clean"] = time.monotonic()
-        self.gen += 1
-        gen = self.gen
-        self._replacement_dead.clear()
+        ctl.gen += 1
+        gen = ctl.gen
+        ctl._replacement_dead.clear()
         for r in dead:
-            self._replaced[r] = gen
+            ctl._replaced[r] = gen
         try:
-            self.replacer.replace(dead, gen, strategy)
+            ctl.replacer.replace(dead, gen, strategy)
         except Exception as exc:
             _log.error("recover: starting replacement(s) for %s failed: %s", dead, exc)
-            return sequence.abandon(self, survivors, "replace")
-        marks["replace"] = time.monotonic()
-        deadline = time.monotonic() + self.recover_timeout
-        if not self._recover_step("rebuild", {"gen": gen, "fault_ranks": dead}, survivors,
-                                  self.recover_timeout, survivors):
-            return sequence.abandon(self, survivors, "rebuild")
-        marks["rebuild"] = time.monotonic()
-        if not self._wait_registered(dead, gen, deadline):
-            return sequence.abandon(self, survivors, "register")
+            return seq.abandon(survivors, "replace")
+        seq.mark("replace")
+        deadline = time.monotonic() + ctl.recover_timeout
+        if not seq.step("rebuild", {"gen": gen, "fault_ranks": dead}, survivors, timeout=ctl.recover_timeout,
+                        watch=survivors, abandon=survivors):
+            return False
+        if not ctl._wait_registered(dead, gen, deadline):
+            return seq.abandon(survivors, "register")
         everyone = sorted(survivors + dead)
-        if not self._recover_step("prerepair", {"timeout": max(1.0, deadline - time.monotonic())}, dead,
-                                  max(1.0, deadline - time.monotonic()) + 2, everyone):
-            return sequence.abandon(self, everyone, "prerepair")
-        marks["start"] = time.monotonic()
-        self.sm.fire(Result.OK, gen=gen)
+        if not seq.step("prerepair", {"timeout": max(1.0, deadline - time.monotonic())}, dead,
+                        timeout=max(1.0, deadline - time.monotonic()) + 2, watch=everyone, abandon=everyone,
+                        mark="start"):
+            return False
+        ctl.sm.fire(Result.OK, gen=gen)
         status = {v.rank: v.data_status for v in views}
         pairs = [{"type": t, "src": src, "dst": dst} if dst in dead else
                  {"type": t, "src": src, "dst": dst, "repair_type": uce_repair_type(ReportState.RS_NORMAL, status[dst])}
@@ -214,21 +199,13 @@ class RecoverFlow:
         involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
         _log.warning("recover: repairing %s from replicas %s", sorted(dead + stale),
                      {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
-        if not self._recover_step("repair", {"step": lock, "error_ranks": sorted(dead + stale), "pairs": pairs,
-                                             "dst_type": RepairType.RT_RECV_REPAIR.name}, involved, limit, everyone):
-            return sequence.abandon(self, everyone, "repair")
-        marks["repair"] = time.monotonic()
-        if not self._recover_step("rollback", {"step": lock}, everyone, limit, everyone):
-            return sequence.abandon(self, everyone, "rollback")
-        marks["rollback"] = time.monotonic()
-        sequence.resume(self, lock, everyone, limit)
-        marks["resume"] = time.monotonic()
-        total, parts = sequence.phases(t_incident, marks, ("decide", "clean", "replace", "rebuild", "start",
-                                                        "repair", "rollback", "resume"))
-        _log.warning("%s done: every rank trains again %.3f s after the fault (%s), generation %d, lock step "
-                     "%d, replaced %s", strategy, total, parts, gen, lock, dead)
-        _logging.event("recover_done", strategy=strategy, total_s=round(total, 6), lock_step=lock, gen=gen,
-                       replaced=dead, stale=stale, **{f"{k}_s": v for k, v in parts.items()})
-        self._mindx_call("report_result", 0, f"{strategy} done", {r: 1 for r in dead}, strategy)
+        if not seq.step("repair", {"step": lock, "error_ranks": sorted(dead + stale), "pairs": pairs,
+                                   "dst_type": RepairType.RT_RECV_REPAIR.name}, involved, watch=everyone,
+                        abandon=everyone):
+            return False
+        if not seq.step("rollback", {"step": lock}, everyone, watch=everyone, abandon=everyone):
+            return False
+        seq.resume(lock, everyone)
+        seq.done("every rank trains again", f"replaced {dead}", ({r: 1 for r in dead}, strategy),
+                 event="recover_done", strategy=strategy, lock_step=lock, replaced=dead, stale=stale)
         return True
-

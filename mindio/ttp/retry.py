@@ -20,7 +20,7 @@ each bounded by TTP_NORMAL_ACTION_TIME_LIMIT (processor side: inplace.py):
     REPAIR -OK-> NORMAL
       retry     every rank re-enters train()
 
-A failed or late reply at any step -FAIL-> ABNORMAL and :meth:`_retry` returns False; the caller falls
+A failed or late reply at any step -FAIL-> ABNORMAL and :class:`Retry` returns FAILED; the incident falls
 back to the next strategy (dump, then exit) with a log line naming the step that failed. The time from
 the incident to every rank released is logged and recorded as the ``retry_done`` event with the
 breakdown (decide, clean, rebuild, repair, rollback, resume).
@@ -30,13 +30,15 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _knobs, _logging
+from .. import _knobs, _logging, vocab
 from . import policy, sequence
 from . import protocol as P
 from ._enums import OsStatus, RepairType, ReportState
+from .sequence import Sequence
 from .states import Result
+from .strategy import Context, Outcome, Strategy
 
-__all__ = ["RetryFlow", "uce_repair_type", "STOP_GRACE_S", "STOP_LOOK_S"]
+__all__ = ["RetryFlow", "Retry", "uce_repair_type", "STOP_GRACE_S", "STOP_LOOK_S"]
 
 _log = logging.getLogger(__name__)
 STOP_GRACE_S = 1.0  # a rank still running this long after the stop, while others are fenced, may be blocked
@@ -229,34 +231,33 @@ class RetryFlow:
             return sorted(r.rank for r in self.ranks.values()
                           if r.alive and not getattr(r, "features", {}).get("uce", True))
 
-    def _step_ok(self, name: str, params: dict, ranks: list) -> bool:
-        replies = self._call(name, params, ranks, self.action_limit, fail_fast=True)
-        bad = {r: (replies[r].detail if r in replies else "no reply (dead or past the deadline)")
-               for r in ranks if r not in replies or not replies[r].ok}
-        if bad:
-            _log.error("retry failed at %s on ranks %s: %s; falling back", name, sorted(bad)[:16],
-                       {r: bad[r] for r in sorted(bad)[:4]})
-            _logging.event("retry_failed", step_name=name, ranks=sorted(bad)[:64])
-        return not bad
 
-    def _retry(self, lock: int, views: list, primary: dict, t_incident: float) -> bool:
-        """Run the retry sequence (module docstring); True when every rank trains again."""
-        marks = {"decide": time.monotonic()}
-        self.sm.fire(Result.RETRY, lock_step=lock)
-        live = sequence.live_ranks(self)
+class Retry(Strategy):
+    """The retry strategy (module docstring): every rank keeps its process; the sequence is clean ->
+    rebuild (generation g+1) -> repair (UCE and stale ranks from replicas) -> rollback -> resume."""
+
+    name = vocab.Strategy.RETRY.value
+
+    def run(self, ctl, ctx: Context) -> Outcome:
+        return Outcome.RESUMED if self.steps(ctl, ctx) else self.fall_back(ctl, ctx)
+
+    def steps(self, ctl, ctx: Context) -> bool:
+        """Run the retry sequence; True when every rank trains again."""
+        lock, views, primary = ctx.lock, ctx.views, ctx.primary
+        seq = Sequence(ctl, self.name, ctx.t0)
+        ctl.sm.fire(Result.RETRY, lock_step=lock)
+        live = sequence.live_ranks(ctl)
         uce = sorted(r for r, s in primary.items() if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED))
-        if len(live) != self.world_size:
-            _log.error("retry needs every rank alive; live %d of %d", len(live), self.world_size)
-            self.sm.fire(Result.FAIL, failed="alive")
-            return False
-        refused = self.uce_refused()
+        if len(live) != ctl.world_size:
+            _log.error("retry needs every rank alive; live %d of %d", len(live), ctl.world_size)
+            return seq.fail("alive")
+        refused = ctl.uce_refused()
         if refused:
             _log.error("retry is enabled on the controller but ranks %s registered with enable_uce=False "
                        "(tft_init_processor; the example's --enable-hbmfault-repair): not retrying",
                        refused[:16])
             _logging.event("retry_refused", ranks=refused[:64])
-            self.sm.fire(Result.FAIL, failed="enable_uce")
-            return False
+            return seq.fail("enable_uce")
         # ranks whose state is of another step than the lock step (the stop reached them on the other side
         # of their fence, policy.choose_lock_step) or was caught mid-update: repaired like UCE ranks
         stale = policy.stale_ranks(views, lock, among=[v.rank for v in views if v.rank not in uce])
@@ -265,25 +266,19 @@ class RetryFlow:
                          "they are repaired from replicas too", stale[:16], lock,
                          {v.rank: (v.step, v.data_status) for v in views if v.rank in stale[:8]})
         targets = sorted(set(uce) | set(stale))
-        limit = self.action_limit
-        if not self._step_ok("clean", {"timeout": limit}, live):
-            self.sm.fire(Result.FAIL, failed="clean")
+        if not seq.step("clean", {"timeout": ctl.action_limit}, live):
             return False
-        marks["clean"] = time.monotonic()
-        self.gen += 1
-        if not self._step_ok("rebuild", {"gen": self.gen, "fault_ranks": sorted(primary)}, live):
-            self.sm.fire(Result.FAIL, failed="rebuild")
+        ctl.gen += 1
+        if not seq.step("rebuild", {"gen": ctl.gen, "fault_ranks": sorted(primary)}, live):
             return False
-        marks["rebuild"] = time.monotonic()
-        self.sm.fire(Result.OK, gen=self.gen)
+        ctl.sm.fire(Result.OK, gen=ctl.gen)
         kinds: dict = {}
         if targets:
             try:
                 sources = policy.select_repair_sources(views, lock, targets)
             except ValueError as exc:
                 _log.error("retry: %s", exc)
-                self.sm.fire(Result.FAIL, failed="repair plan")
-                return False
+                return seq.fail("repair plan")
             status = {v.rank: v.data_status for v in views}
             kinds = {r: uce_repair_type(primary.get(r, ReportState.RS_NORMAL), status.get(r, OsStatus.UPDATED))
                      for r in targets}
@@ -292,19 +287,15 @@ class RetryFlow:
             involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
             _log.warning("retry: repairing %s (%s) from replicas %s", targets, kinds,
                          {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
-            if not self._step_ok("repair", {"step": lock, "error_ranks": targets, "pairs": pairs}, involved):
-                return sequence.abandon(self, live, "repair")
-        marks["repair"] = time.monotonic()
-        if not self._step_ok("rollback", {"step": lock}, live):
-            return sequence.abandon(self, live, "rollback")
-        marks["rollback"] = time.monotonic()
-        sequence.resume(self, lock, live, self.action_limit)
-        marks["resume"] = time.monotonic()
-        total, parts = sequence.phases(t_incident, marks, ("decide", "clean", "rebuild", "repair", "rollback", "resume"))
-        _log.warning("retry done: every rank trains again %.3f s after the fault report (%s), generation %d, "
-                     "lock step %d, repaired %s, stale %s", total, parts, self.gen, lock, uce, stale)
-        _logging.event("retry_done", total_s=round(total, 6), lock_step=lock, gen=self.gen, repaired=uce, stale=stale,
-                       repair_types={str(r): k for r, k in kinds.items()},
-                       **{f"{k}_s": v for k, v in parts.items()})
-        self._mindx_call("report_result", 0, "retry done", {r: 0 if r in uce else 1 for r in primary}, "retry")
+            if not seq.step("repair", {"step": lock, "error_ranks": targets, "pairs": pairs}, involved,
+                            abandon=live):
+                return False
+        else:
+            seq.mark("repair")
+        if not seq.step("rollback", {"step": lock}, live, abandon=live):
+            return False
+        seq.resume(lock, live)
+        seq.done("every rank trains again", f"repaired {uce}, stale {stale}",
+                 ({r: 0 if r in uce else 1 for r in primary}, self.name), lock_step=lock, repaired=uce,
+                 stale=stale, repair_types={str(r): k for r, k in kinds.items()})
         return True

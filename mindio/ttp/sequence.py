@@ -1,16 +1,34 @@
-"""Controller side: the pieces every recovery sequence (retry, recover, downgrade, upgrade, hot switch)
-shares, written once -- which ranks are live or dead, abandoning a sequence, resuming training at the
-lock step, the timing breakdown of a recovery.
+"""Controller side: the one recovery sequence every strategy runs (retry, recover, downgrade, upgrade,
+hot switch) -- stop -> clean -> rebuild -> repair -> rollback -> resume, each step one action to a set of
+ranks -- with what every strategy shares written once: the step check (its log line and
+``<label>_failed`` event), abandoning after a failed step, the timing breakdown, resuming training at
+the lock step, the ``<name>_done`` event and the cluster brain's report.
 
-Plain functions over the controller (``ctl``), so each strategy's flow calls the same code whatever
-class it is mixed into (tests drive the flows on small scripted controllers). The strategies still
-write their own step order: the sequence *object* of issue #14 is not here yet (docs/architecture.md).
+A strategy (strategy.py) is a short script over a :class:`Sequence`::
+
+    seq = Sequence(ctl, "retry", ctx.t0)
+    ok = (seq.step("clean", {"timeout": limit}, live)
+          and seq.step("rebuild", {"gen": ctl.next_gen()}, live)
+          and seq.step("repair", params, involved, abandon=live)
+          and seq.step("rollback", {"step": lock}, live, abandon=live))
+    if ok:
+        seq.resume(lock, live)
+        seq.done("every rank trains again", f"repaired {uce}", report=({...}, "retry"), lock_step=lock)
+
+The plain functions below (``live``, ``dead``, ``live_ranks``, ``abandon``, ``resume``, ``phases``) are
+the pieces the object uses, for the flows that are not a sequence (the pause, the stop round).
 """
 from __future__ import annotations
 
+import logging
+import time
+
+from .. import _logging
 from .states import Result
 
-__all__ = ["live", "dead", "live_ranks", "abandon", "resume", "phases"]
+__all__ = ["live", "dead", "live_ranks", "abandon", "resume", "phases", "Sequence"]
+
+_log = logging.getLogger("mindio.ttp")
 
 
 def live(table: dict) -> list[int]:
@@ -64,3 +82,75 @@ def phases(t0: float, marks: dict, order) -> tuple[float, dict]:
             parts[k] = round(marks[k] - prev, 6)
             prev = marks[k]
     return marks[order[-1]] - t0, parts
+
+
+class Sequence:
+    """One run of a recovery sequence on controller ``ctl`` (driver thread).
+
+    ``name``: the strategy (its ``<name>_done`` event unless ``done`` names another); ``label``: the
+    word of its failure lines and ``<label>_failed`` events (default ``name``); ``t0``: when the
+    incident began (the timing breakdown starts there; the first mark, ``decide``, is now unless
+    ``first`` names another); ``then``: what a failure leads to, for its log line; ``lost``: a callable
+    returning ranks lost meanwhile besides the watched ones (a replacement that died)."""
+
+    def __init__(self, ctl, name: str, t0: float, label: str | None = None, first: str | None = "decide",
+                 then: str = "falling back", lost=None):
+        self.ctl, self.name, self.t0 = ctl, name, t0
+        self.label, self.then, self._lost = label or name, then, lost
+        self.marks: dict = {first: time.monotonic()} if first else {}
+
+    def mark(self, phase: str) -> None:
+        """The end of ``phase`` (the breakdown counts each phase from the previous mark)."""
+        self.marks[phase] = time.monotonic()
+
+    def fail(self, failed: str) -> bool:
+        """A step before the new generation existed failed: the state machine's FAIL; False."""
+        self.ctl.sm.fire(Result.FAIL, failed=failed)
+        return False
+
+    def abandon(self, ranks: list, failed: str) -> bool:
+        """A step after the rebuild failed: :func:`abandon` (clean on ``ranks``, FAIL); False."""
+        return abandon(self.ctl, ranks, failed)
+
+    def step(self, action: str, params: dict, ranks: list, *, timeout: float | None = None,
+             watch: list | None = None, abandon: list | None = None, mark: str | None = None) -> bool:
+        """Run ``action`` on ``ranks`` (one action in flight, failing fast) and check it: every rank
+        answered ok, and none of ``watch`` (and of ``lost``) died meanwhile. On success mark the phase
+        (``mark``, default the action's name); on failure log it, write ``<label>_failed``, then
+        :meth:`abandon` on ``abandon`` (after the rebuild) or :meth:`fail` (before it). Whether it
+        succeeded."""
+        ctl = self.ctl
+        replies = ctl._call(action, params, ranks, ctl.action_limit if timeout is None else timeout, fail_fast=True)
+        lost: list = []
+        if watch is not None or self._lost is not None:
+            with ctl._lock:
+                lost = [r for r in (watch or ()) if not ctl.ranks[r].alive]
+                lost += sorted(self._lost()) if self._lost is not None else []
+        bad = {r: (replies[r].detail if r in replies else "no reply (dead or past the deadline)")
+               for r in ranks if r not in replies or not replies[r].ok}
+        if not bad and not lost:
+            self.mark(mark or action)
+            return True
+        _log.error("%s failed at %s: ranks %s failed %s, ranks %s died; %s", self.label, action, sorted(bad)[:16],
+                   {r: bad[r] for r in sorted(bad)[:4]}, lost[:16], self.then)
+        _logging.event(f"{self.label}_failed", step_name=action, ranks=sorted(bad)[:64], lost=lost[:64])
+        return self.abandon(abandon, action) if abandon is not None else self.fail(action)
+
+    def resume(self, lock: int, ranks: list, mark: list | None = None, close_incident: bool = True, **why) -> None:
+        """:func:`resume` (OK, incident closed, ranks healthy at ``lock``, ``retry`` to ``ranks``), marked."""
+        resume(self.ctl, lock, ranks, self.ctl.action_limit, mark=mark, close_incident=close_incident, **why)
+        self.mark("resume")
+
+    def done(self, who: str, detail: str, report: tuple, event: str | None = None, **fields) -> float:
+        """The sequence succeeded: one log line (``who`` -- "every rank trains again" --, the breakdown,
+        generation, ``fields["lock_step"]``, ``detail``), the ``<name>_done`` event (``fields`` and one
+        ``<phase>_s`` per phase) and the cluster brain's ``report_result(0, ...)`` with ``report`` =
+        (rank dict, strategy name). Returns the total time."""
+        total, parts = phases(self.t0, self.marks, list(self.marks))
+        _log.warning("%s done: %s %.3f s after it began (%s), generation %d, lock step %d, %s",
+                     self.name, who, total, parts, self.ctl.gen, fields.get("lock_step", -1), detail)
+        _logging.event(event or f"{self.name.replace(' ', '_')}_done", total_s=round(total, 6), gen=self.ctl.gen,
+                       **fields, **{f"{k}_s": v for k, v in parts.items()})
+        ranks, strategy = report
+        self.ctl._mindx_call("report_result", 0, f"{self.name} done", ranks, strategy)
+        return total

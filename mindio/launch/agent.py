@@ -106,8 +106,7 @@ class Agent:
         self._signal: int | None = None  # the signal that stopped the agent
         self.hosted_code: int | None = None  # the exit code the hosted controller ended the job with (ha.py)
         self._ha: ha.RoundWatch | None = None  # this round's high-availability bookkeeping (ha.py)
-        self._preempt: tuple | None = None  # (signum, time.monotonic()) of a preemption signal (preempt.py)
-        self._preempt_asked = False  # the checkpoint was asked for (main loop, _preempt_tick)
+        self.preemption = preempt.Preemption()  # a preemption signal, and whether its dump was asked for
         self.late_ranks: set = set()  # ranks that failed after their training finished (ha.py)
 
     # --- the WorkerView (view.py): what ha.py, switch.py and elastic.py use of this agent ---------
@@ -371,8 +370,8 @@ class Agent:
             self._beat()
             if self._store.check([failed_key]):
                 return self._store.get(failed_key).decode()
-            if self._preempt is not None:
-                preempt.tick(self, rnd)
+            if self.preemption.signum is not None:
+                self.preemption.tick(self, rnd)
                 if self._stopping:
                     break
             codes = self._exit_codes()
@@ -585,7 +584,7 @@ class Agent:
     def _report_round(self, rnd: int, reason: str) -> int | None:
         """Say how round ``rnd`` ended (failures.outcome); the agent's exit code when the job ends, None
         when every worker restarts (``--max-restarts``)."""
-        preempted = preempt.reason(self, rnd)  # this agent, or another, was preempted: no restart
+        preempted = self.preemption.reason(self, rnd)  # this agent, or another, was preempted: no restart
         text, code = failures.outcome(self.round_failures(rnd), preempted or reason, rnd, self.cfg.max_restarts,
                                       stopping=self._stopping or bool(preempted),
                                       dumped=self.hosted_code == failures.EXIT_CODE_DUMPED, node=self.cfg.node_rank)
@@ -613,8 +612,12 @@ class Agent:
     def _on_signal(self, signum, frame):
         """(signal handler) Note the signal; the main loop acts on it. A preemption signal while workers
         run asks for a last-words checkpoint first (preempt.py); any other stops the agent now."""
-        if preempt.on_signal(self, signum):
+        if self.preemption.on_signal(self, signum):
             return
+        self.stop(signum)
+
+    def stop(self, signum: int) -> None:
+        """Stop the agent (its workers get ``signum``, the first signal that stopped it, at the round's end)."""
         self._stopping = True
         self._signal = self._signal or signum
 

@@ -6,7 +6,8 @@ SIGTERM into a ``SignalException`` and forwards the signal to its workers (SIGKI
 signal of ``--preempt-signal`` (``MINDIO_PREEMPT_SIGNAL``, default SIGTERM) that comes while workers
 run is first turned into a dump request:
 
-1. the signal handler only notes it (:func:`on_signal`); the agent's main loop (:func:`tick`) asks for
+1. the signal handler only notes it (:meth:`Preemption.on_signal`); the agent's main loop
+   (:meth:`Preemption.tick`) asks for
    the checkpoint: node 0's agent, when it hosts the controller (``--high-availability``), asks it
    directly; an agent without one forwards the signal to its workers, whose processors ask their
    controller (mindio.ttp.preempt) -- rank 0's, as under torchrun;
@@ -35,60 +36,71 @@ from .. import _logging
 
 log = logging.getLogger(__name__)
 
-__all__ = ["on_signal", "tick", "reason"]
+__all__ = ["Preemption"]
 
 
-def on_signal(agent, signum: int) -> bool:
-    """(the agent's signal handler) Whether ``signum`` is taken as a preemption: then it is only noted,
-    for :func:`tick`. Not while the agent stops already, nor while no worker runs (nothing to save)."""
-    if agent._stopping or signal.Signals(signum).name not in agent.cfg.preempt_signals:
-        return False
-    if agent._preempt is not None:
-        return True  # asked already; the bound covers it
-    if not agent._workers:
-        return False
-    agent._preempt = (signum, time.monotonic())
-    return True
+class Preemption:
+    """One agent's preemption: its signal and when it came (``signum`` None: none), whether the
+    checkpoint was asked for. The agent holds one and hands itself as a :class:`~mindio.launch.view.
+    WorkerView` (its cfg, store, lock, workers, hosted controller, stopping, stop)."""
 
+    def __init__(self):
+        self.signum: int | None = None
+        self.t0 = 0.0
+        self.asked = False
 
-def tick(agent, rnd: int) -> None:
-    """(agent main loop, while a round runs) Ask for the checkpoint once; past the bound, stop."""
-    signum, t0 = agent._preempt
-    name, cfg = signal.Signals(signum).name, agent.cfg
-    if not agent._preempt_asked:
-        agent._preempt_asked = True
-        why = f"{name} to node {cfg.node_rank}'s mindio-run"
-        print(f"mindio-run: {name}: preemption; asking for a last-words checkpoint at the current step (the "
-              f"workers then exit with 75; bound {cfg.preempt_timeout:g} s, --preempt-timeout)", file=sys.stderr)
-        _logging.event("preempt", signal=name, node=cfg.node_rank, round=rnd)
+    def on_signal(self, agent, signum: int) -> bool:
+        """(the agent's signal handler) Whether ``signum`` is taken as a preemption: then it is only
+        noted, for :meth:`tick`. Not while the agent stops already, nor while no worker runs (nothing to
+        save)."""
+        if agent.stopping or signal.Signals(signum).name not in agent.cfg.preempt_signals:
+            return False
+        if self.signum is not None:
+            return True  # asked already; the bound covers it
+        if not agent.workers:
+            return False
+        self.signum, self.t0 = signum, time.monotonic()
+        return True
+
+    def tick(self, agent, rnd: int) -> None:
+        """(agent main loop, while a round runs) Ask for the checkpoint once; past the bound, stop."""
+        if self.signum is None:
+            return
+        name, cfg = signal.Signals(self.signum).name, agent.cfg
+        if not self.asked:
+            self.asked = True
+            why = f"{name} to node {cfg.node_rank}'s mindio-run"
+            print(f"mindio-run: {name}: preemption; asking for a last-words checkpoint at the current step (the "
+                  f"workers then exit with 75; bound {cfg.preempt_timeout:g} s, --preempt-timeout)",
+                  file=sys.stderr)
+            _logging.event("preempt", signal=name, node=cfg.node_rank, round=rnd)
+            try:
+                agent.store.compare_set(f"round/{rnd}/preempt", "", why)
+            except Exception as exc:  # node 0's store is gone: this agent still knows
+                log.info("could not post the preemption: %s", exc)
+            if agent.hosted is not None:
+                agent.hosted.ctl.request_dump(why)
+            else:  # each worker's processor asks its controller (mindio.ttp.preempt)
+                with agent.lock:
+                    live = [p for p in agent.workers.values() if p.poll() is None]
+                for p in live:
+                    p.send_signal(self.signum)
+        elif time.monotonic() - self.t0 > cfg.preempt_timeout:
+            print(f"mindio-run: {name} {time.monotonic() - self.t0:.0f} s ago and the workers have not ended with "
+                  f"a last-words checkpoint (--preempt-timeout / MINDIO_PREEMPT_TIMEOUT {cfg.preempt_timeout:g} "
+                  f"s): stopping them", file=sys.stderr)
+            _logging.event("preempt_timeout", signal=name, node=cfg.node_rank, round=rnd)
+            agent.stop(self.signum)
+
+    def reason(self, agent, rnd: int) -> str | None:
+        """Why round ``rnd`` ended in a preemption (this agent's signal, or another agent's post), else
+        None."""
+        if self.signum is not None:
+            return f"preemption ({signal.Signals(self.signum).name} to node {agent.cfg.node_rank}'s mindio-run)"
         try:
-            agent._store.compare_set(f"round/{rnd}/preempt", "", why)
-        except Exception as exc:  # node 0's store is gone: this agent still knows
-            log.info("could not post the preemption: %s", exc)
-        if agent._hosted is not None:
-            agent._hosted.ctl.request_dump(why)
-        else:  # each worker's processor asks its controller (mindio.ttp.preempt)
-            with agent._lock:
-                live = [p for p in agent._workers.values() if p.poll() is None]
-            for p in live:
-                p.send_signal(signum)
-    elif time.monotonic() - t0 > cfg.preempt_timeout:
-        print(f"mindio-run: {name} {time.monotonic() - t0:.0f} s ago and the workers have not ended with a "
-              f"last-words checkpoint (--preempt-timeout / MINDIO_PREEMPT_TIMEOUT {cfg.preempt_timeout:g} s): "
-              f"stopping them", file=sys.stderr)
-        _logging.event("preempt_timeout", signal=name, node=cfg.node_rank, round=rnd)
-        agent._signal = agent._signal or signum
-        agent._stopping = True
-
-
-def reason(agent, rnd: int) -> str | None:
-    """Why round ``rnd`` ended in a preemption (this agent's signal, or another agent's post), else None."""
-    if agent._preempt is not None:
-        return f"preemption ({signal.Signals(agent._preempt[0]).name} to node {agent.cfg.node_rank}'s mindio-run)"
-    try:
-        key = f"round/{rnd}/preempt"
-        if agent._store is not None and agent._store.check([key]):
-            return f"preemption ({agent._store.get(key).decode()})"
-    except Exception:  # node 0's store is gone: no other agent's word
-        pass
-    return None
+            key = f"round/{rnd}/preempt"
+            if agent.store is not None and agent.store.check([key]):
+                return f"preemption ({agent.store.get(key).decode()})"
+        except Exception:  # node 0's store is gone: no other agent's word
+            pass
+        return None

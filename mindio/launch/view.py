@@ -1,9 +1,9 @@
-"""What ha.py, switch.py and elastic.py may use of the node's agent: :class:`WorkerView`.
+"""What ha.py, switch.py, elastic.py and preempt.py may use of the node's agent: :class:`WorkerView`.
 
 The agent (agent.py) runs the rounds and owns the worker processes; high availability (ha.py: the
-hosted controller, deaths, replacement orders, takeovers), the hot switch's backups (switch.py) and
-elastic standbys (elastic.py) act on those workers through this narrow, explicit surface -- never the
-agent's private state. agent.py imports them; none of them imports agent.py.
+hosted controller, deaths, replacement orders, takeovers), the hot switch's backups (switch.py),
+elastic standbys (elastic.py) and a preemption (preempt.py) act on those workers through this narrow,
+explicit surface -- never the agent's private state. agent.py imports them; none of them imports agent.py.
 """
 from __future__ import annotations
 
@@ -79,4 +79,7 @@ class WorkerView(Protocol):
         ...
 
     def refill_spares(self) -> None:  # (main loop) start the spares requested since the last call
+        ...
+
+    def stop(self, signum: int) -> None:  # stop the agent as a signal would (preempt.py: past its bound)
         ...

@@ -1,4 +1,4 @@
-"""The launcher's high-availability parts (ha.py, switch.py, elastic.py) use the node's agent only
+"""The launcher's high-availability parts (ha.py, switch.py, elastic.py) and preempt.py use the node's agent only
 through :class:`mindio.launch.view.WorkerView` -- a narrow, explicit surface -- and none of them
 imports agent.py (issue #14: ha.py used to take the whole agent and reach into its private state).
 Read from the source with ``ast``; every ``agent.<name>`` / ``self.agent.<name>`` must be a member of
@@ -11,7 +11,7 @@ import pathlib
 import mindio.launch.view as view
 
 LAUNCH = pathlib.Path(view.__file__).parent
-PARTS = ("ha.py", "switch.py", "elastic.py")
+PARTS = ("ha.py", "switch.py", "elastic.py", "preempt.py")
 
 
 def _members() -> set:

@@ -37,7 +37,7 @@ from ._enums import ReportState, Strategy
 from .ranks import RankRecord as _Rank  # noqa: F401 (the old name, still imported by tests)
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
-from .incident import IncidentFlow
+from .incident import Incident, IncidentFlow
 from .retry import Retry, RetryFlow
 from .elastic_flow import Downgrade, ElasticFlow
 from .recover import RecoverFlow, Replace
@@ -107,7 +107,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
         self._stop = threading.Event()
-        self._incident: dict | None = None
+        self._incident: Incident | None = None  # the open incident (incident.py)
         self._incident_evt = threading.Event()
         self._strategy_evt = threading.Event()
         self._chosen: str | None = None

@@ -101,11 +101,11 @@ class HotSwitchFlow:
     def _run_incident(self) -> bool:
         """(incident.py's driver loop) A hot switch incident runs here, any other in IncidentFlow."""
         inc = self._incident
-        if inc["cause"] == "hot_switch":
+        if inc.cause == "hot_switch":
             return self._run_hot_switch(inc)
         return super()._run_incident()
 
-    def _run_hot_switch(self, inc: dict) -> bool:
+    def _run_hot_switch(self, inc) -> bool:
         ranks, gen = self._switch_req["ranks"], self.gen + 1
         if _knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacer, "prestart"):
             self._pending_backups = (ranks, gen)  # dismissed on every way out but a switch done (_dismiss)
@@ -130,7 +130,7 @@ class HotSwitchFlow:
                              f"pause for the hot switch failed on ranks {bad[:16]}", {r: 1 for r in ranks})
             return self._cancel_switch(live, "pause failed")
         _log.warning("hot switch of ranks %s: every rank paused at step %d (%.3f s after the request)", ranks,
-                     target, time.monotonic() - inc["t0"])
+                     target, time.monotonic() - inc.t0)
         _logging.event("hot_switch_paused", step=target, ranks=ranks)
         with self._lock:
             self._switch_req["waiting"] = True
@@ -144,9 +144,9 @@ class HotSwitchFlow:
             return self._fault_now()
         if choice != "migration":
             return self._cancel_switch(live, choice)
-        return self._switch(ranks, target, inc["t0"])
+        return self._switch(ranks, target, inc.t0)
 
-    def _start_backups(self, inc: dict, ranks: list, gen: int) -> str:
+    def _start_backups(self, inc, ranks: list, gen: int) -> str:
         """Start the backups (the launcher's warm spares run the script up to its init_process_group)
         and wait until every one registered, while training goes on. '' when they did, else why not."""
         t0 = time.monotonic()
@@ -202,7 +202,7 @@ class HotSwitchFlow:
         _log.warning("hot switch cancelled (%s) before the pause: training continues unchanged", why)
         _logging.event("hot_switch_cancelled", why=why)
         with self._lock:
-            faulted = bool(self._incident["primary"])
+            faulted = bool(self._incident.primary)
             if not faulted:
                 self._incident = None
                 self._incident_evt.clear()
@@ -213,7 +213,7 @@ class HotSwitchFlow:
                          {}, "continue")
         return True
 
-    def _switch_decision(self, inc: dict) -> str:
+    def _switch_decision(self, inc) -> str:
         if "report_stop_complete" not in self.mindx:
             return "migration"  # no cluster brain: the caller of prepare_action wants it done
         end = time.monotonic() + _knobs.get("MINDIO_WAIT_MINDX_TIME")

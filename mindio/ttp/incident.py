@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from .. import _knobs, _logging
 from . import policy, sequence
@@ -35,10 +35,29 @@ from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome
 
-__all__ = ["IncidentFlow", "OPEN_STATES"]
+__all__ = ["IncidentFlow", "Incident", "OPEN_STATES"]
 
 _log = logging.getLogger(__name__)
 OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
+
+
+@dataclass
+class Incident:
+    """The open incident (one at a time; the I/O thread adds ranks to it under the controller's lock,
+    the driver thread runs it). The facts its decision is made on are policy.Incident."""
+    cause: str                # "fault", "dump_request", "pause", "hot_switch", "cluster_brain"
+    first: int | None         # the rank that opened it (None: a request)
+    t0: float = field(default_factory=time.monotonic)
+    primary: dict = field(default_factory=dict)   # rank -> ReportState of its primary report (or a death)
+    seen: dict = field(default_factory=dict)      # rank -> time.monotonic() its fault was first seen
+    messages: dict = field(default_factory=dict)  # rank -> the message of its report
+
+    def add(self, rank: int, state: ReportState | None, message: str = "") -> None:
+        """(under the controller's lock) ``rank`` failed with ``state`` (None: it died)."""
+        self.primary[rank] = state if state is not None else ReportState.RS_UNKNOWN
+        self.seen.setdefault(rank, time.monotonic())
+        if message:
+            self.messages[rank] = message
 
 
 class IncidentFlow(PauseFlow):
@@ -71,15 +90,11 @@ class IncidentFlow(PauseFlow):
             if inc is None:
                 if self.sm.state not in OPEN_STATES:
                     return False
-                inc = self._incident = {"t0": time.monotonic(), "primary": {}, "cause": cause, "first": rank,
-                                        "seen": {}, "messages": {}}
+                inc = self._incident = Incident(cause, rank)
                 self._incident_evt.set()
                 opened = True
             if rank is not None and (state is None or policy.is_primary(state)):
-                inc["primary"][rank] = state if state is not None else ReportState.RS_UNKNOWN
-                inc["seen"].setdefault(rank, time.monotonic())
-                if message:
-                    inc["messages"][rank] = message
+                inc.add(rank, state, message)
         return opened
 
     def _secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
@@ -90,17 +105,17 @@ class IncidentFlow(PauseFlow):
         rank stays healthy: its state is usable for the dump and repair, as the reference treats a
         FORCE STOP."""
         inc = self._incident
-        if inc is None or state is not ReportState.RS_UNKNOWN or rank in inc["primary"] \
+        if inc is None or state is not ReportState.RS_UNKNOWN or rank in inc.primary \
                 or not policy.secondary_in_incident(message):
             return state
         _log.warning("rank %d: %s -- after the incident of rank %s began: secondary, not a new fault", rank,
-                     message[:200], inc["first"])
-        _logging.event("secondary_error", from_rank=rank, message=message[:300], first=inc["first"])
+                     message[:200], inc.first)
+        _logging.event("secondary_error", from_rank=rank, message=message[:300], first=inc.first)
         return ReportState.RS_NORMAL
 
     def _error_rank_dict(self) -> dict:
         with self._lock:  # the I/O thread adds ranks to the incident while the driver reads it
-            primary = dict((self._incident or {"primary": {}})["primary"])
+            primary = dict(self._incident.primary) if self._incident is not None else {}
         return {r: 0 if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED) else 1 for r, s in primary.items()}
 
     def _mindx_call(self, action: str, *args) -> None:
@@ -132,10 +147,10 @@ class IncidentFlow(PauseFlow):
     def _run_incident(self) -> bool:
         """One incident; True when the job goes on (retry succeeded, pause continued), False when it ends."""
         inc = self._incident
-        if inc["cause"] == "pause":
+        if inc.cause == "pause":
             return self._run_pause(inc)
-        graceful = inc["cause"] == "dump_request"
-        self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc["first"], cause=inc["cause"])
+        graceful = inc.cause == "dump_request"
+        self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc.first, cause=inc.cause)
         self._mindx_call("report_fault_ranks", self._error_rank_dict())
         live = sequence.live_ranks(self)
         # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
@@ -164,8 +179,7 @@ class IncidentFlow(PauseFlow):
         except ValueError:
             repairable = False
         with self._lock:
-            primary = dict(inc["primary"])
-            seen, messages = dict(inc.get("seen", {})), dict(inc.get("messages", {}))
+            primary, seen, messages = dict(inc.primary), dict(inc.seen), dict(inc.messages)
         dead = frozenset(v.rank for v in views if not v.alive)
         lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
@@ -183,7 +197,7 @@ class IncidentFlow(PauseFlow):
                              lacking[min(lacking)])
         alive = {v.rank: v.alive for v in views}
         faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
-                                  seen.get(r, inc["t0"])) for r in sorted(set(primary) | set(faulty))]
+                                  seen.get(r, inc.t0)) for r in sorted(set(primary) | set(faulty))]
         added = [] if graceful else self._added_strategies(enabled, incident)
         feasible = feasible[:-1] + added + feasible[-1:]
         order, verdict = self.brain.plan(faults, feasible, self.implemented_strategies())
@@ -191,7 +205,7 @@ class IncidentFlow(PauseFlow):
             before = self.STRATEGIES[name].before
             order.insert(order.index(before) if before in order else order.index("exit"), name)
         strategy = order[0] if graceful else self._negotiate(order)  # a requested dump: nothing to ask
-        latency = time.monotonic() - inc["t0"]
+        latency = time.monotonic() - inc.t0
         self.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
                               "decided_at": time.time(), "faulty": faulty,
                               "missing_shards": [list(map(str, m)) for m in plan.missing],
@@ -207,7 +221,7 @@ class IncidentFlow(PauseFlow):
                          "shard of a UCE rank has a usable replica: %s); using %s",
                          {r: s.name for r, s in list(primary.items())[:16]}, sorted(incident.dead)[:16],
                          repairable, strategy)
-        ctx = Context(lock, views, primary, plan, inc["t0"], graceful)
+        ctx = Context(lock, views, primary, plan, inc.t0, graceful)
         rest = order[order.index(strategy):] if strategy in order else order
         for i, strategy in enumerate(rest):
             if strategy == "exit":
@@ -306,7 +320,7 @@ class IncidentFlow(PauseFlow):
         in a dump or an exit needs none, one that resumes training is followed by this dump."""
         with self._lock:
             inc = self._incident
-            under_way = (inc is not None and inc["cause"] == "dump_request") or \
+            under_way = (inc is not None and inc.cause == "dump_request") or \
                 self.sm.state in (State.DUMP, State.EXIT, State.FINAL)
         if under_way:
             _log.info("last-words checkpoint requested again (%s): one is under way", why)

@@ -56,15 +56,15 @@ class PauseFlow:
         self._open_incident(None, None, cause="pause")
         return 0
 
-    def _faulted(self, inc: dict) -> bool:
+    def _faulted(self, inc) -> bool:
         with self._lock:
-            return bool(inc["primary"])
+            return bool(inc.primary)
 
     def _end_pause(self, live: list, why: str) -> bool:
         """Clear every limit (the ranks train on), PAUSE -CONTINUE-> NORMAL, close the incident."""
         self._call("pause_resume", {}, live, self.action_limit)
         with self._lock:
-            faulted = self._incident is not None and bool(self._incident["primary"])
+            faulted = self._incident is not None and bool(self._incident.primary)
             if not faulted:
                 self.sm.fire(Result.CONTINUE, why=why)
                 self._incident = None
@@ -73,10 +73,10 @@ class PauseFlow:
 
     def _as_fault(self) -> bool:
         _log.error("a rank failed during the pause; handling it as a fault")
-        self._incident["cause"] = "fault"
+        self._incident.cause = "fault"
         return self._run_incident()
 
-    def _run_pause(self, inc: dict) -> bool:
+    def _run_pause(self, inc) -> bool:
         req = self._pause_req or {"timeout": float(self.action_limit), "ranks": {}}
         self.sm.fire(Result.PAUSE, ranks=sorted(req["ranks"])[:16])
         live = sequence.live_ranks(self)
@@ -103,8 +103,8 @@ class PauseFlow:
                              f"pause at step {target} failed on ranks {sorted(bad)[:16]}", req["ranks"])
             return self._end_pause(live, "pause_at failed")
         paused_at = time.monotonic()
-        _log.warning("every rank paused at step %d (%.3f s after the request)", target, paused_at - inc["t0"])
-        _logging.event("paused", step=target, latency_s=round(paused_at - inc["t0"], 6))
+        _log.warning("every rank paused at step %d (%.3f s after the request)", target, paused_at - inc.t0)
+        _logging.event("paused", step=target, latency_s=round(paused_at - inc.t0, 6))
         self._mindx_call("report_stop_complete", int(ResultCode.OK), f"training paused at step {target}",
                          req["ranks"])
         end = paused_at + req["timeout"]

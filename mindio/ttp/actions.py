@@ -56,6 +56,12 @@ class ActionEngine:
         self.sn = 0
         self._pending: _Pending | None = None
 
+    def fail_pending(self) -> None:
+        """(any thread, under the engine's condition) The action in flight fails now (its caller is
+        woken by the condition's notify_all): a recovery step that lost a rank meanwhile."""
+        if self._pending is not None:
+            self._pending.failed = True
+
     def on_reply(self, rank: int, sn: int, body: P.Reply) -> None:
         """(I/O thread) Record one reply."""
         with self._cond:

@@ -127,6 +127,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
         self._starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged (watch.py)
         self._held_reports: list = []  # reports received while a passive backup (see _take_over)
+        self._replaced: dict[int, int] = {}  # rank -> generation a recovery replaced its process in (recover.py)
+        self._replacement_dead: set[int] = set()  # replacements that died during the recovery (recover.py)
         self._poller: zmq.Poller | None = None
         self._ctx: zmq.Context | None = None
         self._auth = None
@@ -427,7 +429,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
         """A relay's heartbeats for many ranks: the same per-rank bookkeeping as HEARTBEAT, one ack."""
         b, get, seen, unknown = env.body, self.ranks.get, self._seen, []
-        replaced = getattr(self, "_replaced", None)  # ranks replaced by a recovery (recover.py)
+        replaced = self._replaced  # ranks replaced by a recovery (recover.py)
         for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
             r = get(rank)
             if r is None or not r.registered or r.ident != ident:  # not (or no longer) through this relay

@@ -76,12 +76,12 @@ def is_standby() -> bool:
     """True in a standby process until the upgrade repaired it."""
     from ._runtime import state
 
-    return state.processor is not None and bool(getattr(state.processor, "standby", False))
+    return state.processor is not None and state.processor.standby
 
 
 def job_rank(torch_rank: int) -> int:
     """The controller's rank id of ``torch_rank`` in the current (possibly shrunken) world."""
     from ._runtime import state
 
-    members = getattr(state.processor, "members", None) if state.processor is not None else None
+    members = state.processor.members if state.processor is not None else None
     return torch_rank if members is None else members[torch_rank]

@@ -94,6 +94,8 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self.link: Link | None = None
         self.last_report: P.Report | None = None
         self.first_step_pending = True  # set again when training resumes after a recovery (decorator)
+        self.standby = False  # an elastic standby process until the upgrade repaired it (standby.py)
+        self.members: list | None = None  # the job ranks of the current torch world (None: all; elastic_rank.py)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, addr: str, key: bytes) -> None:

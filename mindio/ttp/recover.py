@@ -59,8 +59,6 @@ class RecoverFlow:
         """(launcher agent) Enable recover-in-place / recover: ``replacer.replace(ranks, gen, strategy)``
         starts new processes for ``ranks``; ``replacer.possible(ranks, strategy)`` says if it can."""
         self.replacer = replacer
-        self._replaced: dict[int, int] = {}
-        self._replacement_dead: set[int] = set()
         if timeout:
             self.recover_timeout = timeout
 
@@ -74,9 +72,7 @@ class RecoverFlow:
         _logging.event("replacement_died", dead_rank=rank, reason=why)
         with self._cond:
             self._replacement_dead.add(rank)
-            pend = getattr(self.actions, "_pending", None)
-            if pend is not None:
-                pend.failed = True
+            self.actions.fail_pending()
             self._cond.notify_all()
 
     def can_replace(self, strategy: str, dead) -> bool:
@@ -92,7 +88,7 @@ class RecoverFlow:
     def refuse_stale(self, env: P.Envelope) -> bool:
         """True (drop the frame) when ``env`` comes from a rank whose process was replaced in a newer
         generation than the one the frame carries: an old process must never rejoin or be answered."""
-        replaced = getattr(self, "_replaced", None)
+        replaced = self._replaced
         if not replaced:
             return False
         g = replaced.get(env.rank)
@@ -113,7 +109,7 @@ class RecoverFlow:
         with self._cond:
             while True:
                 ok = [r for r in ranks if self.ranks.get(r) is not None and self.ranks[r].alive
-                      and getattr(self.ranks[r], "gen", 0) >= gen]
+                      and self.ranks[r].gen >= gen]
                 if len(ok) == len(ranks):
                     return True
                 now = time.monotonic()

@@ -229,7 +229,7 @@ class RetryFlow:
         allow step retry (a processor that sent no flags allows it, as the reference default does)."""
         with self._lock:
             return sorted(r.rank for r in self.ranks.values()
-                          if r.alive and not getattr(r, "features", {}).get("uce", True))
+                          if r.alive and not r.features.get("uce", True))
 
 
 class Retry(Strategy):

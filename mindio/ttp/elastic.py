@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from .elastic_flow import (EXIT_CODE_REMOVED, UPGRADE_STOP_TRIES, ElasticFlow, _repair_pairs,  # noqa: F401
                            plan_downgrade)
-from .elastic_rank import ElasticActions, is_standby, job_rank
+from .elastic_rank import is_standby, job_rank
 from .standby import start_standby
 
-__all__ = ["ElasticFlow", "ElasticActions", "plan_downgrade", "start_standby", "is_standby", "job_rank",
+__all__ = ["ElasticFlow", "plan_downgrade", "start_standby", "is_standby", "job_rank",
            "EXIT_CODE_REMOVED"]

@@ -9,67 +9,67 @@ import logging
 import time
 
 from .. import _logging
-from . import device
+from . import device, inplace
 from ._enums import OsStatus, RepairType
 
-__all__ = ["ElasticActions", "is_standby", "job_rank"]
+__all__ = ["ACTIONS", "is_standby", "job_rank"]
 
 _log = logging.getLogger("mindio.ttp.elastic")
 
 
-# ===================================================================== processor side
-class ElasticActions:
-    """Processor side; mixed into :class:`mindio.ttp.processor.Processor` (actions run on their own
-    thread while the main thread is parked, like inplace.py)."""
+# ===================================================================== processor side (p: the Processor)
+def torch_rank(p, job_rank: int | None = None) -> int:
+    """Position of ``job_rank`` (default: processor ``p``'s rank) in the current torch world."""
+    r = p.rank if job_rank is None else job_rank
+    return r if p.members is None else p.members.index(r)
 
-    standby = False
-    members: list | None = None
 
-    def torch_rank(self, job_rank: int | None = None) -> int:
-        """Position of ``job_rank`` (default: this rank) in the current torch world."""
-        r = self.rank if job_rank is None else job_rank
-        return r if self.members is None else self.members.index(r)
+def zit_rebuild(p, gen: int, members: list, kind: str, dp_groups: list | None = None,
+                rank_list: list | None = None) -> dict:
+    import torch.distributed as dist
 
-    def _do_zit_rebuild(self, gen: int, members: list, kind: str, dp_groups: list | None = None,
-                        rank_list: list | None = None) -> dict:
-        import torch.distributed as dist
+    if p.world.base_store is None:
+        raise RuntimeError("no job store remembered: cannot rebuild the process groups")
+    t0 = time.monotonic()
+    if dist.is_initialized():
+        device.backend_for().clean()
+    members = sorted(int(r) for r in members)
+    p.members = None if members == list(range(p.world_size)) else members
+    p.world.init_default_group(gen, torch_rank(p), len(members))
+    device.backend_for().reinit()
+    p.gen = gen
+    if kind == "downgrade":
+        func, ctx = p._callback("zit_downgrade_rebuild")
+        dp = next((g for g in dp_groups or () if p.rank in g), [])
+        func(list(dp), members, p.step_args, ctx)
+    elif kind == "upgrade":
+        func, ctx = p._callback("zit_upgrade_rebuild")
+        func(list(rank_list or ()), p.step_args, ctx)
+    else:
+        raise ValueError(f"zit_rebuild kind {kind!r}: 'downgrade' or 'upgrade'")
+    ms = (time.monotonic() - t0) * 1000
+    _log.info("%s: world of %d ranks rebuilt (generation %d, torch rank %d) in %.1f ms", kind, len(members),
+              gen, torch_rank(p), ms)
+    return {"gen": gen, "ms": round(ms, 2)}
 
-        if self._base_store is None:
-            raise RuntimeError("no job store remembered: cannot rebuild the process groups")
-        t0 = time.monotonic()
-        if dist.is_initialized():
-            device.backend_for().clean()
-        members = sorted(int(r) for r in members)
-        self.members = None if members == list(range(self.world_size)) else members
-        self._init_default_group(gen, self.torch_rank(), len(members))
-        device.backend_for().reinit()
-        self.gen = gen
-        if kind == "downgrade":
-            func, ctx = self._callback("zit_downgrade_rebuild")
-            dp = next((g for g in dp_groups or () if self.rank in g), [])
-            func(list(dp), members, self.step_args, ctx)
-        elif kind == "upgrade":
-            func, ctx = self._callback("zit_upgrade_rebuild")
-            func(list(rank_list or ()), self.step_args, ctx)
-        else:
-            raise ValueError(f"zit_rebuild kind {kind!r}: 'downgrade' or 'upgrade'")
-        ms = (time.monotonic() - t0) * 1000
-        _log.info("%s: world of %d ranks rebuilt (generation %d, torch rank %d) in %.1f ms", kind, len(members),
-                  gen, self.torch_rank(), ms)
-        return {"gen": gen, "ms": round(ms, 2)}
 
-    def _do_zit_repair(self, step: int, error_ranks: list, pairs: list) -> dict:
-        return self._repair_pairs("zit_upgrade_repair", step, error_ranks, pairs, lambda p: RepairType.RT_RECV_REPAIR.name,
-                                  self.torch_rank)  # inplace.py
+def zit_repair(p, step: int, error_ranks: list, pairs: list) -> dict:
+    return inplace.repair_pairs(p, "zit_upgrade_repair", step, error_ranks, pairs,
+                                lambda pair: RepairType.RT_RECV_REPAIR.name, lambda r: torch_rank(p, r))
 
-    def _do_zit_rollback(self, step: int) -> dict:
-        func, ctx = self._callback("zit_upgrade_rollback")
-        func(step, self.step_args, ctx)
-        self.step, self.data_status = step, OsStatus.UPDATED
-        self.repair_type, self.repair_step = ("recover" if self.standby else "retry"), step
-        self.standby = False
-        _logging.set_context(step=step)
-        return {"step": step}
+
+def zit_rollback(p, step: int) -> dict:
+    func, ctx = p._callback("zit_upgrade_rollback")
+    func(step, p.step_args, ctx)
+    p.step, p.data_status = step, OsStatus.UPDATED
+    p.repair_type, p.repair_step = ("recover" if p.standby else "retry"), step
+    p.standby = False
+    _logging.set_context(step=step)
+    return {"step": step}
+
+
+# the processor's handlers for the zit actions (Processor.ACTIONS takes them in)
+ACTIONS = {"zit_rebuild": zit_rebuild, "zit_repair": zit_repair, "zit_rollback": zit_rollback}
 
 
 def is_standby() -> bool:

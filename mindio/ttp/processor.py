@@ -42,10 +42,8 @@ from ..errors import ConfigError, NoController, describe
 from . import protocol as P
 from .pidprobe import host_token
 from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
-from . import device, preempt
-from .inplace import InPlaceActions
-from .elastic_rank import ElasticActions
-from .reboot import RebootActions, adopt as _adopt_reboot
+from . import device, elastic_rank, inplace, preempt, reboot
+from .reboot import adopt as _adopt_reboot
 from .transport import Link
 
 __all__ = ["Processor", "CALLBACK_NAMES", "IN_PLACE_CALLBACKS"]
@@ -65,7 +63,11 @@ def _in_collective(frame) -> bool:
     return False
 
 
-class Processor(InPlaceActions, RebootActions, ElasticActions):
+class Processor:
+    """One rank's agent (module docstring). It holds its parts: the link to the controller
+    (transport.Link), the job's first world for rebuilds (inplace.World), and the explicit table of the
+    actions it runs (``ACTIONS``: this module's handlers, inplace.py's, reboot.py's, elastic_rank.py's)."""
+
     def __init__(self, rank: int, world_size: int, enable_uce: bool = True, enable_arf: bool = False,
                  enable_zit: bool = False, curve: dict | None = None):
         if not 0 <= rank < world_size <= 100000:
@@ -95,13 +97,16 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         self.last_report: P.Report | None = None
         self.first_step_pending = True  # set again when training resumes after a recovery (decorator)
         self.standby = False  # an elastic standby process until the upgrade repaired it (standby.py)
+        self.gen = 0  # generation of this rank's default group (a rebuild or a replacement's start sets it)
+        self.world = inplace.World()  # the job's store, backend, timeout: what a rebuild needs
+        self._force = False  # clean asked a fenced main thread to leave with FORCE STOP
         self.members: list | None = None  # the job ranks of the current torch world (None: all; elastic_rank.py)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, addr: str, key: bytes) -> None:
         self.link = Link(self.rank, key, [addr], self._hello, self._beat, self._on_message, curve=self.curve,
                          on_registered=self._on_registered)
-        self.remember_world()
+        self.world.remember()
         _adopt_reboot(self)  # a replacement process (reboot.py) registers in its new generation
         self.link.start()
         budget = _knobs.get("TTP_RETRY_TIMES") * max(1.0, 2 * self.link.interval)
@@ -162,6 +167,12 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
             if self._next is not None:
                 raise RuntimeError("FORCE STOP: the controller stopped training on this rank")
 
+    def _check_force_stop(self) -> None:
+        """(main thread, under ``_cond``) Raise FORCE STOP when the clean action asked for it."""
+        if self._force:
+            self._force = False
+            raise RuntimeError("FORCE STOP: the controller stopped training on this rank (clean: a retry, or the end of the job)")
+
     def start_updating_os(self, backup_step: int = -1) -> None:
         self._fence(self.step + 1)
         self.backup_step = backup_step
@@ -210,7 +221,7 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         open until that reference goes; its peers then fail at the group's timeout, which the
         controller counts as secondary (policy.classify)."""
         ms = {}
-        self.remember_world()  # a default group made after tft_start_processor: rebuild needs its store
+        self.world.remember()  # a default group made after tft_start_processor: rebuild needs its store
         groups = device.all_groups()  # destroyed in parallel once the framework dropped its references
         try:  # nccl: communicator abort; hccl: stop_device; gloo: nothing (device.py)
             device.backend_for().stop()
@@ -474,13 +485,10 @@ class Processor(InPlaceActions, RebootActions, ElasticActions):
         "advance": _do_advance,
         "save": _do_save, "rename": _do_rename, "exit": _do_exit, "unhold": _do_unhold, "ping": _do_ping,
         "pause_query": _do_pause_query, "pause_at": _do_pause_at, "pause_resume": _do_pause_resume,
-        # inplace.py: retry (and the recoveries' clean, rebuild, repair, rollback)
-        "clean": InPlaceActions._do_clean, "rebuild": InPlaceActions._do_rebuild,
-        "repair": InPlaceActions._do_repair, "rollback": InPlaceActions._do_rollback,
-        "retry": InPlaceActions._do_retry,
-        # reboot.py: a replacement process
-        "prerepair": RebootActions._do_prerepair,
-        # elastic_rank.py: downgrade and upgrade
-        "zit_rebuild": ElasticActions._do_zit_rebuild, "zit_repair": ElasticActions._do_zit_repair,
-        "zit_rollback": ElasticActions._do_zit_rollback,
+        # inplace.py: retry (and the recoveries' clean, rebuild, repair, rollback, retry)
+        **inplace.ACTIONS,
+        # reboot.py: a replacement process (prerepair)
+        **reboot.ACTIONS,
+        # elastic_rank.py: downgrade and upgrade (zit_rebuild, zit_repair, zit_rollback)
+        **elastic_rank.ACTIONS,
     }

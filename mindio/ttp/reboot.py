@@ -17,7 +17,7 @@ Then, with no change to the training script beyond what MindIO already asks for:
    new world: the default group is created on ``PrefixStore("mindio/gen<g>/", base)`` where ``base``
    is the store of the survivors' first default group: ``<name>/`` over the store the script would
    have used (``default_pg`` over the env:// store, as torch does, or the store the script passes) --
-   exactly the store the survivors re-create their world on (inplace.remember_world). The
+   exactly the store the survivors re-create their world on (inplace.World.remember). The
    framework's normal init order then creates its subgroups, matching the survivors' rebuild handler.
    Once: later calls (mindio's own rebuilds of a later incident, inplace.py) pass through unchanged.
 2. ``tft_is_reboot_node()`` is true and ``tft_get_reboot_type()`` names the type: the script skips
@@ -25,7 +25,7 @@ Then, with no change to the training script beyond what MindIO already asks for:
 3. The processor registers carrying generation ``g`` (:func:`adopt`); a rank of an older generation is
    refused by the controller.
 4. The decorator parks the main thread before the first ``train()`` (:func:`should_park`); the
-   controller's ``prerepair`` action (:class:`RebootActions`) waits for that, then repair
+   controller's ``prerepair`` action (:func:`prerepair`) waits for that, then repair
    (RT_RECV_REPAIR), rollback and retry run as for the retry strategy (inplace.py).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import time
 from .. import _knobs
 
 __all__ = ["install", "is_reboot", "reboot_type", "reboot_gen", "await_switch", "adopt", "should_park",
-           "RebootActions"]
+           "ACTIONS", "prerepair"]
 
 _log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def install() -> None:
             store.set_timeout(t)
             store = dist.PrefixStore("default_pg", store)  # what torch adds for its own rendezvous
         # the survivors' base is their first default group's store: torch keys it by the group's name
-        # ("0" for the first group of a process), over the store above (inplace.remember_world)
+        # ("0" for the first group of a process), over the store above (inplace.World.remember)
         store = dist.PrefixStore(f"{group_name or '0'}/", store)
         state.base_store = store
         t0 = time.monotonic()
@@ -157,7 +157,7 @@ def adopt(proc) -> None:
     if not is_reboot():
         return
     if state.base_store is not None:
-        proc._base_store = state.base_store
+        proc.world.base_store = state.base_store
     proc.gen = reboot_gen()
     if proc.link is not None:
         proc.link.gen = proc.gen  # the REGISTER carries it: the controller refuses older generations
@@ -171,18 +171,19 @@ def should_park(proc) -> bool:
     return True
 
 
-class RebootActions:
-    """Mixed into the Processor: the actions only a replacement process receives."""
+def prerepair(p, timeout: float = 60.0) -> dict:
+    """(processor ``p``'s action) Wait until the main thread parked before train() (model and optimizer
+    built, groups made): the action only a replacement process receives."""
+    end = time.monotonic() + timeout
+    with p._cond:
+        while p._main != "parked" and time.monotonic() < end:
+            p._cond.wait(0.01)
+        main = p._main
+    if main != "parked":
+        raise TimeoutError(f"replacement rank {p.rank} did not reach train() within {timeout:.0f} s "
+                           f"(main thread {main})")
+    p.repair_type = "recover"
+    return {"gen": p.gen, "pid": os.getpid()}
 
-    def _do_prerepair(self, timeout: float = 60.0) -> dict:
-        """Wait until the main thread parked before train() (model and optimizer built, groups made)."""
-        end = time.monotonic() + timeout
-        with self._cond:
-            while self._main != "parked" and time.monotonic() < end:
-                self._cond.wait(0.01)
-            main = self._main
-        if main != "parked":
-            raise TimeoutError(f"replacement rank {self.rank} did not reach train() within {timeout:.0f} s "
-                               f"(main thread {main})")
-        self.repair_type = "recover"
-        return {"gen": self.gen, "pid": os.getpid()}
+
+ACTIONS = {"prerepair": prerepair}  # the processor's handler (Processor.ACTIONS takes it in)

@@ -32,7 +32,7 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
                           "job's world only when the controller scales out")
     if not 0 <= rank < world_size:
         raise ConfigError(f"start_standby: rank {rank} must be in [0, world_size={world_size})")
-    # the survivors rebuild on the store of their first default group (inplace.py remember_world): the
+    # the survivors rebuild on the store of their first default group (inplace.World.remember): the
     # env:// TCPStore under torch's prefixes "default_pg" and "<group name>/" (the first group is "0");
     # without a secret of its own (MINDIO_SECRET / _FILE), the one the controller's rank published there
     tcp = dist.TCPStore(master_addr, int(master_port), is_master=False, timeout=timedelta(seconds=60))
@@ -45,8 +45,8 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
     api.tft_init_processor(rank, world_size, False, enable_tls=enable_tls, tls_info=tls_info, enable_zit=True)
     proc = api._proc()
     proc.standby = True
-    proc._base_store = base
-    proc._pg_settings = {"backend": backend}
+    proc.world.base_store = base
+    proc.world.pg_settings = {"backend": backend}
     if register is not None:
         register()
     api.tft_start_processor(controller_ip, controller_port)

@@ -38,7 +38,7 @@ from .ranks import RankRecord as _Rank  # noqa: F401 (the old name, still import
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import Incident, IncidentFlow
-from .retry import Retry, RetryFlow
+from .retry import Retry, StopRound
 from .elastic_flow import Downgrade, ElasticFlow
 from .recover import RecoverFlow, Replace
 from .dump import Dump
@@ -55,7 +55,7 @@ __all__ = ["Controller"]
 _log = logging.getLogger(__name__)
 
 
-class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverFlow, ElasticFlow):
+class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RecoverFlow, ElasticFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     # The strategies an incident may run: {name: strategy.Strategy}. Each ``run(ctl, ctx)`` returns an
@@ -133,6 +133,8 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self._ctx: zmq.Context | None = None
         self._auth = None
         self.status_server = None  # status.py's server, when MINDIO_STATUS_PORT is set
+        self.gen = 0  # the generation of the job's process groups (a recovery's rebuild makes the next)
+        self.stop_round = StopRound(self)  # the stop round of every fault incident (retry.py)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
@@ -505,6 +507,13 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         --high-availability) and what its processors registered with (policy.strategies_of:
         enable_uce -> retry, enable_arf -> recover-in-place / recover, enable_zit -> elastic-training)."""
         return self.enabled | self._ranks_ask()
+
+    def uce_refused(self) -> list:
+        """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not
+        allow step retry (a processor that sent no flags allows it, as the reference default does)."""
+        with self._lock:
+            return sorted(r.rank for r in self.ranks.values()
+                          if r.alive and not r.features.get("uce", True))
 
     def _ranks_ask(self) -> set:
         with self._lock:

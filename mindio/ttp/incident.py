@@ -156,7 +156,7 @@ class IncidentFlow(PauseFlow):
         # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
         params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
-        replies = self._stop_all(live, params)  # retry.py: a rank blocked behind a fenced one is released
+        replies = self.stop_round.run(live, params)  # retry.py: a rank blocked behind a fenced one is released
         views = self._views(replies)
         stopped = all(r in replies and replies[r].ok for r in live)
         self._mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),

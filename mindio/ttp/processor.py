@@ -15,7 +15,7 @@ Actions (ACTION name -> what this rank does; every reply is cached by sn, a repe
              (parked in the decorator or blocked at the fence), or ``timeout``, or ``look`` s inside a
              collective; reply {step, data_status, main, in_collective, missing handlers}; with
              ``stop_clean`` (TTP_STOP_CLEAN_BEFORE_DUMP) a fenced rank runs stop+clean too.
-* ``teardown``, ``wait_quiet``, ``advance``: the rest of the stop round (retry.RetryFlow._stop_all): a
+* ``teardown``, ``wait_quiet``, ``advance``: the rest of the stop round (retry.StopRound): a
              fenced rank tears its groups down; wait for a running one; a rank held before an update
              every other holder of its shards made finishes it.
 * ``save``   run the save-ckpt callback ``func(step, save_info, args, ctx)``.
@@ -321,7 +321,7 @@ class Processor:
     def _do_stop(self, timeout: float = 60.0, stop_clean: bool = False, look: float | None = None) -> dict:
         """Hold the fence; reply once the main thread is quiet, or after ``timeout`` s, or -- with
         ``look`` -- as soon as it has been running that long and is inside a collective (blocked, most
-        likely waiting for a rank the fence holds: retry.RetryFlow._stop_all)."""
+        likely waiting for a rank the fence holds: retry.StopRound)."""
         with self._cond:
             self._hold = True
             self._cond.notify_all()
@@ -338,7 +338,7 @@ class Processor:
     def _do_teardown(self) -> dict:
         """(after ``stop``) A rank held at its fence releases its collectives (stop + clean callbacks,
         every group destroyed), its main thread staying at the fence: a peer that passed its own fence
-        and waits for this rank in a collective fails at once (retry.RetryFlow._stop_all)."""
+        and waits for this rank in a collective fails at once (retry.StopRound)."""
         if self._main == "fenced":
             self.teardown(is_uce=False)
         return self._stop_reply(self._main)
@@ -406,7 +406,7 @@ class Processor:
         """What the controller decides from: step, optimizer-state status, where the main thread is
         (and, running, whether inside a collective), and the recovery handlers this rank lacks."""
         reply = {"step": self.step, "data_status": int(self.data_status), "main": main}
-        if main == "running":  # where it runs: retry.RetryFlow._kill_stuck blames ranks outside a collective
+        if main == "running":  # where it runs: retry.StopRound._kill_stuck blames ranks outside a collective
             reply["in_collective"] = self._main_in_collective()
         missing = [name for name in IN_PLACE_CALLBACKS if name not in self.callbacks]
         if missing:  # retry / recover need them on every rank (policy.Incident.in_place_possible)

@@ -49,7 +49,7 @@ REPLACING = vocab.REPLACING
 
 
 class RecoverFlow:
-    """Mixed into the controller next to IncidentFlow and RetryFlow."""
+    """Mixed into the controller next to IncidentFlow."""
 
     replacer = None          # launcher side: replace(ranks, gen, strategy) / spares(ranks, strategy) -> bool
     recover_timeout = 60.0   # seconds for a replacement to join, build and park

@@ -3,7 +3,7 @@
 Chosen by incident.py when "retry" is enabled (HIGH_AVAILABILITY) and possible (policy: only RS_UCE /
 RS_HCCL_FAILED reports, no dead rank, every shard of a UCE rank has a usable replica at the lock step),
 and run only when every rank allows it (its processor registered with ``enable_uce=True``, the
-reference default; :meth:`RetryFlow.uce_refused`), else it fails at once and the next strategy runs.
+reference default; :meth:`Controller.uce_refused`), else it fails at once and the next strategy runs.
 Every rank is already stopped (fenced or parked) when this starts. Sequence, one action in flight,
 each bounded by TTP_NORMAL_ACTION_TIME_LIMIT (processor side: inplace.py):
 
@@ -38,7 +38,7 @@ from .sequence import Sequence
 from .states import Result
 from .strategy import Context, Outcome, Strategy
 
-__all__ = ["RetryFlow", "Retry", "uce_repair_type", "STOP_GRACE_S", "STOP_LOOK_S"]
+__all__ = ["StopRound", "Retry", "uce_repair_type", "STOP_GRACE_S", "STOP_LOOK_S"]
 
 _log = logging.getLogger(__name__)
 STOP_GRACE_S = 1.0  # a rank still running this long after the stop, while others are fenced, may be blocked
@@ -69,13 +69,14 @@ def _split(replies: dict) -> tuple[list, list]:
             sorted(r for r, m in mains.items() if m == "fenced"))
 
 
-class RetryFlow:
-    """Mixed into the controller next to IncidentFlow; uses its rank table, state machine, ``_call``,
-    ``enabled`` strategies and ``brain``."""
+class StopRound:
+    """The stop round of every fault incident (the controller's ``stop_round``; incident.py runs it):
+    uses the controller's action engine, rank table, views and liveness, and owns nothing else."""
 
-    gen = 0
+    def __init__(self, ctl):
+        self.ctl = ctl
 
-    def _stop_all(self, live: list, params: dict) -> dict:
+    def run(self, live: list, params: dict) -> dict:
         """The incident's stop round, never held up by the fence itself; each action sent once.
 
         A rank that passed its fence (``tft_start_updating_os``) just before the stop reached it can
@@ -101,15 +102,15 @@ class RetryFlow:
 
         {rank: Reply} (the latest reply of each rank)."""
         grace = min(params["timeout"], STOP_GRACE_S)
-        replies = self._call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace)), live,
-                             self.action_limit)
+        replies = self.ctl._call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace)), live,
+                             self.ctl.action_limit)
         if not params.get("stop_clean"):  # torn down at the stop (TTP_STOP_CLEAN_BEFORE_DUMP): held as they are
             self._advance(replies, grace)
         return self._release_running(replies, params)
 
     def _advance(self, replies: dict, grace: float) -> None:
-        """Step 2 of :meth:`_stop_all`; ``replies`` is updated."""
-        views = self._views(replies)  # incident.py
+        """Step 2 of :meth:`run`; ``replies`` is updated."""
+        views = self.ctl._views(replies)  # incident.py
         step, behind = policy.ranks_to_advance(views, [r for r, m in _mains(replies).items() if m == "fenced"])
         if not behind:
             return
@@ -118,29 +119,29 @@ class RetryFlow:
                      "made or started; letting them finish it%s", behind[:16], step,
                      f" (ranks {running[:16]} were running)" if running else "")
         _logging.event("advance", step=step, ranks=behind[:64], running=running[:64])
-        replies.update(self._call("advance", {"step": step, "timeout": grace}, behind, self.action_limit))
+        replies.update(self.ctl._call("advance", {"step": step, "timeout": grace}, behind, self.ctl.action_limit))
         if running:
-            replies.update(self._call("wait_quiet", {"timeout": grace}, running, self.action_limit))
+            replies.update(self.ctl._call("wait_quiet", {"timeout": grace}, running, self.ctl.action_limit))
 
     def _release_running(self, replies: dict, params: dict) -> dict:
-        """Steps 2 and 3 of :meth:`_stop_all` for the ranks ``replies`` says still run."""
+        """Steps 2 and 3 of :meth:`run` for the ranks ``replies`` says still run."""
         running, fenced = _split(replies)
         if running and fenced and not params.get("stop_clean"):
             _log.warning("stop: ranks %s still running after the stop while %s wait at the fence; tearing the "
                          "fenced ranks down so that a collective between them fails", running[:16], fenced[:16])
             _logging.event("stop_release_fenced", running=running[:64], fenced=fenced[:64])
-            replies.update(self._call("teardown", {}, fenced, self.action_limit))
+            replies.update(self.ctl._call("teardown", {}, fenced, self.ctl.action_limit))
             running, _ = _split(replies)
         if running:
             running = self._unblock(running, replies, params["timeout"])
         if running:
             running = self._kill_stuck(running, params, replies)
         if running:
-            replies.update(self._call("wait_quiet", {"timeout": params["timeout"]}, running, self.action_limit))
+            replies.update(self.ctl._call("wait_quiet", {"timeout": params["timeout"]}, running, self.ctl.action_limit))
         return replies
 
     def _unblock(self, running: list, replies: dict, timeout: float) -> list:
-        """Step 4 of :meth:`_stop_all`: ranks still running inside a collective once every other rank
+        """Step 4 of :meth:`run`: ranks still running inside a collective once every other rank
         stopped, while some rank is dead, wait for a peer that is gone without a reset (a silent host death, a partition) or for
         one blocked behind it; no teardown of ours reaches them. Each shuts its own collective
         connections down (processor ``unblock``, unblock.py) and parks; returns the ranks still running.
@@ -148,14 +149,14 @@ class RetryFlow:
         collective :data:`STOP_GRACE_S` after its shutdown was not released and answers then. The rank
         keeps its state: it may hold the only copy of a shard."""
         inside = [r for r in running if replies[r].detail.get("in_collective")]
-        with self._lock:
-            dead = sorted(r.rank for r in self.ranks.values() if not r.alive)
+        with self.ctl._lock:
+            dead = sorted(r.rank for r in self.ctl.ranks.values() if not r.alive)
         if not inside or not dead:  # every peer lives: the teardown of the stopped ones releases them
             return running
         _log.warning("stop: ranks %s still blocked in a collective (dead ranks %s); releasing them from their "
                      "collective connections", inside[:16], dead[:16])
         t0 = time.monotonic()
-        more = self._call("unblock", {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.action_limit)
+        more = self.ctl._call("unblock", {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.ctl.action_limit)
         replies.update(more)
         still = sorted(r for r in running if replies[r].ok and replies[r].detail.get("main") == "running")
         _logging.event("stop_unblocked", ranks=inside[:64], dead=dead[:64], still=still[:64],
@@ -175,19 +176,19 @@ class RetryFlow:
         usable copy are never killed (:meth:`_last_copies`): they are kept for the dump or the repair.
         Otherwise the running ranks get the full stop timeout."""
         window = _knobs.get("MINDIO_STOP_STUCK_S")
-        if window <= 0 or "recover-in-place" not in self.brain.enabled(self.job_strategies()):
+        if window <= 0 or "recover-in-place" not in self.ctl.brain.enabled(self.ctl.job_strategies()):
             return running
         if any(not rep.ok for r, rep in replies.items() if r not in running):
             return running  # some rank did not confirm its stop: nothing says the others are released
         for _ in range(len(running)):
-            more = self._call("wait_quiet", {"timeout": window}, running, self.action_limit)
+            more = self.ctl._call("wait_quiet", {"timeout": window}, running, self.ctl.action_limit)
             replies.update(more)
             still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == "running")
             outside = [r for r in still if not more[r].detail.get("in_collective")]
             victims = outside or still
-            with self._lock:
-                dead = {r.rank for r in self.ranks.values() if not r.alive}
-            if not still or not self.can_replace("recover-in-place", sorted(dead | set(victims))):
+            with self.ctl._lock:
+                dead = {r.rank for r in self.ctl.ranks.values() if not r.alive}
+            if not still or not self.ctl.can_replace("recover-in-place", sorted(dead | set(victims))):
                 return still
             last = self._last_copies(replies, dead, victims)
             if last:
@@ -201,8 +202,8 @@ class RetryFlow:
                        "outside a collective" if outside else "all inside a collective")
             _logging.event("stop_stuck_killed", ranks=victims[:64], window_s=window, in_collective=not outside)
             for rank in victims:
-                self._send(rank, P.Action("kill", {"reason": "still running after the stop"}))
-            self.declare_dead(victims, "stuck", log=False)  # watch.py
+                self.ctl._send(rank, P.Action("kill", {"reason": "still running after the stop"}))
+            self.ctl.declare_dead(victims, "stuck", log=False)  # watch.py
             running = [r for r in still if r not in victims]
             if not running:
                 return []
@@ -211,7 +212,7 @@ class RetryFlow:
     def _last_copies(self, replies: dict, dead: set, victims: list) -> list:
         """Those of ``victims`` whose death would leave some optimizer shard with no usable copy at the
         lock step (policy.select_dump_ranks), where one is left now: never kill the last copy."""
-        views = self._views(replies)  # incident.py
+        views = self.ctl._views(replies)  # incident.py
         lock = policy.choose_lock_step(views)
         if not policy.select_dump_ranks(views, lock).possible:
             return []  # nothing complete to keep: killing does not lose a shard that could be saved
@@ -223,13 +224,6 @@ class RetryFlow:
         return [r for r in victims  # the victims whose own survival would keep the plan whole
                 if policy.select_dump_ranks([v if v.rank != r else views[i] for i, v in enumerate(after)],
                                             lock).possible] or list(victims)
-
-    def uce_refused(self) -> list:
-        """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not
-        allow step retry (a processor that sent no flags allows it, as the reference default does)."""
-        with self._lock:
-            return sorted(r.rank for r in self.ranks.values()
-                          if r.alive and not r.features.get("uce", True))
 
 
 class Retry(Strategy):

@@ -116,9 +116,9 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
     collective fails), then ``wait_quiet`` with the full timeout to the running one. Each action is sent
     once (before: a ``stop`` every STOP_LOOK_S)."""
     from mindio.ttp import protocol as P
-    from mindio.ttp.retry import STOP_GRACE_S, STOP_LOOK_S, RetryFlow
+    from mindio.ttp.retry import STOP_GRACE_S, STOP_LOOK_S, StopRound
 
-    class Ctl(RetryFlow):
+    class Ctl:
         action_limit = 180.0
         brain = Brain()
 
@@ -144,21 +144,21 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
 
     stop = ("stop", {"timeout": STOP_GRACE_S, "look": STOP_LOOK_S, "stop_clean": False})
     ctl = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "parked"})
-    replies = ctl._stop_all([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
+    replies = StopRound(ctl).run([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
     assert ctl.calls == [stop + ([0, 1, 2, 3],), ("teardown", {}, [0]), ("wait_quiet", {"timeout": 90.0}, [2])]
     assert {r: rep.detail["main"] for r, rep in replies.items()} == {0: "fenced", 1: "parked", 2: "parked",
                                                                      3: "parked"}
     # running but nobody fenced (waiting for the faulty rank's teardown): it gets the full timeout
     waiting = Ctl({1: "parked", 2: "running"})
-    waiting._stop_all([1, 2], {"timeout": 90.0, "stop_clean": False})
+    StopRound(waiting).run([1, 2], {"timeout": 90.0, "stop_clean": False})
     assert waiting.calls == [stop + ([1, 2],), ("wait_quiet", {"timeout": 90.0}, [2])]
     quiet = Ctl({0: "fenced", 1: "parked"})  # nobody running: one call, nothing torn down
-    quiet._stop_all([0, 1], {"timeout": 90.0, "stop_clean": False})
+    StopRound(quiet).run([0, 1], {"timeout": 90.0, "stop_clean": False})
     assert quiet.calls == [stop + ([0, 1],)]
     # ranks 0 and 3 held before the update of step 6 that rank 2 made and is still gathering after (blocked
     # with rank 3): they finish it (the reference's prelock), rank 2 completes with them; nothing torn down
     behind = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "fenced"}, steps={0: 5, 3: 5})
-    replies = behind._stop_all([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
+    replies = StopRound(behind).run([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
     assert behind.calls == [stop + ([0, 1, 2, 3],), ("advance", {"step": 6, "timeout": STOP_GRACE_S}, [0, 3]),
                             ("wait_quiet", {"timeout": STOP_GRACE_S}, [2])]
     assert {r: (rep.detail["main"], rep.detail["step"]) for r, rep in replies.items()} == {

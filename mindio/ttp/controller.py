@@ -40,7 +40,7 @@ from .actions import ActionEngine
 from .incident import Incident, IncidentFlow
 from .retry import Retry, StopRound
 from .elastic_flow import Downgrade, ElasticFlow
-from .recover import RecoverFlow, Replace
+from .recover import Replace, Replacements
 from .dump import Dump
 from .hotswitch import HotSwitchFlow
 from .watch import LivenessWatch
@@ -55,7 +55,7 @@ __all__ = ["Controller"]
 _log = logging.getLogger(__name__)
 
 
-class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RecoverFlow, ElasticFlow):
+class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     # The strategies an incident may run: {name: strategy.Strategy}. Each ``run(ctl, ctx)`` returns an
@@ -127,14 +127,13 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RecoverFlow, Elasti
         self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
         self._starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged (watch.py)
         self._held_reports: list = []  # reports received while a passive backup (see _take_over)
-        self._replaced: dict[int, int] = {}  # rank -> generation a recovery replaced its process in (recover.py)
-        self._replacement_dead: set[int] = set()  # replacements that died during the recovery (recover.py)
         self._poller: zmq.Poller | None = None
         self._ctx: zmq.Context | None = None
         self._auth = None
         self.status_server = None  # status.py's server, when MINDIO_STATUS_PORT is set
         self.gen = 0  # the generation of the job's process groups (a recovery's rebuild makes the next)
         self.stop_round = StopRound(self)  # the stop round of every fault incident (retry.py)
+        self.replacements = Replacements(self)  # the launcher's replacer, replaced generations (recover.py)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
@@ -364,7 +363,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RecoverFlow, Elasti
                 self.drops.drop(SessionError(f"{env.type.name} for rank {env.rank}, which is not registered through "
                                              "this relay", "session"), origin=repr(ident))
                 return
-        if env.rank >= 0 and self.refuse_stale(env):  # a replaced rank's old process (recover.py)
+        if env.rank >= 0 and self.replacements.refuse_stale(env):  # a replaced rank's old process (recover.py)
             return
         if env.type is P.MsgType.HEARTBEAT:
             r = self.ranks.get(env.rank)
@@ -431,7 +430,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RecoverFlow, Elasti
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
         """A relay's heartbeats for many ranks: the same per-rank bookkeeping as HEARTBEAT, one ack."""
         b, get, seen, unknown = env.body, self.ranks.get, self._seen, []
-        replaced = self._replaced  # ranks replaced by a recovery (recover.py)
+        replaced = self.replacements.replaced  # ranks replaced by a recovery (recover.py)
         for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
             r = get(rank)
             if r is None or not r.registered or r.ident != ident:  # not (or no longer) through this relay
@@ -500,6 +499,15 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RecoverFlow, Elasti
             _log.info("every rank registered; the job's strategies: %s (asked for by the controller: %s, by "
                       "the ranks' tft_init_processor flags: %s)", sorted(self.brain.enabled(self.job_strategies())),
                       sorted(self.enabled), sorted(self._ranks_ask()))
+
+    # ------------------------------------------------------------------ the launcher's replacer (recover.py)
+    def attach_replacer(self, replacer, timeout: float | None = None) -> None:
+        """(launcher agent) Enable recover-in-place / recover / hot switch (recover.Replacements.attach)."""
+        self.replacements.attach(replacer, timeout)
+
+    def replacement_died(self, rank: int, why: str) -> None:
+        """(launcher, any thread) A replacement process exited (recover.Replacements.died)."""
+        self.replacements.died(rank, why)
 
     def job_strategies(self) -> set:
         """The strategies the job asked for, in any of the reference ways: the controller's list

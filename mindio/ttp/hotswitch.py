@@ -83,13 +83,13 @@ class HotSwitchFlow:
                 why = f"the job is in {self.sm.state.value}, not in NORMAL training"
             elif any(not (r in self.ranks and self.ranks[r].alive) for r in ranks):
                 why = f"ranks {ranks} are not all registered and alive"
-        if not why and not self.can_replace("hot switch", ranks):  # recover.py
+        if not why and not self.replacements.possible("hot switch", ranks):  # recover.py
             why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
-                   if self.replacer is None else f"the launcher cannot start backups for ranks {ranks}")
+                   if self.replacements.replacer is None else f"the launcher cannot start backups for ranks {ranks}")
         if why:
             _log.error("hot switch of ranks %s refused: %s", ranks[:16], why)
             return 1
-        early = bool(_knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacer, "prestart"))
+        early = bool(_knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacements.replacer, "prestart"))
         with self._lock:  # "stop switch" is accepted while the backups start too (early)
             self._switch_req = {"ranks": sorted(ranks), "waiting": early}
             self._chosen = None
@@ -107,7 +107,7 @@ class HotSwitchFlow:
 
     def _run_hot_switch(self, inc) -> bool:
         ranks, gen = self._switch_req["ranks"], self.gen + 1
-        if _knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacer, "prestart"):
+        if _knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacements.replacer, "prestart"):
             self._pending_backups = (ranks, gen)  # dismissed on every way out but a switch done (_dismiss)
             why = self._start_backups(inc, ranks, gen)
             if why:
@@ -151,18 +151,18 @@ class HotSwitchFlow:
         and wait until every one registered, while training goes on. '' when they did, else why not."""
         t0 = time.monotonic()
         try:
-            self.replacer.prestart(ranks, gen)
+            self.replacements.replacer.prestart(ranks, gen)
         except Exception as exc:
             _log.error("hot switch: starting backups for ranks %s failed: %s", ranks[:16], exc)
             return f"the backups could not be started ({exc})"
-        end = t0 + self.recover_timeout
+        end = t0 + self.replacements.timeout
         while True:
             if self._faulted(inc):
                 return "fault"
             with self._lock:
                 if self._chosen == "stop switch":
                     return "stop switch"
-            ready, dead = self.replacer.backups(ranks, gen)
+            ready, dead = self.replacements.replacer.backups(ranks, gen)
             if dead:
                 _log.error("hot switch: backups exited before they registered: %s", dead)
                 _logging.event("switch_backup_failed", ranks=sorted(dead), why=list(dead.values())[:4])
@@ -175,7 +175,7 @@ class HotSwitchFlow:
                 break
             if time.monotonic() > end or self._stop.wait(0.02):
                 _log.error("hot switch: backups of ranks %s did not register within %.0f s",
-                           sorted(set(ranks) - set(ready))[:16], self.recover_timeout)
+                           sorted(set(ranks) - set(ready))[:16], self.replacements.timeout)
                 return "the backups did not register in time"
         took = time.monotonic() - t0
         _log.warning("hot switch: backups of ranks %s registered %.3f s after their start (pids %s); training "
@@ -188,7 +188,7 @@ class HotSwitchFlow:
         pending, self._pending_backups = self._pending_backups, None
         if pending:
             try:
-                self.replacer.dismiss(*pending)
+                self.replacements.replacer.dismiss(*pending)
             except Exception:
                 _log.exception("hot switch: dismissing the backups failed (the agent stops them at the round's "
                                "end, else they leave at their deadline)")
@@ -256,7 +256,7 @@ class HotSwitchFlow:
             self._call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
             with self._cond:
                 for r in ranks:  # gone on purpose: dead for the recover sequence, never declared dead
-                    self._replaced[r] = self.gen + 1  # its last frames are refused, never re-registered
+                    self.replacements.replaced[r] = self.gen + 1  # its last frames are refused, never re-registered
                     self._seen.pop(r, None)
                     if self.ranks.pop(r, None) is not None:
                         self._registered -= 1

@@ -183,7 +183,7 @@ class IncidentFlow(PauseFlow):
         dead = frozenset(v.rank for v in views if not v.alive)
         lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
-                                   spare_available=self.can_replace("recover", dead),  # recover.py
+                                   spare_available=self.replacements.possible("recover", dead),
                                    in_place_possible=not lacking)
         enabled = self.brain.enabled(self.job_strategies()) | ({"dump"} if graceful else set())
         feasible = policy.feasible_strategies(enabled, incident)

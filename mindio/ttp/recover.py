@@ -3,7 +3,7 @@
 recover-in-place: a rank's process died; its launcher agent starts ONLY that rank again (a warm spare
 interpreter takes it). recover: a whole node (all ranks of one agent) is gone; a ``--standby`` agent
 takes the node's ranks. The survivors never restart. Both need a *replacer* -- the launcher agent that
-hosts this controller (mindio.launch.agent, :meth:`RecoverFlow.attach_replacer`); without one (plain
+hosts this controller (mindio.launch.agent, :meth:`Replacements.attach`); without one (plain
 torchrun) neither is feasible and the incident falls back to dump / exit as before.
 
 Every live rank is already stopped (parked in the decorator, released from gloo by the peer's death)
@@ -42,40 +42,47 @@ from .sequence import Sequence
 from .states import Result, State
 from .strategy import Context, Outcome, Strategy
 
-__all__ = ["RecoverFlow", "Replace", "REPLACING"]
+__all__ = ["Replacements", "Replace", "REPLACING"]
 
 _log = logging.getLogger(__name__)
 REPLACING = vocab.REPLACING
 
 
-class RecoverFlow:
-    """Mixed into the controller next to IncidentFlow."""
+class Replacements:
+    """The controller's side of process replacement (``Controller.replacements``): the launcher's
+    replacer, which ranks were replaced in which generation (their old processes' frames are refused),
+    the replacements that died during a recovery, and the wait for the new processes to register."""
 
-    replacer = None          # launcher side: replace(ranks, gen, strategy) / spares(ranks, strategy) -> bool
-    recover_timeout = 60.0   # seconds for a replacement to join, build and park
-    stale_refused = 0
+    def __init__(self, ctl):
+        self.ctl = ctl
+        self.replacer = None       # launcher side: replace(ranks, gen, strategy) / possible(ranks, strategy)
+        self.timeout = 60.0        # seconds for a replacement to join, build and park
+        self.stale_refused = 0
+        self.replaced: dict[int, int] = {}  # rank -> generation a recovery replaced its process in
+        self.dead: set[int] = set()         # replacements that died during the recovery in flight
 
-    def attach_replacer(self, replacer, timeout: float | None = None) -> None:
+    def attach(self, replacer, timeout: float | None = None) -> None:
         """(launcher agent) Enable recover-in-place / recover: ``replacer.replace(ranks, gen, strategy)``
         starts new processes for ``ranks``; ``replacer.possible(ranks, strategy)`` says if it can."""
         self.replacer = replacer
         if timeout:
-            self.recover_timeout = timeout
+            self.timeout = timeout
 
-    def replacement_died(self, rank: int, why: str) -> None:
+    def died(self, rank: int, why: str) -> None:
         """(launcher, any thread) The process started to replace ``rank`` exited: the recovery step in
         flight fails now instead of at its deadline (survivors waiting in the rebuild are cleaned)."""
-        self.declare_dead([rank], "agent", reason=why)
-        if self.sm.state not in (State.ENV_CLEAR, State.REPAIR):
+        ctl = self.ctl
+        ctl.declare_dead([rank], "agent", reason=why)
+        if ctl.sm.state not in (State.ENV_CLEAR, State.REPAIR):
             return  # no recovery in flight: an ordinary death (the incident above handles it)
         _log.error("replacement process of rank %d %s: the recovery fails", rank, why)
         _logging.event("replacement_died", dead_rank=rank, reason=why)
-        with self._cond:
-            self._replacement_dead.add(rank)
-            self.actions.fail_pending()
-            self._cond.notify_all()
+        with ctl._cond:
+            self.dead.add(rank)
+            ctl.actions.fail_pending()
+            ctl._cond.notify_all()
 
-    def can_replace(self, strategy: str, dead) -> bool:
+    def possible(self, strategy: str, dead) -> bool:
         if self.replacer is None or not dead:
             return False
         try:
@@ -84,14 +91,13 @@ class RecoverFlow:
             _log.exception("replacer.possible failed")
             return False
 
-    # ------------------------------------------------------------------ stale generations (I/O thread)
     def refuse_stale(self, env: P.Envelope) -> bool:
-        """True (drop the frame) when ``env`` comes from a rank whose process was replaced in a newer
-        generation than the one the frame carries: an old process must never rejoin or be answered."""
-        replaced = self._replaced
-        if not replaced:
+        """(I/O thread) True (drop the frame) when ``env`` comes from a rank whose process was replaced
+        in a newer generation than the one the frame carries: an old process must never rejoin or be
+        answered."""
+        if not self.replaced:
             return False
-        g = replaced.get(env.rank)
+        g = self.replaced.get(env.rank)
         if g is None or env.gen >= g:
             return False
         self.stale_refused += 1
@@ -103,24 +109,24 @@ class RecoverFlow:
                            replaced_gen=g, count=self.stale_refused)
         return True
 
-    # ------------------------------------------------------------------ the flow (driver thread)
-    def _wait_registered(self, ranks: list, gen: int, deadline: float) -> bool:
-        """Block until every rank in ``ranks`` registered in generation >= ``gen`` and is alive."""
-        with self._cond:
+    def wait_registered(self, ranks: list, gen: int, deadline: float) -> bool:
+        """(driver thread) Block until every rank in ``ranks`` registered in generation >= ``gen`` and is
+        alive."""
+        ctl = self.ctl
+        with ctl._cond:
             while True:
-                ok = [r for r in ranks if self.ranks.get(r) is not None and self.ranks[r].alive
-                      and self.ranks[r].gen >= gen]
+                ok = [r for r in ranks if ctl.ranks.get(r) is not None and ctl.ranks[r].alive
+                      and ctl.ranks[r].gen >= gen]
                 if len(ok) == len(ranks):
                     return True
                 now = time.monotonic()
-                if self._replacement_dead:
+                if self.dead:
                     return False
-                if now >= deadline or self._stop.is_set():
+                if now >= deadline or ctl._stop.is_set():
                     _log.error("recover: replacement rank(s) %s did not register in generation %d within "
-                               "%.0f s", sorted(set(ranks) - set(ok)), gen, self.recover_timeout)
+                               "%.0f s", sorted(set(ranks) - set(ok)), gen, self.timeout)
                     return False
-                self._cond.wait(min(0.05, deadline - now))
-
+                ctl._cond.wait(min(0.05, deadline - now))
 
 class Replace(Strategy):
     """recover-in-place / recover (module docstring): new processes for the dead ranks, from the
@@ -133,17 +139,17 @@ class Replace(Strategy):
         with ctl._lock:
             dead = sequence.dead(ctl.ranks)
         dead += sorted(set(range(ctl.world_size)) - set(ctl.ranks))
-        if not ctl.can_replace(self.name, dead):
+        if not ctl.replacements.possible(self.name, dead):
             why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
-                   if ctl.replacer is None else f"the launcher cannot replace ranks {dead[:16]} this way")
+                   if ctl.replacements.replacer is None else f"the launcher cannot replace ranks {dead[:16]} this way")
             _log.error("%s not possible: %s", self.name, why)
             return Outcome.FAILED
         return Outcome.RESUMED if self.steps(ctl, ctx.lock, ctx.views, ctx.t0) else self.fall_back(ctl, ctx)
 
     def steps(self, ctl, lock: int, views: list, t_incident: float) -> bool:
         """Run the sequence of the module docstring; True when every rank trains again."""
-        strategy = self.name
-        seq = Sequence(ctl, strategy, t_incident, label="recover", lost=lambda: ctl._replacement_dead)
+        strategy, rep = self.name, ctl.replacements
+        seq = Sequence(ctl, strategy, t_incident, label="recover", lost=lambda: rep.dead)
         ctl.sm.fire(Result.RECOVER, lock_step=lock, strategy=strategy)
         with ctl._lock:
             dead, survivors = sequence.dead(ctl.ranks), sequence.live(ctl.ranks)
@@ -167,20 +173,20 @@ class Replace(Strategy):
             return False
         ctl.gen += 1
         gen = ctl.gen
-        ctl._replacement_dead.clear()
+        rep.dead.clear()
         for r in dead:
-            ctl._replaced[r] = gen
+            rep.replaced[r] = gen
         try:
-            ctl.replacer.replace(dead, gen, strategy)
+            rep.replacer.replace(dead, gen, strategy)
         except Exception as exc:
             _log.error("recover: starting replacement(s) for %s failed: %s", dead, exc)
             return seq.abandon(survivors, "replace")
         seq.mark("replace")
-        deadline = time.monotonic() + ctl.recover_timeout
-        if not seq.step("rebuild", {"gen": gen, "fault_ranks": dead}, survivors, timeout=ctl.recover_timeout,
+        deadline = time.monotonic() + rep.timeout
+        if not seq.step("rebuild", {"gen": gen, "fault_ranks": dead}, survivors, timeout=rep.timeout,
                         watch=survivors, abandon=survivors):
             return False
-        if not ctl._wait_registered(dead, gen, deadline):
+        if not rep.wait_registered(dead, gen, deadline):
             return seq.abandon(survivors, "register")
         everyone = sorted(survivors + dead)
         if not seq.step("prerepair", {"timeout": max(1.0, deadline - time.monotonic())}, dead,

@@ -188,7 +188,7 @@ class StopRound:
             victims = outside or still
             with self.ctl._lock:
                 dead = {r.rank for r in self.ctl.ranks.values() if not r.alive}
-            if not still or not self.ctl.can_replace("recover-in-place", sorted(dead | set(victims))):
+            if not still or not self.ctl.replacements.possible("recover-in-place", sorted(dead | set(victims))):
                 return still
             last = self._last_copies(replies, dead, victims)
             if last:

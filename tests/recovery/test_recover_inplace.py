@@ -186,14 +186,15 @@ def test_stale_generation_is_refused():
             return True
 
     ctl.attach_replacer(Replacer())
-    ctl._replaced[1] = 2  # rank 1 was replaced in generation 2
+    rep = ctl.replacements
+    rep.replaced[1] = 2  # rank 1 was replaced in generation 2
     old = P.Envelope(P.MsgType.HEARTBEAT, P.Heartbeat(step=3, data_status=0), rank=1, gen=1)
     new = P.Envelope(P.MsgType.HEARTBEAT, P.Heartbeat(step=3, data_status=0), rank=1, gen=2)
     other = P.Envelope(P.MsgType.HEARTBEAT, P.Heartbeat(step=3, data_status=0), rank=2, gen=0)
-    assert ctl.refuse_stale(old) and ctl.stale_refused == 1
-    assert not ctl.refuse_stale(new) and not ctl.refuse_stale(other)
+    assert rep.refuse_stale(old) and rep.stale_refused == 1
+    assert not rep.refuse_stale(new) and not rep.refuse_stale(other)
     reg = P.Envelope(P.MsgType.REGISTER, P.Register(world_size=4, pid=1, host="h"), rank=1, gen=0)
-    assert ctl.refuse_stale(reg) and ctl.stale_refused == 2
+    assert rep.refuse_stale(reg) and rep.stale_refused == 2
 
 
 def test_replacement_process_fires_no_drill_without_a_shared_dir(tmp_path):

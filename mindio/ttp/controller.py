@@ -22,7 +22,6 @@ go) changes only through such a REGISTER. With CURVE, a ZAP handler lets in only
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import queue
 import threading
@@ -43,8 +42,7 @@ from .elastic_flow import Downgrade, ElasticFlow
 from .recover import Replace, Replacements
 from .dump import Dump
 from .hotswitch import HotSwitchFlow
-from .watch import LivenessWatch
-from .pidprobe import PidProbe
+from .watch import Liveness
 from ..errors import SessionError
 from . import shutdown
 from .session import Sessions
@@ -55,7 +53,7 @@ __all__ = ["Controller"]
 _log = logging.getLogger(__name__)
 
 
-class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
+class Controller(HotSwitchFlow, IncidentFlow, ElasticFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     # The strategies an incident may run: {name: strategy.Strategy}. Each ``run(ctl, ctx)`` returns an
@@ -116,16 +114,11 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
         self._ack_body: bytes = b""
         self._registered = 0
         self._drained_at = time.monotonic()
-        self._lagging = False
         self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval,
                                     backlog=lambda: time.monotonic() - self._drained_at > 0.5)
         self._call = self.actions.call
-        # live ranks, least recently heard first: a heartbeat moves its rank to the end, so the sweep
-        # looks only at the front (O(expired) per sweep instead of O(world))
-        self._seen: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ack_version: tuple = ()
-        self._probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
-        self._starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged (watch.py)
+        self.liveness = Liveness(self)  # dead, starved and hung ranks; the pid probe (watch.py)
         self._held_reports: list = []  # reports received while a passive backup (see _take_over)
         self._poller: zmq.Poller | None = None
         self._ctx: zmq.Context | None = None
@@ -283,13 +276,13 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
         poller.register(self._waker.rfd, zmq.POLLIN)
         period = min(0.1, self.interval / 4)
         next_sweep = next_hang = last_turn = time.monotonic()
-        probe = self._probe
+        probe, liveness = self.liveness.probe, self.liveness
         while not self._stop.is_set():
             wake_at = probe.next_due() or next_sweep
             events = dict(poller.poll(max(0.0, min(next_sweep, wake_at) - time.monotonic()) * 1000))
             now = time.monotonic()
             if now - last_turn > period + self.interval:
-                self._stalled(now - last_turn - period)
+                liveness.stalled(now - last_turn - period)
             last_turn = now
             if self._waker.rfd in events:
                 self._waker.drain()
@@ -322,7 +315,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
                         self.declare_dead([rank], "pid", pid=pid)
             if now >= next_sweep:
                 next_sweep = now + period
-                self._sweep(now, check_hang=now >= next_hang)
+                liveness.sweep(now, check_hang=now >= next_hang)
                 if now >= next_hang:
                     next_hang = now + self.interval
         probe.close(poller)
@@ -370,8 +363,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
             if r is not None and r.registered:
                 r.last_seen, r.step, r.data_status = now, body.step, body.data_status
                 if r.alive:
-                    self._seen[env.rank] = None
-                    self._seen.move_to_end(env.rank)
+                    self.liveness.touch(env.rank)
                 r.in_collective, r.progress_age = body.in_collective, body.progress_age
             state = "UNKNOWN" if (r is None or not r.registered or r.ident != ident) and env.rank >= 0 \
                 else self.sm.state.value
@@ -390,8 +382,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
                 state = self._secondary(env.rank, state, body.message)
                 r.last_seen, r.step = now, body.step
                 if r.alive:
-                    self._seen[env.rank] = None
-                    self._seen.move_to_end(env.rank)
+                    self.liveness.touch(env.rank)
                 if policy.is_primary(state):
                     r.faulty = True
                 if not self.active:  # a passive backup: acted on if it takes over (the rank reports once)
@@ -411,9 +402,9 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
                 self._cond.notify_all()
         elif env.type is P.MsgType.REPLY:
             r = self.ranks.get(env.rank)
-            if r is not None and r.alive and env.rank in self._seen:  # any frame proves life, not only a beat
+            if r is not None and r.alive and env.rank in self.liveness.seen:  # any frame proves life, not only a beat
                 r.last_seen = now
-                self._seen.move_to_end(env.rank)
+                self.liveness.seen.move_to_end(env.rank)
             self.actions.on_reply(env.rank, env.sn, body)
         elif env.type is P.MsgType.REQUEST and env.rank in self.ranks:
             if env.body.name == "dump":
@@ -429,7 +420,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
 
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
         """A relay's heartbeats for many ranks: the same per-rank bookkeeping as HEARTBEAT, one ack."""
-        b, get, seen, unknown = env.body, self.ranks.get, self._seen, []
+        b, get, seen, unknown = env.body, self.ranks.get, self.liveness.seen, []
         replaced = self.replacements.replaced  # ranks replaced by a recovery (recover.py)
         for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
             r = get(rank)
@@ -484,12 +475,11 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
                 r.faulty = old is not None and old.faulty
                 r.features = dict(body.features)
                 self.ranks[rank] = r
-                self._seen[rank] = None
-                self._seen.move_to_end(rank)
+                self.liveness.touch(rank)
                 if old is None or not old.registered:
                     self._registered += 1  # a counter, not a scan: 100k registrations stay O(n)
             if self._poller is not None:
-                self._probe.watch(rank, body.pid, body.pidns, self._poller)
+                self.liveness.probe.watch(rank, body.pid, body.pidns, self._poller)
         self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
                                                                          backups=list(self.backups)),
                                    rank=rank), ident)
@@ -508,6 +498,15 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
     def replacement_died(self, rank: int, why: str) -> None:
         """(launcher, any thread) A replacement process exited (recover.Replacements.died)."""
         self.replacements.died(rank, why)
+
+    # ------------------------------------------------------------------ liveness (watch.py)
+    def declare_dead(self, ranks, cause: str, log: bool = True, **detail) -> list[int]:
+        """(any thread) Ranks ``ranks`` are dead because of ``cause`` (watch.Liveness.declare_dead)."""
+        return self.liveness.declare_dead(ranks, cause, log=log, **detail)
+
+    def heard(self, ranks, within: float) -> list[int]:
+        """(any thread) Those of ``ranks`` heard from in the last ``within`` s (watch.Liveness.heard)."""
+        return self.liveness.heard(ranks, within)
 
     def job_strategies(self) -> set:
         """The strategies the job asked for, in any of the reference ways: the controller's list
@@ -535,7 +534,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, ElasticFlow):
             for rank in range(self.world_size):  # ranks that never come are declared dead by the sweep
                 if rank not in self.ranks:
                     self.ranks[rank] = _Rank(rank, b"", last_seen=now, registered=False)  # no route yet
-                    self._seen[rank] = None
+                    self.liveness.seen[rank] = None
             self.active = True
             held, self._held_reports = self._held_reports, []
             dead = [r.rank for r in self.ranks.values() if r.registered and not r.alive]

@@ -117,7 +117,7 @@ class ElasticFlow:
                 self._gone = {}
             for r in removed:
                 old = self.ranks.pop(r, None)
-                self._seen.pop(r, None)
+                self.liveness.seen.pop(r, None)
                 if old is not None:
                     self._gone[r] = (old.host, old.pid)
                     if old.registered:
@@ -210,7 +210,7 @@ class ElasticFlow:
             for r in new:
                 ident, pid, host, _t = self._standbys.pop(r)
                 self.ranks[r] = RankRecord(r, ident, pid, host, time.monotonic(), step=0)
-                self._seen[r] = None
+                self.liveness.seen[r] = None
                 self._registered += 1
             full = sorted(set(survivors) | set(new))
             self.members = None if full == list(range(self.world_size)) else full

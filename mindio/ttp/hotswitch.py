@@ -257,7 +257,7 @@ class HotSwitchFlow:
             with self._cond:
                 for r in ranks:  # gone on purpose: dead for the recover sequence, never declared dead
                     self.replacements.replaced[r] = self.gen + 1  # its last frames are refused, never re-registered
-                    self._seen.pop(r, None)
+                    self.liveness.seen.pop(r, None)
                     if self.ranks.pop(r, None) is not None:
                         self._registered -= 1
                 self._cond.notify_all()

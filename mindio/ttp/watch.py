@@ -1,8 +1,8 @@
-"""How the controller finds dead and hung ranks (a mixin of :class:`~mindio.ttp.controller.Controller`).
+"""How the controller finds dead and hung ranks (:class:`Liveness`, the controller's ``liveness``).
 
 A rank is declared dead when it has been silent for ``misses * interval`` s of time the controller
-could observe (``_sweep`` on the I/O thread; time in which that thread did not run -- its process
-stopped or starved -- is not counted, ``_stalled``, and nothing is declared while its own inbound queue
+could observe (``sweep`` on the I/O thread; time in which that thread did not run -- its process
+stopped or starved -- is not counted, ``stalled``, and nothing is declared while its own inbound queue
 is behind), or at once when another detector reports it (``declare_dead``: the same-host pid probe,
 the launcher agent, a lost node). A silent rank whose process runs on this host and is alive and not
 stopped is starved of CPU, not dead: it gets up to ``MINDIO_HANG_TIMEOUT`` s (``_starved``), then is
@@ -13,21 +13,42 @@ before it declares a lost node's ranks dead).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
 from .. import _logging
 from . import policy
 from . import protocol as P
+from .pidprobe import PidProbe
 from .states import State
 
-__all__ = ["LivenessWatch"]
+__all__ = ["Liveness"]
 
 _log = logging.getLogger("mindio.ttp.controller")
 
 
-class LivenessWatch:
-    def _stalled(self, gap: float) -> None:
+class Liveness:
+    """The controller's liveness watch (``Controller.liveness``; module docstring). It owns the order in
+    which ranks were last heard (``seen``), the same-host pid probe, and what it logged of starved
+    ranks; it reads the rank table and opens incidents through the controller."""
+
+    def __init__(self, ctl):
+        self.ctl = ctl
+        # live ranks, least recently heard first: a frame moves its rank to the end, so the sweep looks
+        # only at the front (O(expired) per sweep instead of O(world))
+        self.seen: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
+        self.starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged
+        self.lagging = False  # the controller's inbound queue is behind: no death declared meanwhile
+
+    def touch(self, rank: int) -> None:
+        """(I/O thread) A frame of live ``rank`` arrived: it goes to the end of the order."""
+        seen = self.seen
+        seen[rank] = None
+        seen.move_to_end(rank)
+
+    def stalled(self, gap: float) -> None:
         """(I/O thread) This thread did not run for ``gap`` s (its process stopped or starved: a loop
         turn takes at most ``period``). Silence we could not observe is not a rank's fault: every rank's
         clock moves on by ``gap``, so each gets its full ``misses * interval`` after we resume (frames
@@ -35,58 +56,58 @@ class LivenessWatch:
         _log.warning("controller I/O thread did not run for %.1f s (process stalled?); heartbeat silence in "
                      "that time is not counted", gap)
         _logging.event("controller_stalled", stall_s=round(gap, 3))
-        for r in list(self.ranks.values()):
+        for r in list(self.ctl.ranks.values()):
             r.last_seen += gap
 
-    def _sweep(self, now: float, check_hang: bool) -> None:
-        if not self.active:
-            link = self._primary_link
-            n = self._registered
-            if link is not None and link.failovers and not link.registered.is_set() and 2 * n > self.world_size:
-                self._take_over(now, n)
+    def sweep(self, now: float, check_hang: bool) -> None:
+        if not self.ctl.active:
+            link = self.ctl._primary_link
+            n = self.ctl._registered
+            if link is not None and link.failovers and not link.registered.is_set() and 2 * n > self.ctl.world_size:
+                self.ctl._take_over(now, n)
             return
-        limit = self.misses * self.interval
-        if now - self._drained_at > self.interval:
+        limit = self.ctl.misses * self.ctl.interval
+        if now - self.ctl._drained_at > self.ctl.interval:
             # our own inbound queue is behind: the missing heartbeats may be sitting in it. Never blame
             # ranks for the controller's backlog; declare deaths once we have caught up.
-            if not self._lagging:
+            if not self.lagging:
                 _log.warning("controller is %.1f s behind its inbound queue; liveness checks paused",
-                             now - self._drained_at)
-            self._lagging = True
+                             now - self.ctl._drained_at)
+            self.lagging = True
             return
-        self._lagging = False
+        self.lagging = False
         dead, starved = [], []
-        while self._seen:
-            r = self.ranks[next(iter(self._seen))]
+        while self.seen:
+            r = self.ctl.ranks[next(iter(self.seen))]
             if r.alive and now - r.last_seen <= limit:
                 break
-            self._seen.popitem(last=False)
+            self.seen.popitem(last=False)
             if r.alive and self._starved(r, now):
                 starved.append(r.rank)
             elif r.alive:
                 dead.append(r)
         for rank in starved:  # looked at again once the ranks that beat meanwhile are behind it
-            self._seen[rank] = None
+            self.seen[rank] = None
         if dead:  # one log line for a mass death (a lost node or switch), one event per rank
-            _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.misses,
+            _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.ctl.misses,
                        now - dead[0].last_seen, [r.rank for r in dead[:16]], " ..." if len(dead) > 16 else "")
             self.declare_dead([r.rank for r in dead], "heartbeat", log=False,
                               silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
-        if check_hang and self.hang_timeout > 0 and self.sm.state is State.NORMAL:
+        if check_hang and self.ctl.hang_timeout > 0 and self.ctl.sm.state is State.NORMAL:
             # the progress clock restarts when the state (re)enters NORMAL: a rank paused by a recovery,
             # or whose last beat still carries the age from before it, is not hung
-            normal_for = now - self.sm.since
+            normal_for = now - self.ctl.sm.since
             views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
-                      r.in_collective, r.step) for r in self.ranks.values() if r.alive]
-            for rank in policy.find_hung_ranks(views, self.hang_timeout):
+                      r.in_collective, r.step) for r in self.ctl.ranks.values() if r.alive]
+            for rank in policy.find_hung_ranks(views, self.ctl.hang_timeout):
                 _log.error("rank %d hung (no progress for %.0f s outside a collective): ordering SIGKILL",
-                           rank, self.hang_timeout)
+                           rank, self.ctl.hang_timeout)
                 _logging.event("rank_hung", hung_rank=rank)
-                self._send(rank, P.Action("kill", {"reason": "hung"}))
-                with self._cond:
-                    self.ranks[rank].alive = False
-                    self.ranks[rank].faulty = True
-                self._open_incident(rank, None)
+                self.ctl._send(rank, P.Action("kill", {"reason": "hung"}))
+                with self.ctl._cond:
+                    self.ctl.ranks[rank].alive = False
+                    self.ctl.ranks[rank].faulty = True
+                self.ctl._open_incident(rank, None)
 
     def _starved(self, r, now: float) -> bool:
         """Is silent rank ``r`` only starved of CPU? Its process runs on this host and is alive and not
@@ -94,19 +115,19 @@ class LivenessWatch:
         (0: no such grace). Past that it is SIGKILLed through its pidfd (a process whose link thread
         cannot run for that long is hung) and declared dead by the caller."""
         silent = now - r.last_seen
-        pid = self._probe.runnable(r.rank) if self.hang_timeout > 0 else 0
+        pid = self.probe.runnable(r.rank) if self.ctl.hang_timeout > 0 else 0
         if not pid:
             return False
-        if silent < self.hang_timeout:
-            if self._starved_logged.get(r.rank) != r.last_seen:
-                self._starved_logged[r.rank] = r.last_seen
+        if silent < self.ctl.hang_timeout:
+            if self.starved_logged.get(r.rank) != r.last_seen:
+                self.starved_logged[r.rank] = r.last_seen
                 _log.warning("rank %d silent for %.1f s, but its process %d on this host is alive and not stopped: "
                              "starved of CPU, not dead (hung after MINDIO_HANG_TIMEOUT=%.0f s)", r.rank, silent,
-                             pid, self.hang_timeout)
+                             pid, self.ctl.hang_timeout)
                 _logging.event("rank_starved", starved_rank=r.rank, pid=pid, silent_s=round(silent, 3))
             return True
         _log.error("rank %d silent for %.0f s with its process %d alive: hung; SIGKILL", r.rank, silent, pid)
-        self._probe.kill(r.rank)
+        self.probe.kill(r.rank)
         return False
 
     def declare_dead(self, ranks, cause: str, log: bool = True, **detail) -> list[int]:
@@ -116,15 +137,15 @@ class LivenessWatch:
         ``rank_dead`` event per rank and opens (or joins) the incident. Returns the ranks newly declared;
         ranks already dead or unknown are ignored, so several detectors may report the same death."""
         newly = []
-        with self._cond:
+        with self.ctl._cond:
             for rank in ranks:
-                r = self.ranks.get(rank)
+                r = self.ctl.ranks.get(rank)
                 if r is not None and r.alive:
                     r.alive, r.faulty = False, True
                     newly.append(rank)
             if newly:
-                self._cond.notify_all()
-        if newly and self.sm.state in (State.EXIT, State.FINAL):
+                self.ctl._cond.notify_all()
+        if newly and self.ctl.sm.state in (State.EXIT, State.FINAL):
             # the controller ordered every rank to exit: a process ending now carries that order out (no
             # fault, no incident); marked dead above only so that no action waits for its reply
             _log.info("rank(s) %s gone after the exit order (%s)", newly[:16], cause)
@@ -136,13 +157,13 @@ class LivenessWatch:
         for rank in newly:
             _logging.event("rank_dead", dead_rank=rank, cause=cause, **common,
                            **{k: v[rank] for k, v in per_rank.items() if rank in v})
-            self._open_incident(rank, None)
+            self.ctl._open_incident(rank, None)
         return newly
 
     def heard(self, ranks, within: float) -> list[int]:
         """(any thread) Those of ``ranks`` that are alive, registered, and sent a frame in the last ``within``
-        seconds (of this controller's observed time: see :meth:`_stalled`)."""
+        seconds (of this controller's observed time: see :meth:`stalled`)."""
         now = time.monotonic()
-        with self._lock:
-            return [r for r in ranks if (x := self.ranks.get(r)) is not None and x.alive and x.registered
+        with self.ctl._lock:
+            return [r for r in ranks if (x := self.ctl.ranks.get(r)) is not None and x.alive and x.registered
                     and now - x.last_seen <= within]

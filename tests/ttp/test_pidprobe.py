@@ -88,7 +88,7 @@ def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch
     # 1 s heartbeats, 3 misses: the heartbeat path alone would need > 3 s
     with _job(tmp_path, monkeypatch, CHILD, interval=1.0, hang_timeout=0) as (ctl, kids, go, events):
         assert _until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"  # imports, loaded host
-        assert ctl._probe.watched == 2  # both processes share this host and pid namespace
+        assert ctl.liveness.probe.watched == 2  # both processes share this host and pid namespace
         open(go, "w").close()
         assert kids[1].wait(30) == 0  # rank 1: BYE, then a normal exit
         time.sleep(0.5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 from mindio.ttp import protocol as P
 from mindio.ttp._enums import EXIT_CODE_FAULT, OsStatus
@@ -41,7 +42,8 @@ class Ctl(ElasticFlow):
         self._upgrade_due, self._incident, self._incident_evt = True, None, threading.Event()
         self._lock, self._cond = threading.Lock(), threading.Condition()
         self.ranks = {r: _Rank(r, b"id%d" % r, step=28) for r in (0, 1)}  # the survivors
-        self._seen, self._registered, self.sm, self.mindx = {}, 2, _SM(), {}
+        self.liveness = types.SimpleNamespace(seen={})
+        self._registered, self.sm, self.mindx = 2, _SM(), {}
 
     def _call(self, name, params, ranks, timeout, fail_fast=False):
         self.calls.append((name, sorted(ranks)))

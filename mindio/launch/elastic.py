@@ -46,7 +46,7 @@ def enabled(cfg) -> bool:
 def removed_ranks(agent: WorkerView, rnd: int) -> frozenset:
     """(agent main loop) The ranks the controller's downgrades removed, as node 0 published them."""
     if agent.hosted is not None:
-        return frozenset(agent.hosted.ctl.removed)
+        return frozenset(agent.hosted.ctl.elastic.removed)
     key = f"round/{rnd}/removed"
     if not agent.store.check([key]):
         return frozenset()
@@ -62,7 +62,7 @@ def offer_vacant(agent: WorkerView, rnd: int) -> None:
     """(node 0's main loop, every tick) Publish the removed ranks; offer every lost node whose ranks
     were all removed to a standby agent (the takeover key of recover, kind "elastic")."""
     hosted, store, n = agent.hosted, agent.store, agent.cfg.nproc_per_node
-    removed = tuple(sorted(hosted.ctl.removed))
+    removed = tuple(sorted(hosted.ctl.elastic.removed))
     if removed != agent.removed_published:
         store.set(f"round/{rnd}/removed", json.dumps(list(removed)))
         agent.removed_published = removed

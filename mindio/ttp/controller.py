@@ -38,7 +38,7 @@ from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import Incident, IncidentFlow
 from .retry import Retry, StopRound
-from .elastic_flow import Downgrade, ElasticFlow
+from .elastic_flow import Downgrade, Elastic
 from .recover import Replace, Replacements
 from .dump import Dump
 from .hotswitch import HotSwitchFlow
@@ -53,7 +53,7 @@ __all__ = ["Controller"]
 _log = logging.getLogger(__name__)
 
 
-class Controller(HotSwitchFlow, IncidentFlow, ElasticFlow):
+class Controller(HotSwitchFlow, IncidentFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     # The strategies an incident may run: {name: strategy.Strategy}. Each ``run(ctl, ctx)`` returns an
@@ -127,6 +127,7 @@ class Controller(HotSwitchFlow, IncidentFlow, ElasticFlow):
         self.gen = 0  # the generation of the job's process groups (a recovery's rebuild makes the next)
         self.stop_round = StopRound(self)  # the stop round of every fault incident (retry.py)
         self.replacements = Replacements(self)  # the launcher's replacer, replaced generations (recover.py)
+        self.elastic = Elastic(self)  # the current world's members, removed ranks, standbys, upgrade (elastic_flow.py)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
@@ -458,8 +459,8 @@ class Controller(HotSwitchFlow, IncidentFlow, ElasticFlow):
             if body.addr and body.addr != self.address and body.addr not in self.backups and len(self.backups) < 2:
                 self.backups.append(body.addr)
                 _log.info("backup controller %s announced", body.addr)
-        elif rank in self.removed and body.world_size == self.world_size:
-            self._on_standby(ident, rank, body, now)  # elastic.py: a standby offers a removed rank back
+        elif rank in self.elastic.removed and body.world_size == self.world_size:
+            self.elastic.on_standby(ident, rank, body, now)  # a standby offers a removed rank back
             return
         elif not 0 <= rank < self.world_size or body.world_size != self.world_size:
             _log.error("refused registration of rank %d with world size %d (job: %d)", rank, body.world_size,

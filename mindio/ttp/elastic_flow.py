@@ -52,7 +52,7 @@ from .sequence import Sequence
 from .states import Result, State
 from .strategy import Context, Outcome, Strategy
 
-__all__ = ["ElasticFlow", "Downgrade", "plan_downgrade", "UPGRADE_STOP_TRIES", "EXIT_CODE_REMOVED"]
+__all__ = ["Elastic", "Downgrade", "plan_downgrade", "UPGRADE_STOP_TRIES", "EXIT_CODE_REMOVED"]
 
 _log = logging.getLogger("mindio.ttp.elastic")  # the name it always logged under
 UPGRADE_STOP_TRIES = 3   # stops before an upgrade gives up on survivors caught at different points
@@ -92,100 +92,100 @@ def plan_downgrade(replicas: dict, members, faulty) -> tuple[list, list, list]:
     return survivors, sorted(removed), sorted(new_groups)
 
 
-class ElasticFlow:
-    """Controller side; mixed into :class:`mindio.ttp.controller.Controller`."""
+class Elastic:
+    """The controller's elastic-training state and flows (``Controller.elastic``): the current world's
+    members, the removed ranks and their standbys, the layout before the first downgrade, and the
+    upgrade. The downgrade itself is the :class:`Downgrade` strategy."""
 
-    members: list | None = None     # the ranks of the current torch world (sorted); None: all of them
-    removed: tuple = ()             # ranks a downgrade took out of the world
-    _standbys: dict | None = None   # removed rank -> (ident, pid, host, registered at)
-    _layout: dict | None = None     # rank -> replica list before the first downgrade (for the upgrade)
-    _gone: dict | None = None       # removed rank -> (host, pid) of its old process (never a standby)
-    _upgrade_due = False
+    def __init__(self, ctl):
+        self.ctl = ctl
+        self.members: list | None = None     # the ranks of the current torch world (sorted); None: all of them
+        self.removed: tuple = ()             # ranks a downgrade took out of the world
+        self.standbys: dict = {}             # removed rank -> (ident, pid, host, registered at)
+        self.layout: dict | None = None      # rank -> replica list before the first downgrade (for the upgrade)
+        self.gone: dict = {}                 # removed rank -> (host, pid) of its old process (never a standby)
+        self.upgrade_wanted = False
 
     def job_ranks(self) -> list:
         """The ranks of the current world (every rank unless a downgrade removed some)."""
-        return list(range(self.world_size)) if self.members is None else list(self.members)
+        return list(range(self.ctl.world_size)) if self.members is None else list(self.members)
 
     def remove_ranks(self, removed: list, survivors: list, replicas: dict) -> None:
         """(driver thread, a downgrade) ``removed`` leave the rank table (removed, not dead); the world is
         ``survivors`` now; the layout before the first downgrade is kept for the upgrade."""
         members = self.job_ranks()
-        with self._cond:
-            if self._layout is None:
-                self._layout = {r: replicas[r] for r in members if r in replicas}
-            if self._gone is None:
-                self._gone = {}
+        with self.ctl._cond:
+            if self.layout is None:
+                self.layout = {r: replicas[r] for r in members if r in replicas}
             for r in removed:
-                old = self.ranks.pop(r, None)
-                self.liveness.seen.pop(r, None)
+                old = self.ctl.ranks.pop(r, None)
+                self.ctl.liveness.seen.pop(r, None)
                 if old is not None:
-                    self._gone[r] = (old.host, old.pid)
+                    self.gone[r] = (old.host, old.pid)
                     if old.registered:
-                        self._registered -= 1
+                        self.ctl._registered -= 1
             self.members, self.removed = survivors, tuple(sorted(set(self.removed) | set(removed)))
-            self._cond.notify_all()
+            self.ctl._cond.notify_all()
 
     def standbys_waiting(self) -> None:
         """After a downgrade: standbys already registered for every removed rank -> upgrade now."""
-        if set(self.removed) <= set(self._standbys or {}):
-            self._upgrade_due = True   # standbys were already waiting
-            self._incident_evt.set()
+        if set(self.removed) <= set(self.standbys):
+            self.upgrade_wanted = True   # standbys were already waiting
+            self.ctl._incident_evt.set()
 
     # ---------------------------------------------------------------- standbys (I/O thread)
-    def _on_standby(self, ident: bytes, rank: int, body, now: float) -> None:
+    def on_standby(self, ident: bytes, rank: int, body, now: float) -> None:
         """A processor registered for a removed rank: a standby offering it back (upgrade)."""
         from . import protocol as P
 
-        if (body.host, body.pid) == (self._gone or {}).get(rank):
+        if (body.host, body.pid) == self.gone.get(rank):
             return  # the removed rank's own process, exiting (its heartbeat was answered UNKNOWN): no offer
-        with self._lock:
-            if self._standbys is None:
-                self._standbys = {}
-            first = rank not in self._standbys or self._standbys[rank][1] != body.pid
-            self._standbys[rank] = (ident, body.pid, body.host, now)
+        with self.ctl._lock:
+            first = rank not in self.standbys or self.standbys[rank][1] != body.pid
+            self.standbys[rank] = (ident, body.pid, body.host, now)
         if first:  # a standby's heartbeats are answered UNKNOWN (not in the world yet): it says hello again
             self._standby_seen(rank, body)
-        self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
-                                                                         backups=list(self.backups)),
+        self.ctl._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.ctl.gen, interval=self.ctl.interval,
+                                                                         backups=list(self.ctl.backups)),
                                    rank=rank), ident)
-        if set(self.removed) <= set(self._standbys) and self.sm.state is State.DOWNGRADE and self._incident is None:
-            self._upgrade_due = True
-            self._incident_evt.set()
+        if set(self.removed) <= set(self.standbys) and self.ctl.sm.state is State.DOWNGRADE and self.ctl._incident is None:
+            self.upgrade_wanted = True
+            self.ctl._incident_evt.set()
 
     def _standby_seen(self, rank: int, body) -> None:
         _log.warning("standby for removed rank %d registered (pid %d on %s); waiting for %s", rank, body.pid,
-                     body.host, sorted(set(self.removed) - set(self._standbys))[:16])
+                     body.host, sorted(set(self.removed) - set(self.standbys))[:16])
         _logging.event("standby_registered", standby_rank=rank, pid=body.pid)
 
     def upgrade_due(self) -> bool:
         """(driver thread) Standbys registered for every removed rank and no incident is open."""
-        return self._upgrade_due and self._incident is None
+        return self.upgrade_wanted and self.ctl._incident is None
 
     # ---------------------------------------------------------------- upgrade (driver thread)
-    def _run_upgrade(self) -> bool:
-        self._upgrade_due = False
-        self._incident_evt.clear()
-        if self._incident is not None:  # a fault arrived meanwhile: it goes first
-            self._incident_evt.set()
+    def run_upgrade(self) -> bool:
+        self.upgrade_wanted = False
+        self.ctl._incident_evt.clear()
+        if self.ctl._incident is not None:  # a fault arrived meanwhile: it goes first
+            self.ctl._incident_evt.set()
             return True
         # a standby says hello every heartbeat interval until it is taken in; one silent for ``misses``
         # intervals is forgotten and the job stays downgraded until another one offers the rank
-        limit, now = self.misses * self.interval, time.monotonic()
-        with self._lock:  # the I/O thread adds standbys
-            silent = [r for r, (_i, _p, _h, t) in (self._standbys or {}).items() if now - t > limit]
+        limit, now = self.ctl.misses * self.ctl.interval, time.monotonic()
+        with self.ctl._lock:  # the I/O thread adds standbys
+            silent = [r for r, (_i, _p, _h, t) in self.standbys.items() if now - t > limit]
             for r in silent:
-                self._standbys.pop(r, None)
-            ready = set(self.removed) <= set(self._standbys or {})
+                self.standbys.pop(r, None)
+            ready = set(self.removed) <= set(self.standbys)
         for r in silent:
             _log.warning("standby for rank %d silent for more than %.1f s: forgotten", r, limit)
         if not ready:
             return True
-        seq = Sequence(self, "upgrade", time.monotonic(), first=None,
+        seq = Sequence(self.ctl, "upgrade", time.monotonic(), first=None,
                        then="the survivors' groups are gone: ending the job")
         survivors, new = self.job_ranks(), sorted(self.removed)
-        self.sm.fire(Result.UPGRADE, ranks=new)
+        self.ctl.sm.fire(Result.UPGRADE, ranks=new)
         for attempt in range(UPGRADE_STOP_TRIES):
-            replies = self._call("stop", {"timeout": 2.0}, survivors, self.action_limit)
+            replies = self.ctl._call("stop", {"timeout": 2.0}, survivors, self.ctl.action_limit)
             steps = {r: (rep.detail.get("step"), rep.detail.get("data_status")) for r, rep in replies.items()
                      if rep.ok}
             lock = max((s for s, _ in steps.values()), default=0)
@@ -197,29 +197,29 @@ class ElasticFlow:
             _log.warning("upgrade: the stop caught the survivors at different points (%s); releasing the "
                          "fence and stopping again", {r: steps.get(r) for r in survivors[:8]})
             _logging.event("upgrade_stop_again", steps={str(r): steps.get(r) for r in survivors[:64]})
-            self._call("unhold", {}, survivors, self.action_limit)
+            self.ctl._call("unhold", {}, survivors, self.ctl.action_limit)
             time.sleep(0.1 * (attempt + 1))
         seq.mark("stop")
         if stale:
             _log.error("upgrade: survivors %s did not stop at step %d with complete state (%s)", stale[:16], lock,
                        {r: steps.get(r) for r in stale[:8]})
             return self._upgrade_failed(survivors, "stop")
-        if not seq.step("clean", {"timeout": self.action_limit}, survivors, abandon=survivors):
+        if not seq.step("clean", {"timeout": self.ctl.action_limit}, survivors, abandon=survivors):
             return self._upgrade_ended()
-        with self._cond:
+        with self.ctl._cond:
             for r in new:
-                ident, pid, host, _t = self._standbys.pop(r)
-                self.ranks[r] = RankRecord(r, ident, pid, host, time.monotonic(), step=0)
-                self.liveness.seen[r] = None
-                self._registered += 1
+                ident, pid, host, _t = self.standbys.pop(r)
+                self.ctl.ranks[r] = RankRecord(r, ident, pid, host, time.monotonic(), step=0)
+                self.ctl.liveness.seen[r] = None
+                self.ctl._registered += 1
             full = sorted(set(survivors) | set(new))
-            self.members = None if full == list(range(self.world_size)) else full
+            self.members = None if full == list(range(self.ctl.world_size)) else full
             self.removed = tuple(sorted(set(self.removed) - set(new)))
-        self.gen += 1
-        if not seq.step("zit_rebuild", {"gen": self.gen, "members": full, "kind": "upgrade", "rank_list": new},
+        self.ctl.gen += 1
+        if not seq.step("zit_rebuild", {"gen": self.ctl.gen, "members": full, "kind": "upgrade", "rank_list": new},
                         full, abandon=full, mark="rebuild"):
             return self._upgrade_ended()
-        pairs = _repair_pairs(self._layout or {}, survivors, new)
+        pairs = _repair_pairs(self.layout or {}, survivors, new)
         if pairs is None:
             return self._upgrade_failed(full, "repair plan")
         involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
@@ -229,10 +229,10 @@ class ElasticFlow:
         if not seq.step("zit_rollback", {"step": lock}, full, abandon=full, mark="rollback"):
             return self._upgrade_ended()
         if _knobs.get("MINDIO_DUMP_AFTER_UPGRADE"):
-            views = [policy.RankView(r, True, False, lock, 0, tuple((self._layout or {}).get(r, ())))
+            views = [policy.RankView(r, True, False, lock, 0, tuple((self.layout or {}).get(r, ())))
                      for r in full]
             plan = policy.select_dump_ranks(views, lock)
-            if not plan.possible or not dump.save(self, lock, plan):
+            if not plan.possible or not dump.save(self.ctl, lock, plan):
                 _log.error("upgrade: the checkpoint after the scale-out failed (missing %s)", plan.missing[:4])
             else:
                 _logging.event("upgrade_dump", step=lock)
@@ -240,18 +240,18 @@ class ElasticFlow:
         # no incident to close: the upgrade opened none (a fault that arrived meanwhile stays open)
         seq.resume(lock, full, mark=full, close_incident=False, world=len(full))
         seq.done(f"{len(full)} ranks train again", f"new ranks {new[:16]}", ({}, "upgrade"), lock_step=lock,
-                 added=new, world=len(full), table=sorted(self.ranks)[:64], members=self.job_ranks()[:64])
+                 added=new, world=len(full), table=sorted(self.ctl.ranks)[:64], members=self.job_ranks()[:64])
         return True
 
     def _upgrade_failed(self, ranks: list, failed: str) -> bool:
         """A failure outside a step (the stop, the repair plan): logged, ``ranks`` cleaned, the job ends."""
         _log.error("upgrade failed at %s; the survivors' groups are gone: ending the job", failed)
         _logging.event("upgrade_failed", step_name=failed)
-        sequence.abandon(self, ranks, failed)
+        sequence.abandon(self.ctl, ranks, failed)
         return self._upgrade_ended()
 
     def _upgrade_ended(self) -> bool:
-        self._exit(EXIT_CODE_FAULT)
+        self.ctl._exit(EXIT_CODE_FAULT)
         return False
 
 
@@ -267,7 +267,7 @@ class Downgrade(Strategy):
     def steps(self, ctl, lock: int, views: list, t_incident: float) -> bool:
         seq = Sequence(ctl, self.name, t_incident, label="retry")  # its failures were always "retry_failed"
         ctl.sm.fire(Result.DOWNGRADE, lock_step=lock)
-        members = ctl.job_ranks()
+        members = ctl.elastic.job_ranks()
         faulty = sorted(v.rank for v in views if v.faulty and v.rank in members)
         replicas = {v.rank: [dict(e) for e in v.replica] for v in views}
         try:
@@ -289,7 +289,7 @@ class Downgrade(Strategy):
         leaving = sorted(r for r in removed if r in live)
         if leaving:
             ctl._call("exit", {"code": EXIT_CODE_REMOVED}, leaving, 10.0)
-        ctl.remove_ranks(removed, survivors, replicas)
+        ctl.elastic.remove_ranks(removed, survivors, replicas)
         ctl.gen += 1
         params = {"gen": ctl.gen, "members": survivors, "kind": "downgrade", "dp_groups": dp_groups}
         if not seq.step("zit_rebuild", params, survivors, abandon=survivors, mark="rebuild"):
@@ -299,8 +299,8 @@ class Downgrade(Strategy):
         seq.resume(lock, survivors, mark=survivors, world=len(survivors))
         seq.done(f"{len(survivors)} ranks train again", f"removed {removed[:16]}",
                  ({r: 1 for r in faulty}, self.name), lock_step=lock, removed=removed, world=len(survivors),
-                 table=sorted(ctl.ranks)[:64], members=ctl.job_ranks()[:64])
-        ctl.standbys_waiting()
+                 table=sorted(ctl.ranks)[:64], members=ctl.elastic.job_ranks()[:64])
+        ctl.elastic.standbys_waiting()
         return True
 
 

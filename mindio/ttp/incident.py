@@ -132,8 +132,8 @@ class IncidentFlow(PauseFlow):
             if self._stop.is_set():
                 return
             try:
-                if self.upgrade_due():  # elastic.py: standbys offer every removed rank back
-                    if self._run_upgrade():
+                if self.elastic.upgrade_due():  # elastic_flow.py: standbys offer every removed rank back
+                    if self.elastic.run_upgrade():
                         continue
                     return
                 if self._run_incident():
@@ -249,7 +249,7 @@ class IncidentFlow(PauseFlow):
                     self.ranks[rank].data_status = rep.detail.get("data_status", 0)
             views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
                                      tuple(r.replica)) for r in self.ranks.values()]
-        missing = sorted(set(self.job_ranks()) - set(self.ranks))  # job_ranks: elastic.py (removed ranks)
+        missing = sorted(set(self.elastic.job_ranks()) - set(self.ranks))  # without the removed ranks
         return views + [policy.RankView(r, alive=False, faulty=True) for r in missing]
 
     # ------------------------------------------------------------------ strategies

@@ -1,4 +1,4 @@
-"""The elastic upgrade's stop (elastic.py ``_run_upgrade``) against a scripted controller: a stop that
+"""The elastic upgrade's stop (elastic_flow.py ``Elastic.run_upgrade``) against a scripted controller: a stop that
 catches the survivors at different points around their fence is released (``unhold``) and repeated; a
 consistent stop goes on to the scale-out; one that stays inconsistent ends the job after
 ``UPGRADE_STOP_TRIES`` stops. The end-to-end upgrade runs in tests/megatron/test_elastic_megatron.py; the
@@ -12,7 +12,7 @@ import types
 from mindio.ttp import protocol as P
 from mindio.ttp._enums import EXIT_CODE_FAULT, OsStatus
 from mindio.ttp.controller import _Rank
-from mindio.ttp.elastic import UPGRADE_STOP_TRIES, ElasticFlow
+from mindio.ttp.elastic import UPGRADE_STOP_TRIES, Elastic
 
 UPD, UPDATING = int(OsStatus.UPDATED), int(OsStatus.UPDATING)
 # DP group {0, 1, 2, 3}, two replicas: shard j on ranks j and j + 2; a downgrade removed ranks 2 and 3
@@ -31,15 +31,16 @@ class _SM:
         return True
 
 
-class Ctl(ElasticFlow):
+class Ctl:
     """The controller state an upgrade reads, with ``_call`` answering from a script of stop replies."""
     action_limit, misses, interval, world_size = 30.0, 3, 1.0, 4
 
     def __init__(self, stops):
         self.stops, self.calls, self.exits = list(stops), [], []
-        self.members, self.removed, self._layout, self.gen = [0, 1], (2, 3), LAYOUT, 1
-        self._standbys = {r: (b"id%d" % r, 100 + r, "h", time.monotonic()) for r in (2, 3)}
-        self._upgrade_due, self._incident, self._incident_evt = True, None, threading.Event()
+        self.elastic, self.gen = Elastic(self), 1
+        self.elastic.members, self.elastic.removed, self.elastic.layout = [0, 1], (2, 3), LAYOUT
+        self.elastic.standbys = {r: (b"id%d" % r, 100 + r, "h", time.monotonic()) for r in (2, 3)}
+        self.elastic.upgrade_wanted, self._incident, self._incident_evt = True, None, threading.Event()
         self._lock, self._cond = threading.Lock(), threading.Condition()
         self.ranks = {r: _Rank(r, b"id%d" % r, step=28) for r in (0, 1)}  # the survivors
         self.liveness = types.SimpleNamespace(seen={})
@@ -52,10 +53,6 @@ class Ctl(ElasticFlow):
             return {r: P.Reply(ok=True, detail={"step": s, "data_status": d}) for r, (s, d) in script.items()}
         return {r: P.Reply(ok=True, detail={}) for r in ranks}
 
-    def _step_ok(self, name, params, ranks):
-        replies = self._call(name, params, ranks, self.action_limit, fail_fast=True)
-        return all(r in replies and replies[r].ok for r in ranks)
-
     def _exit(self, code):
         self.exits.append(code)
 
@@ -66,12 +63,12 @@ class Ctl(ElasticFlow):
 def test_a_stop_across_the_fence_is_released_and_repeated():
     # first stop: rank 0 held at its fence of step 29 (still step 28's state), rank 1 already updating 29
     ctl = Ctl([{0: (28, UPD), 1: (29, UPDATING)}, {0: (30, UPD), 1: (30, UPD)}])
-    assert ctl._run_upgrade() is True
+    assert ctl.elastic.run_upgrade() is True
     names = [n for n, _ in ctl.calls]
     assert names == ["stop", "unhold", "stop", "clean", "zit_rebuild", "zit_repair", "zit_rollback", "retry"]
     assert ctl.calls[1] == ("unhold", [0, 1])
     assert ctl.exits == [] and ctl.sm.fired[-1] == "OK"
-    assert ctl.members is None and ctl.removed == () and ctl.gen == 2
+    assert ctl.elastic.members is None and ctl.elastic.removed == () and ctl.gen == 2
     assert sorted(ctl.ranks) == [0, 1, 2, 3] and all(ctl.ranks[r].step == 30 for r in range(4))
     # the new ranks 2 and 3 are fed from their shard's surviving replica (ranks 0 and 1)
     assert ("zit_repair", [0, 1, 2, 3]) in ctl.calls
@@ -80,15 +77,15 @@ def test_a_stop_across_the_fence_is_released_and_repeated():
 def test_a_stop_that_stays_inconsistent_ends_the_job_after_the_last_try():
     split = {0: (28, UPD), 1: (29, UPDATING)}
     ctl = Ctl([split] * UPGRADE_STOP_TRIES)
-    assert ctl._run_upgrade() is False
+    assert ctl.elastic.run_upgrade() is False
     names = [n for n, _ in ctl.calls]
     assert names.count("stop") == UPGRADE_STOP_TRIES and names.count("unhold") == UPGRADE_STOP_TRIES - 1
     assert "zit_rebuild" not in names and ctl.exits == [EXIT_CODE_FAULT]
-    assert ctl.removed == (2, 3)  # nothing was taken in
+    assert ctl.elastic.removed == (2, 3)  # nothing was taken in
 
 
 def test_a_survivor_that_does_not_answer_the_stop_is_not_released_and_retried():
     # a missing reply (dead or past the deadline) is no timing race: no unhold, the upgrade fails at once
     ctl = Ctl([{0: (30, UPD)}])
-    assert ctl._run_upgrade() is False
+    assert ctl.elastic.run_upgrade() is False
     assert [n for n, _ in ctl.calls] == ["stop", "clean"] and ctl.exits == [EXIT_CODE_FAULT]

@@ -41,7 +41,7 @@ from .retry import Retry, StopRound
 from .elastic_flow import Downgrade, Elastic
 from .recover import Replace, Replacements
 from .dump import Dump
-from .hotswitch import HotSwitchFlow
+from .hotswitch import HotSwitch
 from .watch import Liveness
 from ..errors import SessionError
 from . import shutdown
@@ -53,7 +53,7 @@ __all__ = ["Controller"]
 _log = logging.getLogger(__name__)
 
 
-class Controller(HotSwitchFlow, IncidentFlow):
+class Controller(IncidentFlow):
     """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
 
     # The strategies an incident may run: {name: strategy.Strategy}. Each ``run(ctl, ctx)`` returns an
@@ -127,6 +127,7 @@ class Controller(HotSwitchFlow, IncidentFlow):
         self.gen = 0  # the generation of the job's process groups (a recovery's rebuild makes the next)
         self.stop_round = StopRound(self)  # the stop round of every fault incident (retry.py)
         self.replacements = Replacements(self)  # the launcher's replacer, replaced generations (recover.py)
+        self.hot_switch = HotSwitch(self)  # backups, pause, switch out and in (hotswitch.py)
         self.elastic = Elastic(self)  # the current world's members, removed ranks, standbys, upgrade (elastic_flow.py)
 
     # ------------------------------------------------------------------ lifecycle
@@ -508,6 +509,10 @@ class Controller(HotSwitchFlow, IncidentFlow):
     def heard(self, ranks, within: float) -> list[int]:
         """(any thread) Those of ``ranks`` heard from in the last ``within`` s (watch.Liveness.heard)."""
         return self.liveness.heard(ranks, within)
+
+    def notify_prepare_action(self, action: str, ranks: list) -> int:
+        """Cluster brain: a hot switch of ``ranks`` or "stop switch" (hotswitch.HotSwitch)."""
+        return self.hot_switch.notify_prepare_action(action, ranks)
 
     def job_strategies(self) -> set:
         """The strategies the job asked for, in any of the reference ways: the controller's list

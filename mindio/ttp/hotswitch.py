@@ -54,92 +54,89 @@ from .strategy import Context
 from ._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
 from .states import Result, State
 
-__all__ = ["HotSwitchFlow", "EXIT_CODE_SWITCHED", "ACTIONS"]
+__all__ = ["HotSwitch", "EXIT_CODE_SWITCHED", "ACTIONS"]
 
 _log = logging.getLogger(__name__)
 ACTIONS = HOT_SWITCH_ACTIONS
 
 
-class HotSwitchFlow:
-    """Mixed into the controller next to PauseFlow and RecoverFlow."""
+class HotSwitch:
+    """The hot switch (module docstring) as the controller's part (``Controller.hot_switch``): it owns
+    the request in hand and the backups started and not released."""
 
-    _switch_req: dict | None = None
-    _pending_backups: tuple | None = None  # (ranks, generation) of backups started and not released
+    def __init__(self, ctl):
+        self.ctl = ctl
+        self.req: dict | None = None                  # {"ranks", "waiting"} of the switch in hand
+        self.pending_backups: tuple | None = None     # (ranks, generation) of backups started, not released
 
     def notify_prepare_action(self, action: str, ranks: list) -> int:
         """Cluster brain: 0 accepted, 1 refused (the reason is logged)."""
         if action == "stop switch":
-            with self._lock:
-                pending = self._switch_req is not None and self._switch_req.get("waiting")
+            with self.ctl._lock:
+                pending = self.req is not None and self.req.get("waiting")
                 if pending:
-                    self._chosen = "stop switch"
-                    self._strategy_evt.set()
+                    self.ctl._chosen = "stop switch"
+                    self.ctl._strategy_evt.set()
             if not pending:
                 _log.error("stop switch: no hot switch is waiting for a decision")
             return 0 if pending else 1
         why = ""
-        with self._lock:
-            if self.sm.state is not State.NORMAL or self._incident is not None:
-                why = f"the job is in {self.sm.state.value}, not in NORMAL training"
-            elif any(not (r in self.ranks and self.ranks[r].alive) for r in ranks):
+        with self.ctl._lock:
+            if self.ctl.sm.state is not State.NORMAL or self.ctl._incident is not None:
+                why = f"the job is in {self.ctl.sm.state.value}, not in NORMAL training"
+            elif any(not (r in self.ctl.ranks and self.ctl.ranks[r].alive) for r in ranks):
                 why = f"ranks {ranks} are not all registered and alive"
-        if not why and not self.replacements.possible("hot switch", ranks):  # recover.py
+        if not why and not self.ctl.replacements.possible("hot switch", ranks):  # recover.py
             why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
-                   if self.replacements.replacer is None else f"the launcher cannot start backups for ranks {ranks}")
+                   if self.ctl.replacements.replacer is None else f"the launcher cannot start backups for ranks {ranks}")
         if why:
             _log.error("hot switch of ranks %s refused: %s", ranks[:16], why)
             return 1
-        early = bool(_knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacements.replacer, "prestart"))
-        with self._lock:  # "stop switch" is accepted while the backups start too (early)
-            self._switch_req = {"ranks": sorted(ranks), "waiting": early}
-            self._chosen = None
-            self._strategy_evt.clear()
-        self._open_incident(None, None, cause="hot_switch")
+        early = bool(_knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.ctl.replacements.replacer, "prestart"))
+        with self.ctl._lock:  # "stop switch" is accepted while the backups start too (early)
+            self.req = {"ranks": sorted(ranks), "waiting": early}
+            self.ctl._chosen = None
+            self.ctl._strategy_evt.clear()
+        self.ctl._open_incident(None, None, cause="hot_switch")
         return 0
 
     # ------------------------------------------------------------------ driver thread
-    def _run_incident(self) -> bool:
-        """(incident.py's driver loop) A hot switch incident runs here, any other in IncidentFlow."""
-        inc = self._incident
-        if inc.cause == "hot_switch":
-            return self._run_hot_switch(inc)
-        return super()._run_incident()
-
-    def _run_hot_switch(self, inc) -> bool:
-        ranks, gen = self._switch_req["ranks"], self.gen + 1
-        if _knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.replacements.replacer, "prestart"):
-            self._pending_backups = (ranks, gen)  # dismissed on every way out but a switch done (_dismiss)
+    def run(self, inc) -> bool:
+        """(driver thread, incident.py) Run the hot switch incident ``inc``; whether the job goes on."""
+        ranks, gen = self.req["ranks"], self.ctl.gen + 1
+        if _knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.ctl.replacements.replacer, "prestart"):
+            self.pending_backups = (ranks, gen)  # dismissed on every way out but a switch done (_dismiss)
             why = self._start_backups(inc, ranks, gen)
             if why:
                 self._dismiss()
-                return self._as_fault() if why == "fault" else self._cancel_unpaused(why)
-        self.sm.fire(Result.PAUSE, hot_switch=ranks[:16])
-        live = sequence.live_ranks(self)
-        if len(live) < self.world_size or self._faulted(inc):
-            return self._fault_now() if self._faulted(inc) else self._cancel_switch(live, "ranks missing")
-        caps = self._call("pause_query", {}, live, self.action_limit)
+                return self.ctl._as_fault() if why == "fault" else self._cancel_unpaused(why)
+        self.ctl.sm.fire(Result.PAUSE, hot_switch=ranks[:16])
+        live = sequence.live_ranks(self.ctl)
+        if len(live) < self.ctl.world_size or self.ctl._faulted(inc):
+            return self._fault_now() if self.ctl._faulted(inc) else self._cancel_switch(live, "ranks missing")
+        caps = self.ctl._call("pause_query", {}, live, self.ctl.action_limit)
         target = max((c.detail["limit"] for c in caps.values() if c.ok), default=0)
-        replies = {} if len(caps) < len(live) else self._call(
-            "pause_at", {"step": target, "timeout": self.action_limit / 2}, live, self.action_limit)
-        if self._faulted(inc):
+        replies = {} if len(caps) < len(live) else self.ctl._call(
+            "pause_at", {"step": target, "timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
+        if self.ctl._faulted(inc):
             return self._fault_now()
         bad = sorted(r for r in live if r not in replies or not replies[r].ok)
         if bad:
             _log.error("hot switch: ranks %s did not pause at step %d", bad[:16], target)
-            self._mindx_call("report_stop_complete", int(ResultCode.NOT_READY),
+            self.ctl._mindx_call("report_stop_complete", int(ResultCode.NOT_READY),
                              f"pause for the hot switch failed on ranks {bad[:16]}", {r: 1 for r in ranks})
             return self._cancel_switch(live, "pause failed")
         _log.warning("hot switch of ranks %s: every rank paused at step %d (%.3f s after the request)", ranks,
                      target, time.monotonic() - inc.t0)
         _logging.event("hot_switch_paused", step=target, ranks=ranks)
-        with self._lock:
-            self._switch_req["waiting"] = True
-        self._mindx_call("report_stop_complete", int(ResultCode.OK),
+        with self.ctl._lock:
+            self.req["waiting"] = True
+        self.ctl._mindx_call("report_stop_complete", int(ResultCode.OK),
                          f"training paused at step {target} for the hot switch of ranks {ranks[:16]}",
                          {r: 1 for r in ranks})
         choice = self._switch_decision(inc)
-        with self._lock:
-            self._switch_req["waiting"] = False
+        with self.ctl._lock:
+            self.req["waiting"] = False
         if choice == "fault":
             return self._fault_now()
         if choice != "migration":
@@ -151,31 +148,31 @@ class HotSwitchFlow:
         and wait until every one registered, while training goes on. '' when they did, else why not."""
         t0 = time.monotonic()
         try:
-            self.replacements.replacer.prestart(ranks, gen)
+            self.ctl.replacements.replacer.prestart(ranks, gen)
         except Exception as exc:
             _log.error("hot switch: starting backups for ranks %s failed: %s", ranks[:16], exc)
             return f"the backups could not be started ({exc})"
-        end = t0 + self.replacements.timeout
+        end = t0 + self.ctl.replacements.timeout
         while True:
-            if self._faulted(inc):
+            if self.ctl._faulted(inc):
                 return "fault"
-            with self._lock:
-                if self._chosen == "stop switch":
+            with self.ctl._lock:
+                if self.ctl._chosen == "stop switch":
                     return "stop switch"
-            ready, dead = self.replacements.replacer.backups(ranks, gen)
+            ready, dead = self.ctl.replacements.replacer.backups(ranks, gen)
             if dead:
                 _log.error("hot switch: backups exited before they registered: %s", dead)
                 _logging.event("switch_backup_failed", ranks=sorted(dead), why=list(dead.values())[:4])
                 return f"the backup of ranks {sorted(dead)[:16]} exited before it registered"
             if len(ready) == len(ranks):
-                with self._lock:
-                    if self._chosen == "stop switch":
+                with self.ctl._lock:
+                    if self.ctl._chosen == "stop switch":
                         return "stop switch"
-                    self._switch_req["waiting"] = False  # until the pause is complete
+                    self.req["waiting"] = False  # until the pause is complete
                 break
-            if time.monotonic() > end or self._stop.wait(0.02):
+            if time.monotonic() > end or self.ctl._stop.wait(0.02):
                 _log.error("hot switch: backups of ranks %s did not register within %.0f s",
-                           sorted(set(ranks) - set(ready))[:16], self.replacements.timeout)
+                           sorted(set(ranks) - set(ready))[:16], self.ctl.replacements.timeout)
                 return "the backups did not register in time"
         took = time.monotonic() - t0
         _log.warning("hot switch: backups of ranks %s registered %.3f s after their start (pids %s); training "
@@ -185,47 +182,47 @@ class HotSwitchFlow:
 
     def _dismiss(self) -> None:
         """Backups started for this switch and not released (yet) leave."""
-        pending, self._pending_backups = self._pending_backups, None
+        pending, self.pending_backups = self.pending_backups, None
         if pending:
             try:
-                self.replacements.replacer.dismiss(*pending)
+                self.ctl.replacements.replacer.dismiss(*pending)
             except Exception:
                 _log.exception("hot switch: dismissing the backups failed (the agent stops them at the round's "
                                "end, else they leave at their deadline)")
 
     def _fault_now(self) -> bool:
         self._dismiss()
-        return self._as_fault()
+        return self.ctl._as_fault()
 
     def _cancel_unpaused(self, why: str) -> bool:
         """The switch is off before any rank paused: close the incident; training was never touched."""
         _log.warning("hot switch cancelled (%s) before the pause: training continues unchanged", why)
         _logging.event("hot_switch_cancelled", why=why)
-        with self._lock:
-            faulted = bool(self._incident.primary)
+        with self.ctl._lock:
+            faulted = bool(self.ctl._incident.primary)
             if not faulted:
-                self._incident = None
-                self._incident_evt.clear()
-        self._switch_req = None
+                self.ctl._incident = None
+                self.ctl._incident_evt.clear()
+        self.req = None
         if faulted:
-            return self._as_fault()
-        self._mindx_call("report_result", int(ResultCode.OK), f"hot switch cancelled ({why}); training continued",
+            return self.ctl._as_fault()
+        self.ctl._mindx_call("report_result", int(ResultCode.OK), f"hot switch cancelled ({why}); training continued",
                          {}, "continue")
         return True
 
     def _switch_decision(self, inc) -> str:
-        if "report_stop_complete" not in self.mindx:
+        if "report_stop_complete" not in self.ctl.mindx:
             return "migration"  # no cluster brain: the caller of prepare_action wants it done
         end = time.monotonic() + _knobs.get("MINDIO_WAIT_MINDX_TIME")
         while time.monotonic() < end:
-            if self._faulted(inc):
+            if self.ctl._faulted(inc):
                 return "fault"
-            if self._strategy_evt.wait(min(0.1, max(0.0, end - time.monotonic()))):
-                self._strategy_evt.clear()
-                if self._chosen in ("migration", "stop switch"):
-                    return self._chosen
+            if self.ctl._strategy_evt.wait(min(0.1, max(0.0, end - time.monotonic()))):
+                self.ctl._strategy_evt.clear()
+                if self.ctl._chosen in ("migration", "stop switch"):
+                    return self.ctl._chosen
                 _log.error("change_strategy(%r) is not possible during a hot switch (migration, or "
-                           "prepare_action('stop switch'))", self._chosen)
+                           "prepare_action('stop switch'))", self.ctl._chosen)
         _log.error("hot switch: no migration / stop switch within MINDIO_WAIT_MINDX_TIME; cancelled")
         return "no decision"
 
@@ -233,56 +230,56 @@ class HotSwitchFlow:
         self._dismiss()
         _log.warning("hot switch cancelled (%s): training continues unchanged", why)
         _logging.event("hot_switch_cancelled", why=why)
-        ok = self._end_pause(live, f"hot switch cancelled: {why}")  # pause.py
-        self._mindx_call("report_result", int(ResultCode.OK), f"hot switch cancelled ({why}); training continued",
+        ok = self.ctl._end_pause(live, f"hot switch cancelled: {why}")  # pause.py
+        self.ctl._mindx_call("report_result", int(ResultCode.OK), f"hot switch cancelled ({why}); training continued",
                          {}, "continue")
-        self._switch_req = None
+        self.req = None
         return ok
 
     def _switch(self, ranks: list, target: int, t0: float) -> bool:
-        self.sm.fire(Result.MIGRATE, lock_step=target, ranks=ranks[:16])
-        everyone = sequence.live_ranks(self)
-        replies = self._call("clean", {"timeout": self.action_limit}, everyone, self.action_limit)
+        self.ctl.sm.fire(Result.MIGRATE, lock_step=target, ranks=ranks[:16])
+        everyone = sequence.live_ranks(self.ctl)
+        replies = self.ctl._call("clean", {"timeout": self.ctl.action_limit}, everyone, self.ctl.action_limit)
         bad = sorted(r for r in everyone if r not in replies or not replies[r].ok)
-        with self._lock:  # the switched ranks count as dead: the repair takes their shards from replicas
+        with self.ctl._lock:  # the switched ranks count as dead: the repair takes their shards from replicas
             views = [policy.RankView(r.rank, r.alive and r.rank not in ranks, r.rank in ranks, target,
-                                     int(OsStatus.UPDATED), tuple(r.replica)) for r in self.ranks.values()]
-        reserved = self._pending_backups[1] if self._pending_backups else self.gen + 1
-        if reserved != self.gen + 1:  # cannot happen: one driver thread bumps the generation
-            _log.error("hot switch: backups wait for generation %d, the switch builds %d", reserved, self.gen + 1)
+                                     int(OsStatus.UPDATED), tuple(r.replica)) for r in self.ctl.ranks.values()]
+        reserved = self.pending_backups[1] if self.pending_backups else self.ctl.gen + 1
+        if reserved != self.ctl.gen + 1:  # cannot happen: one driver thread bumps the generation
+            _log.error("hot switch: backups wait for generation %d, the switch builds %d", reserved, self.ctl.gen + 1)
             self._dismiss()
             bad = everyone
         if not bad:
-            self._call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
-            with self._cond:
+            self.ctl._call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
+            with self.ctl._cond:
                 for r in ranks:  # gone on purpose: dead for the recover sequence, never declared dead
-                    self.replacements.replaced[r] = self.gen + 1  # its last frames are refused, never re-registered
-                    self.liveness.seen.pop(r, None)
-                    if self.ranks.pop(r, None) is not None:
-                        self._registered -= 1
-                self._cond.notify_all()
+                    self.ctl.replacements.replaced[r] = self.ctl.gen + 1  # its last frames are refused, never re-registered
+                    self.ctl.liveness.seen.pop(r, None)
+                    if self.ctl.ranks.pop(r, None) is not None:
+                        self.ctl._registered -= 1
+                self.ctl._cond.notify_all()
             _logging.event("switched_out", ranks=ranks, step=target, code=EXIT_CODE_SWITCHED)
-            self._switch_req = None  # the backups are released by the replace step of the recover sequence
-            if Replace(vocab.Strategy.HOT_SWITCH.value).steps(self, target, views, t0):  # MIGRATION -RECOVER-> ...
-                self._pending_backups = None  # released by the recover sequence's replace step: ranks now
+            self.req = None  # the backups are released by the replace step of the recover sequence
+            if Replace(vocab.Strategy.HOT_SWITCH.value).steps(self.ctl, target, views, t0):  # MIGRATION -RECOVER-> ...
+                self.pending_backups = None  # released by the recover sequence's replace step: ranks now
                 return True
             self._dismiss()  # any backup not released yet
         else:
             _log.error("hot switch: ranks %s did not park (clean): %s", bad[:16],
                        {r: replies[r].detail for r in bad[:4] if r in replies})
             self._dismiss()
-            self.sm.fire(Result.FAIL, failed="clean")
-        self._switch_req = None
-        live = set(sequence.live_ranks(self)) - set(ranks) if not bad else set(sequence.live_ranks(self))
+            self.ctl.sm.fire(Result.FAIL, failed="clean")
+        self.req = None
+        live = set(sequence.live_ranks(self.ctl)) - set(ranks) if not bad else set(sequence.live_ranks(self.ctl))
         views = [v if v.rank in live else policy.RankView(v.rank, False, True, target, v.data_status, v.replica)
                  for v in views]
         plan = policy.select_dump_ranks(views, target)
-        self._mindx_call("report_result", int(ResultCode.DUMP_OR_EXIT), "hot switch failed",
+        self.ctl._mindx_call("report_result", int(ResultCode.DUMP_OR_EXIT), "hot switch failed",
                          {r: 1 for r in ranks}, "migration")
         _logging.event("fallback", src="hot switch", dst="dump" if plan.possible else "exit")
         if plan.possible:
-            Dump().run(self, Context(target, views, plan=plan))
+            Dump().run(self.ctl, Context(target, views, plan=plan))
             return False
-        self.sm.fire(Result.EXIT, reason="hot switch failed, no dump possible")
-        self._exit(EXIT_CODE_FAULT)
+        self.ctl.sm.fire(Result.EXIT, reason="hot switch failed, no dump possible")
+        self.ctl._exit(EXIT_CODE_FAULT)
         return False

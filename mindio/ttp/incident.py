@@ -147,6 +147,8 @@ class IncidentFlow(PauseFlow):
     def _run_incident(self) -> bool:
         """One incident; True when the job goes on (retry succeeded, pause continued), False when it ends."""
         inc = self._incident
+        if inc.cause == "hot_switch":
+            return self.hot_switch.run(inc)
         if inc.cause == "pause":
             return self._run_pause(inc)
         graceful = inc.cause == "dump_request"

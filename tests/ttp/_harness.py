@@ -1,14 +1,16 @@
 """Launch the toy job (_toy_train.py) as real processes on loopback; always reap what we started.
 
 Also the in-process control plane of the unit tests (test_control_plane, test_pause_unit,
-test_negotiation_unit): a Controller and Processors in this process over real loopback sockets
-(``start_plane`` / ``stop_plane``), and ``until``, the poll every wait of those tests goes through."""
+test_negotiation_unit, test_strategy_plugin): a Controller and Processors in this process over real
+loopback sockets (``start_plane`` / ``stop_plane``), a training-shaped ``Loop`` thread per processor,
+and ``until``, the poll every wait of those tests goes through."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -56,6 +58,44 @@ def start_plane(world: int, key: bytes, *, misses: int = 10, action_limit: float
         stop_plane(ctl, procs)
         raise AssertionError(f"the controller did not reach NORMAL: {ctl.sm.state}")
     return ctl, procs, port
+
+
+class Loop(threading.Thread):
+    """A rank's training loop on an in-process Processor (its "main thread"): fence, update, end of
+    step, then tft_pause_train (``pause``). ``stall_at``: stops calling the fence at that step (a rank
+    stuck in compute); ``fail_at``: raises once at that step and reports it (RS_UNKNOWN), as
+    tft_exception_handler does. After any error it parks for the controller's decision (each one in
+    ``decisions``, the last in ``exit``) and trains on after a RETRY; ``done`` ends it."""
+
+    def __init__(self, proc, stall_at=None, fail_at=None, pause=True):
+        super().__init__(daemon=True)
+        self.proc, self.stall_at, self.fail_at, self.pause = proc, stall_at, fail_at, pause
+        self.done, self.exit, self.decisions = threading.Event(), None, []
+
+    def run(self):
+        from mindio.ttp._enums import Action, ReportState
+
+        p = self.proc
+        while not self.done.is_set():
+            try:
+                p.start_updating_os(-1)
+                p.end_updating_os(p.step + 1)
+                if self.stall_at is not None and p.step >= self.stall_at:
+                    self.done.wait(30)
+                    return
+                if p.step == self.fail_at:
+                    self.fail_at = None
+                    raise RuntimeError("injected fault")
+                if self.pause:
+                    p.pause_train(p.step)
+            except RuntimeError as exc:  # FORCE STOP, or the injected fault: park like the decorator does
+                if "FORCE STOP" not in str(exc):
+                    p.report(ReportState.RS_UNKNOWN, str(exc))
+                self.exit = p.wait_next_action()
+                self.decisions.append(self.exit)
+                if self.exit[0] is Action.EXIT:
+                    return
+            time.sleep(0.005)
 
 
 def stop_plane(ctl, procs) -> None:

@@ -1,7 +1,6 @@
 """Graceful pause in one process over real loopback sockets: controller + processors whose "main threads"
 are plain threads running a training-shaped loop (fast; no torch.distributed). The toy and Megatron jobs
 are in test_pause_e2e.py and tests/megatron/test_pause_megatron.py."""
-import threading
 import time
 
 import pytest
@@ -11,33 +10,9 @@ from mindio.errors import ConfigError
 from mindio.ttp._enums import Action, ReportState
 from mindio.ttp.states import State
 
-from ._harness import start_plane, stop_plane, until as _until
+from ._harness import Loop, start_plane, stop_plane, until as _until
 
 KEY = b"p" * 32
-
-
-class Loop(threading.Thread):
-    """A rank's training loop: update, end of step, tft_pause_train; ``stall_at``: stops calling the
-    fence at that step (a rank stuck in compute)."""
-
-    def __init__(self, proc, stall_at=None):
-        super().__init__(daemon=True)
-        self.proc, self.stall_at, self.done, self.exit = proc, stall_at, threading.Event(), None
-
-    def run(self):
-        p = self.proc
-        while not self.done.is_set():
-            try:
-                p.start_updating_os(-1)
-                p.end_updating_os(p.step + 1)
-                if self.stall_at is not None and p.step >= self.stall_at:
-                    self.done.wait(30)
-                    return
-                p.pause_train(p.step)
-            except RuntimeError:  # FORCE STOP: park like the decorator does
-                self.exit = p.wait_next_action()
-                return
-            time.sleep(0.005)
 
 
 @pytest.fixture

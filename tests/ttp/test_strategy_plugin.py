@@ -4,18 +4,15 @@ docs/architecture.md "Adding a strategy"): a strategy defined here, registered w
 recovery sequence (sequence.Sequence) against real processors over loopback, whose "main threads" are
 plain threads running a training-shaped loop (no torch.distributed). When one of its steps fails on a
 rank (a rollback handler that raises), the incident falls back to the next strategy of its order."""
-import threading
-import time
-
 import pytest
 
 from mindio.ttp.controller import Controller
-from mindio.ttp._enums import Action, ReportState
+from mindio.ttp._enums import Action
 from mindio.ttp.sequence import Sequence
 from mindio.ttp.states import Result, State
 from mindio.ttp.strategy import Outcome, Strategy
 
-from ._harness import start_plane, stop_plane, until as _until
+from ._harness import Loop, start_plane, stop_plane, until as _until
 
 KEY = b"g" * 32
 
@@ -43,33 +40,6 @@ class Reload(Strategy):
         return Outcome.RESUMED
 
 
-class Loop(threading.Thread):
-    """A rank's training loop: fence, update, end of step; ``fail_at``: raises once at that step and
-    reports it, as tft_exception_handler does; parks for the controller's decision after any error."""
-
-    def __init__(self, proc, fail_at=None):
-        super().__init__(daemon=True)
-        self.proc, self.fail_at, self.done, self.decisions = proc, fail_at, threading.Event(), []
-
-    def run(self):
-        p = self.proc
-        while not self.done.is_set():
-            try:
-                p.start_updating_os(-1)
-                p.end_updating_os(p.step + 1)
-                if p.step == self.fail_at:
-                    self.fail_at = None
-                    raise RuntimeError("injected fault")
-            except RuntimeError as exc:
-                if "FORCE STOP" not in str(exc):
-                    p.report(ReportState.RS_UNKNOWN, str(exc))
-                action = p.wait_next_action()
-                self.decisions.append(action)
-                if action[0] is Action.EXIT:
-                    return
-            time.sleep(0.005)
-
-
 @pytest.fixture
 def job(monkeypatch):
     monkeypatch.setitem(Controller.STRATEGIES, "reload", Reload())  # the one registration line
@@ -93,7 +63,7 @@ def job(monkeypatch):
 @pytest.mark.timeout(60)
 def test_a_strategy_registered_with_one_line_recovers_a_real_fault(job):
     ctl, procs, loops, rolled = job
-    loops += [Loop(procs[0]), Loop(procs[1], fail_at=5)]
+    loops += [Loop(procs[0], pause=False), Loop(procs[1], fail_at=5, pause=False)]
     for lp in loops:
         lp.start()
     assert _until(lambda: ctl.last_decision.get("strategy") is not None, 30), ctl.sm.state
@@ -123,7 +93,7 @@ def test_a_step_of_the_new_strategy_that_fails_on_a_rank_falls_back(job):
         p.callbacks["save_ckpt"] = (lambda step, info, args, ctx, r=p.rank: saved.append((r, step)), None)
         p.send_info()
     assert _until(lambda: all(ctl.ranks[p.rank].replica for p in procs))
-    loops += [Loop(procs[0]), Loop(procs[1], fail_at=5)]
+    loops += [Loop(procs[0], pause=False), Loop(procs[1], fail_at=5, pause=False)]
     for lp in loops:
         lp.start()
     assert _until(lambda: ctl.final.is_set(), 30), ctl.sm.state

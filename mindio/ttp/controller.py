@@ -33,7 +33,7 @@ from .. import _knobs, _logging
 from . import policy
 from . import protocol as P
 from ._enums import ReportState, Strategy
-from .ranks import RankRecord as _Rank  # noqa: F401 (the old name, still imported by tests)
+from .ranks import RankRecord as _Rank, RankTable  # _Rank: the old name, still imported by tests
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import Incident, IncidentFlow
@@ -88,7 +88,7 @@ class Controller(IncidentFlow):
         self.sm = StateMachine()
         self.backup, self.active = backup, not backup
         self.backups: list[str] = []
-        self.ranks: dict[int, _Rank] = {}
+        self.ranks = RankTable()  # {rank: RankRecord} (ranks.py)
         self.drops = P.DropCounter()
         self.sessions = Sessions(max_pending=2 * world_size + 64,
                                  backups=_knobs.get("MINDIO_BACKUP_CONTROLLERS") if backups_allowed is None

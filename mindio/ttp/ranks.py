@@ -1,4 +1,4 @@
-"""Controller side: what the controller knows of one rank (its row of the rank table).
+"""Controller side: what the controller knows of one rank (its row of the rank table) and the table.
 
 The record is shared by the registration (controller.py) and the flows that add ranks to the table
 (elastic_flow.py's upgrade, recover.py's replacements); it lives here so that none of them imports the
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RankRecord"]
+__all__ = ["RankRecord", "RankTable"]
 
 
 @dataclass
@@ -30,3 +30,16 @@ class RankRecord:
     features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
     gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
     left: bool = False  # said BYE: its late heartbeats are answered "BYE", never "register again"
+
+
+class RankTable(dict):
+    """The controller's rank table, ``{rank: RankRecord}``; call its queries under the controller's lock
+    (the I/O thread changes the records)."""
+
+    def live(self) -> list[int]:
+        """The live ranks, sorted."""
+        return sorted(r.rank for r in self.values() if r.alive)
+
+    def dead(self) -> list[int]:
+        """The dead ranks (known to the table), sorted."""
+        return sorted(r.rank for r in self.values() if not r.alive)

@@ -34,7 +34,7 @@ import logging
 import time
 
 from .. import _logging, vocab
-from . import policy, sequence
+from . import policy
 from . import protocol as P
 from ._enums import RepairType, ReportState
 from .retry import uce_repair_type
@@ -137,7 +137,7 @@ class Replace(Strategy):
 
     def run(self, ctl, ctx: Context) -> Outcome:
         with ctl._lock:
-            dead = sequence.dead(ctl.ranks)
+            dead = ctl.ranks.dead()
         dead += sorted(set(range(ctl.world_size)) - set(ctl.ranks))
         if not ctl.replacements.possible(self.name, dead):
             why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
@@ -152,7 +152,7 @@ class Replace(Strategy):
         seq = Sequence(ctl, strategy, t_incident, label="recover", lost=lambda: rep.dead)
         ctl.sm.fire(Result.RECOVER, lock_step=lock, strategy=strategy)
         with ctl._lock:
-            dead, survivors = sequence.dead(ctl.ranks), sequence.live(ctl.ranks)
+            dead, survivors = ctl.ranks.dead(), ctl.ranks.live()
         dead += sorted(set(range(ctl.world_size)) - set(ctl.ranks))
         if not dead:
             _log.error("recover: no rank is dead")

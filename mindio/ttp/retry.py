@@ -150,7 +150,7 @@ class StopRound:
         keeps its state: it may hold the only copy of a shard."""
         inside = [r for r in running if replies[r].detail.get("in_collective")]
         with self.ctl._lock:
-            dead = sorted(r.rank for r in self.ctl.ranks.values() if not r.alive)
+            dead = self.ctl.ranks.dead()
         if not inside or not dead:  # every peer lives: the teardown of the stopped ones releases them
             return running
         _log.warning("stop: ranks %s still blocked in a collective (dead ranks %s); releasing them from their "
@@ -187,7 +187,7 @@ class StopRound:
             outside = [r for r in still if not more[r].detail.get("in_collective")]
             victims = outside or still
             with self.ctl._lock:
-                dead = {r.rank for r in self.ctl.ranks.values() if not r.alive}
+                dead = set(self.ctl.ranks.dead())
             if not still or not self.ctl.replacements.possible("recover-in-place", sorted(dead | set(victims))):
                 return still
             last = self._last_copies(replies, dead, victims)

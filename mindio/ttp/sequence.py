@@ -15,7 +15,7 @@ A strategy (strategy.py) is a short script over a :class:`Sequence`::
         seq.resume(lock, live)
         seq.done("every rank trains again", f"repaired {uce}", report=({...}, "retry"), lock_step=lock)
 
-The plain functions below (``live``, ``dead``, ``live_ranks``, ``abandon``, ``resume``, ``phases``) are
+The plain functions below (``live_ranks``, ``abandon``, ``resume``, ``phases``) are
 the pieces the object uses, for the flows that are not a sequence (the pause, the stop round).
 """
 from __future__ import annotations
@@ -26,25 +26,15 @@ import time
 from .. import _logging
 from .states import Result
 
-__all__ = ["live", "dead", "live_ranks", "abandon", "resume", "phases", "Sequence"]
+__all__ = ["live_ranks", "abandon", "resume", "phases", "Sequence"]
 
 _log = logging.getLogger("mindio.ttp")
 
 
-def live(table: dict) -> list[int]:
-    """The live ranks of a rank table (``{rank: RankRecord}``), sorted; call it under the table's lock."""
-    return sorted(r.rank for r in table.values() if r.alive)
-
-
-def dead(table: dict) -> list[int]:
-    """The dead ranks of a rank table, sorted; call it under the table's lock."""
-    return sorted(r.rank for r in table.values() if not r.alive)
-
-
 def live_ranks(ctl) -> list[int]:
-    """The controller's live ranks, sorted (takes its lock)."""
+    """The controller's live ranks, sorted (takes its lock; ranks.RankTable.live)."""
     with ctl._lock:
-        return live(ctl.ranks)
+        return ctl.ranks.live()
 
 
 def abandon(ctl, ranks: list, failed: str) -> bool:

@@ -62,6 +62,6 @@ class Strategy:
     def fall_back(self, ctl, ctx: Context) -> Outcome:
         """A step failed: a rank may have died meanwhile, so the dump is planned again; FAILED."""
         with ctl._lock:
-            dead_now = {r.rank for r in ctl.ranks.values() if not r.alive}
+            dead_now = set(ctl.ranks.dead())
         ctx.replan_dump(dead_now)
         return Outcome.FAILED

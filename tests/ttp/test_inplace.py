@@ -9,6 +9,7 @@ from mindio.ttp._enums import Action
 from mindio.ttp.brain import Brain
 from mindio.ttp.policy import RankView
 from mindio.ttp.processor import Processor
+from mindio.ttp.ranks import RankTable
 
 
 @pytest.mark.timeout(30)
@@ -124,7 +125,7 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
 
         def __init__(self, mains, steps=None):
             self.mains, self.calls, self.steps = mains, [], steps or {}
-            self._lock, self.ranks = threading.Lock(), {}  # the rank table: no rank declared dead
+            self._lock, self.ranks = threading.Lock(), RankTable()  # the rank table: no rank declared dead
 
         def job_strategies(self):
             return {"dump", "retry"}  # no recover-in-place: no stuck-rank kill

@@ -16,3 +16,25 @@ def test_the_processor_has_no_mixin_bases():
 def test_every_strategy_is_an_object_of_the_strategy_class():
     assert Controller.STRATEGIES and all(isinstance(s, Strategy) for s in Controller.STRATEGIES.values())
     assert all(s.name == name for name, s in Controller.STRATEGIES.items())
+
+
+def test_the_controller_is_composed_of_parts_with_one_mixin_left():
+    """The parts own their state; IncidentFlow (incident.py, with PauseFlow) is the one base left
+    (docs/architecture.md, "Not yet"): no other mixin comes back."""
+    from mindio.ttp.actions import ActionEngine
+    from mindio.ttp.elastic_flow import Elastic
+    from mindio.ttp.hotswitch import HotSwitch
+    from mindio.ttp.incident import IncidentFlow
+    from mindio.ttp.ranks import RankTable
+    from mindio.ttp.recover import Replacements
+    from mindio.ttp.retry import StopRound
+    from mindio.ttp.states import StateMachine
+    from mindio.ttp.watch import Liveness
+
+    assert Controller.__bases__ == (IncidentFlow,) and IncidentFlow.__bases__[0].__bases__ == (object,)
+    ctl = Controller(0, 4, {"dump"}, b"k" * 32)
+    parts = {"ranks": RankTable, "sm": StateMachine, "actions": ActionEngine, "liveness": Liveness,
+             "stop_round": StopRound, "replacements": Replacements, "elastic": Elastic, "hot_switch": HotSwitch}
+    assert {name: type(getattr(ctl, name)) for name in parts} == parts
+    assert all(getattr(ctl, name).ctl is ctl for name in ("liveness", "stop_round", "replacements", "elastic",
+                                                          "hot_switch"))

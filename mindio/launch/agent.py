@@ -88,6 +88,7 @@ class Agent:
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
         self._backup = None  # this round's backup controller (backup.py; opt-in, nodes 1..N)
+        self._store_lost = False  # node 0's agents' store is unreachable (run)
         self._ttp: dict | None = None
         self.secret = ""  # the job secret, handed to every worker (secret.py)
         self._round = self._port = 0
@@ -565,6 +566,7 @@ class Agent:
             if not isinstance(exc, DistError):
                 raise
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            self._store_lost = True  # no leaving through it either (_leave)
             if self._backup is not None:  # this node's backup controller saves what survives (backup.py)
                 return backup.orphaned(self, self._backup, first)
             where = "this node's" if self.cfg.node_rank == 0 and not self.cfg.standby else "node 0's"
@@ -603,6 +605,8 @@ class Agent:
     def _leave(self) -> None:
         """Node 0 hosts the stores: it leaves last (bounded by ``leave_timeout``), so no agent reads a
         store that is gone."""
+        if self._store_lost:
+            return
         try:
             if self.cfg.node_rank != 0:
                 self._store.add("job/left", 1)

@@ -83,6 +83,8 @@ def orphaned(agent, ctl, error: str) -> int:
     """Node 0's agents' store is unreachable (``error``): node 0 is lost. Arm this node's backup, let it
     take over and end the job with a last-words checkpoint; wait (bounded) for its decision and for this
     node's workers; print one line; return the agent's exit code (75: dumped, else 1)."""
+    from ..ttp.states import State
+
     cfg = agent.cfg
     t0 = time.monotonic()
     node0 = list(range(cfg.nproc_per_node))
@@ -113,6 +115,10 @@ def orphaned(agent, ctl, error: str) -> int:
         with agent.lock:
             alive = [r for r, p in agent.workers.items() if p.poll() is None]
         if not alive:
+            # the workers exit on the exit order, after replying to it; FINAL follows the replies (its
+            # driver thread), so it may come a moment after the processes are gone: bounded by that action
+            if ctl.sm.state in (State.EXIT, State.FINAL) and ctl.final.wait(ctl.action_limit):
+                break
             why = "every worker of this node exited before the backup controller decided"
             break
         if agent.stopping:

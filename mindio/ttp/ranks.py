@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RankRecord", "RankTable"]
+__all__ = ["RankRecord", "RankTable", "infer_layout"]
 
 
 @dataclass
@@ -43,3 +43,21 @@ class RankTable(dict):
     def dead(self) -> list[int]:
         """The dead ranks (known to the table), sorted."""
         return sorted(r.rank for r in self.values() if not r.alive)
+
+
+def infer_layout(rank: int, records) -> tuple[list, list]:
+    """(replica, dp_group) of ``rank`` as the other ranks' records tell it: a DP group's replica entry
+    ({rank_list, replica_cnt}) is the same on every member, so a rank that never registered here (a
+    backup controller taking over after the primary's node died with it) gets the entry of any member
+    that did, per optimizer type. Empty when no record names ``rank``."""
+    replica: dict = {}
+    dp_group: list = []
+    for r in records:
+        if not r.registered:
+            continue
+        for t, entry in enumerate(r.replica or ()):
+            if entry and rank in entry.get("rank_list", ()):
+                replica.setdefault(t, dict(entry))
+        if not dp_group and rank in (r.dp_group or ()):
+            dp_group = list(r.dp_group)
+    return [replica.get(t, {}) for t in range(max(replica) + 1)] if replica else [], dp_group

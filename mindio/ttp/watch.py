@@ -60,11 +60,14 @@ class Liveness:
             r.last_seen += gap
 
     def sweep(self, now: float, check_hang: bool) -> None:
-        if not self.ctl.active:
-            link = self.ctl._primary_link
-            n = self.ctl._registered
-            if link is not None and link.failovers and not link.registered.is_set() and 2 * n > self.ctl.world_size:
-                self.ctl._take_over(now, n)
+        ctl = self.ctl
+        if not ctl.active:
+            link = ctl._primary_link
+            n = ctl._registered
+            # more than half of the ranks, or the launcher's quorum (mindio/launch/backup.py: node 0 lost)
+            quorum = ctl.takeover_quorum if ctl.takeover_quorum is not None else ctl.world_size // 2 + 1
+            if link is not None and link.failovers and not link.registered.is_set() and n >= quorum:
+                ctl._take_over(now, n)
             return
         limit = self.ctl.misses * self.ctl.interval
         if now - self.ctl._drained_at > self.ctl.interval:

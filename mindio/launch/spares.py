@@ -48,28 +48,26 @@ class Spares:
             stdin=subprocess.PIPE, env=self._env, text=True,
         )
 
-    def _fork(self, assignment: dict):
-        """A worker forked by this agent's fork server (started on first use); None: exec one."""
-        if self._forking:
-            if self._server is None:
-                self._server = forkserver.ForkServer(self._target, self._env)
-            if assignment is None:
-                return None
-            worker = self._server.take(assignment)
-            if worker is not None:
-                return worker
+    def _fork(self, assignment: dict | None):
+        """A worker forked by this agent's fork server (started on first use; ``assignment`` None: only
+        that); None: exec one."""
+        if not self._forking:
+            return None
+        if self._server is None:
+            self._server = forkserver.ForkServer(self._target, self._env)
+        worker = self._server.take(assignment) if assignment is not None else None
+        if worker is None and self._server.fork is False:
             self._forking = False
             log.warning("the fork server cannot fork workers (%s): they are exec'd warm spares from now on",
                         self._server.why)
-        return None
+        return worker
 
     def fill(self, count: int | None = None) -> None:
         """Keep ``count`` (default ``--warm-spares``) interpreters warming or waiting (with a fork server:
         start it; it is all the warm interpreter this agent needs)."""
+        self._fork(None)
         if self._forking:
-            self._fork(None)
-            if self._server.fork is not False:
-                return
+            return
         self._pool = [p for p in self._pool if p.poll() is None]
         while len(self._pool) < max(count or 0, self._cfg.warm_spares):
             self._pool.append(self._start())

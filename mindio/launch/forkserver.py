@@ -164,7 +164,9 @@ class ForkServer:
             try:
                 self._send(assign=assignment)
                 pid = self._pids.get(timeout=self.timeout)
-            except queue.Empty:
+            except queue.Empty:  # a fork that comes later would be no one's: end the server (and its children)
+                self.proc.kill()
+                self.fork, self.why = False, "it did not fork within MINDIO_FORK_SERVER_TIMEOUT"
                 raise TimeoutError(f"the fork server (pid {self.proc.pid}) did not fork a worker within "
                                    f"{self.timeout} s (MINDIO_FORK_SERVER_TIMEOUT)") from None
             except OSError:

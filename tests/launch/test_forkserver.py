@@ -154,9 +154,11 @@ def test_a_server_with_threads_after_its_imports_execs_its_workers(tmp_path):
     assert all(s["ppid"] == s["agent"] for s in seen.values())
 
 
-def test_off_and_accelerator_builds_are_not_forked():
-    assert forkserver.unusable({"MINDIO_FORK_SERVER": "off"}) == "MINDIO_FORK_SERVER=off"
+@pytest.mark.parametrize("build", ["cuda", "hip", "xpu"])
+def test_off_and_accelerator_builds_are_not_forked(monkeypatch, build):
+    """A fork after CUDA/HIP/XPU started is unsafe: such a torch build execs every worker."""
     import torch
 
-    if torch.version.cuda or getattr(torch.version, "hip", None):
-        assert "built for" in forkserver.unusable({})
+    assert forkserver.unusable({"MINDIO_FORK_SERVER": "off"}) == "MINDIO_FORK_SERVER=off"
+    monkeypatch.setattr(torch.version, build, "12.4", raising=False)
+    assert f"torch is built for {build.upper()} 12.4" in forkserver.unusable({})

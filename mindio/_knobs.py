@@ -193,7 +193,8 @@ _ALL = [
          "(Kubernetes' default, Slurm's KillWait). mindio-run: --preempt-timeout.", min=1, max=3600),
     Knob("MINDIO_FORK_SERVER", str, "auto",
          "mindio-run: auto: each agent forks its workers from one warm interpreter (the imports paid once per "
-         "node, not once per worker), where a fork is safe: torch built for the CPU only (a CUDA/ROCm/XPU build "
+         "node, not once per worker), where a fork is safe: OMP_NUM_THREADS=1 (the default with several workers a "
+         "node), torch built for the CPU only (a CUDA/ROCm/XPU build "
          "or torch_npu: every worker is exec'd), and the server runs one thread and no CUDA after its imports; "
          "off: every worker is an exec'd warm spare (mindio/launch/forkserver.py).", choices=("auto", "off")),
     Knob("MINDIO_FORK_SERVER_TIMEOUT", float, 300.0,

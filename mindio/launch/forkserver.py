@@ -6,7 +6,9 @@ A forked worker is a :class:`ForkedWorker`: the part of ``subprocess.Popen`` the
 ``poll``, ``wait``, ``returncode``, ``send_signal``, ``terminate``, ``kill``), its exit code relayed by
 the server (its parent), its signals sent through a pidfd (never to a reused pid).
 
-``MINDIO_FORK_SERVER`` (``auto``, default, or ``off``): ``auto`` forks where it is safe -- a CPU-only
+``MINDIO_FORK_SERVER`` (``auto``, default, or ``off``): ``auto`` forks where it is safe -- workers
+with ``OMP_NUM_THREADS=1`` (mindio-run's default with several workers a node; otherwise numpy's
+OpenBLAS starts threads at import: the server would find them and fall back, its imports wasted), a CPU-only
 torch build (no CUDA, ROCm or XPU build, no torch_npu: an accelerator runtime that may start in the
 server makes a fork child unusable, so there every worker is exec'd as a warm spare) and a server
 that, after its imports, runs one thread and has not initialised CUDA. Otherwise, or when the server
@@ -38,6 +40,9 @@ def unusable(env: dict) -> str:
     """Why this agent must exec its workers instead of forking them, or ''."""
     if _knobs.get("MINDIO_FORK_SERVER", env) == "off":
         return "MINDIO_FORK_SERVER=off"
+    if env.get("OMP_NUM_THREADS") != "1":  # mindio-run sets 1 for several workers a node, as torchrun does
+        return (f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', '')!r}, not 1: the imports would start BLAS/OpenMP "
+                "thread pools (a fork child gets only the forking thread)")
     if not hasattr(os, "pidfd_open"):
         return "no pidfd_open (Linux 5.3+)"
     import torch

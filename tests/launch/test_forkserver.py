@@ -71,7 +71,7 @@ def _run(tmp_path, mode: str, *flags, timeout: float = 90, sent=None, **env):
     return p.returncode, p.stdout, seen
 
 
-@pytest.mark.skipif(forkserver.unusable(dict(os.environ, MINDIO_FORK_SERVER="auto")) != "",
+@pytest.mark.skipif(forkserver.unusable(dict(os.environ, MINDIO_FORK_SERVER="auto", OMP_NUM_THREADS="1")) != "",
                     reason="no fork server here (an accelerator build of torch)")
 @pytest.mark.timeout(240)
 def test_a_forked_worker_sees_what_an_execd_one_sees(tmp_path):
@@ -151,7 +151,7 @@ def test_a_server_with_threads_after_its_imports_execs_its_workers(tmp_path):
     rc, out, seen = _run(tmp_path, "auto", "--max-restarts", "1", timeout=240, MINDIO_PRELOAD="threaded_mod",
                          PYTHONPATH=f"{REPO}:{tmp_path}")
     assert rc == 0 and sorted(seen) == [0, 1], out[-3000:]
-    if forkserver.unusable(dict(os.environ, MINDIO_FORK_SERVER="auto")) == "":
+    if forkserver.unusable(dict(os.environ, MINDIO_FORK_SERVER="auto", OMP_NUM_THREADS="1")) == "":
         assert "the fork server cannot fork workers (2 threads run after the imports" in out, out[-3000:]
     assert all(s["ppid"] == s["agent"] for s in seen.values())
 
@@ -162,5 +162,6 @@ def test_off_and_accelerator_builds_are_not_forked(monkeypatch, build):
     import torch
 
     assert forkserver.unusable({"MINDIO_FORK_SERVER": "off"}) == "MINDIO_FORK_SERVER=off"
+    assert "OMP_NUM_THREADS='4', not 1" in forkserver.unusable({"OMP_NUM_THREADS": "4"})  # BLAS threads at import
     monkeypatch.setattr(torch.version, build, "12.4", raising=False)
-    assert f"torch is built for {build.upper()} 12.4" in forkserver.unusable({})
+    assert f"torch is built for {build.upper()} 12.4" in forkserver.unusable({"OMP_NUM_THREADS": "1"})

@@ -6,7 +6,7 @@ ratios against the baseline:
 
     off       no high availability: one copy of each optimizer shard (ZeRO-1 over DP)
     replicas  --replica-cnt 2 without mindio.ttp: the replica optimizer alone
-    on        --enable-high-availability: replicas (R=2) + controller, processors, update reports
+    on        --enable-high-availability --no-dump: replicas (R=2) + controller, processors, update reports
 
 Step time = median of the per-step times printed by rank 0, warm-up steps excluded.
 Memory: optimizer-state bytes of rank 0 (fp32 main params + Adam moments) measured from the live
@@ -44,7 +44,7 @@ PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 CONFIGS = {
     "off": [],
     "replicas": ["--replica-cnt", "2"],
-    "on": ["--enable-high-availability"],
+    "on": ["--enable-high-availability", "--no-dump"],  # no --save here: no last-words checkpoint planned
 }
 
 

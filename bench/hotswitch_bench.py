@@ -38,7 +38,7 @@ from mindio._ports import free_port as _port  # outside the ephemeral range (min
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 BRAIN_DIR = REPO / "tests" / "recovery"
-ARGS = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", "20", "--seed", "1234",
+ARGS = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump", "--train-iters", "20", "--seed", "1234",
         "--inject", "hold:rank=0,step=5,seconds=120"]
 
 

@@ -89,13 +89,14 @@ def main() -> int:
     events = lambda name: {"MINDIO_EVENT_LOG": str(work / f"events-{name}.jsonl")}  # noqa: E731 one log per run
     (work / "drill").mkdir()
     print(f"[1/4] fault-free reference run: {STEPS} steps, 4 ranks (DP=4, optimizer shards on 2 ranks each)")
-    rc, ref = mindio_run(COMMON + ["--enable-high-availability"], env)
+    rc, ref = mindio_run(COMMON + ["--enable-high-availability", "--save", str(work / "ckpt-reference")], env)
     if rc != 0:
         raise SystemExit(f"demo: the reference run failed with exit code {rc}")
     want = digest(ref)
 
     print("\n[2/4] retry: UCE error on rank 1 at step 5 (its optimizer shard is destroyed first)")
-    rc, retry = mindio_run(COMMON + ["--enable-hbmfault-repair", "--inject", "uce:rank=1,step=5"],
+    rc, retry = mindio_run(COMMON + ["--enable-hbmfault-repair", "--save", str(work / "ckpt-retry"),
+                                     "--inject", "uce:rank=1,step=5"],
                            {**env, **events("retry")})
     if rc != 0:
         raise SystemExit(f"demo: the retry run failed with exit code {rc}")
@@ -105,7 +106,8 @@ def main() -> int:
     restarted = any(re.search(r"(restarting|relaunching) every worker", l) for _, l in retry)
 
     print("\n[3/4] recover in place: rank 3 is SIGKILLed at step 7; only that process is started again")
-    rc, recover = mindio_run(COMMON + ["--enable-high-availability", "--inject", "kill:rank=3,step=7"],
+    rc, recover = mindio_run(COMMON + ["--enable-high-availability", "--save", str(work / "ckpt-recover"),
+                                       "--inject", "kill:rank=3,step=7"],
                              {**env, "HIGH_AVAILABILITY": "recover-in-place,dump", **events("recover")})
     if rc != 0:
         raise SystemExit(f"demo: the recover-in-place run failed with exit code {rc}")

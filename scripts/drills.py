@@ -17,7 +17,8 @@ after an error or Ctrl-C). Every process a row starts is killed with its namespa
 Faults (the ``FAULTS`` table): kill node 1 (with / without a standby), silent host death (node 1's link
 down, then every process on it killed), a partition of node 1 for 2 s and for 10 s, link flapping
 (100 ms down every second for 10 s), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
-replacement dies at start).
+replacement dies at start), node 0's loss without and with a backup controller on node 1
+(MINDIO_BACKUP_CONTROLLERS=1: the backup dumps from node 1's replicas).
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ FAULTS = [
     Row("link flapping, MINDIO_HEARTBEAT_MISSES=8", "flap", seconds=10.0, env={"MINDIO_HEARTBEAT_MISSES": "8"}),
     Row("NIC flapping on node 1 (eth0 100 ms down every 1 s, 10 s)", "flap-nic", seconds=10.0),
     Row("kill node 0 (controller + stores; no backup)", "kill-node0"),
+    Row("kill node 0, backup controller on node 1 (no standby)", "kill-node0", standby=False,
+        env={"MINDIO_BACKUP_CONTROLLERS": "1"}),
     Row("hang rank 1 (MINDIO_HANG_TIMEOUT=5)", "none", toy_fault="hang:1:{step}", env={"MINDIO_HANG_TIMEOUT": "5"}),
     Row("fault during recovery (replacement dies)", "none", toy_fault="kill:1:{step}",
         env={"TOY_REPLACEMENT_FAILS": "1"}),
@@ -253,10 +256,15 @@ class Drill:
         else:
             outcome = f"exit {code}, nothing saved" if not (self.out / "ckpt" / "latest").exists() else f"exit {code}"
         if self.row.apply == "kill-node0" and not hung:
-            said = re.findall(r"mindio-run: job failed[^\n]*", (self.out / "node1.log").read_text(errors="replace"))
+            said = re.findall(r"mindio-run: (?:job failed|node 0 lost)[^\n]*",
+                              (self.out / "node1.log").read_text(errors="replace"))
             tb = "mindio/launch/agent.py" in (self.out / "node1.log").read_text(errors="replace")  # agent traceback
-            outcome = (f"node 1 exit {code}" + (", with a traceback" if tb else "") +
-                       (f": \"{said[0][:110]}...\"" if said else ", no reason printed"))
+            saved = " (last-words checkpoint)" if code == 75 and (self.out / "ckpt" / "latest").exists() else ""
+            dumped = next((e for e in events if e["kind"] == "backup_dumped"), None)
+            if dumped and fault_t:
+                saved += f", saved {dumped['t'] - fault_t:.2f} s after the kill"
+            outcome = (f"node 1 exit {code}{saved}" + (", with a traceback" if tb else "") +
+                       (f": \"{said[0][:160]}...\"" if said else ", no reason printed"))
         again = f"{done[0]['t'] - fault_t:.2f} s" if done and fault_t else "-"  # every rank trains again
         reached = max((int(i) for i in re.findall(r"\[rank \d\] iteration (\d+)", text)), default=0)
         if done:  # iterations some rank computed twice (its old process, then its replacement / a rollback)

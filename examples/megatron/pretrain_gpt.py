@@ -1,13 +1,13 @@
 """Pretrain a small GPT with megatron-core, with mindio high availability. Reads top to bottom.
 
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
-        --train-iters 50 --enable-high-availability          # DP=4, each shard on 2 ranks
+        --train-iters 50 --enable-high-availability --save ckpt   # DP=4, each shard on 2 ranks
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
         --tensor-model-parallel-size 2 --save ckpt --save-interval 10
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
-        --pipeline-model-parallel-size 2 --global-batch-size 8 --enable-high-availability   # PP2 x DP2
+        --pipeline-model-parallel-size 2 --global-batch-size 8 --enable-high-availability --save ckpt  # PP2xDP2
     torchrun --nproc-per-node 4 examples/megatron/pretrain_gpt.py --use-distributed-optimizer \
-        --num-experts 4 --expert-model-parallel-size 2 --enable-high-availability          # MoE, EP2
+        --num-experts 4 --expert-model-parallel-size 2 --enable-high-availability --save ckpt   # MoE, EP2
 
 megatron-core 0.16.1 has no ``megatron.training``, so ``pretrain()``, ``train()``,
 ``train_step()`` and the arguments are written here with Megatron's names and flags. Lines marked
@@ -356,12 +356,10 @@ def setup_high_availability(ctx) -> None:
     port = (_knobs.get("TTP_PORT") if os.environ.get("TTP_PORT")
             else int(os.environ.get("MASTER_PORT", 29500)) + 1)
     if rank == 0:  # (under mindio-run --high-availability its agent hosts the controller: these start none)
-        if not args.save:  # mindio: nowhere to write a last-words checkpoint: the controller must not plan one
+        if not mio.wants_dump(args):  # mindio: --no-dump (without --save it is refused at start): no dump planned
             wanted = _knobs.get("HIGH_AVAILABILITY") or (("dump",) + ("recover",) * args.enable_worker_reboot
                                                          + ("elastic-training",) * args.enable_elastic_training)
             os.environ["HIGH_AVAILABILITY"] = ",".join(s for s in wanted if s != "dump") or "exit"
-            log.warning("--enable-high-availability without --save: a fault that cannot be repaired in place "
-                        "ends the job without a last-words checkpoint (exit 76); give --save DIR to have one")
         ttp.tft_init_controller(rank, world, False, enable_arf=args.enable_worker_reboot,
                                 enable_zit=args.enable_elastic_training)
         ttp.tft_start_controller(addr, port, enable_tls=False)

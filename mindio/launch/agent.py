@@ -50,7 +50,7 @@ import time
 
 from .. import _logging
 from ..errors import ConfigError
-from . import elastic, failures, ha, liveness, netif, preempt, secret, switch
+from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, switch
 from .config import LaunchConfig
 from .logs import WorkerLogs
 from .spares import Spares
@@ -89,6 +89,8 @@ class Agent:
         self._spares = Spares(cfg, base)
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
+        self._backup = None  # this round's backup controller (backup.py; opt-in, nodes 1..N)
+        self._store_lost = False  # node 0's agents' store is unreachable (run)
         self._ttp: dict | None = None
         self.secret = ""  # the job secret, handed to every worker (secret.py)
         self._round = self._port = 0
@@ -260,6 +262,8 @@ class Agent:
                 self._hosted = ha.HostedController(self, rnd)
             self._wait_key(f"round/{rnd}/ttp", "the address of the controller it hosts", "node 0's agent")
             self._ttp = json.loads(self._store.get(f"round/{rnd}/ttp"))
+            if self._backup is None:
+                self._backup = backup.start(self, rnd, self._ttp)  # node 0's loss: backup.orphaned
         if gen is not None and self.takeover_kind == elastic.KIND:  # a vacant node after a downgrade
             elastic.start_standbys(self)  # its ranks offer themselves back to the controller (upgrade)
             return
@@ -313,6 +317,9 @@ class Agent:
         if self._hosted is not None:
             self._hosted.close()
             self._hosted = None
+        if self._backup is not None:  # joined off the main loop, as the hosted controller
+            threading.Thread(target=self._backup.destroy, name="mindio-backup-destroy").start()
+            self._backup = None
         if settle:
             self._settle()
         with self._lock:
@@ -561,6 +568,9 @@ class Agent:
             if not isinstance(exc, DistError):
                 raise
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            self._store_lost = True  # no leaving through it either (_leave)
+            if self._backup is not None:  # this node's backup controller saves what survives (backup.py)
+                return backup.orphaned(self, self._backup, first)
             where = "this node's" if self.cfg.node_rank == 0 and not self.cfg.standby else "node 0's"
             print(f"mindio-run: job failed on node {self.cfg.node_rank}: {where} agents' store at "
                   f"{self.cfg.master_addr}:{self.cfg.master_port} is unreachable ({first}); node 0 hosts the "
@@ -597,6 +607,8 @@ class Agent:
     def _leave(self) -> None:
         """Node 0 hosts the stores: it leaves last (bounded by ``leave_timeout``), so no agent reads a
         store that is gone."""
+        if self._store_lost:
+            return
         try:
             if self.cfg.node_rank != 0:
                 self._store.add("job/left", 1)

@@ -49,7 +49,7 @@ import time
 from .. import _logging
 from .._secret import secret_key
 from ..vocab import EXIT_CODE_SWITCHED
-from . import elastic, liveness, switch
+from . import backup, elastic, liveness, switch
 from .failures import describe
 from .view import WorkerView
 
@@ -88,7 +88,7 @@ class HostedController:
         self.store = TCPStore(cfg.master_addr, cfg.master_port, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=cfg.rdzv_timeout))
         self.ctl = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability),
-                              key=secret_key(agent.secret))
+                              key=secret_key(agent.secret), backups_allowed=backup.count(cfg))
         self.ctl.start(cfg.master_addr, 0)  # the bind picks a free port
         port = self.ctl.port
         self.ctl.attach_replacer(self, timeout=cfg.recover_timeout)

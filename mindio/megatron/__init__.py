@@ -14,7 +14,7 @@ from . import checkpoint, replica  # noqa: E402
 from .adapter import MegatronAdapter, TrainingContext
 from mindio.adapter import register
 
-from .arguments import add_high_availability_args, replica_count, resolve_high_availability
+from .arguments import add_high_availability_args, replica_count, resolve_high_availability, wants_dump
 from .digest import state_digest
 from .optimizer import ReplicaDistributedOptimizer, distributed_optimizers, install
 
@@ -41,6 +41,7 @@ __all__ = [
     "setup_cpu",
     "add_high_availability_args",
     "resolve_high_availability",
+    "wants_dump",
     "replica_count",
     "register",
     "checkpoint",

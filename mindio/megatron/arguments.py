@@ -6,6 +6,11 @@
     --enable-elastic-training         shrink/grow DP on faults; implies high availability
     --distributed-optimizer-no-replica  no optimizer replicas (repairs fall back to checkpoints)
     --replica-cnt R                   copies of every optimizer shard (default 2 with HA, else 1)
+    --no-dump                         high availability without a last-words checkpoint (no --save needed)
+
+High availability plans a last-words checkpoint (dump) into ``--save``: without ``--save`` it is refused at
+start with one line, unless the job asks for no dump (``--no-dump``, or ``HIGH_AVAILABILITY`` without
+``dump``): then a fault that retry/recover cannot repair ends the job with exit 76.
 
 ``HIGH_AVAILABILITY=dump,retry,recover,elastic-training`` turns the same flags on.
 """
@@ -16,7 +21,7 @@ import argparse
 
 from mindio import _knobs
 
-__all__ = ["add_high_availability_args", "resolve_high_availability", "replica_count"]
+__all__ = ["add_high_availability_args", "resolve_high_availability", "replica_count", "wants_dump"]
 
 _ENV_TO_FLAG = {
     "dump": "enable_high_availability",
@@ -42,7 +47,17 @@ def add_high_availability_args(parser: argparse.ArgumentParser) -> argparse.Argu
     g.add_argument("--replica-cnt", type=int, default=None,
                    help="copies of each optimizer shard (default: 2 with high availability, "
                         "else 1)")
+    g.add_argument("--no-dump", action="store_true",
+                   help="high availability without a last-words checkpoint: no --save needed; a fault "
+                        "that cannot be repaired in place ends the job (exit 76)")
     return parser
+
+
+def wants_dump(args: argparse.Namespace) -> bool:
+    """Does this high-availability job plan a last-words checkpoint? Yes unless --no-dump, or
+    HIGH_AVAILABILITY names strategies without ``dump``."""
+    env = _knobs.get("HIGH_AVAILABILITY")
+    return args.enable_high_availability and not args.no_dump and (not env or "dump" in env)
 
 
 def replica_count(args: argparse.Namespace) -> int:
@@ -66,4 +81,8 @@ def resolve_high_availability(args: argparse.Namespace) -> argparse.Namespace:
     if args.enable_high_availability and not args.use_distributed_optimizer:
         raise SystemExit("--enable-high-availability needs --use-distributed-optimizer "
                          "(the replica optimizer is a distributed optimizer)")
+    if "save" in vars(args) and not args.save and wants_dump(args):
+        raise SystemExit("--enable-high-availability needs --save DIR: the last-words checkpoint of a fault "
+                         "is written there; give --save, or --no-dump to run without one (a fault that "
+                         "cannot be repaired in place then ends the job with exit 76)")
     return args

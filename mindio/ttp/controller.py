@@ -34,7 +34,7 @@ from .. import _knobs, _logging
 from . import policy
 from . import protocol as P
 from ._enums import ReportState, Strategy
-from .ranks import RankRecord as _Rank  # noqa: F401 (the old name, still imported by tests)
+from .ranks import RankRecord as _Rank, infer_layout  # _Rank: the old name, still imported by tests
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
 from .incident import IncidentFlow
@@ -88,6 +88,7 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
         self.action_limit = _knobs.get("TTP_NORMAL_ACTION_TIME_LIMIT")
         self.sm = StateMachine()
         self.backup, self.active = backup, not backup
+        self.takeover_quorum: int | None = None  # a backup: registered ranks it takes over with (None: > half)
         self.backups: list[str] = []
         self.ranks: dict[int, _Rank] = {}
         self.drops = P.DropCounter()
@@ -516,6 +517,9 @@ class Controller(LivenessWatch, HotSwitchFlow, IncidentFlow, RetryFlow, RecoverF
                 if rank not in self.ranks:
                     self.ranks[rank] = _Rank(rank, b"", last_seen=now, registered=False)  # no route yet
                     self._seen[rank] = None
+            for rank in [r for r, rec in self.ranks.items() if not rec.registered and not rec.replica]:
+                # its shard layout as its DP group's registered members know it (the dump plan needs it)
+                self.ranks[rank].replica, self.ranks[rank].dp_group = infer_layout(rank, self.ranks.values())
             self.active = True
             held, self._held_reports = self._held_reports, []
             dead = [r.rank for r in self.ranks.values() if r.registered and not r.alive]

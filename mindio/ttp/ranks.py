@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RankRecord"]
+__all__ = ["RankRecord", "infer_layout"]
 
 
 @dataclass
@@ -30,3 +30,21 @@ class RankRecord:
     features: dict = field(default_factory=dict)  # the processor's enable flags (uce/arf/zit); retry.py
     gen: int = 0  # generation the rank's process registered in (a replacement: the recovery's)
     left: bool = False  # said BYE: its late heartbeats are answered "BYE", never "register again"
+
+
+def infer_layout(rank: int, records) -> tuple[list, list]:
+    """(replica, dp_group) of ``rank`` as the other ranks' records tell it: a DP group's replica entry
+    ({rank_list, replica_cnt}) is the same on every member, so a rank that never registered here (a
+    backup controller taking over after the primary's node died with it) gets the entry of any member
+    that did, per optimizer type. Empty when no record names ``rank``."""
+    replica: dict = {}
+    dp_group: list = []
+    for r in records:
+        if not r.registered:
+            continue
+        for t, entry in enumerate(r.replica or ()):
+            if entry and rank in entry.get("rank_list", ()):
+                replica.setdefault(t, dict(entry))
+        if not dp_group and rank in (r.dp_group or ()):
+            dp_group = list(r.dp_group)
+    return [replica.get(t, {}) for t in range(max(replica) + 1)] if replica else [], dp_group

@@ -42,7 +42,9 @@ class LivenessWatch:
         if not self.active:
             link = self._primary_link
             n = self._registered
-            if link is not None and link.failovers and not link.registered.is_set() and 2 * n > self.world_size:
+            # more than half of the ranks, or the launcher's quorum (mindio/launch/backup.py: node 0 lost)
+            quorum = self.takeover_quorum if self.takeover_quorum is not None else self.world_size // 2 + 1
+            if link is not None and link.failovers and not link.registered.is_set() and n >= quorum:
                 self._take_over(now, n)
             return
         limit = self.misses * self.interval

@@ -19,7 +19,7 @@ pytestmark = SLOW_MEGATRON
 
 @pytest.mark.timeout(240)
 def test_worker_reboot_without_the_launcher_flag_fails_at_start(tmp_path):
-    args = ["--use-distributed-optimizer", "--enable-high-availability", "--enable-worker-reboot",
+    args = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump", "--enable-worker-reboot",
             "--inject", "kill:rank=1,step=7", "--train-iters", 10, "--seed", 1234]
     code, out = torchrun(PRETRAIN, args, nproc=2, timeout=220, launcher="mindio.launch.cli", check=False,
                          env={"TTP_LOG_PATH": str(tmp_path / "logs"), "MINDIO_DRILL_DIR": str(tmp_path)})

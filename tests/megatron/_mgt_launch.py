@@ -139,9 +139,11 @@ LAYOUTS = {
 LAYOUT_ITERS = 20
 
 
-def layout_args(layout: str, ha_flag: str = "--enable-high-availability") -> list:
-    return ["--use-distributed-optimizer", ha_flag, "--train-iters", LAYOUT_ITERS, "--seed", 1234,
-            *LAYOUTS[layout]]
+def layout_args(layout: str, ha_flag: str = "--enable-high-availability", dump: bool = False) -> list:
+    """The example's flags for ``layout``; ``dump``: the job plans a last-words checkpoint (the caller gives
+    ``--save``), else ``--no-dump`` (high availability without ``--save`` is refused at start)."""
+    return ["--use-distributed-optimizer", ha_flag, *([] if dump else ["--no-dump"]), "--train-iters",
+            LAYOUT_ITERS, "--seed", 1234, *LAYOUTS[layout]]
 
 
 def layout_reference(fault_free_run, layout: str) -> str:

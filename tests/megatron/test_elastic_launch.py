@@ -129,7 +129,7 @@ def test_standby_agent_scales_a_downgraded_job_back_out(tmp_path):
           f"at step {u})")
 
     # the checkpoint of the scale-out step, relaunched at DP=4, reproduces the continuing run bit for bit
-    assert_relaunch_reproduces(ckpt, u, ARGS, out, tmp_path, ITERS)
+    assert_relaunch_reproduces(ckpt, u, ARGS + ["--no-dump"], out, tmp_path, ITERS)
 
 
 @pytest.mark.timeout(600)
@@ -140,7 +140,8 @@ def test_a_job_that_stays_downgraded_ends_normally(tmp_path, where):
     instance partner) exits 77. Either way the removed ranks' exits are no deaths for the agents and
     the job ends with exit 0 after every step at DP=2, instead of waiting for the lost node or failing
     the round."""
-    args = ["--use-distributed-optimizer", "--enable-elastic-training", "--train-iters", 10, "--seed", 1234]
+    args = ["--use-distributed-optimizer", "--enable-elastic-training", "--no-dump", "--train-iters", 10,
+            "--seed", 1234]
     if where == "lost-node":
         res, evs = _run(tmp_path, args + ["--inject", "kill-node:node=1,step=7"], timeout=420, standby=False)
         code0, out = res["node0"]

@@ -91,8 +91,8 @@ def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys=(2, 3)
 
 @pytest.mark.timeout(1500)
 def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
-    ref_out = torchrun(PRETRAIN, ARGS + ["--seed", 1234], timeout=400)
-    other_out = torchrun(PRETRAIN, ARGS + ["--seed", 1235], timeout=400)
+    ref_out = torchrun(PRETRAIN, ARGS + ["--seed", 1234, "--no-dump"], timeout=400)
+    other_out = torchrun(PRETRAIN, ARGS + ["--seed", 1235, "--no-dump"], timeout=400)
     ref, other = losses(ref_out), losses(other_out)
 
     ckpt = tmp_path / "ckpt"
@@ -135,7 +135,7 @@ def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
     assert mean_e <= 0.1 * mean_s and worst < 0.01, (mean_e, mean_s, worst)
 
     # the dump right after the scale-out, relaunched, reproduces the continuing run bit for bit
-    assert_relaunch_reproduces(ckpt, u, ARGS + ["--seed", 1234], out, tmp_path, ITERS)
+    assert_relaunch_reproduces(ckpt, u, ARGS + ["--seed", 1234, "--no-dump"], out, tmp_path, ITERS)
 
 
 @pytest.mark.timeout(900)
@@ -144,7 +144,7 @@ def test_two_downgrades_4_to_3_to_2_with_renumbered_ranks(tmp_path):
     micro-batches per step), then an error on rank 1 -> DP=2 (6 micro-batches) with the survivors [0, 2]:
     job rank 2 is torch rank 1 in the new world. Replicas stay identical after every step; the loss stays
     within 1 % of the fault-free run with the same global batch."""
-    args = ARGS[:-1] + [20, "--seed", 1234, "--replica-cnt", 4, "--global-batch-size", 24]
+    args = ARGS[:-1] + [20, "--seed", 1234, "--no-dump", "--replica-cnt", 4, "--global-batch-size", 24]
     run = _launch_elastic(tmp_path, args + ["--check-replicas", "--inject", "kill:rank=3,step=7; raise:rank=1,step=12"],
                           standbys=())
     out, evs = run["out"], run["events"]

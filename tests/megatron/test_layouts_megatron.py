@@ -69,7 +69,7 @@ def _three_faults(layout, tmp_path_factory):
         table = d / "fault_table.json"
         table.write_text(json.dumps(DUMP_UNKNOWN))
         ckpt = d / "ckpt"
-        rc, out = torchrun(PRETRAIN, layout_args(layout) + ["--enable-hbmfault-repair", "--save", ckpt,
+        rc, out = torchrun(PRETRAIN, layout_args(layout, dump=True) + ["--enable-hbmfault-repair", "--save", ckpt,
                                                             "--inject", FAULTS],
                            timeout=500, launcher=LAUNCH, check=False,
                            env={"HIGH_AVAILABILITY": "recover-in-place,retry,dump", "MINDIO_FAULT_TABLE": str(table),
@@ -130,7 +130,7 @@ def test_no_replica_layout_falls_back_to_periodic_checkpoint(fault_free_run, tmp
     ref = layout_reference(fault_free_run, layout)
     ckpt = tmp_path / "ckpt"
     events = tmp_path / "events.jsonl"
-    rc, out = torchrun(PRETRAIN, layout_args(layout) + ["--save", ckpt, "--save-interval", 4,
+    rc, out = torchrun(PRETRAIN, layout_args(layout, dump=True) + ["--save", ckpt, "--save-interval", 4,
                                                         "--inject", "raise:rank=1,step=7"],
                        timeout=400, check=False,
                        env={"HIGH_AVAILABILITY": "dump", "MINDIO_EVENT_LOG": str(events),

@@ -20,7 +20,8 @@ from _mgt_launch import PRETRAIN, REPO, digests, free_port, torchrun, SLOW_MEGAT
 pytestmark = SLOW_MEGATRON
 
 ITERS = 30
-BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS, "--seed", 1234]
+BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump", "--train-iters", ITERS,
+        "--seed", 1234]
 DECIDER = REPO / "tests" / "ttp" / "_decider_proc.py"
 
 

@@ -28,7 +28,7 @@ def _ttp_available() -> bool:
         return False
 
 
-HA = ["--enable-high-availability"] if _ttp_available() else ["--replica-cnt", 2]
+HA = ["--enable-high-availability", "--no-dump"] if _ttp_available() else ["--replica-cnt", 2]
 
 
 def _decreasing(curve: dict) -> None:

@@ -66,7 +66,7 @@ def test_controller_dump_after_fault_loads_bitwise(reference_digest, tmp_path):
                        timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
-    resumed = torchrun(PRETRAIN, common + ["--load", ckpt], timeout=150)
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest
 
@@ -87,11 +87,11 @@ def test_controller_dump_tp2_dp2_loads_bitwise(tmp_path):
     ckpt = tmp_path / "tp"
     common = ["--use-distributed-optimizer", "--enable-high-availability",
               "--tensor-model-parallel-size", 2, "--train-iters", 10]
-    reference = digests(torchrun(PRETRAIN, common, timeout=150))[-1]
+    reference = digests(torchrun(PRETRAIN, common + ["--no-dump"], timeout=150))[-1]
     rc, out = torchrun(PRETRAIN, common + ["--save", ckpt, "--inject", "raise:rank=1,step=6"],
                        timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
     # DP groups {0, 2} and {1, 3}: rank 1 failed, so ranks 0 and 3 hold a usable copy of every shard
     assert sorted(p.name for p in (ckpt / "iter_0000005").glob("*.distcp")) == ["__0_0.distcp", "__3_0.distcp"]
-    resumed = torchrun(PRETRAIN, common + ["--load", ckpt], timeout=150)
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150)
     assert digests(resumed)[-1] == reference

@@ -46,7 +46,7 @@ def test_memory_overhead_formula():
 
 
 def test_high_availability_flags(monkeypatch):
-    from mindio.megatron import add_high_availability_args, replica_count, resolve_high_availability
+    from mindio.megatron import add_high_availability_args, replica_count, resolve_high_availability, wants_dump
 
     p = add_high_availability_args(argparse.ArgumentParser())
     p.add_argument("--use-distributed-optimizer", action="store_true")
@@ -60,3 +60,16 @@ def test_high_availability_flags(monkeypatch):
     monkeypatch.delenv("HIGH_AVAILABILITY")
     with pytest.raises(SystemExit, match="needs --use-distributed-optimizer"):
         resolve_high_availability(p.parse_args(["--enable-high-availability"]))
+    # a parser with --save (Megatron's): high availability plans a dump there, so none is refused...
+    p.add_argument("--save", default=None)
+    ha = ["--use-distributed-optimizer", "--enable-high-availability"]
+    with pytest.raises(SystemExit, match=r"needs --save DIR.*--no-dump"):
+        resolve_high_availability(p.parse_args(ha))
+    for flags in (["--enable-hbmfault-repair"], ["--enable-worker-reboot"], ["--enable-elastic-training"]):
+        with pytest.raises(SystemExit, match="needs --save DIR"):  # each sub-feature implies the dump too
+            resolve_high_availability(p.parse_args(["--use-distributed-optimizer", *flags]))
+    # ...unless the job asks for no dump: --no-dump, or HIGH_AVAILABILITY without "dump"
+    assert not wants_dump(resolve_high_availability(p.parse_args(ha + ["--no-dump"])))
+    assert wants_dump(resolve_high_availability(p.parse_args(ha + ["--save", "ckpt"])))
+    monkeypatch.setenv("HIGH_AVAILABILITY", "retry")
+    assert not wants_dump(resolve_high_availability(p.parse_args(["--use-distributed-optimizer"])))

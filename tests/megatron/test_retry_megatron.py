@@ -20,7 +20,7 @@ from _mgt_launch import PRETRAIN, digests, torchrun, SLOW_MEGATRON
 pytestmark = SLOW_MEGATRON
 
 ITERS = 10
-BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS,
+BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump", "--train-iters", ITERS,
         "--seed", 1234]
 
 

@@ -11,6 +11,7 @@ SIGKILLs rank R's launcher agent, then R itself (the node's other workers die wi
 partitioned host, as seen from the others).
 
 ``TOY_ENABLE_ARF=1``: the processors register with ``enable_arf`` (worker reboot).
+``TOY_DECLARED_REPLICAS=1``: the processors declare no replica (``replica_cnt`` 1) to mindio.
 
 At the end every rank writes ``final_rank<r>.pt`` and rank 0 prints ``state-digest: <sha256>`` over
 every rank's (flat, master, m, v, it).
@@ -91,7 +92,10 @@ def main() -> int:
     ttp.tft_register_repair_handler(trainer.repair)
     ttp.tft_register_rollback_handler(trainer.rollback)
     ttp.tft_start_processor(os.environ.get("TTP_ADDR", "127.0.0.1"), int(os.environ["TTP_PORT"]))
-    ttp.tft_set_optimizer_replica(a.rank, [{"rank_list": list(range(a.world)), "replica_cnt": toy.R,
+    # TOY_DECLARED_REPLICAS=1: tell mindio there is no replica (as a job without one would): every shard
+    # then lives on one rank only, whatever the toy keeps (test_controller_node_loss: no surviving copy)
+    replicas = int(os.environ.get("TOY_DECLARED_REPLICAS", toy.R))
+    ttp.tft_set_optimizer_replica(a.rank, [{"rank_list": list(range(a.world)), "replica_cnt": replicas,
                                             "replica_shift": 0}])
     if ttp.tft_is_reboot_node():
         print(f"[rank {a.rank}] replacement process ({ttp.tft_get_reboot_type()}), pid {os.getpid()}", flush=True)

@@ -27,7 +27,8 @@ from mindio.ttp.hotswitch import EXIT_CODE_SWITCHED  # noqa: E402
 pytestmark = SLOW_MEGATRON
 
 ITERS = 20
-BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS, "--seed", 1234]
+BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump", "--train-iters", ITERS,
+        "--seed", 1234]
 
 
 @pytest.mark.timeout(800)

@@ -12,17 +12,10 @@ halves; shard k on ranks k and k+2), gloo on loopback.
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
-from test_recover_inplace import REPO, STEPS, TOY, FAULT_IT, _port, digest, fault_free_digest, run
+from test_recover_inplace import STEPS, FAULT_IT, digest, fault_free_digest, run
+from _two_nodes import two_nodes
 
 from tests._exits import assert_no_signal_deaths, check_codes
 
@@ -76,11 +69,6 @@ def test_hang_detector_after_a_recovery_blames_nobody_else(reference, tmp_path):
     assert digest(text) == reference
 
 
-def _agent(common: list, flags: list, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(common + flags, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
 @pytest.mark.timeout(200)
 def test_partitioned_node_ends_in_a_dump_from_the_survivors(tmp_path):
     """Two agents (2 ranks each), no standby. Rank 2 freezes its whole node at step FAULT_IT (SIGSTOP
@@ -89,33 +77,12 @@ def test_partitioned_node_ends_in_a_dump_from_the_survivors(tmp_path):
     blocked in a collective with node 1 and holding a copy of every shard, are released and dump:
     exit 75 and a complete checkpoint -- never exit 76 with nothing saved."""
     out = tmp_path / "run"
-    out.mkdir()
-    events = out / "events.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
-               MINDIO_EVENT_LOG=str(events), **SILENT)
-    common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
-              "--master-port", str(_port()), "--high-availability", "recover-in-place,recover,dump"]
-    tail = [str(TOY), "--out", str(out), "--steps", str(STEPS), "--fault", f"stop-node:2:{FAULT_IT}",
-            "--step-sleep", "0.1"]
-    node0 = _agent(common + ["--node-rank", "0"], tail, env)
-    time.sleep(0.3)
-    node1 = _agent(common + ["--node-rank", "1"], tail, env)
-    try:
-        text0, _ = node0.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(node0.pid, signal.SIGKILL)
-        text0, _ = node0.communicate()
-        raise AssertionError(f"node 0 did not end within 150 s (a hang):\n{text0[-6000:]}")
-    finally:
-        if node0.poll() is None:
-            os.killpg(node0.pid, signal.SIGKILL)
-        os.killpg(node1.pid, signal.SIGKILL)  # the frozen node: the test froze it, the test ends it
-        text1, _ = node1.communicate()
-    evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
-    check_codes({"node0": node0.returncode, "node1": node1.returncode}, {"node1": "SIGKILL"}, what="agent",
-                context=text0[-6000:])
+    codes, texts, evs = two_nodes(out, ["--steps", str(STEPS), "--fault", f"stop-node:2:{FAULT_IT}", "--step-sleep",
+                                        "0.1"], "recover-in-place,recover,dump", SILENT, wait_for="node0")
+    text0 = texts["node0"]
+    check_codes(codes, {"node1": "SIGKILL"}, what="agent", context=text0[-6000:])
     assert_no_signal_deaths(text0, {})
-    assert node0.returncode == 75, text0[-6000:]  # EXIT_CODE_DUMPED: the last words were saved
+    assert codes["node0"] == 75, text0[-6000:]  # EXIT_CODE_DUMPED: the last words were saved
     ckpt = out / "ckpt"
     step = int((ckpt / "latest").read_text())
     assert step == FAULT_IT and sorted(p.name for p in (ckpt / f"iter_{step:07d}").iterdir()) == \

@@ -23,7 +23,8 @@ from test_recover_node import run_nodes  # noqa: E402
 pytestmark = SLOW_MEGATRON
 
 ITERS = 10
-BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", ITERS, "--seed", 1234]
+BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump", "--train-iters", ITERS,
+        "--seed", 1234]
 LAUNCH = "mindio.launch.cli"
 
 

@@ -1,0 +1,160 @@
+"""A backup controller in a node's agent: the controller survives the loss of node 0 (issue 16).
+
+Opt-in: ``MINDIO_BACKUP_CONTROLLERS=N`` (N >= 1) in the agents' environment, with ``mindio-run
+--high-availability`` on two nodes or more. Then node 0's hosted controller (ha.py) accepts N backups,
+and the agents of nodes 1..N each host one passive backup (``Controller(backup=True)``) for the round:
+it announces itself to the primary, which advertises it to every rank in its acks, so each rank's link
+knows where to fail over to (transport.Link).
+
+Node 0 hosts the controller and both stores. When its agents' store becomes unreachable (node 0's
+host died: every store call fails, :func:`orphaned` is called from the agent's run loop), node 1's
+agent does not stop its workers (they hold replicas) but arms its backup: the backup takes over as
+soon as every rank outside node 0 failed over to it (their links find the primary silent after
+``MINDIO_HEARTBEAT_MISSES`` x ``MINDIO_HEARTBEAT_INTERVAL`` s; a rank that has not failed over 2.5
+intervals after that bound is taken for dead, the sweep declares it), node 0's ranks are declared dead at
+once (their node is gone), and the backup decides as any controller does. It has no launcher to
+replace ranks with (the stores were on node 0), so its decision is the last-words checkpoint: the
+surviving ranks dump from the surviving replicas and exit 75 -- or, when some shard has no surviving
+copy, exit 76 and nothing is saved (the last periodic checkpoint stays the latest). The agent prints
+one line saying which, and exits 75 (dump) or 1.
+
+Until armed, a backup never takes over (``takeover_quorum`` above the world size): a primary that is
+only stalled, or the backup's own link trouble, is no loss of node 0. A backup armed in a partition
+(node 0 alive but unreachable from node 1) acts too: both sides may then dump the same step (see
+docs/recovery.md, "Node 0").
+
+Every wait is bounded by ``MINDIO_DECISION_TIMEOUT`` (the backstop for a decision on a death) and the
+message says what was awaited and from whom.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from .. import _knobs, _logging
+from .._secret import secret_key
+from ..vocab import EXIT_CODE_DUMPED
+
+log = logging.getLogger(__name__)
+
+__all__ = ["count", "start", "orphaned"]
+
+
+def count(cfg) -> int:
+    """How many backup controllers this job keeps (0: none): MINDIO_BACKUP_CONTROLLERS, under high
+    availability, at most one per node other than node 0."""
+    if not cfg.high_availability or cfg.nnodes < 2:
+        return 0
+    return min(int(_knobs.get("MINDIO_BACKUP_CONTROLLERS")), cfg.nnodes - 1)
+
+
+def _bind_addr(cfg) -> str:
+    """Where this node's backup listens: --local-addr, else the address this host reaches node 0 from."""
+    if cfg.local_addr:
+        return cfg.local_addr
+    from .netif import route_source
+
+    try:
+        return route_source(cfg.master_addr)
+    except OSError:
+        return cfg.master_addr
+
+
+def start(agent, rnd: int, info: dict):
+    """Node k (1 <= k <= count): start this round's passive backup of the controller at ``info``
+    (round/<n>/ttp); returns it, or None when this node hosts none."""
+    cfg = agent.cfg
+    if cfg.standby or not 1 <= cfg.node_rank <= count(cfg):
+        return None
+    from ..ttp.controller import Controller
+
+    ctl = Controller(rank=cfg.node_rank, world_size=cfg.world_size, enabled=set(cfg.high_availability),
+                     key=secret_key(agent.secret), backup=True)
+    ctl.takeover_quorum = cfg.world_size + 1  # never, until orphaned() arms it
+    ctl.start(_bind_addr(cfg), 0, primary=f"tcp://{info['addr']}:{info['port']}")
+    log.info("round %d: backup controller on %s for the primary at %s:%s", rnd, ctl.address, info["addr"],
+             info["port"])
+    _logging.event("backup_started", round=rnd, node=cfg.node_rank, address=ctl.address)
+    return ctl
+
+
+def orphaned(agent, ctl, error: str) -> int:
+    """Node 0's agents' store is unreachable (``error``): node 0 is lost. Arm this node's backup, let it
+    take over and end the job with a last-words checkpoint; wait (bounded) for its decision and for this
+    node's workers; print one line; return the agent's exit code (75: dumped, else 1)."""
+    from ..ttp.states import State
+
+    cfg = agent.cfg
+    t0 = time.monotonic()
+    node0 = list(range(cfg.nproc_per_node))
+    others = cfg.world_size - len(node0)
+    bound = cfg.decision_timeout
+    _logging.event("controller_node_lost", node=cfg.node_rank, error=error)
+    log.info("node 0's agents' store is unreachable (%s): node 0 (controller and stores) is lost; the backup "
+              "controller on node %d takes over once ranks %d..%d failed over to it", error, cfg.node_rank,
+              len(node0), cfg.world_size - 1)
+    declared = False
+    why = ""
+    deadline = t0 + bound
+    while True:
+        with agent.lock:
+            gone = sorted(r for r, p in agent.workers.items() if p.poll() is not None)
+        if not ctl.active:
+            # every rank outside node 0, but this node's exited workers, fails over to us; a rank still
+            # missing once every live link must have failed over (its bound, plus two beats) is dead too
+            late = time.monotonic() - t0 > ctl.misses * ctl.interval + 2.5 * ctl.interval
+            ctl.takeover_quorum = max(1, ctl._registered if late else others - len(gone))
+        elif not declared:
+            declared = True  # their host is gone, or they exited here: no need to wait for missed heartbeats
+            ctl.declare_dead(node0, "node lost", node=0)
+            if gone:
+                ctl.declare_dead(gone, "agent", reason="exited (seen by node %d's agent)" % cfg.node_rank)
+        if ctl.final.is_set():
+            break
+        with agent.lock:
+            alive = [r for r, p in agent.workers.items() if p.poll() is None]
+        if not alive:
+            # the workers exit on the exit order, after replying to it; FINAL follows the replies (its
+            # driver thread), so it may come a moment after the processes are gone: bounded by that action
+            if ctl.sm.state in (State.EXIT, State.FINAL) and ctl.final.wait(ctl.action_limit):
+                break
+            why = "every worker of this node exited before the backup controller decided"
+            break
+        if agent.stopping:
+            why = "the agent was stopped by a signal"
+            break
+        if time.monotonic() > deadline:
+            why = (f"waited {bound:g} s for the backup controller on node {cfg.node_rank} to "
+                   + ("decide" if ctl.active else f"take over (it needs ranks {len(node0)}..{cfg.world_size - 1} "
+                                                  f"to fail over to it; {ctl._registered} did)")
+                   + "; MINDIO_DECISION_TIMEOUT sets the bound")
+            break
+        time.sleep(min(0.05, cfg.monitor_interval))
+    # the workers carry out the exit order (a dump first); bounded by --shutdown-timeout
+    end = time.monotonic() + max(cfg.term_grace, 1.0)
+    with agent.lock:
+        procs = dict(agent.workers)
+    for p in procs.values():
+        try:
+            p.wait(max(0.0, end - time.monotonic()))
+        except Exception:  # subprocess.TimeoutExpired: stopped by the agent's finally
+            pass
+    codes = {r: p.poll() for r, p in sorted(procs.items())}
+    d = ctl.last_decision if ctl.final.is_set() else {}
+    took = time.monotonic() - t0
+    where = f"mindio-run: node 0 lost (its agents' store is unreachable: {error[:120]})"
+    if ctl.final.is_set() and ctl.exit_code == EXIT_CODE_DUMPED and all(c == EXIT_CODE_DUMPED for c in codes.values()):
+        print(f"{where}; the backup controller on node {cfg.node_rank} saved a last-words checkpoint at step "
+              f"{d.get('lock_step')} from the surviving replicas ({took:.1f} s): relaunch the job to resume from it",
+              file=sys.stderr, flush=True)
+        _logging.event("backup_dumped", node=cfg.node_rank, step=d.get("lock_step"), took_s=round(took, 3))
+        return EXIT_CODE_DUMPED
+    if ctl.final.is_set():
+        missing = d.get("missing_shards") or []
+        why = (f"no surviving copy of shard(s) {missing[:8]}: nothing was saved" if missing else
+               f"the backup controller ended the job with exit code {ctl.exit_code}; workers {codes}")
+    print(f"{where}; {why or 'the job could not be saved'}; the last periodic checkpoint stays the latest",
+          file=sys.stderr, flush=True)
+    _logging.event("backup_failed", node=cfg.node_rank, why=why, codes={str(k): v for k, v in codes.items()})
+    return 1

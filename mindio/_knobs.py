@@ -202,6 +202,9 @@ _ALL = [
     Knob("MINDIO_FORK_SERVER_TIMEOUT", float, 300.0,
          "mindio-run: seconds an agent waits for its fork server to finish its imports, then for each fork.",
          min=1, max=3600),
+    Knob("OMP_NUM_THREADS", str, "",
+         "OpenMP/BLAS threads of each worker (torch's, not mindio's); mindio-run sets 1 with several workers a node, "
+         "as torchrun does. mindio-run forks its workers from a fork server only when it is 1 (MINDIO_FORK_SERVER)."),
     Knob("MINDIO_PRELOAD", str, "",
          "mindio-run: comma list of extra modules its warm worker interpreters import before they know their "
          "rank (only modules that read no rank variable at import; torch, numpy, megatron.core and mindio "

@@ -40,8 +40,9 @@ def unusable(env: dict) -> str:
     """Why this agent must exec its workers instead of forking them, or ''."""
     if _knobs.get("MINDIO_FORK_SERVER", env) == "off":
         return "MINDIO_FORK_SERVER=off"
-    if env.get("OMP_NUM_THREADS") != "1":  # mindio-run sets 1 for several workers a node, as torchrun does
-        return (f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', '')!r}, not 1: the imports would start BLAS/OpenMP "
+    omp = _knobs.get("OMP_NUM_THREADS", env)
+    if omp != "1":  # mindio-run sets 1 for several workers a node, as torchrun does
+        return (f"OMP_NUM_THREADS={omp!r}, not 1: the imports would start BLAS/OpenMP "
                 "thread pools (a fork child gets only the forking thread)")
     if not hasattr(os, "pidfd_open"):
         return "no pidfd_open (Linux 5.3+)"

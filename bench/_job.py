@@ -8,6 +8,8 @@ relaunch needs that the example leaves to its launcher script.
 * ``BENCH_TIMINGS=1``: the data path is timed where it moves state, one line each, for the
   benchmark's bytes-and-rate columns: ``bench-job: save|load|dump|repair-send|repair-recv rank=R
   bytes=N s=T`` (periodic save and load on rank 0; every dumping, sending and receiving rank).
+* a replacement process (recover-in-place, recover) prints ``bench-job: replacement rank=R start t=..
+  imports t=.. warm-spare import_s=..``: when its script started, and how long its warm spare imported.
 * ``--inject`` is the example's own flag (:mod:`mindio.drill`: fires once per job, also across
   relaunches when MINDIO_DRILL_DIR is set, as the benchmark does).
 
@@ -77,6 +79,9 @@ def main() -> None:
     if rank == "0":
         print(f"bench-job: start restart={restart} t={_T0:.6f}", flush=True)
         print(f"bench-job: imports restart={restart} t={time.time():.6f}", flush=True)
+    if os.environ.get("MINDIO_REBOOT_GEN"):  # a replacement process (recover-in-place, recover)
+        print(f"bench-job: replacement rank={rank} start t={_T0:.6f} imports t={time.time():.6f} warm-spare "
+              f"import_s={os.environ.get('MINDIO_WORKER_WARMUP_S', '-')}", flush=True)
     argv = sys.argv[1:]
     resume = os.environ.get("BENCH_RESUME_DIR")
     if resume and checkpoint.read_tracker(Path(resume)) is not None:

@@ -193,6 +193,18 @@ _ALL = [
          "mindio-run stops its workers as for any other signal (--shutdown-timeout later SIGKILL), and a worker "
          "still running ends itself by the signal. 20 s plus the 3 s shutdown timeout fit a 30 s grace period "
          "(Kubernetes' default, Slurm's KillWait). mindio-run: --preempt-timeout.", min=1, max=3600),
+    Knob("MINDIO_FORK_SERVER", str, "auto",
+         "mindio-run: auto: each agent forks its workers from one warm interpreter (the imports paid once per "
+         "node, not once per worker), where a fork is safe: OMP_NUM_THREADS=1 (the default with several workers a "
+         "node), torch built for the CPU only (a CUDA/ROCm/XPU build "
+         "or torch_npu: every worker is exec'd), and the server runs one thread and no CUDA after its imports; "
+         "off: every worker is an exec'd warm spare (mindio/launch/forkserver.py).", choices=("auto", "off")),
+    Knob("MINDIO_FORK_SERVER_TIMEOUT", float, 300.0,
+         "mindio-run: seconds an agent waits for its fork server to finish its imports, then for each fork.",
+         min=1, max=3600),
+    Knob("OMP_NUM_THREADS", str, "",
+         "OpenMP/BLAS threads of each worker (torch's, not mindio's); mindio-run sets 1 with several workers a node, "
+         "as torchrun does. mindio-run forks its workers from a fork server only when it is 1 (MINDIO_FORK_SERVER)."),
     Knob("MINDIO_PRELOAD", str, "",
          "mindio-run: comma list of extra modules its warm worker interpreters import before they know their "
          "rank (only modules that read no rank variable at import; torch, numpy, megatron.core and mindio "

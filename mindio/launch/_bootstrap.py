@@ -44,13 +44,15 @@ _PR_SET_PDEATHSIG = 1
 PRELOAD_SAFE = ("torch", "numpy", "megatron.core", "mindio")
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL this process when its parent (the agent; a fork server's child: the fork server) ends.
+    ``parent``: its pid, when known (a fork child); else the parent is gone when init adopted us."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: the agent kills its workers explicitly anyway
         pass
-    if os.getppid() == 1:  # the agent died before prctl took effect
+    if os.getppid() != parent if parent is not None else os.getppid() == 1:  # it died before prctl took effect
         os._exit(1)
 
 
@@ -138,21 +140,17 @@ def _run(target: str, is_module: bool, argv: list) -> None:
         sys.exit(1)
 
 
-def main() -> None:
-    _die_with_parent()
-    args = sys.argv[1:]
+def parse_target(args: list) -> tuple:
+    """``(target, is_module, is_program)`` from ``SCRIPT`` / ``-m MODULE`` / ``--exec PROGRAM``."""
     if not args:
-        sys.exit("usage: python -m mindio.launch._bootstrap (SCRIPT | -m MODULE) [ARGS...]")
+        sys.exit("usage: python -m mindio.launch._bootstrap (SCRIPT | -m MODULE | --exec PROGRAM) [ARGS...]")
     is_module, is_program = args[0] == "-m", args[0] == "--exec"
-    target = args[1] if is_module or is_program else args[0]
-    t0 = time.monotonic()
-    if not is_program:
-        _preload(target, is_module)
-    warm_s = time.monotonic() - t0
-    line = sys.stdin.readline()
-    if not line.strip():
-        sys.exit(0)
-    assignment = json.loads(line)
+    return (args[1] if is_module or is_program else args[0]), is_module, is_program
+
+
+def become(assignment: dict, target: str, is_module: bool, is_program: bool, warm_s: float) -> None:
+    """Steps 3-4 of the protocol: become the worker ``assignment`` describes (also the fork server's
+    children, mindio/launch/_zygote.py, after their fork)."""
     os.environ.update({k: str(v) for k, v in assignment["env"].items()})
     os.environ["MINDIO_WORKER_WARMUP_S"] = f"{warm_s:.3f}"
     _redirect(1, assignment.get("stdout"))
@@ -176,6 +174,19 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     _run(target, is_module, argv)
+
+
+def main() -> None:
+    _die_with_parent()
+    target, is_module, is_program = parse_target(sys.argv[1:])
+    t0 = time.monotonic()
+    if not is_program:
+        _preload(target, is_module)
+    warm_s = time.monotonic() - t0
+    line = sys.stdin.readline()
+    if not line.strip():
+        sys.exit(0)
+    become(json.loads(line), target, is_module, is_program, warm_s)
 
 
 if __name__ == "__main__":

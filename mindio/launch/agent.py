@@ -26,7 +26,9 @@ controller as rank -1, a worker death is reported to it at once, and agents star
 
 Workers are started through :mod:`mindio.launch._bootstrap`: each agent keeps ``warm_spares``
 interpreters that already imported torch (and whatever of the script's imports cannot read the rank
-environment), so a (re)start does not pay the interpreter start-up on the critical path. Workers die
+environment), so a (re)start does not pay the interpreter start-up on the critical path; where a
+fork is safe (CPU-only torch), one fork server per agent does those imports once and forks every
+worker instead (forkserver.py). Workers die
 with their agent (PR_SET_PDEATHSIG), so killing an agent simulates the loss of a node. Their output and
 error files follow torchrun's ``--log-dir`` / ``--tee`` / ``--redirects`` (logs.py).
 

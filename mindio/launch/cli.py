@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warm-spares", action=env, type=int, default=1, metavar="N",
                    help="pre-started interpreters kept per node (torch imported, waiting for a rank); none "
                         "without --high-availability, --max-restarts or --standby (no worker is ever started "
-                        "again)")
+                        "again), and none where the agent forks its workers from its fork server (CPU-only torch; "
+                        "MINDIO_FORK_SERVER)")
     return p
 
 

@@ -26,6 +26,7 @@ from mindio.errors import ConfigError
 from . import checkpoint, replica
 from .arguments import replica_count
 from .optimizer import distributed_optimizers
+from .restore_build import build_for_restore
 
 __all__ = ["TrainingContext", "MegatronAdapter"]
 
@@ -48,6 +49,12 @@ class TrainingContext:
     _kept: Optional[Dict[str, Any]] = None  # state saved by clean() for rebuild_groups() and dump
     _loaded_iteration: Optional[int] = None  # set when repair fell back to the periodic checkpoint
     _step_rng: Optional[tuple] = None  # (iteration, RNG state at the end of it): record_step_rng()
+
+    def __post_init__(self):
+        from mindio.ttp import reboot
+
+        if reboot.is_reboot():  # a replacement process: its first build's weights come from the replicas
+            self.build = _first_build_restored(self.build)
 
     # -- layout -------------------------------------------------------------------------------
     @property
@@ -180,6 +187,20 @@ class TrainingContext:
                          for k, v in state["grad_scaler"].items()})
         if "rng" in state:
             self.load_rng_state(state["rng"])
+
+
+def _first_build_restored(build: Callable[[], tuple]) -> Callable[[], tuple]:
+    """``build`` whose first call skips the weight initialisation (restore_build.py): in a replacement
+    process (recover-in-place, recover, hot switch) the state comes from a replica (repair), then the
+    rollback sets every param from it."""
+    first = [True]
+
+    def wrapper() -> tuple:
+        if first[0]:
+            first[0] = False
+            return build_for_restore(build, "replacement process")
+        return build()
+    return wrapper
 
 
 def _describe(exc: BaseException) -> str:
@@ -366,11 +387,13 @@ class MegatronAdapter(FrameworkAdapter):
         Collective over the new world (group creation, and get_megatron_optimizer all-gathers
         param-group keys), so every rank, including a replacement process at its start-up, must
         run the same sequence: init_parallel, then build. Models are always rebuilt here, so a
-        repair with ``need_rebuild`` (RT_UCE_HIGHLEVEL, RT_LOAD_REBUILD) finds fresh objects.
+        repair with ``need_rebuild`` (RT_UCE_HIGHLEVEL, RT_LOAD_REBUILD) finds fresh objects. Their
+        weights are not initialised (restore_build.py): every flow that rebuilds rolls back before
+        training (``rollback``: params from the fp32 main shards restored here or repaired).
         """
         ctx = self.ctx
         ctx.init_parallel()
-        ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+        ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "rebuild")
         kept, ctx._kept = ctx._kept, None
         if kept is not None:
             with torch.no_grad():

@@ -1,0 +1,36 @@
+"""A recovery's builds skip megatron's weight initialisation only where the rollback restores every
+param (mindio/megatron/restore_build.py): 2 gloo ranks; the params after the rollback are bitwise those
+of a full build."""
+
+import re
+
+import pytest
+
+from _mgt_launch import REPO, torchrun, SLOW_MEGATRON
+
+pytestmark = SLOW_MEGATRON
+
+WORKER = REPO / "tests" / "megatron" / "_restore_build_worker.py"
+
+
+def draws(out: str) -> tuple:
+    m = re.search(r"draws full=(\d+) restore=(\d+)", out)
+    assert m, out[-3000:]
+    return int(m.group(1)), int(m.group(2))
+
+
+@pytest.mark.timeout(150)
+def test_trainable_model_is_built_without_initialisation():
+    out = torchrun(WORKER, ["trainable"], nproc=2, timeout=120)
+    full, restore = draws(out)
+    assert full > 0 and restore == 0, out[-3000:]
+    assert out.count("params after rollback equal to the full build: True") == 2, out[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_frozen_param_builds_again_in_full():
+    out = torchrun(WORKER, ["frozen"], nproc=2, timeout=120)
+    full, restore = draws(out)
+    assert restore == full > 0, out[-3000:]  # the uninitialised build was dropped, the second drew all
+    assert "building again with the weight initialisation" in out, out[-3000:]
+    assert out.count("params after rollback equal to the full build: True") == 2, out[-3000:]

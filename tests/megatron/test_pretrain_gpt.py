@@ -93,7 +93,7 @@ def test_save_load_continues_bitwise(replica_run, tmp_path):
 @pytest.mark.skipif(not _ttp_available(), reason="mindio.ttp is not available")
 def test_runs_under_mindio_run():
     args = ["--use-distributed-optimizer", "--train-iters", 10]
-    under_mindio = torchrun(PRETRAIN, args + ["--enable-high-availability"], nproc=2,
+    under_mindio = torchrun(PRETRAIN, args + ["--enable-high-availability", "--no-dump"], nproc=2,
                             timeout=200, launcher="mindio.launch.cli")
     under_torchrun = torchrun(PRETRAIN, args + ["--replica-cnt", 2], nproc=2, timeout=200)
     assert digests(under_mindio)[-1] == digests(under_torchrun)[-1]

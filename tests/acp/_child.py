@@ -43,9 +43,14 @@ def main(cmd: str, path: str) -> None:
         _storage.os.write = slow_write
         acp.save(state(2.0), path)
     elif cmd == "after_save":                   # killed right after save returned
+        from mindio.acp import api
         assert acp.initialize() == 0
         assert acp.save(state(3.0, 64), path) == 1
-        say("SAVED")
+        # the daemon's worker sleeps MINDIO_ACP_PERSIST_DELAY before writing: stopped inside that sleep, it
+        # cannot persist before the parent killed this process and looked (the parent continues it)
+        daemon = api._client.hello["pid"]
+        os.kill(daemon, signal.SIGSTOP)
+        say(f"SAVED {daemon}")
         time.sleep(120)
     elif cmd == "fsize_limit":                  # storage refuses big files (RLIMIT_FSIZE, inherited by the daemon)
         assert acp.initialize() == 0

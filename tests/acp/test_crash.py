@@ -79,10 +79,15 @@ def test_kill_trainer_mid_direct_write_keeps_previous_version(acp_env):
 
 def test_kill_trainer_after_save_still_persists(acp_env):
     path = os.path.join(acp_env["ck"], "model.pt")
-    proc = _spawn("after_save", path, {"MINDIO_ACP_PERSIST_DELAY": "2"})
-    _wait_line(proc, "SAVED")
-    _kill9(proc)
-    assert not os.path.exists(path) and os.path.exists(_storage.marker_path(path))   # memory only, marked
+    # the child stops the daemon inside its persist delay and prints its pid: the kill and the look below
+    # come before any persisting however late this process runs (a 2 s delay alone lost that race under load)
+    proc = _spawn("after_save", path, {"MINDIO_ACP_PERSIST_DELAY": "5"})
+    daemon = int(_wait_line(proc, "SAVED").split()[1])
+    try:
+        _kill9(proc)
+        assert not os.path.exists(path) and os.path.exists(_storage.marker_path(path))   # memory only, marked
+    finally:
+        os.kill(daemon, signal.SIGCONT)
     assert _poll(lambda: os.path.exists(path) and not os.path.exists(_storage.marker_path(path)), 90)
     out = acp.load(path, open_way="fopen")
     assert out["step"] == 3 and bool((out["w"] == 3.0).all()) and out["w"].numel() == (64 << 20) // 4

@@ -114,7 +114,8 @@ def test_kill_daemon_during_persistence(acp_env, monkeypatch, pool_survives):
     _save_versions(paths, 1)
     assert acp.flush() == 0
     _kill_daemon()
-    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "3")          # the next daemon persists slowly
+    # the next daemon persists only after 60 s: it is killed long before, however slowly the 4 saves run
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "60")
     assert acp.initialize() == 0
     _save_versions(paths, 2)                                     # acknowledged, still only in memory
     _kill_daemon()
@@ -188,7 +189,7 @@ def test_corrupted_files_name_the_file(acp_env):
 
 def test_recovery_never_overwrites_a_newer_direct_write(acp_env, monkeypatch):
     path = os.path.join(acp_env["ck"], "model.pt")
-    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "5")
+    monkeypatch.setenv("MINDIO_ACP_PERSIST_DELAY", "60")        # killed long before it would persist
     assert acp.initialize() == 0
     assert acp.save({"v": 1}, path) == 1                         # acknowledged, only in memory
     _kill_daemon()

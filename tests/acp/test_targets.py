@@ -1,6 +1,7 @@
 """Targets a save cannot write: refused at save() as torch.save would refuse them, never a storage
 failure; a target that breaks after save() fails that file only; durable renames (directory fsync)."""
 import os
+import signal
 import stat
 import time
 
@@ -76,7 +77,12 @@ def test_target_broken_after_save_is_not_a_storage_failure(acp_env, monkeypatch)
     assert acp.initialize() == 0
     target = os.path.join(acp_env["ck"], "x.pt")
     assert acp.save(OBJ, target) == 1
-    os.mkdir(target)
+    daemon = api._client.hello["pid"]
+    os.kill(daemon, signal.SIGSTOP)  # inside its 1 s persist delay: the directory comes first, however late
+    try:
+        os.mkdir(target)
+    finally:
+        os.kill(daemon, signal.SIGCONT)
     assert acp.flush(timeout=60) == 1
     stat_ = acp.server_stat()
     assert stat_["state"] == "ok" and stat_["target_errors"] == 1 and stat_["persist_failures"] == 0

@@ -36,7 +36,9 @@ from ._enums import ReportState, Strategy
 from .ranks import RankRecord as _Rank, RankTable, infer_layout  # _Rank: the old name, still imported by tests
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
-from .incident import Incident, IncidentFlow
+from .brain import Brain
+from .incident import IncidentFlow
+from .pause import PauseFlow
 from .retry import Retry, StopRound
 from .elastic_flow import Downgrade, Elastic
 from .recover import Replace, Replacements
@@ -53,8 +55,8 @@ __all__ = ["Controller"]
 _log = logging.getLogger(__name__)
 
 
-class Controller(IncidentFlow):
-    """See the module docstring; the incident methods come from :class:`IncidentFlow`."""
+class Controller:
+    """See the module docstring; composed of parts that own their state (``__init__``)."""
 
     # The strategies an incident may run: {name: strategy.Strategy}. Each ``run(ctl, ctx)`` returns an
     # Outcome: RESUMED (the job trains again), ENDED (dump + exit) or FAILED (the incident falls back to
@@ -106,10 +108,9 @@ class Controller(IncidentFlow):
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
         self._stop = threading.Event()
-        self._incident: Incident | None = None  # the open incident (incident.py)
-        self._incident_evt = threading.Event()
-        self._strategy_evt = threading.Event()
-        self._chosen: str | None = None
+        self._brain: Brain | None = None
+        self.incidents = IncidentFlow(self)  # the open incident, the driver thread, the brain's answer (incident.py)
+        self.pause = PauseFlow(self)  # the cluster brain's pause (pause.py)
         self._primary_link: Link | None = None
         self._threads: list[threading.Thread] = []
         self._ack_body: bytes = b""
@@ -177,7 +178,7 @@ class Controller(IncidentFlow):
                                       follow_backups=False)
             self._primary_link.start()
         shutdown.track(self)  # stopped and joined at process exit if still running
-        for target, name in ((self._io_loop, "io"), (self._driver_loop, "driver")):
+        for target, name in ((self._io_loop, "io"), (self.incidents.drive, "driver")):
             t = threading.Thread(target=target, name=f"mindio-ctl-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -222,7 +223,7 @@ class Controller(IncidentFlow):
             server.shutdown()
             server.server_close()
         self._stop.set()
-        self._incident_evt.set()
+        self.incidents.wakeup.set()
         self._waker.wake()
         end = time.monotonic() + timeout
         parts = list(self._threads) + ([self._primary_link] if self._primary_link is not None else [])
@@ -373,8 +374,8 @@ class Controller(IncidentFlow):
             if r is not None and r.left:  # a beat sent after its BYE: it must not register again (then die)
                 state = "BYE"
             self._ack(ident, env.rank, state)
-            if self._dump_wanted is not None and body.step > 0:  # asked before the first step (incident.py)
-                self.serve_dump_request()
+            if self.incidents.dump_wanted is not None and body.step > 0:  # asked before the first step
+                self.incidents.serve_dump_request()
         elif env.type is P.MsgType.REGISTER:
             self._on_register(ident, env.rank, body, now, env.gen)
         elif env.type is P.MsgType.REPORT and env.rank in self.ranks:
@@ -382,7 +383,7 @@ class Controller(IncidentFlow):
             _logging.event("report_received", from_rank=env.rank, state=state.name, step=body.step)
             with self._lock:
                 r = self.ranks[env.rank]
-                state = self._secondary(env.rank, state, body.message)
+                state = self.incidents.secondary(env.rank, state, body.message)
                 r.last_seen, r.step = now, body.step
                 if r.alive:
                     self.liveness.touch(env.rank)
@@ -390,7 +391,7 @@ class Controller(IncidentFlow):
                     r.faulty = True
                 if not self.active:  # a passive backup: acted on if it takes over (the rank reports once)
                     self._held_reports.append((env.rank, state, body.message))
-            self._open_incident(env.rank, state, message=body.message)
+            self.incidents.open(env.rank, state, message=body.message)
         elif env.type is P.MsgType.INFO and env.rank in self.ranks:
             self.ranks[env.rank].replica, self.ranks[env.rank].dp_group = body.replica, body.dp_group
         elif env.type is P.MsgType.BYE and env.rank in self.ranks:
@@ -437,8 +438,8 @@ class Controller(IncidentFlow):
             if r.alive:
                 seen[rank] = None
                 seen.move_to_end(rank)
-        if self._dump_wanted is not None:  # asked before the first step (incident.py)
-            self.serve_dump_request()
+        if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
+            self.incidents.serve_dump_request()
         state = self.sm.state.value
         if unknown:
             self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups), unknown)),
@@ -488,7 +489,7 @@ class Controller(IncidentFlow):
                                    rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
             self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
-            self.serve_dump_request()  # a preemption before every rank registered (incident.py)
+            self.incidents.serve_dump_request()  # a preemption before every rank registered
             _log.info("every rank registered; the job's strategies: %s (asked for by the controller: %s, by "
                       "the ranks' tft_init_processor flags: %s)", sorted(self.brain.enabled(self.job_strategies())),
                       sorted(self.enabled), sorted(self._ranks_ask()))
@@ -511,9 +512,47 @@ class Controller(IncidentFlow):
         """(any thread) Those of ``ranks`` heard from in the last ``within`` s (watch.Liveness.heard)."""
         return self.liveness.heard(ranks, within)
 
+    # ------------------------------------------------------------------ the cluster brain (incident.py, pause.py)
+    @property
+    def brain(self) -> Brain:
+        """The built-in cluster brain (brain.py): table from MINDIO_FAULT_TABLE or the default; assign a
+        :class:`mindio.ttp.brain.Brain` to use another table."""
+        if self._brain is None:
+            self._brain = Brain()
+        return self._brain
+
+    @brain.setter
+    def brain(self, value: Brain) -> None:
+        self._brain = value
+
+    def notify_dump(self) -> int:
+        """Cluster brain: a dump at the current step, then the exit (incident.IncidentFlow.notify_dump)."""
+        return self.incidents.notify_dump()
+
+    def request_dump(self, why: str) -> None:
+        """(I/O thread, or node 0's agent) A preemption's last words (incident.IncidentFlow.request_dump)."""
+        self.incidents.request_dump(why)
+
+    def notify_stop_train(self, fault_ranks: dict, wait: float | None = None) -> int:
+        """Cluster brain: an incident for ``fault_ranks`` (incident.IncidentFlow.notify_stop_train)."""
+        return self.incidents.notify_stop_train(fault_ranks, wait)
+
+    def notify_pause(self, fault_ranks: dict, timeout: float | None = None) -> int:
+        """Cluster brain: pause every rank at one step (pause.PauseFlow.notify_pause)."""
+        return self.pause.notify_pause(fault_ranks, timeout)
+
+    def change_strategy(self, strategy: str) -> int:
+        """The cluster brain's choice (incident.IncidentFlow.change_strategy)."""
+        return self.incidents.change_strategy(strategy)
+
     def notify_prepare_action(self, action: str, ranks: list) -> int:
         """Cluster brain: a hot switch of ``ranks`` or "stop switch" (hotswitch.HotSwitch)."""
         return self.hot_switch.notify_prepare_action(action, ranks)
+
+    def implemented_strategies(self) -> tuple:
+        """Strategies (policy names) this controller can run, in fallback order: those policy.py knows
+        that are in its ``STRATEGIES`` table (strategy.py: each ``run`` returns an Outcome)."""
+        return tuple(s for s in policy.STRATEGY_ORDER if s in self.STRATEGIES)
 
     def job_strategies(self) -> set:
         """The strategies the job asked for, in any of the reference ways: the controller's list
@@ -553,6 +592,6 @@ class Controller(IncidentFlow):
         # forgotten: its report reached this backup while it was passive, and it will not report again
         for rank, state, message in held:
             _log.warning("acting on rank %d's %s report received before the takeover", rank, state.name)
-            self._open_incident(rank, state, message=message)
+            self.incidents.open(rank, state, message=message)
         for rank in dead:
-            self._open_incident(rank, None)
+            self.incidents.open(rank, None)

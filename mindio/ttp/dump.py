@@ -43,9 +43,9 @@ class Dump(Strategy):
             ctl.sm.fire(Result.DUMP, lock_step=ctx.lock)
         ok = save(ctl, ctx.lock, ctx.plan)
         ctl.sm.fire(Result.OK if ok else Result.FAIL)
-        ctl._mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
-                        "dump done" if ok else "dump failed", ctl._error_rank_dict(), "dump")
+        ctl.incidents.mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
+                                 "dump done" if ok else "dump failed", ctl.incidents.error_ranks(), "dump")
         if ctx.graceful:
-            ctl._settle()
-        ctl._exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
+            ctl.incidents.settle()
+        ctl.incidents.exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
         return Outcome.ENDED

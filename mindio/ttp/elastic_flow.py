@@ -131,7 +131,7 @@ class Elastic:
         """After a downgrade: standbys already registered for every removed rank -> upgrade now."""
         if set(self.removed) <= set(self.standbys):
             self.upgrade_wanted = True   # standbys were already waiting
-            self.ctl._incident_evt.set()
+            self.ctl.incidents.wakeup.set()
 
     # ---------------------------------------------------------------- standbys (I/O thread)
     def on_standby(self, ident: bytes, rank: int, body, now: float) -> None:
@@ -148,9 +148,9 @@ class Elastic:
         self.ctl._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.ctl.gen, interval=self.ctl.interval,
                                                                          backups=list(self.ctl.backups)),
                                    rank=rank), ident)
-        if set(self.removed) <= set(self.standbys) and self.ctl.sm.state is State.DOWNGRADE and self.ctl._incident is None:
+        if set(self.removed) <= set(self.standbys) and self.ctl.sm.state is State.DOWNGRADE and self.ctl.incidents.current is None:
             self.upgrade_wanted = True
-            self.ctl._incident_evt.set()
+            self.ctl.incidents.wakeup.set()
 
     def _standby_seen(self, rank: int, body) -> None:
         _log.warning("standby for removed rank %d registered (pid %d on %s); waiting for %s", rank, body.pid,
@@ -159,14 +159,14 @@ class Elastic:
 
     def upgrade_due(self) -> bool:
         """(driver thread) Standbys registered for every removed rank and no incident is open."""
-        return self.upgrade_wanted and self.ctl._incident is None
+        return self.upgrade_wanted and self.ctl.incidents.current is None
 
     # ---------------------------------------------------------------- upgrade (driver thread)
     def run_upgrade(self) -> bool:
         self.upgrade_wanted = False
-        self.ctl._incident_evt.clear()
-        if self.ctl._incident is not None:  # a fault arrived meanwhile: it goes first
-            self.ctl._incident_evt.set()
+        self.ctl.incidents.wakeup.clear()
+        if self.ctl.incidents.current is not None:  # a fault arrived meanwhile: it goes first
+            self.ctl.incidents.wakeup.set()
             return True
         # a standby says hello every heartbeat interval until it is taken in; one silent for ``misses``
         # intervals is forgotten and the job stays downgraded until another one offers the rank
@@ -251,7 +251,7 @@ class Elastic:
         return self._upgrade_ended()
 
     def _upgrade_ended(self) -> bool:
-        self.ctl._exit(EXIT_CODE_FAULT)
+        self.ctl.incidents.exit(EXIT_CODE_FAULT)
         return False
 
 

@@ -75,14 +75,13 @@ class HotSwitch:
             with self.ctl._lock:
                 pending = self.req is not None and self.req.get("waiting")
                 if pending:
-                    self.ctl._chosen = "stop switch"
-                    self.ctl._strategy_evt.set()
+                    self.ctl.incidents.change_strategy("stop switch")
             if not pending:
                 _log.error("stop switch: no hot switch is waiting for a decision")
             return 0 if pending else 1
         why = ""
         with self.ctl._lock:
-            if self.ctl.sm.state is not State.NORMAL or self.ctl._incident is not None:
+            if self.ctl.sm.state is not State.NORMAL or self.ctl.incidents.current is not None:
                 why = f"the job is in {self.ctl.sm.state.value}, not in NORMAL training"
             elif any(not (r in self.ctl.ranks and self.ctl.ranks[r].alive) for r in ranks):
                 why = f"ranks {ranks} are not all registered and alive"
@@ -95,9 +94,8 @@ class HotSwitch:
         early = bool(_knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.ctl.replacements.replacer, "prestart"))
         with self.ctl._lock:  # "stop switch" is accepted while the backups start too (early)
             self.req = {"ranks": sorted(ranks), "waiting": early}
-            self.ctl._chosen = None
-            self.ctl._strategy_evt.clear()
-        self.ctl._open_incident(None, None, cause="hot_switch")
+            self.ctl.incidents.expect()
+        self.ctl.incidents.open(None, None, cause="hot_switch")
         return 0
 
     # ------------------------------------------------------------------ driver thread
@@ -109,31 +107,31 @@ class HotSwitch:
             why = self._start_backups(inc, ranks, gen)
             if why:
                 self._dismiss()
-                return self.ctl._as_fault() if why == "fault" else self._cancel_unpaused(why)
+                return self.ctl.incidents.as_fault() if why == "fault" else self._cancel_unpaused(why)
         self.ctl.sm.fire(Result.PAUSE, hot_switch=ranks[:16])
         live = sequence.live_ranks(self.ctl)
-        if len(live) < self.ctl.world_size or self.ctl._faulted(inc):
-            return self._fault_now() if self.ctl._faulted(inc) else self._cancel_switch(live, "ranks missing")
+        if len(live) < self.ctl.world_size or self.ctl.incidents.faulted(inc):
+            return self._fault_now() if self.ctl.incidents.faulted(inc) else self._cancel_switch(live, "ranks missing")
         caps = self.ctl._call("pause_query", {}, live, self.ctl.action_limit)
         target = max((c.detail["limit"] for c in caps.values() if c.ok), default=0)
         replies = {} if len(caps) < len(live) else self.ctl._call(
             "pause_at", {"step": target, "timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
-        if self.ctl._faulted(inc):
+        if self.ctl.incidents.faulted(inc):
             return self._fault_now()
         bad = sorted(r for r in live if r not in replies or not replies[r].ok)
         if bad:
             _log.error("hot switch: ranks %s did not pause at step %d", bad[:16], target)
-            self.ctl._mindx_call("report_stop_complete", int(ResultCode.NOT_READY),
-                             f"pause for the hot switch failed on ranks {bad[:16]}", {r: 1 for r in ranks})
+            self.ctl.incidents.mindx_call("report_stop_complete", int(ResultCode.NOT_READY),
+                                          f"pause for the hot switch failed on ranks {bad[:16]}", {r: 1 for r in ranks})
             return self._cancel_switch(live, "pause failed")
         _log.warning("hot switch of ranks %s: every rank paused at step %d (%.3f s after the request)", ranks,
                      target, time.monotonic() - inc.t0)
         _logging.event("hot_switch_paused", step=target, ranks=ranks)
         with self.ctl._lock:
             self.req["waiting"] = True
-        self.ctl._mindx_call("report_stop_complete", int(ResultCode.OK),
-                         f"training paused at step {target} for the hot switch of ranks {ranks[:16]}",
-                         {r: 1 for r in ranks})
+        self.ctl.incidents.mindx_call("report_stop_complete", int(ResultCode.OK),
+                                      f"training paused at step {target} for the hot switch of ranks {ranks[:16]}",
+                                      {r: 1 for r in ranks})
         choice = self._switch_decision(inc)
         with self.ctl._lock:
             self.req["waiting"] = False
@@ -154,10 +152,10 @@ class HotSwitch:
             return f"the backups could not be started ({exc})"
         end = t0 + self.ctl.replacements.timeout
         while True:
-            if self.ctl._faulted(inc):
+            if self.ctl.incidents.faulted(inc):
                 return "fault"
             with self.ctl._lock:
-                if self.ctl._chosen == "stop switch":
+                if self.ctl.incidents.chosen == "stop switch":
                     return "stop switch"
             ready, dead = self.ctl.replacements.replacer.backups(ranks, gen)
             if dead:
@@ -166,7 +164,7 @@ class HotSwitch:
                 return f"the backup of ranks {sorted(dead)[:16]} exited before it registered"
             if len(ready) == len(ranks):
                 with self.ctl._lock:
-                    if self.ctl._chosen == "stop switch":
+                    if self.ctl.incidents.chosen == "stop switch":
                         return "stop switch"
                     self.req["waiting"] = False  # until the pause is complete
                 break
@@ -192,37 +190,39 @@ class HotSwitch:
 
     def _fault_now(self) -> bool:
         self._dismiss()
-        return self.ctl._as_fault()
+        return self.ctl.incidents.as_fault()
 
     def _cancel_unpaused(self, why: str) -> bool:
         """The switch is off before any rank paused: close the incident; training was never touched."""
         _log.warning("hot switch cancelled (%s) before the pause: training continues unchanged", why)
         _logging.event("hot_switch_cancelled", why=why)
         with self.ctl._lock:
-            faulted = bool(self.ctl._incident.primary)
+            faulted = bool(self.ctl.incidents.current.primary)
             if not faulted:
-                self.ctl._incident = None
-                self.ctl._incident_evt.clear()
+                self.ctl.incidents.close()
         self.req = None
         if faulted:
-            return self.ctl._as_fault()
-        self.ctl._mindx_call("report_result", int(ResultCode.OK), f"hot switch cancelled ({why}); training continued",
-                         {}, "continue")
+            return self.ctl.incidents.as_fault()
+        self._report_continued(why)
         return True
+
+    def _report_continued(self, why: str) -> None:
+        self.ctl.incidents.mindx_call("report_result", int(ResultCode.OK),
+                                      f"hot switch cancelled ({why}); training continued", {}, "continue")
 
     def _switch_decision(self, inc) -> str:
         if "report_stop_complete" not in self.ctl.mindx:
             return "migration"  # no cluster brain: the caller of prepare_action wants it done
         end = time.monotonic() + _knobs.get("MINDIO_WAIT_MINDX_TIME")
         while time.monotonic() < end:
-            if self.ctl._faulted(inc):
+            if self.ctl.incidents.faulted(inc):
                 return "fault"
-            if self.ctl._strategy_evt.wait(min(0.1, max(0.0, end - time.monotonic()))):
-                self.ctl._strategy_evt.clear()
-                if self.ctl._chosen in ("migration", "stop switch"):
-                    return self.ctl._chosen
+            if self.ctl.incidents.answered.wait(min(0.1, max(0.0, end - time.monotonic()))):
+                self.ctl.incidents.answered.clear()
+                if self.ctl.incidents.chosen in ("migration", "stop switch"):
+                    return self.ctl.incidents.chosen
                 _log.error("change_strategy(%r) is not possible during a hot switch (migration, or "
-                           "prepare_action('stop switch'))", self.ctl._chosen)
+                           "prepare_action('stop switch'))", self.ctl.incidents.chosen)
         _log.error("hot switch: no migration / stop switch within MINDIO_WAIT_MINDX_TIME; cancelled")
         return "no decision"
 
@@ -230,9 +230,8 @@ class HotSwitch:
         self._dismiss()
         _log.warning("hot switch cancelled (%s): training continues unchanged", why)
         _logging.event("hot_switch_cancelled", why=why)
-        ok = self.ctl._end_pause(live, f"hot switch cancelled: {why}")  # pause.py
-        self.ctl._mindx_call("report_result", int(ResultCode.OK), f"hot switch cancelled ({why}); training continued",
-                         {}, "continue")
+        ok = self.ctl.pause.end(live, f"hot switch cancelled: {why}")  # pause.py
+        self._report_continued(why)
         self.req = None
         return ok
 
@@ -274,12 +273,12 @@ class HotSwitch:
         views = [v if v.rank in live else policy.RankView(v.rank, False, True, target, v.data_status, v.replica)
                  for v in views]
         plan = policy.select_dump_ranks(views, target)
-        self.ctl._mindx_call("report_result", int(ResultCode.DUMP_OR_EXIT), "hot switch failed",
-                         {r: 1 for r in ranks}, "migration")
+        self.ctl.incidents.mindx_call("report_result", int(ResultCode.DUMP_OR_EXIT), "hot switch failed",
+                                      {r: 1 for r in ranks}, "migration")
         _logging.event("fallback", src="hot switch", dst="dump" if plan.possible else "exit")
         if plan.possible:
             Dump().run(self.ctl, Context(target, views, plan=plan))
             return False
         self.ctl.sm.fire(Result.EXIT, reason="hot switch failed, no dump possible")
-        self.ctl._exit(EXIT_CODE_FAULT)
+        self.ctl.incidents.exit(EXIT_CODE_FAULT)
         return False

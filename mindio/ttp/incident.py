@@ -18,19 +18,20 @@ When "retry" is enabled and possible it is tried first (retry.py); if it succeed
 the next incident, if any step of it fails the flow falls back to dump (then exit) as above.
 
 The cluster brain (tft_notify_controller_* / tft_register_mindx_callback) enters here too.
-:class:`IncidentFlow` is mixed into :class:`mindio.ttp.controller.Controller` and uses its rank table,
-lock, state machine and action engine.
+:class:`IncidentFlow` is a part of :class:`mindio.ttp.controller.Controller` (``ctl.incidents``): it owns
+the open incident and what the driver thread waits on, and uses the controller's rank table, lock,
+state machine and action engine.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
 from .. import _knobs, _logging
 from . import policy, sequence
-from .brain import Brain, RankFault, fault_key, result_code
-from .pause import PauseFlow
+from .brain import RankFault, fault_key, result_code
 from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome
@@ -60,51 +61,68 @@ class Incident:
             self.messages[rank] = message
 
 
-class IncidentFlow(PauseFlow):
-    # {strategy (policy name): strategy.Strategy} -- the explicit table controller.py fills in
-    STRATEGIES: dict = {}
-    _brain: Brain | None = None
-    _mindx_wait: float | None = None
+class IncidentFlow:
+    """The incident flow as the controller's part (``Controller.incidents``): it owns the open incident,
+    the driver thread's wake-up, the cluster brain's answer in hand (change_strategy / "stop switch")
+    and a requested dump not yet started; the rank table, lock, state machine and action engine are the
+    controller's."""
 
-    @property
-    def brain(self) -> Brain:
-        """The built-in cluster brain (brain.py): table from MINDIO_FAULT_TABLE or the default; assign a
-        :class:`mindio.ttp.brain.Brain` to use another table."""
-        if self._brain is None:
-            self._brain = Brain()
-        return self._brain
+    def __init__(self, ctl):
+        self.ctl = ctl
+        self.current: Incident | None = None  # the open incident (the I/O thread adds ranks under the lock)
+        self.wakeup = threading.Event()  # the driver thread: an incident, an upgrade or close()
+        self.answered = threading.Event()  # the cluster brain answered (change_strategy, "stop switch")
+        self.chosen: str | None = None  # its answer
+        self.mindx_wait: float | None = None  # the next negotiation's wait (notify_stop_train's ``wait``)
+        self.dump_wanted: str | None = None  # why a last-words checkpoint was requested, until one starts
 
-    @brain.setter
-    def brain(self, value: Brain) -> None:
-        self._brain = value
+    def expect(self) -> None:
+        """Forget the cluster brain's earlier answer: the next one is awaited."""
+        self.chosen = None
+        self.answered.clear()
+
+    def close(self) -> None:
+        """(under the controller's lock) The open incident is over; the driver thread waits for the next."""
+        self.current = None
+        self.wakeup.clear()
+
+    def faulted(self, inc: Incident) -> bool:
+        """Whether a rank failed (reported or died) in ``inc`` since it opened."""
+        with self.ctl._lock:
+            return bool(inc.primary)
+
+    def as_fault(self) -> bool:
+        """A pause or a hot switch during which a rank failed: the incident is handled as a fault."""
+        _log.error("a rank failed during the pause; handling it as a fault")
+        self.current.cause = "fault"
+        return self.run()
 
     # ------------------------------------------------------------------ incidents
-    def _open_incident(self, rank: int | None, state: ReportState | None, cause: str = "fault",
-                       message: str = "") -> bool:
+    def open(self, rank: int | None, state: ReportState | None, cause: str = "fault", message: str = "") -> bool:
         """Open an incident (or add ``rank`` to the one open); whether this call opened it."""
-        if not self.active:
+        if not self.ctl.active:
             return False
         opened = False
-        with self._lock:
-            inc = self._incident
+        with self.ctl._lock:
+            inc = self.current
             if inc is None:
-                if self.sm.state not in OPEN_STATES:
+                if self.ctl.sm.state not in OPEN_STATES:
                     return False
-                inc = self._incident = Incident(cause, rank)
-                self._incident_evt.set()
+                inc = self.current = Incident(cause, rank)
+                self.wakeup.set()
                 opened = True
             if rank is not None and (state is None or policy.is_primary(state)):
                 inc.add(rank, state, message)
         return opened
 
-    def _secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
+    def secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
         """(I/O thread, under the lock) ``state`` of a report, or RS_NORMAL when it is secondary: an
         RS_UNKNOWN from a rank not already faulty, while an incident is open, whose message is what the
         incident itself causes on its peers -- a collective timed out waiting for a stopped or torn-down
         rank, a closed connection, an aborted or destroyed group (policy.secondary_in_incident). Such a
         rank stays healthy: its state is usable for the dump and repair, as the reference treats a
         FORCE STOP."""
-        inc = self._incident
+        inc = self.current
         if inc is None or state is not ReportState.RS_UNKNOWN or rank in inc.primary \
                 or not policy.secondary_in_incident(message):
             return state
@@ -113,57 +131,56 @@ class IncidentFlow(PauseFlow):
         _logging.event("secondary_error", from_rank=rank, message=message[:300], first=inc.first)
         return ReportState.RS_NORMAL
 
-    def _error_rank_dict(self) -> dict:
-        with self._lock:  # the I/O thread adds ranks to the incident while the driver reads it
-            primary = dict(self._incident.primary) if self._incident is not None else {}
+    def error_ranks(self) -> dict:
+        with self.ctl._lock:  # the I/O thread adds ranks to the incident while the driver reads it
+            primary = dict(self.current.primary) if self.current is not None else {}
         return {r: 0 if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED) else 1 for r, s in primary.items()}
 
-    def _mindx_call(self, action: str, *args) -> None:
-        func = self.mindx.get(action)
+    def mindx_call(self, action: str, *args) -> None:
+        func = self.ctl.mindx.get(action)
         if func is not None:
             try:
                 func(*args)
             except Exception:
                 _log.exception("cluster-brain callback %s failed", action)
 
-    def _driver_loop(self) -> None:
-        while not self._stop.is_set():
-            self._incident_evt.wait()  # idle until an incident, an upgrade or close(): nobody is awaited
-            if self._stop.is_set():
+    def drive(self) -> None:
+        while not self.ctl._stop.is_set():
+            self.wakeup.wait()  # idle until an incident, an upgrade or close(): nobody is awaited
+            if self.ctl._stop.is_set():
                 return
             try:
-                if self.elastic.upgrade_due():  # elastic_flow.py: standbys offer every removed rank back
-                    if self.elastic.run_upgrade():
+                if self.ctl.elastic.upgrade_due():  # elastic_flow.py: standbys offer every removed rank back
+                    if self.ctl.elastic.run_upgrade():
                         continue
                     return
-                if self._run_incident():
+                if self.run():
                     self.serve_dump_request()  # a preemption during the recovery: its dump now
                     continue  # retried: every rank trains again; wait for the next incident
             except Exception:
                 _log.exception("incident handling failed; stopping the job without a dump")
-                self._exit(EXIT_CODE_FAULT)
+                self.exit(EXIT_CODE_FAULT)
             return  # after a dump or an exit the job ends (FINAL)
 
-    def _run_incident(self) -> bool:
+    def run(self) -> bool:
         """One incident; True when the job goes on (retry succeeded, pause continued), False when it ends."""
-        inc = self._incident
+        inc = self.current
         if inc.cause == "hot_switch":
-            return self.hot_switch.run(inc)
+            return self.ctl.hot_switch.run(inc)
         if inc.cause == "pause":
-            return self._run_pause(inc)
+            return self.ctl.pause.run(inc)
         graceful = inc.cause == "dump_request"
-        self.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc.first, cause=inc.cause)
-        self._mindx_call("report_fault_ranks", self._error_rank_dict())
-        live = sequence.live_ranks(self)
+        self.ctl.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc.first, cause=inc.cause)
+        self.mindx_call("report_fault_ranks", self.error_ranks())
+        live = sequence.live_ranks(self.ctl)
         # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
-        params = {"timeout": self.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
-        replies = self.stop_round.run(live, params)  # retry.py: a rank blocked behind a fenced one is released
-        views = self._views(replies)
+        params = {"timeout": self.ctl.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
+        replies = self.ctl.stop_round.run(live, params)  # retry.py: a rank blocked behind a fenced one is released
+        views = self.views(replies)
         stopped = all(r in replies and replies[r].ok for r in live)
-        self._mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
-                         "training stopped" if stopped else "some ranks did not confirm the stop",
-                         self._error_rank_dict())
+        self.mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
+                        "training stopped" if stopped else "some ranks did not confirm the stop", self.error_ranks())
         lock = policy.choose_lock_step(views)
         stale = policy.stale_ranks(views, lock)
         if any(v.step != lock for v in views if v.rank in stale):
@@ -180,14 +197,14 @@ class IncidentFlow(PauseFlow):
             repairable = bool(faulty)
         except ValueError:
             repairable = False
-        with self._lock:
+        with self.ctl._lock:
             primary, seen, messages = dict(inc.primary), dict(inc.seen), dict(inc.messages)
         dead = frozenset(v.rank for v in views if not v.alive)
         lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
-                                   spare_available=self.replacements.possible("recover", dead),
+                                   spare_available=self.ctl.replacements.possible("recover", dead),
                                    in_place_possible=not lacking)
-        enabled = self.brain.enabled(self.job_strategies()) | ({"dump"} if graceful else set())
+        enabled = self.ctl.brain.enabled(self.ctl.job_strategies()) | ({"dump"} if graceful else set())
         feasible = policy.feasible_strategies(enabled, incident)
         if lacking and not graceful:
             blocked = [s for s in policy.feasible_strategies(enabled, replace(incident, in_place_possible=True))
@@ -200,23 +217,23 @@ class IncidentFlow(PauseFlow):
         alive = {v.rank: v.alive for v in views}
         faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
                                   seen.get(r, inc.t0)) for r in sorted(set(primary) | set(faulty))]
-        added = [] if graceful else self._added_strategies(enabled, incident)
+        added = [] if graceful else self.added_strategies(enabled, incident)
         feasible = feasible[:-1] + added + feasible[-1:]
-        order, verdict = self.brain.plan(faults, feasible, self.implemented_strategies())
+        order, verdict = self.ctl.brain.plan(faults, feasible, self.ctl.implemented_strategies())
         for name in added:  # a strategy policy.py does not know goes right before the one it names
-            before = self.STRATEGIES[name].before
+            before = self.ctl.STRATEGIES[name].before
             order.insert(order.index(before) if before in order else order.index("exit"), name)
-        strategy = order[0] if graceful else self._negotiate(order)  # a requested dump: nothing to ask
+        strategy = order[0] if graceful else self.negotiate(order)  # a requested dump: nothing to ask
         latency = time.monotonic() - inc.t0
-        self.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
-                              "decided_at": time.time(), "faulty": faulty,
-                              "missing_shards": [list(map(str, m)) for m in plan.missing],
-                              "feasible": feasible, "order": order, "level": verdict.level,
-                              "why": {str(r): w for r, (_lv, w) in list(verdict.ranks.items())[:16]},
-                              "latency_s": latency}
+        self.ctl.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
+                                  "decided_at": time.time(), "faulty": faulty,
+                                  "missing_shards": [list(map(str, m)) for m in plan.missing],
+                                  "feasible": feasible, "order": order, "level": verdict.level,
+                                  "why": {str(r): w for r, (_lv, w) in list(verdict.ranks.items())[:16]},
+                                  "latency_s": latency}
         _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, level %s, order %s, "
                      "feasible %s)", latency, strategy, lock, faulty[:16], verdict.level, order, feasible)
-        _logging.event("decision", **self.last_decision)
+        _logging.event("decision", **self.ctl.last_decision)
         retryable = bool(primary) and set(primary.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
         if "retry" in enabled and retryable and not graceful and "retry" not in feasible and not lacking:
             _log.warning("retry is enabled but not possible for this incident (reports %s, dead %s, every "
@@ -229,109 +246,100 @@ class IncidentFlow(PauseFlow):
             if strategy == "exit":
                 break
             if strategy != "dump" or ctx.plan.possible:
-                outcome = self.STRATEGIES[strategy].run(self, ctx)
+                outcome = self.ctl.STRATEGIES[strategy].run(self.ctl, ctx)
                 if outcome is not Outcome.FAILED:
                     return outcome is Outcome.RESUMED  # True: the job trains again; False: it ended
             left = [s for s in rest[i + 1:] if s != "dump" or ctx.plan.possible]
             _log.error("%s failed; falling back to %s (remaining %s)", strategy, left[0], left)
-            self._mindx_call("report_result", int(result_code(left)), f"{strategy} failed",
-                             self._error_rank_dict(), strategy)
+            self.mindx_call("report_result", int(result_code(left)), f"{strategy} failed", self.error_ranks(), strategy)
             _logging.event("fallback", src=strategy, dst=left[0])
-        self.sm.fire(Result.FAIL if self.sm.state is State.DUMP else Result.EXIT,
-                     reason="no dump possible" if ctx.plan.missing else "exit chosen")
-        self._exit(EXIT_CODE_FAULT)
+        self.ctl.sm.fire(Result.FAIL if self.ctl.sm.state is State.DUMP else Result.EXIT,
+                         reason="no dump possible" if ctx.plan.missing else "exit chosen")
+        self.exit(EXIT_CODE_FAULT)
         return False
 
-    def _views(self, replies: dict) -> list:
+    def views(self, replies: dict) -> list:
         """What the decision sees of every rank of the job after the stop round's ``replies``."""
-        with self._lock:
+        with self.ctl._lock:
             for rank, rep in replies.items():
                 if rep.ok:
-                    self.ranks[rank].step = rep.detail.get("step", self.ranks[rank].step)
-                    self.ranks[rank].data_status = rep.detail.get("data_status", 0)
+                    self.ctl.ranks[rank].step = rep.detail.get("step", self.ctl.ranks[rank].step)
+                    self.ctl.ranks[rank].data_status = rep.detail.get("data_status", 0)
             views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
-                                     tuple(r.replica)) for r in self.ranks.values()]
-        missing = sorted(set(self.elastic.job_ranks()) - set(self.ranks))  # without the removed ranks
+                                     tuple(r.replica)) for r in self.ctl.ranks.values()]
+        missing = sorted(set(self.ctl.elastic.job_ranks()) - set(self.ctl.ranks))  # without the removed ranks
         return views + [policy.RankView(r, alive=False, faulty=True) for r in missing]
 
     # ------------------------------------------------------------------ strategies
-    def implemented_strategies(self) -> tuple:
-        """Strategies (policy names) this controller can run, in fallback order: those policy.py knows
-        that are in its ``STRATEGIES`` table (strategy.py: each ``run`` returns an Outcome)."""
-        return tuple(s for s in policy.STRATEGY_ORDER if s in self.STRATEGIES)
-
-    def _added_strategies(self, enabled: set, facts: policy.Incident) -> list:
+    def added_strategies(self, enabled: set, facts: policy.Incident) -> list:
         """Strategies of ``STRATEGIES`` that policy.py does not know and that say they are feasible."""
-        return [name for name, s in self.STRATEGIES.items()
-                if name not in policy.STRATEGY_ORDER and s.feasible(self, enabled, facts)]
+        return [name for name, s in self.ctl.STRATEGIES.items()
+                if name not in policy.STRATEGY_ORDER and s.feasible(self.ctl, enabled, facts)]
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Before exiting a job that had no fault (requested dump, exit while paused): every rank tears its
         healthy process groups down and parks first (the ``clean`` action), so no rank leaves while a peer
         still destroys a group connected to it -- seen as ``terminate called`` (SIGABRT) at exit on gloo."""
-        live = sequence.live_ranks(self)
-        replies = self._call("clean", {"timeout": self.action_limit / 2}, live, self.action_limit)
+        live = sequence.live_ranks(self.ctl)
+        replies = self.ctl._call("clean", {"timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
         bad = [r for r in live if r not in replies or not replies[r].ok]
         if bad:
             _log.error("ranks %s did not tear down before the exit: %s", bad[:16],
                        {r: replies[r].detail for r in bad[:4] if r in replies})
 
-    def _negotiate(self, strategies: list[str]) -> str:
-        if "report_strategies" not in self.mindx:
+    def negotiate(self, strategies: list[str]) -> str:
+        if "report_strategies" not in self.ctl.mindx:
             return strategies[0]
-        self._chosen = None
-        self._strategy_evt.clear()
-        self._mindx_call("report_strategies", self._error_rank_dict(), list(strategies))
-        wait, self._mindx_wait = self._mindx_wait or _knobs.get("MINDIO_WAIT_MINDX_TIME"), None
-        if self._strategy_evt.wait(wait) and self._chosen in strategies:
-            return self._chosen
-        _log.warning("cluster brain chose %r (allowed %s) or did not answer; using %s", self._chosen,
+        self.expect()
+        self.mindx_call("report_strategies", self.error_ranks(), list(strategies))
+        wait, self.mindx_wait = self.mindx_wait or _knobs.get("MINDIO_WAIT_MINDX_TIME"), None
+        if self.answered.wait(wait) and self.chosen in strategies:
+            return self.chosen
+        _log.warning("cluster brain chose %r (allowed %s) or did not answer; using %s", self.chosen,
                      strategies, strategies[0])
         return strategies[0]
 
-    def _exit(self, code: int) -> None:
-        if self.sm.state is not State.EXIT:
-            self.sm.fire(Result.EXIT if self.sm.can(Result.EXIT) else Result.SHUTDOWN, code=code)
-        self.exit_code = code
-        with self._lock:
+    def exit(self, code: int) -> None:
+        if self.ctl.sm.state is not State.EXIT:
+            self.ctl.sm.fire(Result.EXIT if self.ctl.sm.can(Result.EXIT) else Result.SHUTDOWN, code=code)
+        self.ctl.exit_code = code
+        with self.ctl._lock:
             # also a rank declared dead that was heard since: its process lives (its link starved while its
             # teardown's garbage collection held the GIL past misses * interval, measured at load 35) and
             # is parked for this order; without it, it waits MINDIO_CONTROLLER_LOST_EXIT and exits 76. The
             # engine sends to every target and waits only for the live ones.
-            now, recent = time.monotonic(), self.misses * self.interval
-            live = [r.rank for r in self.ranks.values()
+            now, recent = time.monotonic(), self.ctl.misses * self.ctl.interval
+            live = [r.rank for r in self.ctl.ranks.values()
                     if r.alive or (r.registered and now - r.last_seen <= recent)]
-        self._call("exit", {"code": code}, live, 10.0)
-        if self.sm.state is State.EXIT:
-            self.sm.fire(Result.OK)
-        self.final.set()
+        self.ctl._call("exit", {"code": code}, live, 10.0)
+        if self.ctl.sm.state is State.EXIT:
+            self.ctl.sm.fire(Result.OK)
+        self.ctl.final.set()
 
     # ------------------------------------------------------------------ cluster brain
     def notify_dump(self) -> int:
-        if self.sm.state is not State.NORMAL:
+        if self.ctl.sm.state is not State.NORMAL:
             return 1
-        self._open_incident(None, None, cause="dump_request")
+        self.open(None, None, cause="dump_request")
         return 0
-
-    _dump_wanted: str | None = None  # why a last-words checkpoint was requested, until one starts
 
     def request_dump(self, why: str) -> None:
         """(I/O thread, or node 0's agent) A preemption (preempt.py, mindio-run): a last-words checkpoint
         at the current step, then EXIT(75) -- the incident of ``notify_dump``. Asked while another incident
         runs (or before every rank registered) it waits for the job to train again: a recovery that ends
         in a dump or an exit needs none, one that resumes training is followed by this dump."""
-        with self._lock:
-            inc = self._incident
+        with self.ctl._lock:
+            inc = self.current
             under_way = (inc is not None and inc.cause == "dump_request") or \
-                self.sm.state in (State.DUMP, State.EXIT, State.FINAL)
+                self.ctl.sm.state in (State.DUMP, State.EXIT, State.FINAL)
         if under_way:
             _log.info("last-words checkpoint requested again (%s): one is under way", why)
             return
-        if self._dump_wanted is None:
+        if self.dump_wanted is None:
             _log.warning("last-words checkpoint requested (%s): every rank stops at its current step, the "
                          "ranks that hold each shard save it, then the job exits with %d", why, EXIT_CODE_DUMPED)
-            _logging.event("dump_requested", why=why, state=self.sm.state.value)
-        self._dump_wanted = why
+            _logging.event("dump_requested", why=why, state=self.ctl.sm.state.value)
+        self.dump_wanted = why
         self.serve_dump_request()
 
     def serve_dump_request(self) -> None:
@@ -339,27 +347,27 @@ class IncidentFlow(PauseFlow):
         and some rank finished a step in this run; else it stays asked for. Before the first step there
         is nothing newer than what the job started from, and a save then would label the loaded state
         step 0: the first heartbeat that carries a step serves it (controller.py)."""
-        if self._dump_wanted is None or self.sm.state is not State.NORMAL:
+        if self.dump_wanted is None or self.ctl.sm.state is not State.NORMAL:
             return
-        with self._lock:
-            trained = any(r.step > 0 for r in self.ranks.values() if r.alive)
-        if trained and self._open_incident(None, None, cause="dump_request"):
-            self._dump_wanted = None
+        with self.ctl._lock:
+            trained = any(r.step > 0 for r in self.ctl.ranks.values() if r.alive)
+        if trained and self.open(None, None, cause="dump_request"):
+            self.dump_wanted = None
 
     def notify_stop_train(self, fault_ranks: dict, wait: float | None = None) -> int:
         """Open or widen an incident for ``fault_ranks``; ``wait`` (tft_notify_controller_on_global_rank's
         ``time``): seconds the negotiation of this incident waits for change_strategy."""
         if wait is not None:
-            self._mindx_wait = float(wait)
+            self.mindx_wait = float(wait)
         for rank, kind in fault_ranks.items():
-            if int(rank) in self.ranks:
-                self.ranks[int(rank)].faulty = True
-            self._open_incident(int(rank), ReportState.RS_UCE if int(kind) == 0 else ReportState.RS_UNKNOWN,
-                                cause="cluster_brain")
+            if int(rank) in self.ctl.ranks:
+                self.ctl.ranks[int(rank)].faulty = True
+            self.open(int(rank), ReportState.RS_UCE if int(kind) == 0 else ReportState.RS_UNKNOWN,
+                      cause="cluster_brain")
         return 0
 
     def change_strategy(self, strategy: str) -> int:
         """The cluster brain's choice: answers report_strategies, or ends a pause (pause.py)."""
-        self._chosen = strategy
-        self._strategy_evt.set()
+        self.chosen = strategy
+        self.answered.set()
         return 0

@@ -22,7 +22,8 @@ the driver thread runs it (NORMAL -PAUSE-> PAUSE):
    ABNORMAL) handled like any other; a rank that cannot reach the pause step in time makes the pause fail:
    limits are cleared, training continues, ``report_stop_complete(404, ...)``.
 
-Mixed into IncidentFlow; uses the controller's rank table, state machine and action engine.
+The controller's part ``Controller.pause``; uses the incident flow (incident.py) and the controller's
+rank table, state machine and action engine.
 """
 from __future__ import annotations
 
@@ -42,78 +43,76 @@ _log = logging.getLogger(__name__)
 
 
 class PauseFlow:
-    _pause_req: dict | None = None
+    """The pause as the controller's part (``Controller.pause``): it owns the request in hand; the
+    incident it runs in, and the cluster brain's answer, are the incident flow's (incident.py)."""
+
+    def __init__(self, ctl):
+        self.ctl = ctl
+        self.req: dict | None = None  # {"timeout", "ranks"} of the pause asked for
 
     def notify_pause(self, fault_ranks: dict, timeout: float | None = None) -> int:
         """Cluster brain: pause every rank at one step; 1 when the job is not in NORMAL training."""
-        with self._lock:
-            if self.sm.state is not State.NORMAL or self._incident is not None:
+        ctl = self.ctl
+        with ctl._lock:
+            if ctl.sm.state is not State.NORMAL or ctl.incidents.current is not None:
                 return 1
-            self._pause_req = {"timeout": float(timeout) if timeout else float(self.action_limit),
-                               "ranks": {int(r): int(k) for r, k in (fault_ranks or {}).items()}}
-            self._chosen = None
-            self._strategy_evt.clear()
-        self._open_incident(None, None, cause="pause")
+            self.req = {"timeout": float(timeout) if timeout else float(ctl.action_limit),
+                        "ranks": {int(r): int(k) for r, k in (fault_ranks or {}).items()}}
+            ctl.incidents.expect()
+        ctl.incidents.open(None, None, cause="pause")
         return 0
 
-    def _faulted(self, inc) -> bool:
-        with self._lock:
-            return bool(inc.primary)
-
-    def _end_pause(self, live: list, why: str) -> bool:
+    def end(self, live: list, why: str) -> bool:
         """Clear every limit (the ranks train on), PAUSE -CONTINUE-> NORMAL, close the incident."""
-        self._call("pause_resume", {}, live, self.action_limit)
-        with self._lock:
-            faulted = self._incident is not None and bool(self._incident.primary)
+        ctl, flow = self.ctl, self.ctl.incidents
+        ctl._call("pause_resume", {}, live, ctl.action_limit)
+        with ctl._lock:
+            faulted = flow.current is not None and bool(flow.current.primary)
             if not faulted:
-                self.sm.fire(Result.CONTINUE, why=why)
-                self._incident = None
-                self._incident_evt.clear()
-        return self._as_fault() if faulted else True
+                ctl.sm.fire(Result.CONTINUE, why=why)
+                flow.close()
+        return flow.as_fault() if faulted else True
 
-    def _as_fault(self) -> bool:
-        _log.error("a rank failed during the pause; handling it as a fault")
-        self._incident.cause = "fault"
-        return self._run_incident()
-
-    def _run_pause(self, inc) -> bool:
-        req = self._pause_req or {"timeout": float(self.action_limit), "ranks": {}}
-        self.sm.fire(Result.PAUSE, ranks=sorted(req["ranks"])[:16])
-        live = sequence.live_ranks(self)
-        if len(live) < self.world_size or self._faulted(inc):
-            return self._as_fault() if self._faulted(inc) else self._end_pause(live, "ranks missing")
-        caps = self._call("pause_query", {}, live, self.action_limit)
-        if self._faulted(inc):
-            return self._as_fault()
+    def run(self, inc) -> bool:
+        """(driver thread, incident.py) Run the pause incident ``inc``; whether the job goes on."""
+        ctl, flow = self.ctl, self.ctl.incidents
+        req = self.req or {"timeout": float(ctl.action_limit), "ranks": {}}
+        ctl.sm.fire(Result.PAUSE, ranks=sorted(req["ranks"])[:16])
+        live = sequence.live_ranks(ctl)
+        if len(live) < ctl.world_size or flow.faulted(inc):
+            return flow.as_fault() if flow.faulted(inc) else self.end(live, "ranks missing")
+        caps = ctl._call("pause_query", {}, live, ctl.action_limit)
+        if flow.faulted(inc):
+            return flow.as_fault()
         if any(r not in caps or not caps[r].ok for r in live):
-            self._mindx_call("report_stop_complete", int(ResultCode.NOT_READY), "pause failed: no answer",
-                             req["ranks"])
-            return self._end_pause(live, "pause_query failed")
+            flow.mindx_call("report_stop_complete", int(ResultCode.NOT_READY), "pause failed: no answer",
+                            req["ranks"])
+            return self.end(live, "pause_query failed")
         target = max(caps[r].detail["limit"] for r in live)
-        limit = self.action_limit
-        replies = self._call("pause_at", {"step": target, "timeout": limit / 2}, live, limit)
-        if self._faulted(inc):
-            return self._as_fault()
+        limit = ctl.action_limit
+        replies = ctl._call("pause_at", {"step": target, "timeout": limit / 2}, live, limit)
+        if flow.faulted(inc):
+            return flow.as_fault()
         bad = {r: (replies[r].detail if r in replies else "no reply") for r in live
                if r not in replies or not replies[r].ok}
         if bad:
             _log.error("pause at step %d failed on ranks %s: %s; training continues", target, sorted(bad)[:16],
                        {r: bad[r] for r in sorted(bad)[:4]})
-            self._mindx_call("report_stop_complete", int(ResultCode.NOT_READY),
-                             f"pause at step {target} failed on ranks {sorted(bad)[:16]}", req["ranks"])
-            return self._end_pause(live, "pause_at failed")
+            flow.mindx_call("report_stop_complete", int(ResultCode.NOT_READY),
+                            f"pause at step {target} failed on ranks {sorted(bad)[:16]}", req["ranks"])
+            return self.end(live, "pause_at failed")
         paused_at = time.monotonic()
         _log.warning("every rank paused at step %d (%.3f s after the request)", target, paused_at - inc.t0)
         _logging.event("paused", step=target, latency_s=round(paused_at - inc.t0, 6))
-        self._mindx_call("report_stop_complete", int(ResultCode.OK), f"training paused at step {target}",
-                         req["ranks"])
+        flow.mindx_call("report_stop_complete", int(ResultCode.OK), f"training paused at step {target}",
+                        req["ranks"])
         end = paused_at + req["timeout"]
         while True:
-            if self._faulted(inc):
-                return self._as_fault()
-            if self._strategy_evt.wait(min(0.1, max(0.0, end - time.monotonic()))):
-                choice = self._chosen
-                self._strategy_evt.clear()
+            if flow.faulted(inc):
+                return flow.as_fault()
+            if flow.answered.wait(min(0.1, max(0.0, end - time.monotonic()))):
+                choice = flow.chosen
+                flow.answered.clear()
                 if choice in ("continue", "dump", "exit"):
                     break
                 _log.error("change_strategy(%r) is not possible while paused (continue, dump, exit)", choice)
@@ -124,24 +123,24 @@ class PauseFlow:
         if choice is None:
             _log.error("no continue/dump/exit within the pause timeout of %.0f s; training continues",
                        req["timeout"])
-            ok = self._end_pause(live, "pause timed out")
-            self._mindx_call("report_result", int(ResultCode.OK),
-                             f"pause timed out after {req['timeout']:.0f} s; training continued", {}, "continue")
+            ok = self.end(live, "pause timed out")
+            flow.mindx_call("report_result", int(ResultCode.OK),
+                            f"pause timed out after {req['timeout']:.0f} s; training continued", {}, "continue")
             return ok
         _logging.event("pause_decision", strategy=choice, step=target, held_s=round(held, 6))
         if choice == "continue":
-            ok = self._end_pause(live, "continue")
+            ok = self.end(live, "continue")
             _log.warning("training continues from step %d after a pause of %.3f s", target, held)
-            self._mindx_call("report_result", int(ResultCode.OK), "training continued", {}, "continue")
+            flow.mindx_call("report_result", int(ResultCode.OK), "training continued", {}, "continue")
             return ok
         if choice == "exit":
-            self._settle()
-            self._exit(EXIT_CODE_FAULT)
+            flow.settle()
+            flow.exit(EXIT_CODE_FAULT)
             return False
-        self.sm.fire(Result.DUMP, lock_step=target)
-        with self._lock:
+        ctl.sm.fire(Result.DUMP, lock_step=target)
+        with ctl._lock:
             views = [policy.RankView(r.rank, r.alive, r.faulty, target, 0, tuple(r.replica))
-                     for r in self.ranks.values()]
+                     for r in ctl.ranks.values()]
         plan = policy.select_dump_ranks(views, target)
-        Dump().run(self, Context(target, views, plan=plan, graceful=True))
+        Dump().run(ctl, Context(target, views, plan=plan, graceful=True))
         return False

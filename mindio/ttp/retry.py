@@ -110,7 +110,7 @@ class StopRound:
 
     def _advance(self, replies: dict, grace: float) -> None:
         """Step 2 of :meth:`run`; ``replies`` is updated."""
-        views = self.ctl._views(replies)  # incident.py
+        views = self.ctl.incidents.views(replies)
         step, behind = policy.ranks_to_advance(views, [r for r, m in _mains(replies).items() if m == "fenced"])
         if not behind:
             return
@@ -212,7 +212,7 @@ class StopRound:
     def _last_copies(self, replies: dict, dead: set, victims: list) -> list:
         """Those of ``victims`` whose death would leave some optimizer shard with no usable copy at the
         lock step (policy.select_dump_ranks), where one is left now: never kill the last copy."""
-        views = self.ctl._views(replies)  # incident.py
+        views = self.ctl.incidents.views(replies)
         lock = policy.choose_lock_step(views)
         if not policy.select_dump_ranks(views, lock).possible:
             return []  # nothing complete to keep: killing does not lose a shard that could be saved

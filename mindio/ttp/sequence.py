@@ -54,8 +54,7 @@ def resume(ctl, lock: int, ranks: list, timeout: float, mark: list | None = None
     with ctl._lock:
         ctl.sm.fire(Result.OK, lock_step=lock, **why)
         if close_incident:
-            ctl._incident = None
-            ctl._incident_evt.clear()
+            ctl.incidents.close()
         records = [r for r in ctl.ranks.values() if r.alive] if mark is None else [ctl.ranks[r] for r in mark]
         for r in records:
             r.faulty = False
@@ -142,5 +141,5 @@ class Sequence:
         _logging.event(event or f"{self.name.replace(' ', '_')}_done", total_s=round(total, 6), gen=self.ctl.gen,
                        **fields, **{f"{k}_s": v for k, v in parts.items()})
         ranks, strategy = report
-        self.ctl._mindx_call("report_result", 0, f"{self.name} done", ranks, strategy)
+        self.ctl.incidents.mindx_call("report_result", 0, f"{self.name} done", ranks, strategy)
         return total

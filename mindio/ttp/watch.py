@@ -110,7 +110,7 @@ class Liveness:
                 with self.ctl._cond:
                     self.ctl.ranks[rank].alive = False
                     self.ctl.ranks[rank].faulty = True
-                self.ctl._open_incident(rank, None)
+                self.ctl.incidents.open(rank, None)
 
     def _starved(self, r, now: float) -> bool:
         """Is silent rank ``r`` only starved of CPU? Its process runs on this host and is alive and not
@@ -160,7 +160,7 @@ class Liveness:
         for rank in newly:
             _logging.event("rank_dead", dead_rank=rank, cause=cause, **common,
                            **{k: v[rank] for k, v in per_rank.items() if rank in v})
-            self.ctl._open_incident(rank, None)
+            self.ctl.incidents.open(rank, None)
         return newly
 
     def heard(self, ranks, within: float) -> list[int]:

@@ -69,7 +69,7 @@ def main() -> None:
                 armed = time.monotonic() + 120
                 while rc == 0 and time.monotonic() < armed:
                     with ctl._lock:  # backups registered (PAUSE), or the switch is over (no incident)
-                        if ctl.sm.state is not State.NORMAL or ctl._incident is None:
+                        if ctl.sm.state is not State.NORMAL or ctl.incidents.current is None:
                             break
                     time.sleep(0.01)
                 open(os.path.join(out, "release"), "w").close()

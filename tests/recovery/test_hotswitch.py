@@ -244,7 +244,7 @@ def test_prepare_action_refused_without_a_launcher_agent(caplog):
     ctl.sm.fire(Result.ALL_REGISTERED)
     assert ctl.notify_prepare_action("hot switch", [1]) == 1
     assert "no launcher agent hosts this controller" in caplog.text
-    assert ctl._incident is None and ctl.sm.state is State.NORMAL
+    assert ctl.incidents.current is None and ctl.sm.state is State.NORMAL
 
     class Replacer:  # an agent whose node cannot start rank 1 again
         def possible(self, ranks, strategy):

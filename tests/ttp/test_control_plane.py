@@ -86,7 +86,7 @@ def test_a_peer_timeout_after_the_incident_began_is_secondary(plane):
     not know of the incident yet) is secondary, never a new fault: the incident keeps one faulty rank."""
     ctl, procs, _ = plane
     procs[1].report(ReportState.RS_UNKNOWN, "RuntimeError: Other ERROR")
-    assert _until(lambda: ctl._incident is not None)
+    assert _until(lambda: ctl.incidents.current is not None)
     procs[0].report(ReportState.RS_UNKNOWN, "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
                                             "waiting 60000ms for recv operation to complete")
     assert _until(lambda: ctl.final.is_set(), 20.0)
@@ -202,7 +202,7 @@ def test_a_ranks_dump_request_is_a_last_words_checkpoint(plane):
     procs[0].link.send(P.Envelope(P.MsgType.REQUEST, P.Request("reboot", reason="?")))
     for p in procs:
         p.link.send(P.Envelope(P.MsgType.REQUEST, P.Request("dump", reason="SIGTERM")))
-    assert _until(lambda: ctl._dump_wanted is not None)
+    assert _until(lambda: ctl.incidents.dump_wanted is not None)
     time.sleep(0.5)  # several heartbeats at step 0: nothing trained yet, nothing to save
     assert ctl.sm.state is State.NORMAL and saved == []
     for p in procs:

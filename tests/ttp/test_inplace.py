@@ -1,6 +1,7 @@
 """Processor side of the retry actions (inplace.py) without sockets: the fence / FORCE STOP hand-off."""
 import threading
 import time
+import types
 
 import pytest
 
@@ -126,11 +127,12 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
         def __init__(self, mains, steps=None):
             self.mains, self.calls, self.steps = mains, [], steps or {}
             self._lock, self.ranks = threading.Lock(), RankTable()  # the rank table: no rank declared dead
+            self.incidents = types.SimpleNamespace(views=self.views)  # the incident flow's part StopRound uses
 
         def job_strategies(self):
             return {"dump", "retry"}  # no recover-in-place: no stuck-rank kill
 
-        def _views(self, replies):
+        def views(self, replies):
             return [RankView(r, True, False, rep.detail["step"], rep.detail["data_status"]) for r, rep in replies.items()]
 
         def _call(self, name, params, ranks, timeout, fail_fast=False):

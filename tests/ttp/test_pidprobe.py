@@ -92,7 +92,7 @@ def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch
         open(go, "w").close()
         assert kids[1].wait(30) == 0  # rank 1: BYE, then a normal exit
         time.sleep(0.5)
-        assert not ctl.ranks[1].faulty and ctl._incident is None and ctl.sm.state is State.NORMAL
+        assert not ctl.ranks[1].faulty and ctl.incidents.current is None and ctl.sm.state is State.NORMAL
         os.kill(kids[0].pid, signal.SIGKILL)
         t0 = time.monotonic()
         assert _until(lambda: not ctl.ranks[0].alive, 10.0)
@@ -101,10 +101,10 @@ def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch
         # the I/O thread marks the rank dead, then writes its event and opens the incident: wait for both
         # (under xdist load the test read the file in between: [] != [(0, 'pid', ...)])
         assert _until(lambda: any(e["kind"] == "rank_dead" for e in _events(events))
-                      and ctl._incident is not None, 10.0)
+                      and ctl.incidents.current is not None, 10.0)
         dead = [e for e in _events(events) if e["kind"] == "rank_dead"]
         assert [(e["dead_rank"], e["cause"], e["pid"]) for e in dead] == [(0, "pid", kids[0].pid)]
-        assert ctl.ranks[0].faulty and ctl._incident is not None  # the incident is opened as for any death
+        assert ctl.ranks[0].faulty and ctl.incidents.current is not None  # the incident is opened as for any death
 
 
 def test_other_host_or_namespace_is_not_watched():

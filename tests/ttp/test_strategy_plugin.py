@@ -73,7 +73,7 @@ def test_a_strategy_registered_with_one_line_recovers_a_real_fault(job):
     assert [lp.decisions for lp in loops] == [[(Action.RETRY, 0)], [(Action.RETRY, 0)]]
     assert sorted(rolled) == [(0, lock), (1, lock)]
     assert _until(lambda: all(p.step > lock + 2 for p in procs), 30)  # both ranks train on
-    assert ctl.sm.state is State.NORMAL and ctl._incident is None and not ctl.final.is_set()
+    assert ctl.sm.state is State.NORMAL and ctl.incidents.current is None and not ctl.final.is_set()
     assert not any(r.faulty for r in ctl.ranks.values())
 
 

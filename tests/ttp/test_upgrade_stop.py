@@ -40,7 +40,10 @@ class Ctl:
         self.elastic, self.gen = Elastic(self), 1
         self.elastic.members, self.elastic.removed, self.elastic.layout = [0, 1], (2, 3), LAYOUT
         self.elastic.standbys = {r: (b"id%d" % r, 100 + r, "h", time.monotonic()) for r in (2, 3)}
-        self.elastic.upgrade_wanted, self._incident, self._incident_evt = True, None, threading.Event()
+        self.elastic.upgrade_wanted = True
+        # the incident flow's part an upgrade uses (incident.IncidentFlow): no incident open, the exit order kept
+        self.incidents = types.SimpleNamespace(current=None, wakeup=threading.Event(), exit=self.exits.append,
+                                               mindx_call=lambda action, *args: None)
         self._lock, self._cond = threading.Lock(), threading.Condition()
         self.ranks = {r: _Rank(r, b"id%d" % r, step=28) for r in (0, 1)}  # the survivors
         self.liveness = types.SimpleNamespace(seen={})
@@ -52,12 +55,6 @@ class Ctl:
             script = self.stops.pop(0)
             return {r: P.Reply(ok=True, detail={"step": s, "data_status": d}) for r, (s, d) in script.items()}
         return {r: P.Reply(ok=True, detail={}) for r in ranks}
-
-    def _exit(self, code):
-        self.exits.append(code)
-
-    def _mindx_call(self, action, *args):
-        pass
 
 
 def test_a_stop_across_the_fence_is_released_and_repeated():

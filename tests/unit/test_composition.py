@@ -18,23 +18,26 @@ def test_every_strategy_is_an_object_of_the_strategy_class():
     assert all(s.name == name for name, s in Controller.STRATEGIES.items())
 
 
-def test_the_controller_is_composed_of_parts_with_one_mixin_left():
-    """The parts own their state; IncidentFlow (incident.py, with PauseFlow) is the one base left
-    (docs/architecture.md, "Not yet"): no other mixin comes back."""
+def test_the_controller_is_composed_of_parts_and_has_no_base():
+    """The parts own their state, the incident flow and the pause too (incident.py, pause.py): no mixin
+    base is left, and none comes back."""
     from mindio.ttp.actions import ActionEngine
     from mindio.ttp.elastic_flow import Elastic
     from mindio.ttp.hotswitch import HotSwitch
     from mindio.ttp.incident import IncidentFlow
+    from mindio.ttp.pause import PauseFlow
     from mindio.ttp.ranks import RankTable
     from mindio.ttp.recover import Replacements
     from mindio.ttp.retry import StopRound
     from mindio.ttp.states import StateMachine
     from mindio.ttp.watch import Liveness
 
-    assert Controller.__bases__ == (IncidentFlow,) and IncidentFlow.__bases__[0].__bases__ == (object,)
+    assert Controller.__bases__ == (object,)
     ctl = Controller(0, 4, {"dump"}, b"k" * 32)
     parts = {"ranks": RankTable, "sm": StateMachine, "actions": ActionEngine, "liveness": Liveness,
-             "stop_round": StopRound, "replacements": Replacements, "elastic": Elastic, "hot_switch": HotSwitch}
+             "stop_round": StopRound, "replacements": Replacements, "elastic": Elastic, "hot_switch": HotSwitch,
+             "incidents": IncidentFlow, "pause": PauseFlow}
     assert {name: type(getattr(ctl, name)) for name in parts} == parts
     assert all(getattr(ctl, name).ctl is ctl for name in ("liveness", "stop_round", "replacements", "elastic",
-                                                          "hot_switch"))
+                                                          "hot_switch", "incidents", "pause"))
+    assert all(cls.__bases__ == (object,) for cls in (IncidentFlow, PauseFlow))

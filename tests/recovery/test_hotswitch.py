@@ -213,6 +213,24 @@ def test_backup_failing_after_release_falls_back_to_a_dump(tmp_path):
     assert (tmp_path / "run" / "ckpt" / f"iter_{paused['step']:07d}").is_dir()  # the pause step was saved
 
 
+@pytest.mark.timeout(200)
+def test_a_repair_handler_that_raises_during_the_switch_in_falls_back_to_a_dump(tmp_path):
+    """A faulty real object: the replica's repair handler raises while it should send rank 1's shard to
+    the backup that switches in (the old rank-1 process has left): the recover sequence of the switch
+    fails at the repair, and the remaining ranks dump at the pause step and exit 75."""
+    code, text, events, brain = run(tmp_path / "run", "direct", env={"TOY_FAIL_REPAIR": "raise"})
+    assert code != 0
+    assert "exiting with code 75" in text, text[-6000:]  # dumped
+    kinds = [e["kind"] for e in events]
+    assert "switched_out_exit" in kinds, kinds
+    failed = next(e for e in events if e["kind"] == "recover_failed")
+    assert failed["step_name"] == "repair", failed
+    fallback = [e for e in events if e["kind"] == "fallback"]
+    assert fallback and fallback[0]["src"] == "hot switch" and fallback[0]["dst"] == "dump", fallback
+    paused = next(e for e in events if e["kind"] == "hot_switch_paused")
+    assert (tmp_path / "run" / "ckpt" / f"iter_{paused['step']:07d}").is_dir()  # the pause step was saved
+
+
 def test_prepare_action_bad_input(monkeypatch):
     ctl = Controller(rank=-1, world_size=4, enabled={"recover-in-place"}, key=b"k" * 32)
     monkeypatch.setattr(_rt, "controller", ctl)

@@ -165,6 +165,24 @@ def test_replica_killed_during_repair_falls_back_without_hang(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_a_repair_handler_that_raises_falls_back_to_a_dump(tmp_path):
+    """A faulty real object: the replica's repair handler (tft_register_repair_handler) raises while it
+    should send rank 1's shard to the replacement. The sequence abandons (the new generation's groups
+    are destroyed, so the replacement waiting to receive is released), recover-in-place returns FAILED
+    and the controller falls back to the dump: rank 1's shard is still on rank 3, so the lock step is
+    saved and every rank exits 75."""
+    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT}", env={"TOY_FAIL_REPAIR": "raise"})
+    assert code != 0
+    assert "exiting with code 75" in text, text[-6000:]  # dumped
+    failed = [e for e in events if e["kind"] == "recover_failed"]
+    assert failed and failed[0]["step_name"] == "repair", failed
+    fallback = [e for e in events if e["kind"] == "fallback"]
+    assert fallback and fallback[0]["src"] == "recover-in-place" and fallback[0]["dst"] == "dump", fallback
+    lock = next(e for e in events if e["kind"] == "decision")["lock_step"]
+    assert (tmp_path / "run" / "ckpt" / "latest").read_text() == str(lock)  # the lock step, complete
+
+
+@pytest.mark.timeout(200)
 def test_replacement_dying_at_start_falls_back_at_once(tmp_path):
     """The spare that takes the dead rank fails before joining: the survivors waiting in the rebuild are
     cleaned and the job falls back to a dump at once, not after the recover timeout (60 s)."""

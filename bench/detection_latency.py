@@ -20,6 +20,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tests._faultplan import FaultPlan  # noqa: E402
 from tests.ttp._harness import Job  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def main() -> None:
                                    ("kill-hb", "kill", 3, {"MINDIO_PID_PROBE": "0"}),
                                    ("hang", "hang", 2, {"MINDIO_HANG_TIMEOUT": "3"})):
         out = os.path.join(base, label)
-        job = Job(out, args=["--steps", "8", "--fault", f"{kind}:{rank}:4"], env=env)
+        job = Job(out, args=["--steps", "8"], plan=FaultPlan.of((kind, rank, 4)), env=env)
         codes = job.wait(180)
         ev = job.events()
         t0 = float(open(os.path.join(out, f"fault_t_rank{rank}")).read())

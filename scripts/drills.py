@@ -38,6 +38,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "tests" / "recovery" / "_recover_toy.py"
+sys.path.insert(0, str(REPO))
+from tests._faultplan import FaultPlan  # noqa: E402  (the toy's fault plan)
 PORT = 29400
 
 
@@ -46,9 +48,10 @@ class Row:
     name: str
     apply: str                     # what the harness does to the network / processes (see Drill.fault)
     standby: bool = True
-    toy_fault: str = ""            # a --fault of the toy (fires inside the job)
+    toy_fault: tuple = ()          # a fault of the toy's plan (kind, rank): fires inside the job at --fault-step
     env: dict = field(default_factory=dict)
     seconds: float = 0.0
+    replacement_fails: str = ""    # the toy plan's replacement_fails (tests/_faultplan.py)
 
 
 FAULTS = [
@@ -63,9 +66,8 @@ FAULTS = [
     Row("kill node 0 (controller + stores; no backup)", "kill-node0"),
     Row("kill node 0, backup controller on node 1 (no standby)", "kill-node0", standby=False,
         env={"MINDIO_BACKUP_CONTROLLERS": "1"}),
-    Row("hang rank 1 (MINDIO_HANG_TIMEOUT=5)", "none", toy_fault="hang:1:{step}", env={"MINDIO_HANG_TIMEOUT": "5"}),
-    Row("fault during recovery (replacement dies)", "none", toy_fault="kill:1:{step}",
-        env={"TOY_REPLACEMENT_FAILS": "1"}),
+    Row("hang rank 1 (MINDIO_HANG_TIMEOUT=5)", "none", toy_fault=("hang", 1), env={"MINDIO_HANG_TIMEOUT": "5"}),
+    Row("fault during recovery (replacement dies)", "none", toy_fault=("kill", 1), replacement_fails="start"),
 ]
 
 
@@ -148,12 +150,12 @@ class Drill:
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
                    GLOO_SOCKET_IFNAME="eth0", MINDIO_PID_PROBE="0",
                    MINDIO_EVENT_LOG=str(self.out / "events.jsonl"), **self.row.env)
-        fault = self.row.toy_fault.format(step=self.fault_step)
         common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
                   "--master-addr", self.net.addrs[0], "--master-port", str(PORT),
                   "--high-availability", "retry,recover-in-place,recover,dump"]
         tail = [str(TOY), "--out", str(self.out), "--steps", str(self.steps), "--step-sleep", str(self.step_sleep)]
-        tail += ["--fault", fault] if fault else []
+        faults = [(*self.row.toy_fault, self.fault_step)] if self.row.toy_fault else []
+        tail += FaultPlan.of(*faults, replacement_fails=self.row.replacement_fails).argv()
         agents = [("node0", 0, ["--node-rank", "0"]), ("node1", 1, ["--node-rank", "1"])]
         if self.row.standby:
             agents.append(("standby", 2, ["--standby", "--warm-spares", "2"]))

@@ -19,13 +19,12 @@ from __future__ import annotations
 import re
 import signal
 
+# faults after which the rank dies by SIGKILL (the toys' fault plan and --inject share the kinds)
+from tests._faultplan import KILLING as _KILLING
+
 __all__ = ["signal_name", "check_codes", "signal_deaths", "assert_no_signal_deaths", "sent_by_faults", "injected"]
 
 KILL = "SIGKILL"
-# faults after which the rank dies by SIGKILL: killed by the fault itself, or by its own processor on
-# the controller's order (hang), or with its node's agent (kill-node: its workers get PDEATHSIG), or
-# stopped (stop: SIGSTOP, then SIGKILLed by the agent that replaces it or ends the job)
-_KILLING = ("kill", "kill-update", "kill-update-alone", "hang", "kill-node", "stop")
 
 
 def signal_name(code: int) -> str:

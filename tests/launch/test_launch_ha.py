@@ -15,13 +15,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recovery"))
 from test_recover_inplace import FAULT_IT, digest, fault_free_digest, run  # noqa: E402 (the toy's runner)
 
+from tests._faultplan import FaultPlan  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(300)
 def test_worker_reboot_registered_by_the_ranks_is_enabled_by_the_launcher(fault_free_run, tmp_path):
-    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT}", strategies="dump",
-                             env={"TOY_ENABLE_ARF": "1"})
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("kill", 1, FAULT_IT), enable_arf=True), strategies="dump")
     assert code == 0, text[-6000:]
     adopted = [e for e in events if e["kind"] == "strategies_adopted"]
     assert adopted and set(adopted[0]["added"]) == {"recover-in-place", "recover"}, adopted
@@ -32,7 +33,8 @@ def test_worker_reboot_registered_by_the_ranks_is_enabled_by_the_launcher(fault_
 
 @pytest.mark.timeout(300)
 def test_a_dump_and_relaunch_is_reported_as_planned(tmp_path):
-    code, text, _ = run(tmp_path / "run", fault="raise-unknown:1:5", strategies="dump", extra=["--max-restarts", "1"])
+    code, text, _ = run(tmp_path / "run", FaultPlan.of(("raise-unknown", 1, 5)), strategies="dump",
+                        extra=["--max-restarts", "1"])
     assert code == 0, text[-6000:]
     line = next(ln for ln in text.splitlines() if ln.startswith("mindio-run: round 0"))
     print("\n" + line)

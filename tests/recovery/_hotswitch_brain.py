@@ -13,8 +13,8 @@ controller the agent hosts (rank -1) and plays SCENARIO through the reference AP
 
 Every call and callback is appended to ``OUT/brain.jsonl``. Once the switch is past its backups'
 registration (the pause began, or the switch was cancelled) the brain creates ``OUT/release``: a job
-held there (the toy's ``--fault hold:R:IT``, the example's ``--inject hold:...`` with MINDIO_DRILL_DIR=OUT)
-is still training when the backups register, however slowly they start.
+held there (a ``hold`` fault of the toy's plan, tests/_faultplan.py; the example's ``--inject hold:...``
+with MINDIO_DRILL_DIR=OUT) is still training when the backups register, however slowly they start.
 """
 import json
 import os

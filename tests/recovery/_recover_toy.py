@@ -1,17 +1,18 @@
 """The toy job of tests/ttp/_toy_train.py (DP=4, ZeRO-1 Adam over 2 replica halves) under mindio-run.
 
-Same model, data, callbacks and ``--fault`` syntax, but started by mindio-run: rank, world size and
-the worker store come from the torchrun environment, and the controller is the one node 0's agent
-hosts (MINDIO_CONTROLLER_EXTERNAL, TTP_PORT, MINDIO_SECRET). A replacement process
+Same model, data, callbacks and ``--plan`` (tests/_faultplan.py), but started by mindio-run: rank,
+world size and the worker store come from the torchrun environment, and the controller is the one
+node 0's agent hosts (MINDIO_CONTROLLER_EXTERNAL, TTP_PORT, MINDIO_SECRET). A replacement process
 (``tft_is_reboot_node()``) builds the same objects and parks before ``train()``; its shard, moments
 and iteration come from the replica (repair), its parameters from the all-gather (rollback).
-Faults fire once per job: a marker file in ``--out`` is created before firing. ``kill-node:R:IT``
-SIGKILLs rank R's launcher agent, then R itself (the node's other workers die with the agent);
-``stop-node:R:IT`` SIGSTOPs the process group of rank R's agent (the agent and its workers: a frozen or
-partitioned host, as seen from the others).
+Faults fire once per job: a marker file in ``--out`` is created before firing. ``kill-node`` at
+rank R SIGKILLs rank R's launcher agent, then R itself (the node's other workers die with the agent);
+``stop-node`` SIGSTOPs the process group of rank R's agent (the agent and its workers: a frozen or
+partitioned host, as seen from the others); ``hold`` waits for ``<out>/release``.
 
-``TOY_ENABLE_ARF=1``: the processors register with ``enable_arf`` (worker reboot).
-``TOY_DECLARED_REPLICAS=1``: the processors declare no replica (``replica_cnt`` 1) to mindio.
+The plan's ``enable_arf``: the processors register with ``enable_arf`` (worker reboot);
+``declared_replicas``: how many copies of each shard they declare to mindio (1: none to repair from);
+``replacement_fails``: a replacement exits at ``start`` or once ``joined``.
 
 At the end every rank writes ``final_rank<r>.pt`` and rank 0 prints ``state-digest: <sha256>`` over
 every rank's (flat, master, m, v, it).
@@ -64,26 +65,25 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--fault", default="")
+    p.add_argument("--plan", type=toy.FaultPlan.loads, default=toy.FaultPlan())
     p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
     a.rank, a.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     a.resume = ""
-    a.faults = [(f.split(":")[0], int(f.split(":")[1]), int(f.split(":")[2])) for f in a.fault.split(",") if f]
+    a.faults = a.plan.tuples()
     torch.manual_seed(0)
-    fails = os.environ.get("TOY_REPLACEMENT_FAILS", "") if ttp.tft_is_reboot_node() else ""
-    if fails and fails != "joined":
-        print(f"[rank {a.rank}] replacement fails at start-up (TOY_REPLACEMENT_FAILS)", flush=True)
+    fails = a.plan.replacement_fails if ttp.tft_is_reboot_node() else ""
+    if fails == "start":
+        print(f"[rank {a.rank}] replacement fails at start-up (replacement_fails)", flush=True)
         return 3
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     if fails == "joined":  # a hot-switch backup released into the new generation dies there
-        print(f"[rank {a.rank}] replacement fails after joining the world (TOY_REPLACEMENT_FAILS=joined)", flush=True)
+        print(f"[rank {a.rank}] replacement fails after joining the world (replacement_fails=joined)", flush=True)
         os._exit(3)
     toy.build_groups(a.rank, a.world)
     a.store = dist.distributed_c10d._get_default_store()  # toy.Trainer.maybe_inject: faults of one step together
-    # TOY_ENABLE_ARF=1: the ranks register for worker reboot (the launcher then enables recover-in-place)
-    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False,
-                           enable_arf=os.environ.get("TOY_ENABLE_ARF") == "1")
+    # enable_arf: the ranks register for worker reboot (the launcher then enables recover-in-place)
+    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False, enable_arf=a.plan.enable_arf)
     trainer = Trainer(a)
     ttp.tft_register_save_ckpt_handler(trainer.save)
     ttp.tft_register_rename_handler(trainer.rename)
@@ -92,9 +92,9 @@ def main() -> int:
     ttp.tft_register_repair_handler(trainer.repair)
     ttp.tft_register_rollback_handler(trainer.rollback)
     ttp.tft_start_processor(os.environ.get("TTP_ADDR", "127.0.0.1"), int(os.environ["TTP_PORT"]))
-    # TOY_DECLARED_REPLICAS=1: tell mindio there is no replica (as a job without one would): every shard
+    # declared_replicas=1: tell mindio there is no replica (as a job without one would): every shard
     # then lives on one rank only, whatever the toy keeps (test_controller_node_loss: no surviving copy)
-    replicas = int(os.environ.get("TOY_DECLARED_REPLICAS", toy.R))
+    replicas = toy.R if a.plan.declared_replicas is None else a.plan.declared_replicas
     ttp.tft_set_optimizer_replica(a.rank, [{"rank_list": list(range(a.world)), "replica_cnt": replicas,
                                             "replica_shift": 0}])
     if ttp.tft_is_reboot_node():

@@ -18,16 +18,18 @@ import pytest
 from _two_nodes import two_nodes
 
 from tests._exits import check_codes
+from tests._faultplan import FaultPlan
 
 pytestmark = pytest.mark.slow
 STEPS, FAULT_IT = 40, 12
 
 
-def _run(out, env=None, strategies="retry,recover-in-place,recover,dump"):
-    """Node 0's agent is SIGKILLed by its own rank 0 (the fault); node 1's ends by itself."""
-    codes, texts, evs = two_nodes(out, ["--steps", str(STEPS), "--fault", f"kill-node:0:{FAULT_IT}", "--step-sleep",
-                                        "0.1"], strategies, {"MINDIO_BACKUP_CONTROLLERS": "1", **(env or {})},
-                                  wait_for="node1")
+def _run(out, strategies="retry,recover-in-place,recover,dump", **settings):
+    """Node 0's agent is SIGKILLed by its own rank 0 (the fault); node 1's ends by itself. ``settings``:
+    more of the toy's fault plan (tests/_faultplan.py)."""
+    plan = FaultPlan.of(("kill-node", 0, FAULT_IT), **settings)
+    codes, texts, evs = two_nodes(out, ["--steps", str(STEPS), "--step-sleep", "0.1", *plan.argv()], strategies,
+                                  {"MINDIO_BACKUP_CONTROLLERS": "1"}, wait_for="node1")
     check_codes(codes, {"node0": "SIGKILL"}, what="agent", context=texts["node1"][-6000:])
     assert codes["node0"] == -signal.SIGKILL, texts["node0"][-3000:]
     return codes["node1"], texts["node1"], texts["node0"], evs
@@ -63,12 +65,12 @@ def test_node0_lost_backup_controller_dumps_from_node1(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_node0_lost_without_a_surviving_copy_saves_nothing(tmp_path):
-    """The job declares no replica (TOY_DECLARED_REPLICAS=1: each rank holds the only copy of its shard, as
+    """The job declares no replica (declared_replicas=1: each rank holds the only copy of its shard, as
     in a job without replicas): node 0's loss takes shards 0 and 1 with it. The backup takes over, finds
     no surviving copy of them and ends the job without a checkpoint: one line says so, nothing is made
     the latest checkpoint, ranks 2 and 3 exit 76, node 1's agent exits 1."""
     out = tmp_path / "run"
-    code, text1, text0, evs = _run(out, env={"TOY_DECLARED_REPLICAS": "1"})
+    code, text1, text0, evs = _run(out, declared_replicas=1)
     assert code == 1, text1[-6000:]
     said = re.findall(r"^mindio-run: node 0 lost.*$", text1, re.M)
     assert len(said) == 1 and "no surviving copy of shard" in said[0] and "nothing was saved" in said[0], text1[-6000:]

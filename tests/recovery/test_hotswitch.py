@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import pytest
 from test_recover_inplace import _port, digest  # tests/recovery is on sys.path (rootdir import mode)
 
 from tests._exits import assert_no_signal_deaths, check_codes
+from tests._faultplan import Fault, FaultPlan
 
 import mindio.ttp as ttp
 from mindio.errors import ConfigError
@@ -35,8 +37,9 @@ STEPS = 12
 pytestmark = pytest.mark.slow
 
 
-def run(out: Path, scenario: str = "", timeout=150, victim: int = 1, env=None):
-    """One mindio-run job of the toy (with the brain when ``scenario``); (exit code, output, events, brain)."""
+def run(out: Path, scenario: str = "", timeout=150, victim: int = 1, env=None, plan: FaultPlan = FaultPlan()):
+    """One mindio-run job of the toy (with the brain when ``scenario``; ``plan``: the toy's faults, to
+    which a scenario adds rank 0's hold of step 7); (exit code, output, events, brain)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     e = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{HERE}", OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
@@ -45,7 +48,8 @@ def run(out: Path, scenario: str = "", timeout=150, victim: int = 1, env=None):
               "recover-in-place,dump", str(HERE / "_recover_toy.py"), "--out", str(out), "--steps", str(STEPS),
               "--step-sleep", "0.15"]
     if scenario:  # rank 0 holds step 7 until the brain saw the backup registered: the job still trains then
-        launch += ["--fault", "hold:0:7"]
+        plan = replace(plan, faults=plan.faults + (Fault("hold", 0, 7),))
+    launch += plan.argv()
     cmd = ([sys.executable, str(HERE / "_hotswitch_brain.py"), scenario, str(out), "--"] if scenario
            else [sys.executable, "-m", "mindio.launch.cli"]) + launch
     p = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -181,7 +185,7 @@ def test_stop_switch_while_the_backups_start_cancels_before_the_pause(reference,
 def test_backup_failing_before_it_registers_cancels_the_switch(reference, tmp_path):
     """The backup process dies at start (before its init_process_group): the switch is cancelled before
     any rank paused; the old rank-1 process stays and the result is the uninterrupted run's."""
-    code, text, events, brain = run(tmp_path / "run", "direct", env={"TOY_REPLACEMENT_FAILS": "1"})
+    code, text, events, brain = run(tmp_path / "run", "direct", plan=FaultPlan(replacement_fails="start"))
     assert code == 0, text[-6000:]
     assert digest(text) == reference
     assert_every_step_once(text)
@@ -199,7 +203,7 @@ def test_backup_failing_after_release_falls_back_to_a_dump(tmp_path):
     """The backup dies right after it joined the new generation, after the old rank-1 process left: the
     remaining ranks dump at the pause step (rank 1's shard lives on its replica, rank 3) and the job exits
     75, at once."""
-    code, text, events, brain = run(tmp_path / "run", "direct", env={"TOY_REPLACEMENT_FAILS": "joined"})
+    code, text, events, brain = run(tmp_path / "run", "direct", plan=FaultPlan(replacement_fails="joined"))
     assert code != 0
     assert "exiting with code 75" in text, text[-6000:]  # dumped
     kinds = [e["kind"] for e in events]
@@ -218,7 +222,7 @@ def test_a_repair_handler_that_raises_during_the_switch_in_falls_back_to_a_dump(
     """A faulty real object: the replica's repair handler raises while it should send rank 1's shard to
     the backup that switches in (the old rank-1 process has left): the recover sequence of the switch
     fails at the repair, and the remaining ranks dump at the pause step and exit 75."""
-    code, text, events, brain = run(tmp_path / "run", "direct", env={"TOY_FAIL_REPAIR": "raise"})
+    code, text, events, brain = run(tmp_path / "run", "direct", plan=FaultPlan(fail_repair="raise"))
     assert code != 0
     assert "exiting with code 75" in text, text[-6000:]  # dumped
     kinds = [e["kind"] for e in events]

@@ -18,6 +18,7 @@ from test_recover_inplace import STEPS, FAULT_IT, digest, fault_free_digest, run
 from _two_nodes import two_nodes
 
 from tests._exits import assert_no_signal_deaths, check_codes
+from tests._faultplan import FaultPlan
 
 pytestmark = pytest.mark.slow
 SILENT = {"MINDIO_PID_PROBE": "0"}  # only heartbeats see the stopped rank: as from another host
@@ -38,7 +39,7 @@ def test_silent_death_releases_survivors_and_recovers_in_place(reference, tmp_pa
     Heartbeats declare it dead; the survivors are released from the collective by ``unblock`` (not by
     the gloo timeout, not SIGKILLed as "stuck": rank 1 holds the only live copy of shard 1), the agent
     kills the frozen process and recover-in-place replaces it; the run stays bitwise."""
-    code, text, events = run(tmp_path / "run", fault=f"stop:3:{FAULT_IT}", env=SILENT)
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("stop", 3, FAULT_IT)), env=SILENT)
     assert code == 0, text[-6000:]
     assert digest(text) == reference
     dead = _first(events, "rank_dead")
@@ -61,7 +62,7 @@ def test_hang_detector_after_a_recovery_blames_nobody_else(reference, tmp_path):
     and SIGKILLed, and recover-in-place replaces it. The survivors were parked by the recovery for
     longer than the timeout; once training resumes none of them is hung (the progress clock restarts
     when the controller is NORMAL again). Before: they were declared hung 0.2 s after the resume."""
-    code, text, events = run(tmp_path / "run", fault=f"hang:1:{FAULT_IT}", env={"MINDIO_HANG_TIMEOUT": "5"})
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("hang", 1, FAULT_IT)), env={"MINDIO_HANG_TIMEOUT": "5"})
     assert code == 0, text[-6000:]
     assert [e["hung_rank"] for e in events if e["kind"] == "rank_hung"] == [1], text[-6000:]
     done = [e for e in events if e["kind"] == "recover_done"]
@@ -77,8 +78,9 @@ def test_partitioned_node_ends_in_a_dump_from_the_survivors(tmp_path):
     blocked in a collective with node 1 and holding a copy of every shard, are released and dump:
     exit 75 and a complete checkpoint -- never exit 76 with nothing saved."""
     out = tmp_path / "run"
-    codes, texts, evs = two_nodes(out, ["--steps", str(STEPS), "--fault", f"stop-node:2:{FAULT_IT}", "--step-sleep",
-                                        "0.1"], "recover-in-place,recover,dump", SILENT, wait_for="node0")
+    codes, texts, evs = two_nodes(out, ["--steps", str(STEPS), "--step-sleep", "0.1",
+                                        *FaultPlan.of(("stop-node", 2, FAULT_IT)).argv()],
+                                  "recover-in-place,recover,dump", SILENT, wait_for="node0")
     text0 = texts["node0"]
     check_codes(codes, {"node1": "SIGKILL"}, what="agent", context=text0[-6000:])
     assert_no_signal_deaths(text0, {})
@@ -101,8 +103,8 @@ def test_outage_within_the_tolerance_is_no_death(reference, tmp_path):
     """Rank 3 is frozen for 3 s (SIGSTOP, then SIGCONT): longer than the default tolerance (3 missed
     1 s beats, counting the beat interval before the freeze), inside the one the job set with
     MINDIO_HEARTBEAT_MISSES=6 (6 s). Nobody is declared dead, nothing recovers, the run is bitwise."""
-    code, text, events = run(tmp_path / "run", fault=f"freeze:3:{FAULT_IT}",
-                             env={**SILENT, "MINDIO_HEARTBEAT_MISSES": "6", "TOY_FREEZE_S": "3"})
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("freeze", 3, FAULT_IT), freeze_s=3),
+                             env={**SILENT, "MINDIO_HEARTBEAT_MISSES": "6"})
     assert code == 0, text[-6000:]
     assert _first(events, "fault_injected"), text[-4000:]
     assert not [e for e in events if e["kind"] in ("rank_dead", "rank_hung", "decision")], text[-6000:]

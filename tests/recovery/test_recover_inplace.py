@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from mindio._ports import free_port as _port  # outside the ephemeral range (mindio/_ports.py)
-from tests._exits import assert_no_signal_deaths, check_codes, sent_by_faults
+from tests._exits import assert_no_signal_deaths, check_codes
+from tests._faultplan import FaultPlan
 from mindio.ttp import protocol as P
 from mindio.ttp.controller import Controller
 
@@ -31,19 +32,18 @@ STEPS, FAULT_IT = 10, 7
 pytestmark = pytest.mark.slow
 
 
-def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", env=None, timeout=150, extra=(),
-        sent=None):
-    """One mindio-run job of the toy (``extra``: more mindio-run flags); returns (exit code, output,
-    events). Fails if a worker died by a signal neither ``fault`` nor ``sent`` ({rank: signal name})
-    explains (tests/_exits.py)."""
+def run(out: Path, plan: FaultPlan = FaultPlan(), strategies: str = "recover-in-place,dump", env=None, timeout=150,
+        extra=(), sent=None):
+    """One mindio-run job of the toy with the faults of ``plan`` (``extra``: more mindio-run flags);
+    returns (exit code, output, events). Fails if a worker died by a signal neither ``plan`` nor
+    ``sent`` ({rank: signal name}) explains (tests/_exits.py)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
              MINDIO_EVENT_LOG=str(events), **(env or {}))
     cmd = [sys.executable, "-m", "mindio.launch.cli", "--nproc-per-node", "4", "--master-port", str(_port()),
-           "--high-availability", strategies, *extra, str(TOY), "--out", str(out), "--steps", str(STEPS)]
-    if fault:
-        cmd += ["--fault", fault]
+           "--high-availability", strategies, *extra, str(TOY), "--out", str(out), "--steps", str(STEPS),
+           *plan.argv()]
     p = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
@@ -54,7 +54,7 @@ def run(out: Path, fault: str = "", strategies: str = "recover-in-place,dump", e
         raise AssertionError(f"job did not end within {timeout} s (a hang):\n{text[-6000:]}")
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
     check_codes({"mindio-run": p.returncode}, what="process", context=text[-6000:])
-    assert_no_signal_deaths(text, sent_by_faults(fault, also=sent))
+    assert_no_signal_deaths(text, plan.sent(also=sent))
     return p.returncode, text, evs
 
 
@@ -84,7 +84,7 @@ def reference(fault_free_run):
 @pytest.mark.timeout(200, func_only=True)  # the shared reference run has its own bound (run())
 @pytest.mark.parametrize("victim", [1, 0])  # rank 0 too: the controller lives in the agent, not in it
 def test_killed_rank_is_replaced_alone_and_bitwise(reference, tmp_path, victim):
-    code, text, events = run(tmp_path / "run", fault=f"kill:{victim}:{FAULT_IT}")
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("kill", victim, FAULT_IT)))
     assert code == 0, text[-6000:]
     assert digest(text) == reference  # nothing lost, nothing corrupted
     kinds = [e["kind"] for e in events]
@@ -121,7 +121,7 @@ def test_rank_stuck_after_the_stop_is_killed_and_replaced(reference, tmp_path):
     are released and stop, rank 2 never does. MINDIO_STOP_STUCK_S (2 s here) after every other rank
     stopped, the controller SIGKILLs it, and recover-in-place replaces both; the run stays bitwise.
     Before, the stop gave rank 2 its full timeout and the recovery then failed."""
-    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT},hang:2:{FAULT_IT}",
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("kill", 1, FAULT_IT), ("hang", 2, FAULT_IT)),
                              env={"MINDIO_STOP_STUCK_S": "2"})
     assert code == 0, text[-6000:]
     stuck = [e for e in events if e["kind"] == "stop_stuck_killed"]
@@ -139,8 +139,8 @@ def test_survivors_held_before_an_update_another_made_finish_it_before_the_repla
     all-gather completes with rank 3), so the lock step is FAULT_IT + 1 with nothing stale, and the
     replacement of rank 1 gets that step's shard from rank 3. (Before the prelock: lock step FAULT_IT,
     rank 2 repaired back to it.)"""
-    code, text, events = run(tmp_path / "run", fault=f"kill-update:1:{FAULT_IT}",
-                             env={"TOY_STOP_BEFORE_FENCE": f"0/3:{FAULT_IT}"})
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("kill-update", 1, FAULT_IT), fenced_late=(0, 3),
+                                                         fence_step=FAULT_IT))
     assert code == 0, text[-6000:]
     assert digest(text) == reference  # nothing lost, nothing corrupted
     advanced = [e for e in events if e["kind"] == "advance"]
@@ -155,7 +155,7 @@ def test_replica_killed_during_repair_falls_back_without_hang(tmp_path):
     """Cascading fault: the replica sending rank 1's shard dies in the middle of the repair. Both copies
     of that shard are gone, so neither recover nor a dump is possible: the job exits with a log line."""
     t0 = time.monotonic()
-    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT}", env={"TOY_FAIL_REPAIR": "kill"},
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("kill", 1, FAULT_IT), fail_repair="kill"),
                              sent={3: "SIGKILL"})  # the repair source (rank 1's replica) kills itself
     assert code != 0
     assert "recover failed at repair" in text, text[-6000:]
@@ -171,7 +171,7 @@ def test_a_repair_handler_that_raises_falls_back_to_a_dump(tmp_path):
     are destroyed, so the replacement waiting to receive is released), recover-in-place returns FAILED
     and the controller falls back to the dump: rank 1's shard is still on rank 3, so the lock step is
     saved and every rank exits 75."""
-    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT}", env={"TOY_FAIL_REPAIR": "raise"})
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("kill", 1, FAULT_IT), fail_repair="raise"))
     assert code != 0
     assert "exiting with code 75" in text, text[-6000:]  # dumped
     failed = [e for e in events if e["kind"] == "recover_failed"]
@@ -186,7 +186,7 @@ def test_a_repair_handler_that_raises_falls_back_to_a_dump(tmp_path):
 def test_replacement_dying_at_start_falls_back_at_once(tmp_path):
     """The spare that takes the dead rank fails before joining: the survivors waiting in the rebuild are
     cleaned and the job falls back to a dump at once, not after the recover timeout (60 s)."""
-    code, text, events = run(tmp_path / "run", fault=f"kill:1:{FAULT_IT}", env={"TOY_REPLACEMENT_FAILS": "1"})
+    code, text, events = run(tmp_path / "run", FaultPlan.of(("kill", 1, FAULT_IT), replacement_fails="start"))
     assert code != 0
     assert "exiting with code 75" in text, text[-6000:]  # dumped: rank 1's shard is on rank 3
     died = [e for e in events if e["kind"] == "replacement_died"]

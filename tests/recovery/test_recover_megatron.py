@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from _mgt_launch import PRETRAIN, digests, losses, torchrun, SLOW_MEGATRON  # noqa: E402
 from test_recover_node import run_nodes  # noqa: E402
 
+from tests._faultplan import FaultPlan  # noqa: E402
+
 pytestmark = SLOW_MEGATRON
 
 ITERS = 10
@@ -74,7 +76,7 @@ def test_megatron_recover_node_is_bitwise(tmp_path, layout, fault_free_run):
     live on 0, 1; TP=2 x DP=2: ranks 2, 3 are DP replicas of 0, 1)."""
     ref = _reference(fault_free_run, layout)
     tail = [str(PRETRAIN), *map(str, BASE + layout), "--inject", "kill-node:node=1,step=7"]
-    res, evs = run_nodes(tmp_path / "run", "", "recover,dump", timeout=600, tail=tail,
+    res, evs = run_nodes(tmp_path / "run", FaultPlan(), "recover,dump", timeout=600, tail=tail,
                          env={"MINDIO_DRILL_DIR": str(tmp_path), "MINDIO_ACP_IDLE_EXIT": "20"})
     code0, out = res["node0"]
     assert code0 == 0, out[-6000:]

@@ -24,22 +24,27 @@ import pytest
 from test_recover_inplace import REPO, STEPS, TOY, _port, digest, fault_free_digest
 
 from tests._exits import assert_no_signal_deaths, check_codes, injected, sent_by_faults
+from tests._faultplan import FaultPlan
 
 pytestmark = pytest.mark.slow
 
 
-def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None, env=None, during=None,
+NODE1_LOST = FaultPlan.of(("kill-node", 2, 7))  # rank 2 SIGKILLs its agent (node 1) at step 7, then itself
+
+
+def run_nodes(out, plan: FaultPlan, strategies: str, timeout: float = 170, tail=None, env=None, during=None,
               step_sleep: float = 0.1):
-    """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with ``fault``);
+    """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with the faults of
+    ``plan``; a script of its own names its faults with ``--inject``);
     returns ({name: (code, text)}, events). ``during(procs, events_path)`` runs in a thread meanwhile.
-    Fails if an agent or a worker died by a signal the fault does not explain (tests/_exits.py)."""
+    Fails if an agent or a worker died by a signal the faults do not explain (tests/_exits.py)."""
     out.mkdir(parents=True, exist_ok=True)
     events = out / "events.jsonl"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
                MINDIO_EVENT_LOG=str(events), **(env or {}))
     common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
               "--master-port", str(_port()), "--high-availability", strategies]
-    tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--fault", fault, "--step-sleep", str(step_sleep)]
+    tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--step-sleep", str(step_sleep), *plan.argv()]
     procs = {}
     for name, flags in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
                         ("standby", ["--standby", "--warm-spares", "2"])):
@@ -62,10 +67,10 @@ def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None,
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
     # kill-node SIGKILLs node 1's agent; its two workers die with it (PDEATHSIG)
     spec = injected(tail)
-    killed = {"node1": "SIGKILL"} if "kill-node:" in spec else {}
+    killed = {"node1": "SIGKILL"} if "kill-node:" in spec or any(f.kind == "kill-node" for f in plan.faults) else {}
     check_codes({n: c for n, (c, _t) in res.items()}, killed, what="agent", context=str(
         {n: t[-2000:] for n, (_c, t) in res.items()}))
-    sent = sent_by_faults(spec, per_node=2)
+    sent = sent_by_faults(spec, also=plan.sent(per_node=2), per_node=2)
     for _code, text in res.values():
         assert_no_signal_deaths(text, sent)
     return res, evs
@@ -74,7 +79,7 @@ def run_nodes(out, fault: str, strategies: str, timeout: float = 170, tail=None,
 @pytest.mark.timeout(300)
 def test_lost_node_moves_to_standby_bitwise(tmp_path, fault_free_run):
     reference = fault_free_digest(fault_free_run)  # the fault-free digest (one agent, same 4 ranks)
-    res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump")
+    res, events = run_nodes(tmp_path / "run", NODE1_LOST, "recover-in-place,recover,dump")
     code0, text0 = res["node0"]
     assert code0 == 0, text0[-6000:]
     assert res["node1"][0] != 0  # its agent was SIGKILLed
@@ -144,7 +149,7 @@ def test_lost_node_recovers_across_a_stall_of_the_controller_node(tmp_path, faul
     its new connection (session.py): the recovery completes, bitwise, and no live rank is declared dead."""
     reference = fault_free_digest(fault_free_run)
     did: list = []
-    res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump",
+    res, events = run_nodes(tmp_path / "run", NODE1_LOST, "recover-in-place,recover,dump",
                             during=_stall_at("node0", "replace_ordered", '"strategy": "recover"', 4.0, did))
     _assert_recovered_across_stall(res, events, did, reference)
     assert [e for e in events if e["kind"] == "controller_stalled"], "the 4 s stop was not seen"
@@ -159,7 +164,7 @@ def test_lost_node_recovers_across_a_stall_of_the_standby_agent(tmp_path, fault_
     job completes, bitwise."""
     reference = fault_free_digest(fault_free_run)
     did: list = []
-    res, events = run_nodes(tmp_path / "run", "kill-node:2:7", "recover-in-place,recover,dump",
+    res, events = run_nodes(tmp_path / "run", NODE1_LOST, "recover-in-place,recover,dump",
                             during=_stall_at("standby", "ranks_replaced", '"node": 1', 4.0, did), step_sleep=1.5)
     text0 = _assert_recovered_across_stall(res, events, did, reference)
     assert "still beat to the controller: left to their heartbeats" in text0, text0[-6000:]  # node 1 was lost

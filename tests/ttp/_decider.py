@@ -18,7 +18,8 @@ DECIDER = os.path.join(os.path.dirname(__file__), "_decider_proc.py")
 class Decided:
     """A decider process plus a toy job of ``world`` ranks using it as their controller."""
 
-    def __init__(self, out: str, scenario: str, world: int = 4, args: list | None = None, env: dict | None = None):
+    def __init__(self, out: str, scenario: str, world: int = 4, args: list | None = None, env: dict | None = None,
+                 plan=None):
         os.makedirs(out, exist_ok=True)
         self.out, self.port = out, free_port()
         env = dict(env or {}, MINDIO_SECRET=secrets.token_hex(16))  # no store to share it: the controller is apart
@@ -33,7 +34,8 @@ class Decided:
                 self.kill()
                 raise AssertionError("decider did not start:\n" + open(os.path.join(out, "decider.log")).read())
             time.sleep(0.05)
-        self.job = Job(out, world=world, args=["--external-controller"] + (args or []), env=env, ctl_port=self.port)
+        self.job = Job(out, world=world, args=["--external-controller"] + (args or []), env=env, ctl_port=self.port,
+                       plan=plan)
 
     def wait(self, timeout: float) -> list:
         try:

@@ -16,7 +16,8 @@ import time
 import torch
 
 from mindio._ports import free_port  # outside the ephemeral range (mindio/_ports.py)
-from tests._exits import check_codes, sent_by_faults
+from tests._exits import check_codes
+from tests._faultplan import FaultPlan
 
 TOY = os.path.join(os.path.dirname(__file__), "_toy_train.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,16 +109,17 @@ def stop_plane(ctl, procs) -> None:
 class Job:
     """One launch of ``world`` ranks; ``wait`` returns the exit codes, ``kill`` reaps leftovers.
 
-    ``wait`` fails if a rank died by a signal the test did not cause: a ``--fault`` that kills a rank
-    (kill, kill-update*, hang) causes SIGKILL on it; ``sent`` adds {rank: signal name} the test causes
-    otherwise (an environment switch of the toy, its own ``os.kill``)."""
+    ``plan``: the faults to inject (tests/_faultplan.py). ``wait`` fails if a rank died by a signal the
+    test did not cause: a fault of the plan that kills a rank (kill, kill-update*, hang) causes SIGKILL
+    on it; ``sent`` adds {rank: signal name} the test causes otherwise (its own ``os.kill``)."""
 
     def __init__(self, out: str, world: int = 4, args: list | None = None, env: dict | None = None,
-                 ctl_port: int | None = None, sent: dict | None = None):
+                 ctl_port: int | None = None, sent: dict | None = None, plan: FaultPlan | None = None):
         os.makedirs(out, exist_ok=True)
         self.out, self.world = out, world
-        args = list(args or [])
-        self.sent = sent_by_faults(args[args.index("--fault") + 1] if "--fault" in args else "", also=sent)
+        plan = plan or FaultPlan()
+        args = list(args or []) + plan.argv()
+        self.sent = plan.sent(also=sent)
         self.ctl_port = ctl_port or free_port()
         store_port = free_port()
         e = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", TTP_LOG_LEVEL="INFO",
@@ -126,7 +128,7 @@ class Job:
         self.logs = [open(os.path.join(out, f"rank{r}.log"), "w") for r in range(world)]
         self.procs = [subprocess.Popen([sys.executable, TOY, "--rank", str(r), "--world", str(world),
                                         "--store-port", str(store_port), "--ctl-port", str(self.ctl_port),
-                                        "--out", out] + (args or []), env=e, stdout=self.logs[r],
+                                        "--out", out] + args, env=e, stdout=self.logs[r],
                                        stderr=subprocess.STDOUT) for r in range(world)]
 
     def wait(self, timeout: float) -> list:

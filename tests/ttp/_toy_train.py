@@ -10,18 +10,12 @@ exactly the batches the uninterrupted run saw.
 
 Dump: the save callback writes this rank's shard (master, exp_avg, exp_avg_sq) and the iteration to
 ``DIR/ckpt/iter_<step>.tmp/shard<k>.pt``; the rename callback renames the directory and writes
-``DIR/ckpt/latest``. ``--resume`` starts from ``latest``. ``--fault kind:rank:iteration[,...]`` injects
-raise-uce (the rank's shard is overwritten with NaN first), raise-net (a network-class error),
-raise-uce-update (a UCE inside the optimizer update window, the shard half written), raise-unknown,
-kill (SIGKILL), hang (sleep outside any collective), stop (SIGSTOP of its own process) or freeze (SIGSTOP,
-SIGCONT by a helper TOY_FREEZE_S s later) on that rank, once per process, at the start of the
-iteration (raise-uce-update, and kill-update (SIGKILL): after the fence, once every rank that
-TOY_STOP_BEFORE_FENCE does not hold has passed its own). Faults of several ranks in one iteration fire together
-(:meth:`Trainer.maybe_inject`). ``TOY_STOP_BEFORE_FENCE=0/3:7``: ranks 0 and 3 reach their fence of
-iteration 7 only once the controller's stop reached them, so it holds them there (a stop that catches the
-ranks on both sides of their fence, deterministically).
-``TOY_ENABLE_UCE=0``: the processor registers with enable_uce=False. Repairs append
-``<repair_type> <need_rebuild>`` to ``DIR/repair_rank<r>``.
+``DIR/ckpt/latest``. ``--resume`` starts from ``latest``. ``--plan <json>``: the faults to inject and
+the toy's settings, one tests/_faultplan.py ``FaultPlan`` (what each fault does is said there). A
+fault fires on its rank once per process, at the start of its iteration (raise-uce-update and
+kill-update: after the fence, once every rank that the plan's ``fenced_late`` does not hold has
+passed its own). Faults of several ranks in one iteration fire together (:meth:`Trainer.maybe_inject`).
+Repairs append ``<repair_type> <need_rebuild>`` to ``DIR/repair_rank<r>``.
 Retry (HIGH_AVAILABILITY=retry): rebuild re-creates the groups, repair sends/receives one shard,
 rollback sets the iteration and re-gathers the parameters from the master shards.
 """
@@ -39,6 +33,9 @@ import torch
 import torch.distributed as dist
 
 import mindio.ttp as ttp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from tests._faultplan import FaultPlan  # noqa: E402  (the repository root: run as a script)
 
 R = 2                   # replica count
 STATE: dict = {}        # every reference to process groups lives here (dropped by the stop callback)
@@ -83,9 +80,8 @@ class Trainer:
         self.v = torch.zeros(SHARD)
         self.it = 0
         self.injected = False
-        # TOY_STOP_BEFORE_FENCE="0/3:7": ranks 0 and 3 reach their fence of iteration 7 only once stopped
-        ranks, _, it = os.environ.get("TOY_STOP_BEFORE_FENCE", "").partition(":")
-        self.stop_before_fence = {(int(r), int(it)) for r in ranks.split("/") if r}
+        # the plan's fenced_late ranks reach their fence of iteration fence_step only once stopped
+        self.stop_before_fence = {(r, args.plan.fence_step) for r in args.plan.fenced_late}
         if args.resume:
             self.load(args.resume)
 
@@ -117,7 +113,7 @@ class Trainer:
         ttp.tft_start_updating_os(-1)
         window = {frank: kind for kind, frank, fit in a.faults if fit == it and _in_update_window(kind)}
         if window:  # inside the optimizer update window, once every rank the stop will not hold at its fence
-            key = f"toy/updating/{it}"  # (TOY_STOP_BEFORE_FENCE) has passed its own: else the stop can hold
+            key = f"toy/updating/{it}"  # (the plan's fenced_late) has passed its own: else the stop can hold
             a.store.add(key, 1)         # healthy ranks at the fence of this step while others update
             if rank in window and not self.injected:
                 self.injected = True
@@ -140,7 +136,7 @@ class Trainer:
         """This rank's fault of this iteration (not one of the update window), once per process: a
         retried step must not fault again. A fault at the start of iteration ``it`` fires once every rank
         has reached it (has step ``it``; at most 30 s, counted on the TCPStore by step()), except the
-        ranks TOY_STOP_BEFORE_FENCE holds at their fence of the iteration before. Else (found by
+        ranks the plan's ``fenced_late`` holds at their fence of the iteration before. Else (found by
         scripts/stress.sh, test_dump_e2e raise-unknown under load 30) a faulty rank, which depends on a
         slow rank of the other replica half only through the gradient all-reduce, can fault while
         that rank has not reached its fence of step ``it`` yet; the stop holds it there one step behind
@@ -178,9 +174,9 @@ class Trainer:
             time.sleep(3600)
         if kind == "stop":  # frozen: no reset reaches the peers (a silent host death; MINDIO_PID_PROBE=0)
             os.kill(os.getpid(), signal.SIGSTOP)
-        if kind == "freeze":  # a short outage: frozen for TOY_FREEZE_S s, then continued by a helper
+        if kind == "freeze":  # a short outage: frozen for the plan's freeze_s s, then continued by a helper
             import subprocess
-            self.helper = subprocess.Popen(["sh", "-c", f"sleep {float(os.environ['TOY_FREEZE_S'])}; "
+            self.helper = subprocess.Popen(["sh", "-c", f"sleep {float(self.args.plan.freeze_s)}; "
                                                         f"kill -CONT {os.getpid()}"])
             os.kill(os.getpid(), signal.SIGSTOP)
             self.helper.wait(10)
@@ -217,9 +213,9 @@ class Trainer:
         with open(os.path.join(self.args.out, f"repair_rank{self.rank}"), "a") as f:
             f.write(f"{info['repair_type']} {need_rebuild}\n")
         if info["repair_type"] == "RT_SEND":
-            if os.environ.get("TOY_FAIL_REPAIR") == "raise":
-                raise RuntimeError("TOY_FAIL_REPAIR: injected repair failure")
-            if os.environ.get("TOY_FAIL_REPAIR") == "kill":  # a second fault during the recovery
+            if self.args.plan.fail_repair == "raise":
+                raise RuntimeError("fail_repair: injected repair failure")
+            if self.args.plan.fail_repair == "kill":  # a second fault during the recovery
                 os.kill(os.getpid(), signal.SIGKILL)
             torch.cat([self.master, self.m, self.v, torch.tensor([float(self.it)])], out=buf)
             dist.send(buf, info["dst"][0])
@@ -271,12 +267,12 @@ def main() -> int:
     p.add_argument("--ctl-port", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--fault", default="")
+    p.add_argument("--plan", type=FaultPlan.loads, default=FaultPlan())
     p.add_argument("--resume", default="")
     p.add_argument("--external-controller", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
-    a.faults = [(f.split(":")[0], int(f.split(":")[1]), int(f.split(":")[2])) for f in a.fault.split(",") if f]
+    a.faults = a.plan.tuples()
     torch.manual_seed(0)
     store = dist.TCPStore("127.0.0.1", a.store_port, a.world, is_master=a.rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world, timeout=timedelta(seconds=120))
@@ -287,7 +283,7 @@ def main() -> int:
         ttp.tft_init_controller(0, a.world, enable_local_copy=False)
         ttp.tft_start_controller("127.0.0.1", a.ctl_port, enable_tls=False)
     ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False,
-                           enable_uce=os.environ.get("TOY_ENABLE_UCE", "1") == "1")
+                           enable_uce=a.plan.enable_uce)
     trainer = Trainer(a)
     ttp.tft_register_save_ckpt_handler(trainer.save)
     ttp.tft_register_rename_handler(trainer.rename)

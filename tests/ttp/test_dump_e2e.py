@@ -10,6 +10,7 @@ import re
 import pytest
 
 from mindio.ttp import EXIT_CODE_DUMPED
+from tests._faultplan import FaultPlan
 
 from ._harness import Job, assert_bitwise_equal, fault_free_state, final_state
 
@@ -31,9 +32,9 @@ def _by_kind(events, kind):
 def test_fault_dumps_and_relaunch_is_bitwise(baseline, tmp_path, kind, rank):
     out = str(tmp_path / "run")
     env = {"MINDIO_HANG_TIMEOUT": "3"} if kind == "hang" else {}
-    if kind == "raise-uce":  # the toy registers repair handlers: with enable_uce (the default) a UCE is retried
-        env["TOY_ENABLE_UCE"] = "0"
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"{kind}:{rank}:{FAULT_IT}"], env=env)
+    # the toy registers repair handlers: with enable_uce (the default) a UCE is retried
+    plan = FaultPlan.of((kind, rank, FAULT_IT), enable_uce=kind != "raise-uce")
+    job = Job(out, args=["--steps", str(STEPS)], plan=plan, env=env)
     codes = job.wait(120)
     expect = [EXIT_CODE_DUMPED] * 4
     if kind in ("kill", "hang"):

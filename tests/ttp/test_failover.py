@@ -10,6 +10,7 @@ import pytest
 from mindio.ttp import EXIT_CODE_DUMPED
 from mindio.ttp.controller import Controller
 from mindio.ttp.transport import job_secret
+from tests._faultplan import FaultPlan
 
 from ._harness import ROOT, Job, free_port
 
@@ -34,9 +35,9 @@ def test_backup_takes_over_and_dumps(tmp_path, monkeypatch):
         backup = Controller(rank=1, world_size=4, enabled={"dump"}, key=job_secret(create=False), backup=True)
         backup.start("127.0.0.1", backup_port, primary=f"tcp://127.0.0.1:{port}")
         out = str(tmp_path / "run")
-        job = Job(out, ctl_port=port, env={"MINDIO_SECRET": secret, "TOY_ENABLE_UCE": "0"},  # a dump, not a retry
-                  args=["--external-controller", "--steps", "170", "--step-sleep", "0.1",
-                        "--fault", "raise-uce:2:150"])
+        job = Job(out, ctl_port=port, env={"MINDIO_SECRET": secret},
+                  args=["--external-controller", "--steps", "170", "--step-sleep", "0.1"],
+                  plan=FaultPlan.of(("raise-uce", 2, 150), enable_uce=False))  # a dump, not a retry
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # every rank registered and knows where the backup is
             logs = [open(os.path.join(out, f"rank{r}.log")).read() for r in range(4)]

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from mindio.ttp import EXIT_CODE_DUMPED
+from tests._faultplan import FaultPlan
 
 from ._decider import Decided
 from ._harness import Job, assert_bitwise_equal, fault_free_state, final_state
@@ -34,7 +35,8 @@ def _kinds(calls):
 @pytest.mark.timeout(300)
 def test_decider_chooses_dump_over_builtin_retry(fault_free_run, tmp_path):
     out = str(tmp_path / "run")
-    d = Decided(out, "choose:dump", args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"], env=ENV)
+    d = Decided(out, "choose:dump", args=["--steps", str(STEPS)],
+                plan=FaultPlan.of(("raise-uce", 1, FAULT_IT)), env=ENV)
     assert d.wait(150) == [EXIT_CODE_DUMPED] * 4, d.tail()
     calls = d.calls()
     assert _kinds(calls)[:5] == ["report_fault_ranks", "report_stop_complete", "report_strategies",
@@ -50,7 +52,7 @@ def test_decider_chooses_dump_over_builtin_retry(fault_free_run, tmp_path):
 @pytest.mark.timeout(300)
 def test_silent_decider_builtin_policy_takes_over(baseline, tmp_path):
     out = str(tmp_path / "run")
-    d = Decided(out, "silent", args=["--steps", "30", "--fault", f"raise-uce:1:{FAULT_IT}"],
+    d = Decided(out, "silent", args=["--steps", "30"], plan=FaultPlan.of(("raise-uce", 1, FAULT_IT)),
                 env=dict(ENV, MINDIO_WAIT_MINDX_TIME="1"))
     assert d.wait(150) == [0, 0, 0, 0], d.tail()  # retried in place: the same processes finish the job
     calls = d.calls()
@@ -65,8 +67,8 @@ def test_silent_decider_builtin_policy_takes_over(baseline, tmp_path):
 @pytest.mark.timeout(300)
 def test_failed_retry_reports_406_then_dumps(baseline, tmp_path):
     out = str(tmp_path / "run")
-    d = Decided(out, "choose:retry", args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],
-                env=dict(ENV, TOY_FAIL_REPAIR="raise"))
+    d = Decided(out, "choose:retry", args=["--steps", str(STEPS)],
+                plan=FaultPlan.of(("raise-uce", 1, FAULT_IT), fail_repair="raise"), env=ENV)
     assert d.wait(150) == [EXIT_CODE_DUMPED] * 4, d.tail()
     results = [(c["code"], c["strategy"]) for c in d.calls() if c["kind"] == "report_result"]
     assert results == [(406, "retry"), (0, "dump")]  # retry failed; dump or exit remained; dump done

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from mindio.ttp import EXIT_CODE_DUMPED, EXIT_CODE_FAULT
+from tests._faultplan import FaultPlan
 
 from ._harness import Job, assert_bitwise_equal, final_state
 
@@ -36,7 +37,7 @@ def _kind(events, kind):
 @pytest.mark.parametrize("kind,rank,repaired", [("raise-uce", 1, [1]), ("raise-net", 2, [])])
 def test_retry_keeps_processes_and_is_bitwise(baseline, tmp_path, kind, rank, repaired):
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"{kind}:{rank}:{FAULT_IT}"], env=HA)
+    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of((kind, rank, FAULT_IT)), env=HA)
     pids = [p.pid for p in job.procs]
     assert job.wait(120) == [0, 0, 0, 0], job.tail()
     events = job.events()
@@ -62,7 +63,8 @@ def test_two_faults_in_different_replica_halves_are_both_repaired(baseline, tmp_
     two faults together; unsynchronised, the stop can hold rank 2 at its pause fence before its fault,
     which then gets a retry of its own: the test below.)"""
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT},raise-uce:2:{FAULT_IT}"],
+    job = Job(out, args=["--steps", str(STEPS)],
+              plan=FaultPlan.of(("raise-uce", 1, FAULT_IT), ("raise-uce", 2, FAULT_IT)),
               env=HA)
     pids = [p.pid for p in job.procs]
     assert job.wait(120) == [0, 0, 0, 0], job.tail()
@@ -78,7 +80,8 @@ def test_a_fault_after_a_retry_gets_a_retry_of_its_own(baseline, tmp_path):
     """The job goes on after a retry: a later UCE on another rank is a new incident, repaired in a
     second retry (generation 2) at its own lock step, and the run stays bitwise equal."""
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT},raise-uce:2:{FAULT_IT + 1}"],
+    job = Job(out, args=["--steps", str(STEPS)],
+              plan=FaultPlan.of(("raise-uce", 1, FAULT_IT), ("raise-uce", 2, FAULT_IT + 1)),
               env=HA)
     assert job.wait(120) == [0, 0, 0, 0], job.tail()
     done = _kind(job.events(), "retry_done")
@@ -90,8 +93,8 @@ def test_a_fault_after_a_retry_gets_a_retry_of_its_own(baseline, tmp_path):
 @pytest.mark.timeout(200)
 def test_failed_repair_falls_back_to_dump(tmp_path):
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],
-              env=dict(HA, TOY_FAIL_REPAIR="raise"))
+    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of(("raise-uce", 1, FAULT_IT), fail_repair="raise"),
+              env=HA)
     assert job.wait(150) == [EXIT_CODE_DUMPED] * 4, job.tail()
     with open(os.path.join(out, "ckpt", "latest")) as f:
         assert int(f.read()) == FAULT_IT
@@ -104,7 +107,8 @@ def test_failed_repair_falls_back_to_dump(tmp_path):
 @pytest.mark.timeout(200)
 def test_both_copies_lost_cannot_retry(tmp_path):
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT},raise-uce:3:{FAULT_IT}"],
+    job = Job(out, args=["--steps", str(STEPS)],
+              plan=FaultPlan.of(("raise-uce", 1, FAULT_IT), ("raise-uce", 3, FAULT_IT)),
               env=HA)
     assert job.wait(150) == [EXIT_CODE_FAULT] * 4, job.tail()
     decision = _kind(job.events(), "decision")[0]
@@ -118,8 +122,8 @@ def test_replica_killed_during_repair_falls_back_to_exit(tmp_path):
     """Cascading: the replica source dies while sending; the only other copy is the faulty rank's, so
     neither retry nor dump is possible any more: every surviving rank exits with EXIT_CODE_FAULT."""
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],
-              env=dict(HA, TOY_FAIL_REPAIR="kill"), sent={3: "SIGKILL"})  # the repair source kills itself
+    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of(("raise-uce", 1, FAULT_IT), fail_repair="kill"),
+              env=HA, sent={3: "SIGKILL"})  # the repair source kills itself
     assert job.wait(150) == [EXIT_CODE_FAULT, EXIT_CODE_FAULT, EXIT_CODE_FAULT, -9], job.tail()
     events = job.events()
     assert _kind(events, "retry_failed")[0]["step_name"] == "repair"
@@ -133,7 +137,7 @@ def test_uce_inside_the_update_window_gets_the_high_level_repair(baseline, tmp_p
     mid-write: the controller asks for RT_UCE_HIGHLEVEL (need_rebuild) and the whole shard comes from
     the replica; the job still ends bitwise equal to the fault-free run."""
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce-update:1:{FAULT_IT}"], env=HA)
+    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of(("raise-uce-update", 1, FAULT_IT)), env=HA)
     assert job.wait(120) == [0, 0, 0, 0], job.tail()
     done = _kind(job.events(), "retry_done")
     assert len(done) == 1 and done[0]["repaired"] == [1], job.tail()
@@ -153,8 +157,8 @@ def test_ranks_held_before_an_update_another_rank_made_finish_it_and_the_retry_l
     equal to the fault-free run. (Before the prelock: lock step FAULT_IT, rank 2 repaired back to it;
     before that: no common step, no dump, exit 76.)"""
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce-update:1:{FAULT_IT}"],
-              env=dict(HA, TOY_STOP_BEFORE_FENCE=f"0/3:{FAULT_IT}"))
+    job = Job(out, args=["--steps", str(STEPS)], env=HA,
+              plan=FaultPlan.of(("raise-uce-update", 1, FAULT_IT), fenced_late=(0, 3), fence_step=FAULT_IT))
     assert job.wait(120) == [0, 0, 0, 0], job.tail()
     events = job.events()
     advanced = _kind(events, "advance")
@@ -174,8 +178,8 @@ def test_ranks_without_enable_uce_are_not_retried(tmp_path):
     """HIGH_AVAILABILITY enables retry on the controller, but the processors registered with
     enable_uce=False: the controller does not retry; it falls back to the dump."""
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS), "--fault", f"raise-uce:1:{FAULT_IT}"],
-              env=dict(HA, TOY_ENABLE_UCE="0"))
+    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of(("raise-uce", 1, FAULT_IT), enable_uce=False),
+              env=HA)
     assert job.wait(150) == [EXIT_CODE_DUMPED] * 4, job.tail()
     events = job.events()
     assert _kind(events, "retry_refused")[0]["ranks"] == [0, 1, 2, 3]

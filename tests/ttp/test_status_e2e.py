@@ -14,6 +14,8 @@ import urllib.request
 
 import pytest
 
+from tests._faultplan import FaultPlan
+
 from ._harness import ROOT, Job, free_port
 
 pytestmark = pytest.mark.slow
@@ -47,7 +49,8 @@ def _metrics(port):
 def test_status_and_metrics_of_a_running_four_rank_job(tmp_path):
     secret, port = secrets.token_hex(16), free_port()
     env = {"MINDIO_SECRET": secret, "MINDIO_STATUS_ADDR": f"127.0.0.1:{port}"}
-    job = Job(str(tmp_path / "run"), args=["--steps", "60", "--step-sleep", "0.25", "--fault", "raise-uce:1:20"],
+    job = Job(str(tmp_path / "run"), args=["--steps", "60", "--step-sleep", "0.25"],
+              plan=FaultPlan.of(("raise-uce", 1, 20)),
               env={"HIGH_AVAILABILITY": "dump,retry", "MINDIO_STATUS_PORT": str(port), "MINDIO_SECRET": secret})
     try:
         def training():

@@ -44,7 +44,7 @@ class _Conn:
         self.nonce = 0
 
     def send(self, env) -> None:
-        from mindio.ttp import protocol as P
+        from mindio.ttp.wire import protocol as P
 
         self.ctr += 1
         self.sock.send(P.encode(env._replace(sess=self.sess, ctr=self.ctr), KEY))
@@ -54,8 +54,8 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
          nice: int = 10) -> None:
     import zmq
 
-    from mindio.ttp import protocol as P
-    from mindio.ttp.session import fresh
+    from mindio.ttp.wire import protocol as P
+    from mindio.ttp.wire.session import fresh
     os.nice(nice)  # in a job the processors run on other hosts: by default never let them take the controller's CPU
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 60000)
@@ -153,8 +153,8 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
 
 def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None = None, batch: bool = True,
         nice: int = 10) -> dict:
-    from mindio.ttp.controller import Controller
-    from mindio.ttp.states import State
+    from mindio.ttp.controller.controller import Controller
+    from mindio.ttp.controller.states import State
     from tests.ttp._harness import free_port  # noqa: E402  (a free loopback port)
 
     port = free_port()

@@ -91,21 +91,21 @@ _ACTION_PHASE = {"stop": "stop", "save": "dump", "rename": "dump", "clean": "cle
 def implemented() -> tuple:
     """The bench rows that can run: baseline, plus the strategies the controller carries out.
 
-    ``mindio.ttp.controller.IMPLEMENTED_STRATEGIES`` when the module exports one; else what
+    ``mindio.ttp.controller.controller.IMPLEMENTED_STRATEGIES`` when the module exports one; else what
     ``Controller.implemented_strategies()`` finds (its ``STRATEGIES`` table); else
-    dump, plus retry once its flow (mindio.ttp.retry) exists. A new strategy shows up here as soon as
+    dump, plus retry once its flow (mindio.ttp.controller.retry) exists. A new strategy shows up here as soon as
     the controller can run it; give it a ``scenario()`` branch to measure it."""
     import importlib.util
 
     try:
-        from mindio.ttp import controller
+        from mindio.ttp.controller import controller
     except ImportError:
         return ("baseline",)
     declared = getattr(controller, "IMPLEMENTED_STRATEGIES", None)
     if declared is None and hasattr(controller.Controller, "implemented_strategies"):
         declared = controller.Controller.implemented_strategies(controller.Controller)  # class-level probe
     if declared is None:
-        declared = ("dump",) + (("retry",) if importlib.util.find_spec("mindio.ttp.retry") else ())
+        declared = ("dump",) + (("retry",) if importlib.util.find_spec("mindio.ttp.controller.retry") else ())
     return ("baseline",) + tuple(s for s in STRATEGIES if s in declared and s != "baseline")
 
 

@@ -101,7 +101,7 @@ _ALL = [
     # --- control plane ---
     Knob("MINDIO_STATUS_PORT", int, 0,
          "Port of the controller's status and metrics server (GET /status for `mindio status`, GET /metrics "
-         "for Prometheus) on the controller's address; 0: none (mindio/ttp/status.py).", min=0, max=65535),
+         "for Prometheus) on the controller's address; 0: none (mindio/ttp/controller/status.py).", min=0, max=65535),
     Knob("MINDIO_STATUS_ADDR", str, "",
          "host:port of a job's status server, for `mindio status` (default: TTP_ADDR or 127.0.0.1, and "
          "MINDIO_STATUS_PORT)."),

@@ -115,7 +115,7 @@ _listeners: list = []
 
 
 def add_listener(func) -> None:
-    """Call ``func(record)`` for every event of this process (mindio.ttp.status counts incidents so),
+    """Call ``func(record)`` for every event of this process (mindio.ttp.controller.status counts incidents so),
     whether or not MINDIO_EVENT_LOG is set. A listener must be quick and must not raise."""
     _listeners.append(func)
 

@@ -1,5 +1,5 @@
 """The job secret a user gives: MINDIO_SECRET, or a private file MINDIO_SECRET_FILE (no zmq, no torch: the
-launcher's agents import this too). How the secret travels otherwise: mindio/ttp/transport.py (job_secret)
+launcher's agents import this too). How the secret travels otherwise: mindio/ttp/wire/transport.py (job_secret)
 and mindio/launch/secret.py."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The client side of a job's status server (mindio/ttp/status.py): the request signature and the
+"""The client side of a job's status server (mindio/ttp/controller/status.py): the request signature and the
 query ``mindio status`` sends. Light on purpose: no torch, so the command answers at once."""
 from __future__ import annotations
 

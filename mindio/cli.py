@@ -2,7 +2,7 @@
 
 * ``mindio timeline EVENTS.jsonl -o timeline.svg|html`` -- draw a job's event log (MINDIO_EVENT_LOG):
   every rank's lane, faults, decisions and each recovery phase with its duration (mindio/timeline.py).
-* ``mindio status [--json]`` -- ask a running job's controller what it sees (mindio/ttp/status.py; the
+* ``mindio status [--json]`` -- ask a running job's controller what it sees (mindio/ttp/controller/status.py; the
   job runs with MINDIO_STATUS_PORT, the request is signed with MINDIO_SECRET).
 """
 from __future__ import annotations

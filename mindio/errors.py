@@ -16,7 +16,7 @@ class ConfigError(MindIOError, ValueError):
 class ProtocolError(MindIOError):
     """A frame could not be decoded: wrong version, unknown type, malformed or oversize body."""
 
-    reason = "protocol"  # the DropCounter's category (mindio.ttp.protocol)
+    reason = "protocol"  # the DropCounter's category (mindio.ttp.wire.protocol)
 
 
 class AuthError(ProtocolError):
@@ -28,7 +28,7 @@ class AuthError(ProtocolError):
 class SessionError(ProtocolError):
     """An authentic frame that belongs to no live session of this connection (``reason`` "session"),
     repeats or precedes one already received (``"replay"``), or asks for something this side does not
-    allow (``"refused"``): protocol v3, mindio/ttp/session.py."""
+    allow (``"refused"``): protocol v3, mindio/ttp/wire/session.py."""
 
     def __init__(self, message: str, reason: str = "session"):
         super().__init__(message)

@@ -17,7 +17,7 @@ Protocol (agent -> bootstrap, on the bootstrap's stdin):
    stdout/stderr to the given files (``--redirects`` / ``--tee`` / ``--local-ranks-filter``; null: the
    agent's console), sets ``sys.argv`` and runs the script as ``__main__``; its exit status is the
    script's. A replacement process (recover-in-place / recover: ``MINDIO_REBOOT_GEN`` set) first gets
-   :func:`mindio.ttp.reboot.install`, so the script's ``init_process_group`` joins the survivors' new
+   :func:`mindio.ttp.processor.reboot.install`, so the script's ``init_process_group`` joins the survivors' new
    generation. ``--exec PROGRAM`` (``mindio-run --no-python``): nothing is preloaded; once assigned, the
    bootstrap replaces itself with PROGRAM (it still dies with its agent: PR_SET_PDEATHSIG survives exec).
 4. An exception that escapes the script is printed as Python would, but starting at the script's frame
@@ -166,7 +166,7 @@ def become(assignment: dict, target: str, is_module: bool, is_program: bool, war
 
     faulthandler.enable(all_threads=True)  # as torchrun's @record: a fatal signal prints every thread's stack
     if os.environ.get("MINDIO_REBOOT_GEN"):  # a replacement process joins the survivors' generation
-        from mindio.ttp import reboot
+        from mindio.ttp.processor import reboot
 
         reboot.install()
     # stdin was the assignment channel; give the script an empty one, as torchrun does.

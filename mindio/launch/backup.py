@@ -67,7 +67,7 @@ def start(agent, rnd: int, info: dict):
     cfg = agent.cfg
     if cfg.standby or not 1 <= cfg.node_rank <= count(cfg):
         return None
-    from ..ttp.controller import Controller
+    from ..ttp.controller.controller import Controller
 
     ctl = Controller(rank=cfg.node_rank, world_size=cfg.world_size, enabled=set(cfg.high_availability),
                      key=secret_key(agent.secret), backup=True)
@@ -83,7 +83,7 @@ def orphaned(agent, ctl, error: str) -> int:
     """Node 0's agents' store is unreachable (``error``): node 0 is lost. Arm this node's backup, let it
     take over and end the job with a last-words checkpoint; wait (bounded) for its decision and for this
     node's workers; print one line; return the agent's exit code (75: dumped, else 1)."""
-    from ..ttp.states import State
+    from ..ttp.controller.states import State
 
     cfg = agent.cfg
     t0 = time.monotonic()

@@ -205,7 +205,7 @@ def parse_args(argv=None):
             virtual_local_rank=a.virtual_local_rank,
             signals=tuple(s.strip() for s in a.signals_to_handle.split(",") if s.strip()),
             preempt_signals=preempt, preempt_timeout=float(preempt_timeout),
-            # the workers' own handlers (mindio.ttp.preempt) read the same settings
+            # the workers' own handlers (mindio.ttp.processor.preempt) read the same settings
             extra_env={"MINDIO_PREEMPT_SIGNAL": ",".join(preempt) or "none",
                        "MINDIO_PREEMPT_TIMEOUT": repr(float(preempt_timeout))},
         )

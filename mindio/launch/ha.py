@@ -16,7 +16,7 @@ round, in addition to the keys of agent.py (all in node 0's agent store):
 * ``round/<n>/replace/<node>``  counter; ``.../<node>/<i>`` = JSON {ranks, gen}: the controller
                                 orders node ``node``'s agent to start these ranks again (recover-in-
                                 place). A warm spare takes each, with MINDIO_REBOOT_GEN / _TYPE set
-                                (mindio.ttp.reboot).
+                                (mindio.ttp.processor.reboot).
 * ``round/<n>/switch/<gen>/...`` hot switch: backups started before the pause register, join or leave
                                 (switch.py); their start order is a replace order with ``"backup": true``.
 * ``round/<n>/takeover/<node>`` JSON {gen}: the controller gives lost node ``node``'s ranks to a
@@ -76,7 +76,7 @@ class HostedController:
     """Node 0's controller for one round, plus the replacer it calls (recover.py's protocol)."""
 
     def __init__(self, agent: WorkerView, rnd: int):
-        from ..ttp.controller import Controller
+        from ..ttp.controller.controller import Controller
 
         cfg = agent.cfg
         self.agent, self.rnd = agent, rnd
@@ -160,7 +160,7 @@ class HostedController:
                           json.dumps({"ranks": rs, "gen": gen, "type": _reboot_type(strategy)}))
         _logging.event("replace_ordered", ranks=sorted(ranks), gen=gen, strategy=strategy)
 
-    # hot switch (mindio/ttp/hotswitch.py): backups start before the pause (switch.py)
+    # hot switch (mindio/ttp/controller/hotswitch.py): backups start before the pause (switch.py)
     def prestart(self, ranks, gen: int) -> None:
         cfg, by_node = self.agent.cfg, {}
         for r in sorted(ranks):

@@ -10,7 +10,7 @@ run is first turned into a dump request:
    (:meth:`Preemption.tick`) asks for
    the checkpoint: node 0's agent, when it hosts the controller (``--high-availability``), asks it
    directly; an agent without one forwards the signal to its workers, whose processors ask their
-   controller (mindio.ttp.preempt) -- rank 0's, as under torchrun;
+   controller (mindio.ttp.processor.preempt) -- rank 0's, as under torchrun;
 2. the controller stops every rank at its current step, the ranks that hold each shard save it, one
    renames it "latest", and every worker exits with 75 (EXIT_CODE_DUMPED);
 3. the agent reports "a last-words checkpoint was written after: preemption (...)" and exits with 75,
@@ -80,7 +80,7 @@ class Preemption:
                 log.info("could not post the preemption: %s", exc)
             if agent.hosted is not None:
                 agent.hosted.ctl.request_dump(why)
-            else:  # each worker's processor asks its controller (mindio.ttp.preempt)
+            else:  # each worker's processor asks its controller (mindio.ttp.processor.preempt)
                 with agent.lock:
                     live = [p for p in agent.workers.values() if p.poll() is None]
                 for p in live:

@@ -1,6 +1,6 @@
 """The job secret under mindio-run: where the agents get it, and how their workers get it privately.
 
-The secret signs every control-plane frame (mindio/ttp/protocol.py); whoever holds it can control the
+The secret signs every control-plane frame (mindio/ttp/wire/protocol.py); whoever holds it can control the
 job. Workers get it as MINDIO_SECRET in the assignment their warm interpreter reads from its stdin pipe
 (spares.py, _bootstrap.py): never through a store, and not in the environment block the interpreter was
 started with (which only processes of the same uid could read anyway, through /proc). Where an agent

@@ -1,12 +1,12 @@
 """Hot-switch backups in the launcher: started *before* the job pauses, released into the rank after it.
 
-The controller's hot switch (mindio/ttp/hotswitch.py) asks the replacer (ha.HostedController) for
+The controller's hot switch (mindio/ttp/controller/hotswitch.py) asks the replacer (ha.HostedController) for
 backups first, while training goes on; keys in node 0's agent store, under
 ``round/<n>/switch/<gen>/`` (``gen``: the generation the switch will build):
 
 * ``ready/<rank>``  the backup process: its pid. It has run the training script up to its
                     ``init_process_group`` (imports, data, everything before the world; the gc freeze of
-                    the start-up objects) and now waits there (mindio.ttp.reboot). This is its
+                    the start-up objects) and now waits there (mindio.ttp.processor.reboot). This is its
                     registration with the controller; it is not a rank yet.
 * ``dead/<rank>``   the owning agent: the backup exited before it was released (the switch is cancelled
                     before any rank paused).

@@ -51,7 +51,7 @@ class TrainingContext:
     _step_rng: Optional[tuple] = None  # (iteration, RNG state at the end of it): record_step_rng()
 
     def __post_init__(self):
-        from mindio.ttp import reboot
+        from mindio.ttp.processor import reboot
 
         if reboot.is_reboot():  # a replacement process: its first build's weights come from the replicas
             self.build = _first_build_restored(self.build)
@@ -84,10 +84,10 @@ class TrainingContext:
     def init_parallel(self) -> None:
         """megatron parallel state with the DP replica groups; caches this rank's coordinates.
 
-        The first call freezes the start-up objects (``mindio.ttp.device.freeze_startup_objects``)."""
+        The first call freezes the start-up objects (``mindio.ttp.processor.device.freeze_startup_objects``)."""
         from megatron.core import parallel_state as ps
 
-        from mindio.ttp import device
+        from mindio.ttp.processor import device
 
         device.freeze_startup_objects()  # once, before the first build: teardown gc walks less
         a = self.args

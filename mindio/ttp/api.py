@@ -25,12 +25,13 @@ from typing import Callable
 from .. import _knobs, _logging
 from ..errors import ConfigError
 from ..vocab import MINDX_STRATEGIES, REPLACING
-from . import preempt, transport
+from .processor import preempt
+from .wire import transport
 from ._enums import ReportState
 from ._runtime import state as _rt
-from .brain import Brain, load_table
-from .controller import Controller
-from .processor import Processor
+from .controller.brain import Brain, load_table
+from .controller.controller import Controller
+from .processor.processor import Processor
 
 __all__ = [
     "tft_init_controller", "tft_start_controller", "tft_destroy_controller", "start_backup_controller",
@@ -270,7 +271,7 @@ def tft_start_processor(master_ip: str, port: int, local_ip=''):
 
     Called from the main thread, it also handles ``MINDIO_PREEMPT_SIGNAL`` (default SIGTERM) unless the
     script handles that signal itself: the signal asks the controller for a last-words checkpoint at the
-    current step, after which this process exits with 75 (mindio.ttp.preempt, docs/recovery.md).
+    current step, after which this process exits with 75 (mindio.ttp.processor.preempt, docs/recovery.md).
 
     Returns:
         None.
@@ -678,7 +679,7 @@ def tft_is_reboot_node():
     Returns:
         bool.
     """
-    from . import reboot
+    from .processor import reboot
     return reboot.is_reboot()
 
 
@@ -688,7 +689,7 @@ def tft_get_reboot_type():
     Returns:
         ``"arf"`` (recover-in-place / recover) or ``"hot switch"`` in a replacement process, ``""`` otherwise.
     """
-    from . import reboot
+    from .processor import reboot
     return reboot.reboot_type()
 
 
@@ -743,7 +744,7 @@ def tft_can_do_uce_repair(hbm_error_time: int, start_time: int = None, end_time:
     Returns:
         bool.
     """
-    from .policy import can_do_uce_repair
+    from .controller.policy import can_do_uce_repair
     start = _rt.update_window[0] if start_time is None else start_time
     end = _rt.update_window[1] if end_time is None else end_time
     return can_do_uce_repair(hbm_error_time, start, end)

@@ -40,8 +40,8 @@ from .. import _knobs, _logging
 from ..errors import describe
 from ..launch import failures as _launcher
 from . import compat as _compat
-from . import policy
-from . import reboot as _reboot
+from .controller import policy
+from .processor import reboot as _reboot
 from ._enums import EXIT_MEANINGS, Action, OsStatus, ReportState
 from ._runtime import state as _rt
 

@@ -10,9 +10,9 @@ mindio.ttp imports this one. docs/elastic.md tells the whole story.
 """
 from __future__ import annotations
 
-from .elastic_flow import (EXIT_CODE_REMOVED, UPGRADE_STOP_TRIES, Elastic, _repair_pairs,  # noqa: F401
-                           plan_downgrade)
-from .elastic_rank import is_standby, job_rank
+from .controller.elastic_flow import (EXIT_CODE_REMOVED, UPGRADE_STOP_TRIES, Elastic, _repair_pairs,
+                                      plan_downgrade)
+from .processor.elastic_rank import is_standby, job_rank
 from .standby import start_standby
 
 __all__ = ["Elastic", "plan_downgrade", "start_standby", "is_standby", "job_rank",

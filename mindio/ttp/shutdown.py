@@ -109,7 +109,7 @@ def _close_control_plane(deadline: float) -> bool:
 
 
 def _release_groups(deadline: float) -> None:
-    from . import device
+    from .processor import device
 
     groups = device.destroy_all()
     device.release(groups)  # our references, dropped in parallel: an unreferenced group goes now

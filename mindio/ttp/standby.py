@@ -37,7 +37,7 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
     # without a secret of its own (MINDIO_SECRET / _FILE), the one the controller's rank published there
     tcp = dist.TCPStore(master_addr, int(master_port), is_master=False, timeout=timedelta(seconds=60))
     base = dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
-    from . import transport
+    from .wire import transport
 
     if not transport.user_secret():
         os.environ["MINDIO_SECRET"] = transport.published_secret(

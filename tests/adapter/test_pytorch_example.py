@@ -76,7 +76,7 @@ def test_ddp_recover_in_place_on_four_ranks_is_bitwise(plain4, tmp_path):
     Ranks 0 and 3 fail at once and tear down; their default group must really close, or rank 2 stays
     blocked in DDP's backward all-reduce. It did not close before: torch.distributed.nn.functional
     (imported by DDP after init_process_group) holds the default group in its functions' default
-    arguments; mindio.ttp.device.forget_default_arguments drops them. Without that, the stop waited its
+    arguments; mindio.ttp.processor.device.forget_default_arguments drops them. Without that, the stop waited its
     90 s and the recovery failed at clean; only rank 1 is replaced now, and nobody is killed as stuck."""
     events = tmp_path / "events.jsonl"
     out = torchrun(SCRIPT, ["--train-iters", 12, "--enable-high-availability", "--inject", "kill:rank=1,step=7",

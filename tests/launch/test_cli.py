@@ -83,7 +83,7 @@ def test_preemption_flags_reach_the_agent_and_its_workers(script, capsys, monkey
     assert (cfg.preempt_signals, cfg.preempt_timeout) == (("SIGTERM",), 20.0)
     cfg = parse_args(["--preempt-signal", "term,USR1", "--preempt-timeout", "12", script])
     assert (cfg.preempt_signals, cfg.preempt_timeout) == (("SIGTERM", "SIGUSR1"), 12.0)
-    # the workers' handlers (mindio.ttp.preempt) read the same settings from their environment
+    # the workers' handlers (mindio.ttp.processor.preempt) read the same settings from their environment
     assert cfg.extra_env == {"MINDIO_PREEMPT_SIGNAL": "SIGTERM,SIGUSR1", "MINDIO_PREEMPT_TIMEOUT": "12.0"}
     assert parse_args(["--preempt-signal", "none", script]).extra_env["MINDIO_PREEMPT_SIGNAL"] == "none"
     monkeypatch.setenv("MINDIO_PREEMPT_TIMEOUT", "9")

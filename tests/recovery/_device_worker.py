@@ -1,5 +1,5 @@
 """Worker for test_device.py: 2 gloo ranks all_reduce in a loop; rank 1 raises after a few steps,
-tears down through mindio.ttp.device, records when, and stays alive until rank 0 has written its record
+tears down through mindio.ttp.processor.device, records when, and stays alive until rank 0 has written its record
 (so a release of rank 0 is due to the teardown, not to the process exiting). Rank 0 records when its blocked all_reduce raised."""
 import json
 import os
@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mindio.ttp import device
+from mindio.ttp.processor import device
 
 rank, out = int(sys.argv[1]), sys.argv[2]
 os.environ.update(RANK=str(rank), WORLD_SIZE="2")

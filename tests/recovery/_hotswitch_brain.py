@@ -25,7 +25,7 @@ import time
 import mindio.ttp as ttp
 from mindio.launch import cli, ha
 from mindio.ttp._runtime import state as _rt
-from mindio.ttp.states import State
+from mindio.ttp.controller.states import State
 
 
 def main() -> None:

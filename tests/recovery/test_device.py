@@ -1,4 +1,4 @@
-"""mindio.ttp.device: backend selection, and the CPU/gloo teardown releasing a blocked peer."""
+"""mindio.ttp.processor.device: backend selection, and the CPU/gloo teardown releasing a blocked peer."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
-from mindio.ttp import device
+from mindio.ttp.processor import device
 from tests._exits import check_codes
 
 WORKER = Path(__file__).with_name("_device_worker.py")

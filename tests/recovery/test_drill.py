@@ -14,7 +14,7 @@ import pytest
 from mindio import drill
 from mindio.errors import ConfigError
 from mindio.ttp._enums import ReportState
-from mindio.ttp.policy import classify
+from mindio.ttp.controller.policy import classify
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -28,8 +28,8 @@ from tests._faultplan import Fault, FaultPlan
 import mindio.ttp as ttp
 from mindio.errors import ConfigError
 from mindio.ttp._runtime import state as _rt
-from mindio.ttp.controller import Controller
-from mindio.ttp.hotswitch import EXIT_CODE_SWITCHED
+from mindio.ttp.controller.controller import Controller
+from mindio.ttp.controller.hotswitch import EXIT_CODE_SWITCHED
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -257,8 +257,8 @@ def test_prepare_action_bad_input(monkeypatch):
 def test_prepare_action_refused_without_a_launcher_agent(caplog):
     """Well-formed and in NORMAL training, but nothing can start a backup (no mindio-run agent): 1, logged;
     no incident is opened and training is not touched."""
-    from mindio.ttp.controller import _Rank
-    from mindio.ttp.states import Result, State
+    from mindio.ttp.controller.controller import _Rank
+    from mindio.ttp.controller.states import Result, State
 
     ctl = Controller(rank=-1, world_size=4, enabled={"recover-in-place"}, key=b"k" * 32)
     for r in range(4):

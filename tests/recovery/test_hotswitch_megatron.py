@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE.parents[0] / "megatron"))
 from _mgt_launch import PRETRAIN, REPO, digests, losses, torchrun, SLOW_MEGATRON  # noqa: E402
 from test_hotswitch import assert_backup_registered_before_the_pause, pause_s  # noqa: E402
 
-from mindio.ttp.hotswitch import EXIT_CODE_SWITCHED  # noqa: E402
+from mindio.ttp.controller.hotswitch import EXIT_CODE_SWITCHED  # noqa: E402
 
 pytestmark = SLOW_MEGATRON
 

@@ -22,8 +22,8 @@ import pytest
 from mindio._ports import free_port as _port  # outside the ephemeral range (mindio/_ports.py)
 from tests._exits import assert_no_signal_deaths, check_codes
 from tests._faultplan import FaultPlan
-from mindio.ttp import protocol as P
-from mindio.ttp.controller import Controller
+from mindio.ttp.wire import protocol as P
+from mindio.ttp.controller.controller import Controller
 
 HERE = Path(__file__).resolve().parent
 TOY = HERE / "_recover_toy.py"

@@ -145,7 +145,7 @@ def test_lost_node_recovers_across_a_stall_of_the_controller_node(tmp_path, faul
     """Node 0's agent (store, worker store, controller) is SIGSTOPped for 4 s right after it gave node 1
     to the standby: the standby, the replacements and the survivors all block on it or find it silent,
     longer than the heartbeat and node-loss timeouts. Time nobody could observe is not counted
-    (liveness.py, Liveness.stalled in mindio/ttp/watch.py, Link), a survivor that reconnects registers afresh on
+    (liveness.py, Liveness.stalled in mindio/ttp/controller/watch.py, Link), a survivor that reconnects registers afresh on
     its new connection (session.py): the recovery completes, bitwise, and no live rank is declared dead."""
     reference = fault_free_digest(fault_free_run)
     did: list = []

@@ -34,7 +34,7 @@ import time
 import msgpack
 import zmq
 
-from mindio.ttp import protocol as P
+from mindio.ttp.wire import protocol as P
 
 _GREETING = 64  # ZMTP 3 greeting
 

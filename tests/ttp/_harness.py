@@ -41,9 +41,9 @@ def start_plane(world: int, key: bytes, *, misses: int = 10, action_limit: float
     ``world`` Processors registered with it, all in this process; returns ``(controller, processors,
     port)`` once the controller is NORMAL. ``before_start(processors)`` runs before they connect (to
     install callbacks). Undo with :func:`stop_plane`."""
-    from mindio.ttp.controller import Controller
-    from mindio.ttp.processor import Processor
-    from mindio.ttp.states import State
+    from mindio.ttp.controller.controller import Controller
+    from mindio.ttp.processor.processor import Processor
+    from mindio.ttp.controller.states import State
 
     port = free_port()
     ctl = Controller(rank=0, world_size=world, enabled={"dump"}, key=key, interval=interval, misses=misses,

@@ -1,4 +1,4 @@
-"""The built-in cluster brain (mindio.ttp.brain): classification, escalation, fallback order, table validation."""
+"""The built-in cluster brain (mindio.ttp.controller.brain): classification, escalation, fallback order, table validation."""
 import json
 
 import pytest
@@ -6,10 +6,10 @@ from hypothesis import given, strategies as st
 
 from mindio import _knobs
 from mindio.errors import ConfigError
-from mindio.ttp import brain
+from mindio.ttp.controller import brain
 from mindio.ttp._enums import ReportState, ResultCode
-from mindio.ttp.brain import Brain, RankFault, load_table, order_strategies, result_code
-from mindio.ttp.policy import STRATEGY_ORDER
+from mindio.ttp.controller.brain import Brain, RankFault, load_table, order_strategies, result_code
+from mindio.ttp.controller.policy import STRATEGY_ORDER
 
 ALL = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")
 

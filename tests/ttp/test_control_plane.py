@@ -6,9 +6,9 @@ import msgpack
 import pytest
 import zmq
 
-from mindio.ttp import protocol as P
+from mindio.ttp.wire import protocol as P
 from mindio.ttp._enums import Action, ReportState
-from mindio.ttp.states import State
+from mindio.ttp.controller.states import State
 
 from ._harness import start_plane, stop_plane, until as _until
 
@@ -187,7 +187,7 @@ def test_graceful_dump_on_request(plane):
 
 @pytest.mark.timeout(60)
 def test_a_ranks_dump_request_is_a_last_words_checkpoint(plane):
-    """REQUEST("dump") from a rank (mindio.ttp.preempt: its process got SIGTERM): the dump of
+    """REQUEST("dump") from a rank (mindio.ttp.processor.preempt: its process got SIGTERM): the dump of
     tft_notify_controller_dump, at the first finished step when asked before it; a second request
     starts nothing more; an unknown request changes nothing."""
     ctl, procs, _ = plane
@@ -234,7 +234,7 @@ def test_report_is_handed_to_zmq_before_report_returns(plane):
 
 
 def test_send_with_wait_is_bounded_when_the_io_thread_is_not_running():
-    from mindio.ttp.transport import Link
+    from mindio.ttp.wire.transport import Link
 
     link = Link(rank=0, key=KEY, addrs=["tcp://127.0.0.1:9"], hello=lambda: None, beat=lambda: None,
                 on_message=lambda env: None)  # never started: nobody takes from its queue

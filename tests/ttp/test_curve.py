@@ -9,11 +9,11 @@ import pytest
 import zmq
 
 from mindio.errors import ConfigError
-from mindio.ttp import protocol as P
-from mindio.ttp.controller import Controller
-from mindio.ttp.processor import Processor
-from mindio.ttp.states import State
-from mindio.ttp.transport import Link, curve_options, job_curve_keypair, with_client_keys
+from mindio.ttp.wire import protocol as P
+from mindio.ttp.controller.controller import Controller
+from mindio.ttp.processor.processor import Processor
+from mindio.ttp.controller.states import State
+from mindio.ttp.wire.transport import Link, curve_options, job_curve_keypair, with_client_keys
 
 from ._harness import free_port
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from mindio.ttp import EXIT_CODE_DUMPED
-from mindio.ttp.controller import Controller
-from mindio.ttp.transport import job_secret
+from mindio.ttp.controller.controller import Controller
+from mindio.ttp.wire.transport import job_secret
 from tests._faultplan import FaultPlan
 
 from ._harness import ROOT, Job, free_port
@@ -77,8 +77,8 @@ def test_report_to_a_passive_backup_is_acted_on_after_takeover(monkeypatch):
     over and reports its error in that moment reports only once: the backup must act on it when it takes
     over, not drop it (the job would wait forever for a decision)."""
     from mindio.ttp._enums import ReportState
-    from mindio.ttp.processor import Processor
-    from mindio.ttp.states import State
+    from mindio.ttp.processor.processor import Processor
+    from mindio.ttp.controller.states import State
 
     def until(pred, timeout=20.0):
         end = time.monotonic() + timeout

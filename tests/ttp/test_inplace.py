@@ -5,12 +5,12 @@ import types
 
 import pytest
 
-from mindio.ttp import inplace
+from mindio.ttp.processor import inplace
 from mindio.ttp._enums import Action
-from mindio.ttp.brain import Brain
-from mindio.ttp.policy import RankView
-from mindio.ttp.processor import Processor
-from mindio.ttp.ranks import RankTable
+from mindio.ttp.controller.brain import Brain
+from mindio.ttp.controller.policy import RankView
+from mindio.ttp.processor.processor import Processor
+from mindio.ttp.controller.ranks import RankTable
 
 
 @pytest.mark.timeout(30)
@@ -75,7 +75,7 @@ def test_uce_repair_type_follows_the_update_window():
     from mindio.ttp import api
     from mindio.ttp._enums import OsStatus, ReportState
     from mindio.ttp.decorator import classify_exception
-    from mindio.ttp.retry import uce_repair_type
+    from mindio.ttp.controller.retry import uce_repair_type
 
     assert uce_repair_type(ReportState.RS_UCE, OsStatus.UPDATED) == "RT_UCE_LOWLEVEL"
     assert uce_repair_type(ReportState.RS_UCE, OsStatus.UPDATING) == "RT_UCE_HIGHLEVEL"
@@ -96,8 +96,8 @@ def test_uce_repair_type_follows_the_update_window():
 
 
 def test_registration_carries_the_enable_flags_and_the_controller_honours_them():
-    from mindio.ttp import protocol as P
-    from mindio.ttp.controller import Controller, _Rank
+    from mindio.ttp.wire import protocol as P
+    from mindio.ttp.controller.controller import Controller, _Rank
 
     hello = Processor(2, 4, enable_uce=False, enable_arf=True)._hello()
     key = b"k" * 32
@@ -117,8 +117,8 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
     a rank still running while another waits at its fence: ``teardown`` to the fenced one (the blocked
     collective fails), then ``wait_quiet`` with the full timeout to the running one. Each action is sent
     once (before: a ``stop`` every STOP_LOOK_S)."""
-    from mindio.ttp import protocol as P
-    from mindio.ttp.retry import STOP_GRACE_S, STOP_LOOK_S, StopRound
+    from mindio.ttp.wire import protocol as P
+    from mindio.ttp.controller.retry import STOP_GRACE_S, STOP_LOOK_S, StopRound
 
     class Ctl:
         action_limit = 180.0

@@ -8,7 +8,7 @@ import pytest
 import mindio.ttp as ttp
 from mindio.errors import ConfigError
 from mindio.ttp._enums import Action, ReportState
-from mindio.ttp.states import State
+from mindio.ttp.controller.states import State
 
 from ._harness import Loop, start_plane, stop_plane, until as _until
 

@@ -11,16 +11,16 @@ import time
 
 import pytest
 
-from mindio.ttp.controller import Controller
-from mindio.ttp.pidprobe import PidProbe, host_token
-from mindio.ttp.states import State
+from mindio.ttp.controller.controller import Controller
+from mindio.ttp.controller.pidprobe import PidProbe, host_token
+from mindio.ttp.controller.states import State
 
 from ._harness import ROOT, free_port
 
 KEY = b"p" * 32
 _START = """
     import os, sys, time
-    from mindio.ttp.processor import Processor
+    from mindio.ttp.processor.processor import Processor
     rank, port, go = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     p = Processor(rank, 2)
     p.start(f"tcp://127.0.0.1:{port}", bytes.fromhex(sys.argv[4]))

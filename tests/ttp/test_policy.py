@@ -1,9 +1,9 @@
-"""Property tests of the pure decisions (mindio.ttp.policy)."""
+"""Property tests of the pure decisions (mindio.ttp.controller.policy)."""
 from hypothesis import given, settings, strategies as st
 
-from mindio.ttp import policy
+from mindio.ttp.controller import policy
 from mindio.ttp._enums import OsStatus, ReportState
-from mindio.ttp.policy import Incident, RankView
+from mindio.ttp.controller.policy import Incident, RankView
 
 
 def test_reference_patterns_first_match():

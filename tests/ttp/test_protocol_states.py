@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from mindio.errors import AuthError, IllegalTransition, ProtocolError
-from mindio.ttp import protocol as P
-from mindio.ttp.states import TRANSITIONS, Result, State, StateMachine
+from mindio.ttp.wire import protocol as P
+from mindio.ttp.controller.states import TRANSITIONS, Result, State, StateMachine
 
 KEY = b"k" * 32
 _BEATS_BODY = {"ranks": [1, 2], "steps": [3, 3], "status": [0, 0], "coll": [False, True], "age": [0.5, 1.0]}

@@ -101,9 +101,9 @@ def test_launcher_secret_stays_off_the_store_unless_several_nodes_have_none(tmp_
 def test_backup_and_relay_registrations_are_refused_unless_enabled():
     """With the job secret but without MINDIO_BACKUP_CONTROLLERS / MINDIO_RELAYS, a backup controller's and
     a relay's registrations are refused, logged with the reason, and nothing is advertised."""
-    from mindio.ttp import protocol as P
-    from mindio.ttp.controller import Controller
-    from mindio.ttp.transport import Link
+    from mindio.ttp.wire import protocol as P
+    from mindio.ttp.controller.controller import Controller
+    from mindio.ttp.wire.transport import Link
 
     key, port = b"r" * 32, free_port()
     ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=5, hang_timeout=0)

@@ -6,11 +6,11 @@ plain threads running a training-shaped loop (no torch.distributed). When one of
 rank (a rollback handler that raises), the incident falls back to the next strategy of its order."""
 import pytest
 
-from mindio.ttp.controller import Controller
+from mindio.ttp.controller.controller import Controller
 from mindio.ttp._enums import Action
-from mindio.ttp.sequence import Sequence
-from mindio.ttp.states import Result, State
-from mindio.ttp.strategy import Outcome, Strategy
+from mindio.ttp.controller.sequence import Sequence
+from mindio.ttp.controller.states import Result, State
+from mindio.ttp.controller.strategy import Outcome, Strategy
 
 from ._harness import Loop, start_plane, stop_plane, until as _until
 

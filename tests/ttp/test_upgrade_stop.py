@@ -9,9 +9,9 @@ import threading
 import time
 import types
 
-from mindio.ttp import protocol as P
+from mindio.ttp.wire import protocol as P
 from mindio.ttp._enums import EXIT_CODE_FAULT, OsStatus
-from mindio.ttp.controller import _Rank
+from mindio.ttp.controller.controller import _Rank
 from mindio.ttp.elastic import UPGRADE_STOP_TRIES, Elastic
 
 UPD, UPDATING = int(OsStatus.UPDATED), int(OsStatus.UPDATING)

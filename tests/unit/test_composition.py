@@ -3,9 +3,9 @@ for rebuilds, an explicit action table), not assembled from mixin bases; the con
 strategies are objects in an explicit table."""
 from __future__ import annotations
 
-from mindio.ttp.controller import Controller
-from mindio.ttp.processor import Processor
-from mindio.ttp.strategy import Strategy
+from mindio.ttp.controller.controller import Controller
+from mindio.ttp.processor.processor import Processor
+from mindio.ttp.controller.strategy import Strategy
 
 
 def test_the_processor_has_no_mixin_bases():
@@ -21,16 +21,16 @@ def test_every_strategy_is_an_object_of_the_strategy_class():
 def test_the_controller_is_composed_of_parts_and_has_no_base():
     """The parts own their state, the incident flow and the pause too (incident.py, pause.py): no mixin
     base is left, and none comes back."""
-    from mindio.ttp.actions import ActionEngine
-    from mindio.ttp.elastic_flow import Elastic
-    from mindio.ttp.hotswitch import HotSwitch
-    from mindio.ttp.incident import IncidentFlow
-    from mindio.ttp.pause import PauseFlow
-    from mindio.ttp.ranks import RankTable
-    from mindio.ttp.recover import Replacements
-    from mindio.ttp.retry import StopRound
-    from mindio.ttp.states import StateMachine
-    from mindio.ttp.watch import Liveness
+    from mindio.ttp.controller.actions import ActionEngine
+    from mindio.ttp.controller.elastic_flow import Elastic
+    from mindio.ttp.controller.hotswitch import HotSwitch
+    from mindio.ttp.controller.incident import IncidentFlow
+    from mindio.ttp.controller.pause import PauseFlow
+    from mindio.ttp.controller.ranks import RankTable
+    from mindio.ttp.controller.recover import Replacements
+    from mindio.ttp.controller.retry import StopRound
+    from mindio.ttp.controller.states import StateMachine
+    from mindio.ttp.controller.watch import Liveness
 
     assert Controller.__bases__ == (object,)
     ctl = Controller(0, 4, {"dump"}, b"k" * 32)

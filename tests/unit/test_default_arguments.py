@@ -1,4 +1,4 @@
-"""mindio.ttp.device.forget_default_arguments: a library function that holds a process group as a
+"""mindio.ttp.processor.device.forget_default_arguments: a library function that holds a process group as a
 default argument would keep the group (and its connections) alive after destroy_process_group."""
 import sys
 import types
@@ -6,7 +6,7 @@ import weakref
 
 import torch.distributed as dist
 
-from mindio.ttp import device
+from mindio.ttp.processor import device
 
 
 class _Group:  # stands in for a ProcessGroup: only identity matters

@@ -128,7 +128,7 @@ def _circle(graph, comp: set) -> list[str]:
 
 def test_graph_is_read():
     g = import_graph()
-    assert "mindio.ttp.controller" in g and "mindio.ttp.protocol" in g["mindio.ttp.controller"]
+    assert "mindio.ttp.controller.controller" in g and "mindio.ttp.wire.protocol" in g["mindio.ttp.controller.controller"]
     # a function-level import is an edge too
     assert "mindio.acp" in g["mindio"]
 

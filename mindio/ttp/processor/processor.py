@@ -37,18 +37,18 @@ import threading
 import time
 from typing import Any, Callable
 
-from .. import _knobs, _logging
-from ..errors import ConfigError, NoController, describe
-from . import protocol as P
-from .pidprobe import host_token
-from ._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
+from ... import _knobs, _logging
+from ...errors import ConfigError, NoController, describe
+from ..wire import protocol as P
+from ..controller.pidprobe import host_token
+from .._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
 from . import device, elastic_rank, inplace, preempt, reboot
 from .reboot import adopt as _adopt_reboot
-from .transport import Link
+from ..wire.transport import Link
 
 __all__ = ["Processor", "CALLBACK_NAMES", "IN_PLACE_CALLBACKS"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.processor")
 CALLBACK_NAMES = ("save_ckpt", "rename", "exit", "stop", "clean", "rebuild_group", "repair", "rollback",
                   "stream_sync", "zit_downgrade_rebuild", "zit_upgrade_rebuild", "zit_upgrade_repair",
                   "zit_upgrade_rollback", "decrypt")

@@ -34,7 +34,7 @@ import collections
 import secrets
 from dataclasses import dataclass
 
-from ..errors import SessionError
+from ...errors import SessionError
 from . import protocol as P
 
 __all__ = ["Session", "Sessions", "fresh"]

@@ -44,14 +44,14 @@ import signal
 import threading
 import time
 
-from .. import _knobs, _logging
-from . import protocol as P
-from ._enums import EXIT_CODE_FAULT
-from ._runtime import state as _rt
+from ... import _knobs, _logging
+from ..wire import protocol as P
+from .._enums import EXIT_CODE_FAULT
+from .._runtime import state as _rt
 
 __all__ = ["install", "check", "requested"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.preempt")
 _installed: dict = {}  # signum -> the handler ours replaced
 _first: tuple | None = None  # (signum, time.monotonic()) of the first preemption signal handled
 _told = False  # the request was logged (by the link thread)

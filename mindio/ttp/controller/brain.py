@@ -13,7 +13,7 @@ MindCluster, through ``tft_register_mindx_callback``) may still choose among the
    base level and every matching rule wins; the incident takes the most severe level of its ranks.
 3. **Order**: the level's ``strategies`` ∩ the job's ``recover-strategy`` list (the table's
    ``recover_strategy``, else HIGH_AVAILABILITY / the init flags) ∩ what is possible now
-   (:func:`mindio.ttp.policy.feasible_strategies`), in the fallback order retry -> recover-in-place ->
+   (:func:`mindio.ttp.controller.policy.feasible_strategies`), in the fallback order retry -> recover-in-place ->
    recover -> elastic-training (downgrade) -> dump -> exit. Strategies this build cannot run yet are
    skipped with a log line. ``exit`` always closes the list: a job can always be stopped.
 
@@ -32,15 +32,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from .. import _knobs
-from ..errors import ConfigError
-from ..vocab import HA_STRATEGIES
-from ._enums import ReportState, ResultCode
+from ... import _knobs
+from ...errors import ConfigError
+from ...vocab import HA_STRATEGIES
+from .._enums import ReportState, ResultCode
 
 __all__ = ["STRATEGIES", "FAULT_KEYS", "DEFAULT_TABLE_PATH", "Level", "Rule", "FaultTable", "RankFault",
            "Verdict", "load_table", "parse_table", "fault_key", "order_strategies", "result_code", "Brain"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.brain")
 DEFAULT_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_table.json")
 STRATEGIES = HA_STRATEGIES  # fallback order
 _POLICY_NAME = {"elastic-training": "downgrade"}       # policy.feasible_strategies says "downgrade"

@@ -9,7 +9,7 @@ after the stop round and the decision, found in ``Controller.STRATEGIES`` (contr
   (one added by a new file) ``feasible(ctl, enabled, facts)`` and ``before`` (the strategy it is tried
   before in the fallback order).
 
-The steps themselves go through a :class:`mindio.ttp.sequence.Sequence` (logging, events, timings,
+The steps themselves go through a :class:`mindio.ttp.controller.sequence.Sequence` (logging, events, timings,
 abandon, resume and the cluster brain's report written once). Adding a strategy: one new file with a
 subclass, one line in ``Controller.STRATEGIES`` (docs/architecture.md, "Adding a strategy").
 """

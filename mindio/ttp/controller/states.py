@@ -29,12 +29,12 @@ import logging
 import threading
 import time
 
-from .. import _logging
-from ..errors import IllegalTransition
+from ... import _logging
+from ...errors import IllegalTransition
 
 __all__ = ["State", "Result", "TRANSITIONS", "StateMachine"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.states")
 
 
 class State(enum.Enum):

@@ -34,17 +34,17 @@ from typing import Callable
 import zmq
 import zmq.utils.z85
 
-from .. import _knobs, _logging
-from .._secret import read_secret_file, secret_key, user_secret
-from ..errors import ConfigError, NoController, ProtocolError, SessionError
+from ... import _knobs, _logging
+from ..._secret import read_secret_file, secret_key, user_secret
+from ...errors import ConfigError, NoController, ProtocolError, SessionError
 from . import protocol as P
-from . import shutdown
+from .. import shutdown
 from .session import fresh
 
 __all__ = ["job_secret", "published_secret", "user_secret", "read_secret_file", "job_curve_keypair",
            "curve_options", "context", "close_context", "Channel", "Waker", "Link"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.transport")
 _STORE_KEY = "mindio/ttp/secret"
 _NB = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from .. import vocab
+from ... import vocab
 from . import policy
-from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ResultCode
+from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome, Strategy
 

@@ -30,17 +30,17 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _knobs, _logging, vocab
+from ... import _knobs, _logging, vocab
 from . import policy, sequence
-from . import protocol as P
-from ._enums import OsStatus, RepairType, ReportState
+from ..wire import protocol as P
+from .._enums import OsStatus, RepairType, ReportState
 from .sequence import Sequence
 from .states import Result
 from .strategy import Context, Outcome, Strategy
 
 __all__ = ["StopRound", "Retry", "uce_repair_type", "STOP_GRACE_S", "STOP_LOOK_S"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.retry")
 STOP_GRACE_S = 1.0  # a rank still running this long after the stop, while others are fenced, may be blocked
 STOP_LOOK_S = 0.2   # the stop's first look: a running rank inside a collective then is blocked at once
 

@@ -18,7 +18,7 @@ When "retry" is enabled and possible it is tried first (retry.py); if it succeed
 the next incident, if any step of it fails the flow falls back to dump (then exit) as above.
 
 The cluster brain (tft_notify_controller_* / tft_register_mindx_callback) enters here too.
-:class:`IncidentFlow` is a part of :class:`mindio.ttp.controller.Controller` (``ctl.incidents``): it owns
+:class:`IncidentFlow` is a part of :class:`mindio.ttp.controller.controller.Controller` (``ctl.incidents``): it owns
 the open incident and what the driver thread waits on, and uses the controller's rank table, lock,
 state machine and action engine.
 """
@@ -29,16 +29,16 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from .. import _knobs, _logging
+from ... import _knobs, _logging
 from . import policy, sequence
 from .brain import RankFault, fault_key, result_code
-from ._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
+from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome
 
 __all__ = ["IncidentFlow", "Incident", "OPEN_STATES"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.incident")
 OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
 
 

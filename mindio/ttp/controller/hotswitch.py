@@ -44,19 +44,19 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _knobs, _logging
+from ... import _knobs, _logging
 from . import policy, sequence
-from .. import vocab
-from ..vocab import HOT_SWITCH_ACTIONS
+from ... import vocab
+from ...vocab import HOT_SWITCH_ACTIONS
 from .dump import Dump
 from .recover import Replace
 from .strategy import Context
-from ._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
+from .._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
 from .states import Result, State
 
 __all__ = ["HotSwitch", "EXIT_CODE_SWITCHED", "ACTIONS"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.hotswitch")
 ACTIONS = HOT_SWITCH_ACTIONS
 
 

@@ -1,6 +1,6 @@
 """Processor side of the in-process recovery actions (the retry strategy: processes stay alive).
 
-Handlers of :class:`mindio.ttp.processor.Processor` (``ACTIONS``: each takes the processor and the
+Handlers of :class:`mindio.ttp.processor.processor.Processor` (``ACTIONS``: each takes the processor and the
 action's params) that run on the action's own thread while the training main thread is parked in the
 decorator; :class:`World` is what a rebuild needs of the job's first world. The controller (retry.py) sends them
 in this order, one action in flight, each to every live rank unless said otherwise:
@@ -30,13 +30,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .. import _logging
+from ... import _logging
 from . import device
-from ._enums import Action, OsStatus, RepairType
+from .._enums import Action, OsStatus, RepairType
 
 __all__ = ["World", "ACTIONS", "clean", "rebuild", "repair", "repair_pairs", "rollback", "retry"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.inplace")
 _PG_TIMEOUT = timedelta(seconds=120)  # a rebuilt default group whose first one's timeout is unknown
 
 

@@ -55,13 +55,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _logging
+from ... import _logging
 
 __all__ = ["DeviceBackend", "GlooBackend", "NcclBackend", "HcclBackend", "backend_for",
            "teardown", "kill_hung", "all_groups", "destroy_all", "destroy_groups", "group_settings",
            "freeze_startup_objects", "collect", "release", "forget_default_arguments"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.device")
 
 
 def all_groups() -> list:
@@ -124,7 +124,7 @@ def freeze_startup_objects() -> int:
     with ``MINDIO_GC_FREEZE=0``). Objects created later -- the model, optimizer and process groups
     whose last reference a teardown drops -- stay collectable."""
     global _frozen
-    from .. import _knobs
+    from ... import _knobs
 
     if _frozen or not _knobs.get("MINDIO_GC_FREEZE"):
         return 0

@@ -30,16 +30,16 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _logging
+from ... import _logging
 from . import policy, sequence
-from ._enums import EXIT_CODE_FAULT, ResultCode
+from .._enums import EXIT_CODE_FAULT, ResultCode
 from .dump import Dump
 from .states import Result, State
 from .strategy import Context
 
 __all__ = ["PauseFlow"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.pause")
 
 
 class PauseFlow:

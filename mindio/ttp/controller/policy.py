@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from .. import vocab
-from ._enums import OsStatus, ReportState
+from ... import vocab
+from .._enums import OsStatus, ReportState
 
 __all__ = [
     "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "INCIDENT_SECONDARY_PATTERNS", "classify",

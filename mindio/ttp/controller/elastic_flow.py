@@ -43,10 +43,10 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _knobs, _logging
+from ... import _knobs, _logging
 from . import dump, policy, sequence
-from ._enums import EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
-from .. import vocab
+from .._enums import EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
+from ... import vocab
 from .ranks import RankRecord
 from .sequence import Sequence
 from .states import Result, State
@@ -136,7 +136,7 @@ class Elastic:
     # ---------------------------------------------------------------- standbys (I/O thread)
     def on_standby(self, ident: bytes, rank: int, body, now: float) -> None:
         """A processor registered for a removed rank: a standby offering it back (upgrade)."""
-        from . import protocol as P
+        from ..wire import protocol as P
 
         if (body.host, body.pid) == self.gone.get(rank):
             return  # the removed rank's own process, exiting (its heartbeat was answered UNKNOWN): no offer

@@ -26,11 +26,11 @@ import logging
 import os
 import signal
 
-from .. import _knobs
+from ... import _knobs
 
 __all__ = ["host_token", "PidProbe"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.pidprobe")
 
 
 @functools.lru_cache(maxsize=1)

@@ -33,10 +33,10 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _logging, vocab
+from ... import _logging, vocab
 from . import policy
-from . import protocol as P
-from ._enums import RepairType, ReportState
+from ..wire import protocol as P
+from .._enums import RepairType, ReportState
 from .retry import uce_repair_type
 from .sequence import Sequence
 from .states import Result, State
@@ -44,7 +44,7 @@ from .strategy import Context, Outcome, Strategy
 
 __all__ = ["Replacements", "Replace", "REPLACING"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.recover")
 REPLACING = vocab.REPLACING
 
 

@@ -27,12 +27,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .. import _logging
-from . import protocol as P
+from ... import _logging
+from ..wire import protocol as P
 
 __all__ = ["ActionEngine", "RESEND_MAX_S"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.actions")
 RESEND_MAX_S = 30.0  # longest wait between two resends of an action to ranks that have not answered
 
 

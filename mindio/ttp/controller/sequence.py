@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _logging
+from ... import _logging
 from .states import Result
 
 __all__ = ["live_ranks", "abandon", "resume", "phases", "Sequence"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import _logging
+from ... import _logging
 from . import device, inplace
-from ._enums import OsStatus, RepairType
+from .._enums import OsStatus, RepairType
 
 __all__ = ["ACTIONS", "is_standby", "job_rank"]
 
@@ -74,14 +74,14 @@ ACTIONS = {"zit_rebuild": zit_rebuild, "zit_repair": zit_repair, "zit_rollback":
 
 def is_standby() -> bool:
     """True in a standby process until the upgrade repaired it."""
-    from ._runtime import state
+    from .._runtime import state
 
     return state.processor is not None and state.processor.standby
 
 
 def job_rank(torch_rank: int) -> int:
     """The controller's rank id of ``torch_rank`` in the current (possibly shrunken) world."""
-    from ._runtime import state
+    from .._runtime import state
 
     members = state.processor.members if state.processor is not None else None
     return torch_rank if members is None else members[torch_rank]

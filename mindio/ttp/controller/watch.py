@@ -17,9 +17,9 @@ import collections
 import logging
 import time
 
-from .. import _logging
+from ... import _logging
 from . import policy
-from . import protocol as P
+from ..wire import protocol as P
 from .pidprobe import PidProbe
 from .states import State
 

@@ -42,12 +42,12 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .. import _logging
-from .._status_auth import AUTH_HEADER, verify
+from ... import _logging
+from ..._status_auth import AUTH_HEADER, verify
 
 __all__ = ["Observer", "serve"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.status")
 DONE_KINDS = ("retry_done", "recover_done", "downgrade_done", "upgrade_done")
 
 
@@ -172,7 +172,7 @@ class Observer:
 
 def _store_stat() -> dict | None:
     """The checkpoint store's counters if this process is already connected to one (never starts one)."""
-    from ..acp import api
+    from ...acp import api
 
     client = getattr(api, "_client", None)
     if client is None or not client.alive():

@@ -24,7 +24,7 @@ import socket
 
 __all__ = ["protected_ports", "shutdown_connections"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.unblock")
 _ESTABLISHED = "01"
 
 

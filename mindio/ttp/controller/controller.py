@@ -29,10 +29,10 @@ import time
 
 import zmq
 
-from .. import _knobs, _logging
+from ... import _knobs, _logging
 from . import policy
-from . import protocol as P
-from ._enums import ReportState, Strategy
+from ..wire import protocol as P
+from .._enums import ReportState, Strategy
 from .ranks import RankRecord as _Rank, RankTable, infer_layout  # _Rank: the old name, still imported by tests
 from .states import Result, State, StateMachine
 from .actions import ActionEngine
@@ -45,14 +45,14 @@ from .recover import Replace, Replacements
 from .dump import Dump
 from .hotswitch import HotSwitch
 from .watch import Liveness
-from ..errors import SessionError
-from . import shutdown
-from .session import Sessions
-from .transport import Channel, Link, Waker, job_curve_keypair
+from ...errors import SessionError
+from .. import shutdown
+from ..wire.session import Sessions
+from ..wire.transport import Channel, Link, Waker, job_curve_keypair
 
 __all__ = ["Controller"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.controller")
 
 
 class Controller:
@@ -516,7 +516,7 @@ class Controller:
     @property
     def brain(self) -> Brain:
         """The built-in cluster brain (brain.py): table from MINDIO_FAULT_TABLE or the default; assign a
-        :class:`mindio.ttp.brain.Brain` to use another table."""
+        :class:`mindio.ttp.controller.brain.Brain` to use another table."""
         if self._brain is None:
             self._brain = Brain()
         return self._brain

@@ -35,12 +35,12 @@ import logging
 import os
 import time
 
-from .. import _knobs
+from ... import _knobs
 
 __all__ = ["install", "is_reboot", "reboot_type", "reboot_gen", "await_switch", "adopt", "should_park",
            "ACTIONS", "prerepair"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.reboot")
 
 
 class _State:

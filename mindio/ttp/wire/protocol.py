@@ -23,7 +23,7 @@ its ranks, or the scale benchmark's multiplexer; relays are off unless enabled, 
   own (a bad item drops the whole frame); used for many REPLY / REGISTER / REPORT at once.
 * ACTION.ranks: a relay delivers the action to these ranks (empty: to the recipient itself).
 
-Version 3 added sessions (mindio/ttp/session.py): a connection says HELLO (a fresh nonce), the controller
+Version 3 added sessions (mindio/ttp/wire/session.py): a connection says HELLO (a fresh nonce), the controller
 answers CHALLENGE (that nonce, and a fresh session number), the REGISTER carries the session number as its
 ``sess``; only then does the connection speak for a rank, and every later frame carries that ``sess`` and a
 higher ``ctr``. A captured frame replayed on another connection, into a later session or after a newer
@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ..errors import AuthError, ProtocolError
+from ...errors import AuthError, ProtocolError
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
@@ -59,7 +59,7 @@ __all__ = [
 VERSION = 3
 MAX_FRAME = 1 << 20  # 1 MiB: control messages are small; anything bigger is an attack or a bug
 _MAC_LEN = 32
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("mindio.ttp.protocol")
 
 
 class MsgType(enum.IntEnum):

@@ -48,11 +48,13 @@ def per_step(rank: dict) -> dict:
     return out
 
 
-def measure(nproc: int, pp: int, iters: int, warmup: int, rounds: int, size: str = "tiny", echo=print) -> dict:
+def measure(nproc: int, pp: int, iters: int, warmup: int, rounds: int, size: str = "tiny", echo=print,
+            configs=tuple(ha_overhead.CONFIGS)) -> dict:
     flags = _sizes.get(size).args() + ha_overhead.layout(nproc, pp)
-    runs = {k: [] for k in ha_overhead.CONFIGS}  # config -> list of per-rank dicts, one list per round
+    runs = {k: [] for k in configs}  # config -> list of per-rank dicts, one list per round
     for r in range(rounds):
-        for name, extra in ha_overhead.CONFIGS.items():
+        for name in configs:
+            extra = ha_overhead.CONFIGS[name]
             with tempfile.TemporaryDirectory() as folder:
                 out = ha_overhead.run(nproc, iters, flags + extra, script=PHASES,
                                       env={"HA_CPU_WARMUP": str(warmup), "HA_CPU_OUT": folder})
@@ -78,6 +80,10 @@ def table(runs: dict, per_rank: bool = False) -> str:
         vals = [(x if rank is None else [x[rank]]) for x in runs[cfg]]
         per_round = [statistics.mean(r.get(key, 0.0) for r in ranks) for ranks in vals]
         return statistics.mean(per_round)
+
+    if configs != list(ha_overhead.CONFIGS):  # a subset: the figures only
+        return "\n".join(f"{k:24s}" + "".join(f"{value(c, k):10.3f}" for c in configs) for k in keys
+                         if max(value(c, k) for c in configs) >= 0.005)
 
     nranks = len(runs[configs[0]][0])
     head = f"{'ms CPU / step':24s}" + "".join(f"{c:>10s}" for c in configs) + f"{'on-off':>9s}{'rep-off':>9s}"
@@ -106,10 +112,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--size", default="tiny", choices=list(_sizes.SIZES))
     ap.add_argument("--per-rank", action="store_true")
+    ap.add_argument("--configs", default=",".join(ha_overhead.CONFIGS), help="which of off,replicas,on")
     ap.add_argument("--json", default=None, help="also write the raw per-rank figures here")
     args = ap.parse_args()
     runs = measure(args.nproc, args.pp, args.iters, args.warmup, args.rounds, args.size,
-                   echo=lambda s: print(s, flush=True))
+                   echo=lambda s: print(s, flush=True), configs=args.configs.split(","))
     if args.json:
         Path(args.json).write_text(json.dumps(runs))
     print()

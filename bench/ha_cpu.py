@@ -69,12 +69,8 @@ def measure(nproc: int, pp: int, iters: int, warmup: int, rounds: int, size: str
 
 def table(runs: dict, per_rank: bool = False) -> str:
     configs = list(runs)
-    keys = []
-    for k in ("process",) + ORDER:
-        keys.append(k)
-    extra = sorted({k for rs in runs.values() for ranks in rs for x in ranks for k in x
-                    if k.startswith("thread:")})
-    keys += extra
+    keys = ["process", *ORDER] + sorted({k for rs in runs.values() for ranks in rs for x in ranks for k in x
+                                         if k.startswith("thread:")})
 
     def value(cfg, key, rank=None):
         vals = [(x if rank is None else [x[rank]]) for x in runs[cfg]]

@@ -19,6 +19,9 @@ pipeline parallelism its stage --, d = DP size, R = replica count), so the repli
     python bench/ha_overhead.py --pp 2           # TP1 x PP2 x DP2 (2 micro-batches per step)
     python bench/ha_overhead.py --size 1g        # >= 1 GiB of state per rank (bench/_sizes.py); 12 steps
 
+Where the extra time goes, as CPU time per piece of a step (wall clock on a shared machine varies as much
+as the effect): ``python bench/ha_cpu.py --pp 2`` (the same configurations).
+
 ``measure()`` / ``report()`` are what bench/peers/run_all.py calls; the last line of the report checks
 issue 18's target (on <= 1.05x off).
 """

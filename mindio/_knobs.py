@@ -133,10 +133,6 @@ _ALL = [
          "Missed heartbeats after which a rank is dead; MISSES x INTERVAL is the outage tolerance: a network "
          "outage shorter than it (with TCP's retransmission delay) is ridden out, also by the launcher's "
          "node-loss check (at least 3 s); docs/recovery.md.", min=1, max=100),
-    Knob("MINDIO_HEARTBEAT_DATAGRAMS", _bool, True,
-         "1: a heartbeat whose predecessor got no answer on the rank's TCP stream also goes as one UDP datagram "
-         "to the controller's beacon port (its TCP port number), so that a flapping link costs lost beats, not "
-         "TCP's doubling retransmission delay; 0: the stream alone (docs/recovery.md, Outage tolerance)."),
     Knob("MINDIO_HANG_TIMEOUT", float, 300.0,
          "Seconds without step progress after which a rank whose main thread is outside a collective "
          "(while its peers wait inside one) is declared hung and SIGKILLed; 0: off.", min=0, max=86400),

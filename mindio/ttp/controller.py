@@ -30,7 +30,7 @@ import time
 import zmq
 
 from .. import _knobs, _logging
-from . import beacon, policy
+from . import policy
 from . import protocol as P
 from ._enums import ReportState, Strategy
 from .ranks import RankRecord as _Rank, RankTable, infer_layout  # _Rank: the old name, still imported by tests
@@ -166,7 +166,6 @@ class Controller(IncidentFlow):
             raise
         self.port = port
         self.address = f"tcp://{bind_ip}:{port}"
-        self.beacon = beacon.Server(self, bind_ip, port)  # beats that do not wait behind a stalled stream
         self._chan = Channel(sock, self.key, self.drops, sess=self.sessions.epoch)
         if self.backup:
             if not primary:
@@ -278,7 +277,6 @@ class Controller(IncidentFlow):
         poller = self._poller = zmq.Poller()
         poller.register(self._chan.sock, zmq.POLLIN)
         poller.register(self._waker.rfd, zmq.POLLIN)
-        poller.register(self.beacon.fileno(), zmq.POLLIN)
         period = min(0.1, self.interval / 4)
         next_sweep = next_hang = last_turn = time.monotonic()
         probe, liveness = self.liveness.probe, self.liveness
@@ -312,8 +310,6 @@ class Controller(IncidentFlow):
             else:
                 self._drained_at = time.monotonic()
             now = time.monotonic()
-            if self.beacon.fileno() in events:  # pyzmq names a plain socket by its fd
-                self.beacon.on_readable(now)
             if probe.watched or probe.next_due() is not None:
                 probe.on_events(events, now, poller)
                 for rank, pid in probe.due(now):
@@ -327,7 +323,6 @@ class Controller(IncidentFlow):
                     next_hang = now + self.interval
         probe.close(poller)
         self._chan.sock.close(0)
-        self.beacon.close()
 
     def _on_frame(self, ident: bytes, env: P.Envelope) -> None:
         """One authentic frame from connection ``ident``: admitted only within its session (session.py)."""
@@ -347,8 +342,6 @@ class Controller(IncidentFlow):
                 s = sessions.admit(ident, env)
             if s.role != "relay" and env.type in (P.MsgType.BEATS, P.MsgType.BATCH):
                 raise SessionError(f"{env.type.name} from a {s.role} session (only a relay may send it)", "refused")
-            if env.type in (P.MsgType.BEACON, P.MsgType.BEACON_ACK):
-                raise SessionError(f"{env.type.name} on the stream (a datagram type: beacon.py)", "refused")
         except SessionError as exc:
             self.drops.drop(exc, origin=repr(ident))
             return
@@ -371,8 +364,6 @@ class Controller(IncidentFlow):
         if env.type is P.MsgType.HEARTBEAT:
             r = self.ranks.get(env.rank)
             if r is not None and r.registered:
-                if now - r.last_seen > 1.5 * self.interval and r.alive:
-                    self.liveness.gap(env.rank, now - r.last_seen, "stream")
                 r.last_seen, r.step, r.data_status = now, body.step, body.data_status
                 if r.alive:
                     self.liveness.touch(env.rank)
@@ -492,9 +483,8 @@ class Controller(IncidentFlow):
                     self._registered += 1  # a counter, not a scan: 100k registrations stay O(n)
             if self._poller is not None:
                 self.liveness.probe.watch(rank, body.pid, body.pidns, self._poller)
-        port = self.beacon.port if body.role == "processor" and _knobs.get("MINDIO_HEARTBEAT_DATAGRAMS") else 0
         self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
-                                                                         backups=list(self.backups), beacon=port),
+                                                                         backups=list(self.backups)),
                                    rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
             self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)

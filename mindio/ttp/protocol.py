@@ -77,8 +77,6 @@ class MsgType(enum.IntEnum):
     HELLO = 12         # any -> controller: a fresh nonce; asks for a session (v3)
     CHALLENGE = 13     # controller -> sender of a HELLO: its nonce back and the session to register in (v3)
     REQUEST = 14       # processor -> controller: ask for a graceful action ("dump": preemption, preempt.py)
-    BEACON = 15        # processor -> controller, one UDP datagram: a beat while the stream is stalled (beacon.py)
-    BEACON_ACK = 16    # controller -> processor, one UDP datagram: the answer to a BEACON
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,6 @@ class RegisterAck:
     gen: int
     interval: float
     backups: list = field(default_factory=list)   # addresses to fail over to, in order
-    beacon: int = 0                               # the controller's UDP port for BEACONs (0: none; beacon.py)
 
 
 @dataclass(frozen=True)
@@ -188,7 +185,6 @@ BODY_TYPES: dict[MsgType, type] = {
     MsgType.HEARTBEAT_ACK: HeartbeatAck, MsgType.REPORT: Report, MsgType.INFO: Info,
     MsgType.ACTION: Action, MsgType.REPLY: Reply, MsgType.BYE: Bye, MsgType.BEATS: Beats, MsgType.BATCH: Batch,
     MsgType.HELLO: Hello, MsgType.CHALLENGE: Challenge, MsgType.REQUEST: Request,
-    MsgType.BEACON: Heartbeat, MsgType.BEACON_ACK: HeartbeatAck,
 }
 _PY_TYPES = {"int": (int,), "str": (str,), "float": (float, int), "bool": (bool,), "list": (list,), "dict": (dict,)}
 
@@ -215,8 +211,7 @@ _SPECS = {cls: tuple((f.name, _PY_TYPES[f.type], f.type,
 
 _NAMES = {cls: frozenset(name for name, *_ in spec) for cls, spec in _SPECS.items()}
 _ITEM_TYPES = {int(t): t for t in MsgType
-               if t not in (MsgType.BEATS, MsgType.BATCH, MsgType.HELLO, MsgType.CHALLENGE, MsgType.BEACON,
-                            MsgType.BEACON_ACK)}
+               if t not in (MsgType.BEATS, MsgType.BATCH, MsgType.HELLO, MsgType.CHALLENGE)}
 _BEAT_COLS = (("steps", {int}, "int"), ("status", {int}, "int"), ("coll", {bool}, "bool"), ("age", {float, int}, "float"))
 
 

@@ -53,7 +53,6 @@ class Session:
     role: str
     rank: int   # processor: its rank; backup: its link's rank (-1000-k); relay: -1
     rx: int     # the highest counter accepted
-    beacon_rx: int = 0  # the highest counter of its BEACON datagrams accepted (beacon.py: a counter of their own)
 
 
 class Sessions:

@@ -38,7 +38,7 @@ from .. import _knobs, _logging
 from .._secret import read_secret_file, secret_key, user_secret
 from ..errors import ConfigError, NoController, ProtocolError, SessionError
 from . import protocol as P
-from . import beacon, shutdown
+from . import shutdown
 from .session import fresh
 
 __all__ = ["job_secret", "published_secret", "user_secret", "read_secret_file", "job_curve_keypair",
@@ -348,8 +348,6 @@ class Link(threading.Thread):
         self.drops = P.DropCounter()
         self._nonce, self._hello_t = 0, 0.0  # the HELLO awaiting its CHALLENGE (0: none)
         self._peer: list | None = None        # [controller epoch, its highest counter accepted]
-        self._beacon: beacon.Client | None = None  # this session's datagram beats (beacon.py)
-        self._poller: zmq.Poller | None = None
 
     # -- any thread --
     def send(self, env: P.Envelope, wait: float = 0.0) -> bool:
@@ -398,7 +396,6 @@ class Link(threading.Thread):
         return bye
 
     def _connect(self) -> Channel:
-        self._close_beacon()
         sock = self._ctx.socket(zmq.DEALER)  # no identity of our own: zmq names the connection
         sock.setsockopt(zmq.LINGER, 0)
         for opt, val in self.curve.items():
@@ -418,8 +415,6 @@ class Link(threading.Thread):
         """Is ``env`` a fresh frame of the controller this link has a session with? A CHALLENGE that
         answers our HELLO opens the session here (REGISTER sent). Drops (counted, logged) the rest."""
         try:
-            if env.type in (P.MsgType.BEACON, P.MsgType.BEACON_ACK):
-                raise SessionError(f"{env.type.name} on the stream (a datagram type: beacon.py)")
             if env.type is P.MsgType.CHALLENGE:
                 if not self._nonce or env.body.nonce != self._nonce:
                     raise SessionError("CHALLENGE that answers no HELLO of this link (replayed or late)")
@@ -441,15 +436,14 @@ class Link(threading.Thread):
             return False
 
     def run(self) -> None:
-        poller = self._poller = zmq.Poller()
         chan = self._connect()
+        poller = zmq.Poller()
         poller.register(chan.sock, zmq.POLLIN)
         poller.register(self._waker.rfd, zmq.POLLIN)
         last_rx = next_beat = last_beat = last_turn = time.monotonic()
         try:
             while not self._halt.is_set():
-                due = self._beacon.due(self.interval) if self._beacon is not None else None
-                wait = max(0.0, min(next_beat, due or next_beat) - time.monotonic())
+                wait = max(0.0, next_beat - time.monotonic())
                 events = dict(poller.poll(wait * 1000))
                 now = time.monotonic()
                 if now - last_turn > wait + self.interval:
@@ -469,24 +463,14 @@ class Link(threading.Thread):
                             break
                         if got is not None and self._accept(chan, got[1]):
                             last_rx = time.monotonic()
-                            if self._beacon is not None:
-                                self._beacon.heard()
                             self._handle(chan, got[1])
                     self._flush(chan)  # a session opened just now: what waited for it goes out
-                if self._beacon is not None and self._beacon.fileno() in events and self._beacon.on_readable():
-                    last_rx = time.monotonic()  # the controller answered a datagram beat: it is there
-                    self._beacon.heard()
                 now = time.monotonic()
                 next_beat = min(next_beat, last_beat + self.interval)  # the controller may set a shorter interval
                 if now >= next_beat:
                     if chan.sess:
                         chan.send(P.Envelope(P.MsgType.HEARTBEAT, self.beat(), rank=self.rank, gen=self.gen))
-                        if self._beacon is not None:
-                            self._beacon.beat_sent(now)
                     last_beat, next_beat = now, now + self.interval
-                if self._beacon is not None:  # beats the stream has not answered: datagrams too (beacon.py)
-                    self._beacon.send_due(now, self.interval, lambda: P.Envelope(
-                        P.MsgType.BEACON, self.beat(), rank=self.rank, gen=self.gen))
                 if now - last_rx > self.misses * self.interval + self.interval / 2:
                     poller.unregister(chan.sock)
                     chan.sock.close(0)
@@ -501,7 +485,6 @@ class Link(threading.Thread):
             if self._flush(chan):  # what other threads queued (a BYE, the reply to "exit") before closing
                 self._await_bye_ack(chan)
             chan.sock.close(500)
-            self._close_beacon()
             self._waker.close()
 
     def _await_bye_ack(self, chan: Channel, timeout: float = 1.0) -> None:
@@ -519,24 +502,6 @@ class Link(threading.Thread):
                 return
         _log.info("no confirmation of BYE from %s within %.1f s", self.address, timeout)
 
-    def _open_beacon(self, chan: Channel, port: int) -> None:
-        """Datagram beats for this session, to the controller's beacon ``port`` (0: it has none)."""
-        self._close_beacon()
-        if port and self._peer is not None and self._poller is not None:
-            try:
-                self._beacon = beacon.Client(self.key, self.address, port, chan.sess, self._peer[0])
-            except OSError as exc:  # no route for datagrams: the stream alone carries the beats
-                _log.warning("no heartbeat datagrams to %s (port %d): %s", self.address, port, exc)
-                return
-            self._poller.register(self._beacon.fileno(), zmq.POLLIN)
-
-    def _close_beacon(self) -> None:
-        if self._beacon is not None:
-            if self._poller is not None:
-                self._poller.unregister(self._beacon.fileno())
-            self._beacon.close()
-            self._beacon = None
-
     def _adopt_backups(self, backups: list) -> None:
         if not self.follow_backups:
             return
@@ -552,7 +517,6 @@ class Link(threading.Thread):
         if env.type is P.MsgType.REGISTER_ACK:
             self.gen = env.body.gen
             self.interval = env.body.interval
-            self._open_beacon(chan, env.body.beacon)
             self._adopt_backups(env.body.backups)
             self.registered.set()
             if self.on_registered is not None:

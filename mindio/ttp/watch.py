@@ -48,12 +48,6 @@ class Liveness:
         seen[rank] = None
         seen.move_to_end(rank)
 
-    def gap(self, rank: int, silent: float, via: str) -> None:
-        """(I/O thread) Live ``rank`` was heard again (``via`` the stream or a datagram) after ``silent`` s
-        without a frame (more than 1.5 intervals): an outage it survived. One event, for the drills'
-        record of how long outages and stalls last (docs/recovery.md)."""
-        _logging.event("heartbeat_gap", from_rank=rank, silent_s=round(silent, 3), via=via)
-
     def stalled(self, gap: float) -> None:
         """(I/O thread) This thread did not run for ``gap`` s (its process stopped or starved: a loop
         turn takes at most ``period``). Silence we could not observe is not a rank's fault: every rank's

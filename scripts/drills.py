@@ -49,6 +49,7 @@ class Row:
     toy_fault: str = ""            # a --fault of the toy (fires inside the job)
     env: dict = field(default_factory=dict)
     seconds: float = 0.0
+    sysctl: dict = field(default_factory=dict)  # set in every host namespace for this row (reset after it)
 
 
 FAULTS = [
@@ -59,6 +60,10 @@ FAULTS = [
     Row("partition node 1 for 10 s", "partition", seconds=10.0),
     Row("link flapping (100 ms down every 1 s, 10 s)", "flap", seconds=10.0),
     Row("link flapping, MINDIO_HEARTBEAT_MISSES=8", "flap", seconds=10.0, env={"MINDIO_HEARTBEAT_MISSES": "8"}),
+    Row("link flapping, hosts with arp_evict_nocarrier=0", "flap", seconds=10.0,
+        sysctl={"net.ipv4.conf.eth0.arp_evict_nocarrier": "0"}),
+    Row("loss flapping at the switch, no carrier loss (port blocked 100 ms every 1 s, 10 s)", "flap-block",
+        seconds=10.0),
     Row("NIC flapping on node 1 (eth0 100 ms down every 1 s, 10 s)", "flap-nic", seconds=10.0),
     Row("kill node 0 (controller + stores; no backup)", "kill-node0"),
     Row("kill node 0, backup controller on node 1 (no standby)", "kill-node0", standby=False,
@@ -119,6 +124,19 @@ class Net:
         else:
             sh("ip", "link", "set", f"p{i}", "up" if up else "down", ns=self.sw)
 
+    def block(self, i: int, blocked: bool) -> None:
+        """Host ``i``'s switch port drops every frame (bridge port state disabled) or forwards again: loss
+        that neither host sees as a carrier change (a fault deeper in the network)."""
+        sh("bridge", "link", "set", "dev", f"p{i}", "state", "0" if blocked else "3", ns=self.sw)
+
+    def sysctl(self, key: str, value: str | None = None) -> list[str]:
+        """Set ``key`` to ``value`` in every host namespace (None: only read); the values before."""
+        old = [sh("sysctl", "-n", key, ns=h).stdout.strip() for h in self.hosts]
+        if value is not None:
+            for h in self.hosts:
+                sh("sysctl", "-qw", f"{key}={value}", ns=h)
+        return old
+
     def kill_host(self, i: int) -> None:
         """SIGKILL every process in host ``i``'s namespace (its power is cut)."""
         r = sh("ip", "netns", "pids", self.hosts[i], check=False)
@@ -145,6 +163,7 @@ class Drill:
 
     def start(self) -> None:
         self.out.mkdir(parents=True)
+        self.sysctl_before = {k: self.net.sysctl(k, v)[0] for k, v in self.row.sysctl.items()}
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
                    GLOO_SOCKET_IFNAME="eth0", MINDIO_PID_PROBE="0",
                    MINDIO_EVENT_LOG=str(self.out / "events.jsonl"), **self.row.env)
@@ -196,12 +215,14 @@ class Drill:
             net.link(1, False)
             time.sleep(row.seconds)
             net.link(1, True)
-        elif row.apply in ("flap", "flap-nic"):
+        elif row.apply in ("flap", "flap-nic", "flap-block"):
+            cut = (lambda up: net.block(1, not up)) if row.apply == "flap-block" else \
+                (lambda up: net.link(1, up, host_side=row.apply == "flap-nic"))
             stop = time.monotonic() + row.seconds
             while time.monotonic() < stop:
-                net.link(1, False, host_side=row.apply == "flap-nic")
+                cut(False)
                 time.sleep(0.1)
-                net.link(1, True, host_side=row.apply == "flap-nic")
+                cut(True)
                 time.sleep(0.9)
 
     def run(self) -> dict:
@@ -230,6 +251,9 @@ class Drill:
             p.wait()
         self.net.link(1, True)
         self.net.link(1, True, host_side=True)
+        self.net.block(1, False)
+        for key, value in self.sysctl_before.items():
+            self.net.sysctl(key, value)
         return self.summary(main.returncode, hung)
 
     def summary(self, code: int, hung: bool) -> dict:
@@ -255,6 +279,10 @@ class Drill:
             outcome = "dump (exit 75): last-words checkpoint"
         else:
             outcome = f"exit {code}, nothing saved" if not (self.out / "ckpt" / "latest").exists() else f"exit {code}"
+        gaps = [e for e in events if e["kind"] == "heartbeat_gap"]
+        if gaps and self.row.apply.startswith("flap"):  # how close the outages came to the liveness bound
+            worst = max(gaps, key=lambda e: e["silent_s"])
+            outcome += f"; longest silence survived: {worst['silent_s']:.2f} s (rank {worst['from_rank']})"
         if self.row.apply == "kill-node0" and not hung:
             said = re.findall(r"mindio-run: (?:job failed|node 0 lost)[^\n]*",
                               (self.out / "node1.log").read_text(errors="replace"))

@@ -218,12 +218,13 @@ class Drill:
         elif row.apply in ("flap", "flap-nic", "flap-block"):
             cut = (lambda up: net.block(1, not up)) if row.apply == "flap-block" else \
                 (lambda up: net.link(1, up, host_side=row.apply == "flap-nic"))
-            stop = time.monotonic() + row.seconds
-            while time.monotonic() < stop:
+            start = time.monotonic()  # on a fixed schedule: down at start + k s, up 100 ms later
+            for k in range(int(row.seconds)):
+                time.sleep(max(0.0, start + k - time.monotonic()))
                 cut(False)
-                time.sleep(0.1)
+                time.sleep(max(0.0, start + k + 0.1 - time.monotonic()))
                 cut(True)
-                time.sleep(0.9)
+            time.sleep(max(0.0, start + row.seconds - time.monotonic()))
 
     def run(self) -> dict:
         self.start()

@@ -15,8 +15,10 @@ script creates; each row is bounded (``--row-timeout``), and the namespaces are 
 after an error or Ctrl-C). Every process a row starts is killed with its namespace's processes.
 
 Faults (the ``FAULTS`` table): kill node 1 (with / without a standby), silent host death (node 1's link
-down, then every process on it killed), a partition of node 1 for 2 s and for 10 s, link flapping
-(100 ms down every second for 10 s), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
+down, then every process on it killed), a partition of node 1 for 2 s and for 10 s, flapping (100 ms
+down at each full second for 10 s: node 1's switch port, also with more heartbeat misses and with
+``arp_evict_nocarrier=0`` on the hosts; the port blocked at the bridge, no carrier change; node 1's own
+NIC; a flapping row's outcome adds the longest heartbeat silence survived before any death), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
 replacement dies at start), node 0's loss without and with a backup controller on node 1
 (MINDIO_BACKUP_CONTROLLERS=1: the backup dumps from node 1's replicas).
 """
@@ -280,7 +282,8 @@ class Drill:
             outcome = "dump (exit 75): last-words checkpoint"
         else:
             outcome = f"exit {code}, nothing saved" if not (self.out / "ckpt" / "latest").exists() else f"exit {code}"
-        gaps = [e for e in events if e["kind"] == "heartbeat_gap"]
+        first_dead = min((e["t"] for e in dead), default=float("inf"))  # later gaps: a recovery's pauses
+        gaps = [e for e in events if e["kind"] == "heartbeat_gap" and e["t"] < first_dead]
         if gaps and self.row.apply.startswith("flap"):  # how close the outages came to the liveness bound
             worst = max(gaps, key=lambda e: e["silent_s"])
             outcome += f"; longest silence survived: {worst['silent_s']:.2f} s (rank {worst['from_rank']})"

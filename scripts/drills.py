@@ -118,9 +118,10 @@ class Net:
             raise
 
     def link(self, i: int, up: bool, host_side: bool = False) -> None:
-        """Host ``i``'s port on the switch up or down (the host itself sees its link stay up: a cable or
-        switch fault); ``host_side``: the host's own eth0 (a NIC fault the host's kernel sees: its routes
-        over eth0 go away with it and come back on up)."""
+        """Host ``i``'s port on the switch up or down (a cable or switch port fault: the host's veth loses
+        carrier, so its kernel drops its ARP entries unless arp_evict_nocarrier=0, but keeps its address
+        and routes); ``host_side``: the host's own eth0 down (its routes over eth0 go away with it and
+        come back on up)."""
         if host_side:
             sh("ip", "link", "set", "eth0", "up" if up else "down", ns=self.hosts[i])
         else:

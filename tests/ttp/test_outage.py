@@ -44,10 +44,13 @@ class StallProxy(threading.Thread):
                         b = socket.create_connection(("127.0.0.1", self.upstream))
                         self.pairs[a], self.pairs[b] = b, a
                     elif not self.held.is_set() and s in self.pairs:
-                        data = s.recv(65536)
-                        if data:
-                            self.pairs[s].sendall(data)
-                        else:
+                        try:
+                            data = s.recv(65536)
+                            if data:
+                                self.pairs[s].sendall(data)
+                        except OSError:  # a peer closed with a reset (zmq's linger 0 at the teardown)
+                            data = b""
+                        if not data:
                             other = self.pairs.pop(s)
                             self.pairs.pop(other, None)
                             s.close()

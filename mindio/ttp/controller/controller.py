@@ -370,6 +370,8 @@ class Controller:
         if env.type is P.MsgType.HEARTBEAT:
             r = self.ranks.get(env.rank)
             if r is not None and r.registered:
+                if now - r.last_seen > 1.5 * self.interval and r.alive:
+                    self.liveness.gap(env.rank, now - r.last_seen)
                 r.last_seen, r.step, r.data_status = now, body.step, body.data_status
                 if r.alive:
                     self.liveness.touch(env.rank)

@@ -62,6 +62,8 @@ def fault_free_run(tmp_path_factory):
 _SHARE_A_REFERENCE = {
     "tests/megatron/test_elastic_megatron.py": "layout-references",  # layout_reference (tests/megatron/_mgt_launch.py)
     "tests/megatron/test_layouts_megatron.py": "layout-references",
+    "tests/megatron/test_retry_megatron.py": "megatron-ha-references",  # ha_reference (tests/megatron/_mgt_launch.py)
+    "tests/recovery/test_recover_megatron.py": "megatron-ha-references",
     "tests/recovery/test_recover_inplace.py": "toy-under-mindio-run",  # fault_free_digest
     "tests/recovery/test_recover_node.py": "toy-under-mindio-run",
     "tests/launch/test_launch_ha.py": "toy-under-mindio-run",

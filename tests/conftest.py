@@ -91,6 +91,20 @@ else:
             def _split_scope(self, nodeid: str) -> str:
                 return _group_of(nodeid)
 
+            def _reschedule(self, node) -> None:
+                # A worker gets its next group when it holds the last test of its groups (it waits for the
+                # test after it before running it: pytest's nextitem): none of its time is lost. xdist's
+                # own threshold (2) hands the group over one test earlier -- a whole Megatron test -- so
+                # that near the end a group could wait behind that test on one worker while the other
+                # worker, done, idled until the end of the suite.
+                if node.shutting_down:
+                    return
+                if not self.workqueue:
+                    node.shutdown()
+                    return
+                if self._pending_of(self.assigned_work[node]) <= 1:
+                    self._assign_work_unit(node)
+
         return ByGroup(config, log)
 
 

@@ -130,9 +130,10 @@ _ALL = [
     Knob("TTP_PORT", int, 8000, "Controller port.", min=1024, max=65535),
     Knob("MINDIO_HEARTBEAT_INTERVAL", float, 1.0, "Seconds between heartbeats.", min=0.05, max=60),
     Knob("MINDIO_HEARTBEAT_MISSES", int, 3,
-         "Missed heartbeats after which a rank is dead; MISSES x INTERVAL is the outage tolerance: a network "
-         "outage shorter than it (with TCP's retransmission delay) is ridden out, also by the launcher's "
-         "node-loss check (at least 3 s); docs/recovery.md.", min=1, max=100),
+         "Missed heartbeats after which a rank is dead; MISSES x INTERVAL is the outage tolerance, also of the "
+         "launcher's node-loss check (at least 3 s). TCP retransmits a lost beat 0.2, 0.6, 1.4, 3.0, 6.2 s after "
+         "it was sent, so a single outage up to the largest of those below (MISSES - 1) x INTERVAL is always "
+         "ridden out: 1.4 s with the defaults; docs/recovery.md, Outage tolerance.", min=1, max=100),
     Knob("MINDIO_HANG_TIMEOUT", float, 300.0,
          "Seconds without step progress after which a rank whose main thread is outside a collective "
          "(while its peers wait inside one) is declared hung and SIGKILLed; 0: off.", min=0, max=86400),

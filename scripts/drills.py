@@ -15,8 +15,10 @@ script creates; each row is bounded (``--row-timeout``), and the namespaces are 
 after an error or Ctrl-C). Every process a row starts is killed with its namespace's processes.
 
 Faults (the ``FAULTS`` table): kill node 1 (with / without a standby), silent host death (node 1's link
-down, then every process on it killed), a partition of node 1 for 2 s and for 10 s, link flapping
-(100 ms down every second for 10 s), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
+down, then every process on it killed), a partition of node 1 for 2 s and for 10 s, flapping (100 ms
+down at each full second for 10 s: node 1's switch port, also with more heartbeat misses and with
+``arp_evict_nocarrier=0`` on the hosts; the port blocked at the bridge, no carrier change; node 1's own
+NIC; a flapping row's outcome adds the longest heartbeat silence survived before any death), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
 replacement dies at start), node 0's loss without and with a backup controller on node 1
 (MINDIO_BACKUP_CONTROLLERS=1: the backup dumps from node 1's replicas).
 """
@@ -49,6 +51,7 @@ class Row:
     toy_fault: str = ""            # a --fault of the toy (fires inside the job)
     env: dict = field(default_factory=dict)
     seconds: float = 0.0
+    sysctl: dict = field(default_factory=dict)  # set in every host namespace for this row (reset after it)
 
 
 FAULTS = [
@@ -59,6 +62,10 @@ FAULTS = [
     Row("partition node 1 for 10 s", "partition", seconds=10.0),
     Row("link flapping (100 ms down every 1 s, 10 s)", "flap", seconds=10.0),
     Row("link flapping, MINDIO_HEARTBEAT_MISSES=8", "flap", seconds=10.0, env={"MINDIO_HEARTBEAT_MISSES": "8"}),
+    Row("link flapping, hosts with arp_evict_nocarrier=0", "flap", seconds=10.0,
+        sysctl={"net.ipv4.conf.eth0.arp_evict_nocarrier": "0"}),
+    Row("loss flapping at the switch, no carrier loss (port blocked 100 ms every 1 s, 10 s)", "flap-block",
+        seconds=10.0),
     Row("NIC flapping on node 1 (eth0 100 ms down every 1 s, 10 s)", "flap-nic", seconds=10.0),
     Row("kill node 0 (controller + stores; no backup)", "kill-node0"),
     Row("kill node 0, backup controller on node 1 (no standby)", "kill-node0", standby=False,
@@ -111,13 +118,27 @@ class Net:
             raise
 
     def link(self, i: int, up: bool, host_side: bool = False) -> None:
-        """Host ``i``'s port on the switch up or down (the host itself sees its link stay up: a cable or
-        switch fault); ``host_side``: the host's own eth0 (a NIC fault the host's kernel sees: its routes
-        over eth0 go away with it and come back on up)."""
+        """Host ``i``'s port on the switch up or down (a cable or switch port fault: the host's veth loses
+        carrier, so its kernel drops its ARP entries unless arp_evict_nocarrier=0, but keeps its address
+        and routes); ``host_side``: the host's own eth0 down (its routes over eth0 go away with it and
+        come back on up)."""
         if host_side:
             sh("ip", "link", "set", "eth0", "up" if up else "down", ns=self.hosts[i])
         else:
             sh("ip", "link", "set", f"p{i}", "up" if up else "down", ns=self.sw)
+
+    def block(self, i: int, blocked: bool) -> None:
+        """Host ``i``'s switch port drops every frame (bridge port state disabled) or forwards again: loss
+        that neither host sees as a carrier change (a fault deeper in the network)."""
+        sh("bridge", "link", "set", "dev", f"p{i}", "state", "0" if blocked else "3", ns=self.sw)
+
+    def sysctl(self, key: str, value: str | None = None) -> list[str]:
+        """Set ``key`` to ``value`` in every host namespace (None: only read); the values before."""
+        old = [sh("sysctl", "-n", key, ns=h).stdout.strip() for h in self.hosts]
+        if value is not None:
+            for h in self.hosts:
+                sh("sysctl", "-qw", f"{key}={value}", ns=h)
+        return old
 
     def kill_host(self, i: int) -> None:
         """SIGKILL every process in host ``i``'s namespace (its power is cut)."""
@@ -145,6 +166,7 @@ class Drill:
 
     def start(self) -> None:
         self.out.mkdir(parents=True)
+        self.sysctl_before = {k: self.net.sysctl(k, v)[0] for k, v in self.row.sysctl.items()}
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
                    GLOO_SOCKET_IFNAME="eth0", MINDIO_PID_PROBE="0",
                    MINDIO_EVENT_LOG=str(self.out / "events.jsonl"), **self.row.env)
@@ -196,13 +218,16 @@ class Drill:
             net.link(1, False)
             time.sleep(row.seconds)
             net.link(1, True)
-        elif row.apply in ("flap", "flap-nic"):
-            stop = time.monotonic() + row.seconds
-            while time.monotonic() < stop:
-                net.link(1, False, host_side=row.apply == "flap-nic")
-                time.sleep(0.1)
-                net.link(1, True, host_side=row.apply == "flap-nic")
-                time.sleep(0.9)
+        elif row.apply in ("flap", "flap-nic", "flap-block"):
+            cut = (lambda up: net.block(1, not up)) if row.apply == "flap-block" else \
+                (lambda up: net.link(1, up, host_side=row.apply == "flap-nic"))
+            start = time.monotonic()  # on a fixed schedule: down at start + k s, up 100 ms later
+            for k in range(int(row.seconds)):
+                time.sleep(max(0.0, start + k - time.monotonic()))
+                cut(False)
+                time.sleep(max(0.0, start + k + 0.1 - time.monotonic()))
+                cut(True)
+            time.sleep(max(0.0, start + row.seconds - time.monotonic()))
 
     def run(self) -> dict:
         self.start()
@@ -230,6 +255,9 @@ class Drill:
             p.wait()
         self.net.link(1, True)
         self.net.link(1, True, host_side=True)
+        self.net.block(1, False)
+        for key, value in self.sysctl_before.items():
+            self.net.sysctl(key, value)
         return self.summary(main.returncode, hung)
 
     def summary(self, code: int, hung: bool) -> dict:
@@ -255,6 +283,11 @@ class Drill:
             outcome = "dump (exit 75): last-words checkpoint"
         else:
             outcome = f"exit {code}, nothing saved" if not (self.out / "ckpt" / "latest").exists() else f"exit {code}"
+        first_dead = min((e["t"] for e in dead), default=float("inf"))  # later gaps: a recovery's pauses
+        gaps = [e for e in events if e["kind"] == "heartbeat_gap" and e["t"] < first_dead]
+        if gaps and self.row.apply.startswith("flap"):  # how close the outages came to the liveness bound
+            worst = max(gaps, key=lambda e: e["silent_s"])
+            outcome += f"; longest silence survived: {worst['silent_s']:.2f} s (rank {worst['from_rank']})"
         if self.row.apply == "kill-node0" and not hung:
             said = re.findall(r"mindio-run: (?:job failed|node 0 lost)[^\n]*",
                               (self.out / "node1.log").read_text(errors="replace"))

@@ -104,7 +104,7 @@ def orphaned(agent, ctl, error: str) -> int:
             # every rank outside node 0, but this node's exited workers, fails over to us; a rank still
             # missing once every live link must have failed over (its bound, plus two beats) is dead too
             late = time.monotonic() - t0 > ctl.misses * ctl.interval + 2.5 * ctl.interval
-            ctl.takeover_quorum = max(1, ctl._registered if late else others - len(gone))
+            ctl.takeover_quorum = max(1, ctl.registered if late else others - len(gone))
         elif not declared:
             declared = True  # their host is gone, or they exited here: no need to wait for missed heartbeats
             ctl.declare_dead(node0, "node lost", node=0)
@@ -127,7 +127,7 @@ def orphaned(agent, ctl, error: str) -> int:
         if time.monotonic() > deadline:
             why = (f"waited {bound:g} s for the backup controller on node {cfg.node_rank} to "
                    + ("decide" if ctl.active else f"take over (it needs ranks {len(node0)}..{cfg.world_size - 1} "
-                                                  f"to fail over to it; {ctl._registered} did)")
+                                                  f"to fail over to it; {ctl.registered} did)")
                    + "; MINDIO_DECISION_TIMEOUT sets the bound")
             break
         time.sleep(min(0.05, cfg.monitor_interval))

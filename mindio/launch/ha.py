@@ -287,6 +287,19 @@ class RoundWatch:
         # a standby that took a node in this round must not replay orders its predecessor carried out
         self.replace_seen = agent.store.add(f"round/{rnd}/replace/{agent.cfg.node_rank}", 0)
 
+    def _unlose(self, hosted, raw_lost: set) -> None:
+        """A node taken for lost whose agent beats again while every one of its ranks still beats to the
+        controller was cut off for a while (a flapping link, a stall), not lost: forget it, so that a later
+        fault of its ranks is recovered in place again rather than as a lost node's."""
+        cfg, ctl = self.agent.cfg, hosted.ctl
+        for node in sorted(hosted.lost - raw_lost - set(self.agent.taken_over)):
+            ranks = list(range(node * cfg.nproc_per_node, (node + 1) * cfg.nproc_per_node))
+            if ctl.heard(ranks, 2 * ctl.interval) == ranks:
+                hosted.lost.discard(node)
+                log.warning("node %d's agent beats again and its ranks %s never stopped beating: it was cut off "
+                            "for a while, not lost", node, ranks)
+                _logging.event("node_back", node=node)
+
     def tick(self, bad: dict) -> str | None:
         """High availability: report deaths to the controller, carry out its replacement orders,
         declare lost nodes (node 0); return why the round failed, or None while it goes on."""
@@ -333,6 +346,7 @@ class RoundWatch:
                     del agent.taken_over[node]  # the standby beats as that node now
             hosted.probe_nodes()  # a rank of another node died: is its agent gone too? (~1 s)
             hosted.lost.update(n for n in raw_lost if n not in agent.taken_over)
+            self._unlose(hosted, set(raw_lost))
             if on:
                 elastic.offer_vacant(agent, rnd)  # a lost node whose ranks were all removed: to a standby agent
             agent.lost_now = sorted(n for n in hosted.lost if n not in agent.taken_over)

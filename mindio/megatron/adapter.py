@@ -49,12 +49,21 @@ class TrainingContext:
     _kept: Optional[Dict[str, Any]] = None  # state saved by clean() for rebuild_groups() and dump
     _loaded_iteration: Optional[int] = None  # set when repair fell back to the periodic checkpoint
     _step_rng: Optional[tuple] = None  # (iteration, RNG state at the end of it): record_step_rng()
+    #: why the model's params are not the trained ones yet ("rebuild", "replacement process"): a
+    #: recovery built the model again and the rollback (or a load) has not set them; None otherwise
+    params_pending: Optional[str] = None
 
     def __post_init__(self):
         from mindio.ttp import reboot
 
         if reboot.is_reboot():  # a replacement process: its first build's weights come from the replicas
-            self.build = _first_build_restored(self.build)
+            plain = self.build
+
+            def first_build() -> tuple:
+                self.build = plain
+                self.params_pending = "replacement process"
+                return build_for_restore(plain, "replacement process")
+            self.build = first_build
 
     # -- layout -------------------------------------------------------------------------------
     @property
@@ -187,20 +196,6 @@ class TrainingContext:
                          for k, v in state["grad_scaler"].items()})
         if "rng" in state:
             self.load_rng_state(state["rng"])
-
-
-def _first_build_restored(build: Callable[[], tuple]) -> Callable[[], tuple]:
-    """``build`` whose first call skips the weight initialisation (restore_build.py): in a replacement
-    process (recover-in-place, recover, hot switch) the state comes from a replica (repair), then the
-    rollback sets every param from it."""
-    first = [True]
-
-    def wrapper() -> tuple:
-        if first[0]:
-            first[0] = False
-            return build_for_restore(build, "replacement process")
-        return build()
-    return wrapper
 
 
 def _describe(exc: BaseException) -> str:
@@ -345,6 +340,9 @@ class MegatronAdapter(FrameworkAdapter):
         sharded state dict (model weights too, detached from their grad buffers), for a dump that
         follows the fault -- the ranks whose training raised have always been cleaned by then."""
         ctx = self.ctx
+        # a second fault before the rollback: the rebuilt model's params are not the trained ones, so
+        # a dump can only come from the state kept at the first fault
+        earlier = ctx._kept.get("checkpoint") if ctx.params_pending and ctx._kept else None
         try:
             if ctx.optimizer is not None:
                 try:
@@ -360,7 +358,8 @@ class MegatronAdapter(FrameworkAdapter):
                                  "it needs a repair from a replica or a checkpoint", _describe(exc))
                 if ctx._kept is not None and not is_uce_error:  # a UCE rank never dumps
                     try:
-                        ctx._kept["checkpoint"] = checkpoint.snapshot(ctx)
+                        ctx._kept["checkpoint"] = (checkpoint.snapshot(ctx) if ctx.params_pending is None
+                                                   else earlier)
                     except Exception as exc:
                         _log.warning("clean: no checkpoint state kept (%s): this rank cannot write a "
                                      "dump", _describe(exc))
@@ -394,7 +393,11 @@ class MegatronAdapter(FrameworkAdapter):
         ctx = self.ctx
         ctx.init_parallel()
         ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "rebuild")
-        kept, ctx._kept = ctx._kept, None
+        ctx.params_pending = "rebuild"
+        kept = ctx._kept
+        # until the rollback, a dump writes the state dict clean() kept: the rebuilt model's params
+        # are not the trained ones (only this rank's shard of them is put back below)
+        ctx._kept = {"checkpoint": kept["checkpoint"]} if kept and kept.get("checkpoint") is not None else None
         if kept is not None:
             with torch.no_grad():
                 for dst, src in zip(ctx.shard_tensors(), kept["shards"]):
@@ -455,6 +458,7 @@ class MegatronAdapter(FrameworkAdapter):
         for opt in distributed_optimizers(ctx.optimizer):
             opt.zero_grad()
             opt.params_from_main()
+        ctx.params_pending, ctx._kept = None, None
         ctx.stop_requested.clear()
 
     def save(self, step: int, save_info: Any) -> None:

@@ -309,10 +309,17 @@ def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bo
         return False
     if ctx.iteration != step:
         raise RuntimeError(f"dump for step {step} asked, but this rank's state is at iteration {ctx.iteration}")
-    if ctx.optimizer is not None:
+    if ctx.optimizer is not None and ctx.params_pending is None:
         sd = snapshot(ctx)
     elif ctx._kept is not None and ctx._kept.get("checkpoint") is not None:
-        sd = ctx._kept["checkpoint"]  # kept by clean(), which ran when this rank's training raised
+        # kept by clean(), which ran when this rank's training raised, or before a rebuild whose
+        # rollback has not run (the rebuilt model's params are not the trained ones)
+        sd = ctx._kept["checkpoint"]
+    elif ctx.params_pending is not None:
+        raise RuntimeError(f"dump of step {step}: rank {rank}'s model was built again ({ctx.params_pending}) "
+                           "and not rolled back, so its params are not the trained ones, and clean() kept "
+                           "no state dict of this rank to write instead (a UCE rank or a replacement "
+                           "process): another holder of its shard must write it")
     else:
         raise RuntimeError(f"dump of step {step}: rank {rank} has neither its model and optimizer "
                            "nor the state clean() keeps (clean could not read it; see its warning)")
@@ -380,6 +387,7 @@ def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] =
         ctx.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     ctx.iteration = int(loaded["iteration"])
     ctx.consumed_samples = int(loaded["args"].consumed_train_samples)
+    ctx.params_pending = None  # every model param came from the checkpoint
     _load_rng_state(loaded["rng_state"][0])
     ctx.record_step_rng()
     _log.info("loaded checkpoint iteration %d from %s", iteration, root)

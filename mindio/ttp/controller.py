@@ -132,6 +132,11 @@ class Controller(IncidentFlow):
         self.elastic = Elastic(self)  # the current world's members, removed ranks, standbys, upgrade (elastic_flow.py)
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def registered(self) -> int:
+        """How many ranks are registered now (a backup controller's launcher reads it at a takeover)."""
+        return self._registered
+
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
         ctx = self._ctx = zmq.Context()  # its own: the ZAP handler below serves this context's sockets
         if self.curve:
@@ -370,6 +375,8 @@ class Controller(IncidentFlow):
         if env.type is P.MsgType.HEARTBEAT:
             r = self.ranks.get(env.rank)
             if r is not None and r.registered:
+                if now - r.last_seen > 1.5 * self.interval and r.alive:
+                    self.liveness.gap(env.rank, now - r.last_seen)
                 r.last_seen, r.step, r.data_status = now, body.step, body.data_status
                 if r.alive:
                     self.liveness.touch(env.rank)

@@ -51,6 +51,12 @@ class Liveness:
         seen[rank] = None
         seen.move_to_end(rank)
 
+    def gap(self, rank: int, silent: float) -> None:
+        """(I/O thread) Live ``rank`` beat again after ``silent`` s without a frame (more than 1.5
+        intervals): an outage or stall it survived. One ``heartbeat_gap`` event, so that a drill or an
+        operator sees how close to MINDIO_HEARTBEAT_MISSES x INTERVAL the outages came (docs/recovery.md)."""
+        _logging.event("heartbeat_gap", from_rank=rank, silent_s=round(silent, 3))
+
     def stalled(self, gap: float) -> None:
         """(I/O thread) This thread did not run for ``gap`` s (its process stopped or starved: a loop
         turn takes at most ``period``). Silence we could not observe is not a rank's fault: every rank's

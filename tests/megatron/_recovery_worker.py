@@ -7,6 +7,10 @@ would, on a 4-rank gloo job (DP=4, two replicas of each optimizer shard).
                                              rebuild groups, repair from rank 3, rollback; go on
     _recovery_worker.py dump   ITERS STEP DIR  at STEP ranks 0 and 3 dump (one per shard), rank 0
                                              renames; then exit (the test resumes with --load)
+    _recovery_worker.py rebuiltdump ITERS STEP DIR  at STEP every rank stops, cleans and rebuilds its
+                                             groups and model on a new world (no repair, no rollback:
+                                             a flow that failed after its rebuild); then the dump
+                                             above (the test resumes with --load)
     _recovery_worker.py loadckpt ITERS STEP DIR  no replicas (R=1); periodic checkpoint every 4
                                              steps; at STEP rank 1's state is destroyed and every
                                              rank falls back to the checkpoint (RT_LOAD_CKPT)
@@ -90,7 +94,12 @@ def main():
                                           "dst": [], "rank_list": [0, 1, 2, 3]})
         adapter.rollback(step)
         print(f"rank {rank} reloaded at iteration {ctx.iteration}", flush=True)
-    elif scenario == "dump":
+    elif scenario in ("dump", "rebuiltdump"):
+        if scenario == "rebuiltdump":  # the rebuilt model's weights are not drawn (restore_build.py)
+            adapter.stop()
+            assert adapter.clean(is_uce_error=False) == 0
+            new_world(1)
+            adapter.rebuild_groups([])
         adapter.save(step, [{"type": 0, "ranks": [0, 3]}])
         dist.barrier()
         if rank == 0:

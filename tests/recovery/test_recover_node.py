@@ -163,3 +163,5 @@ def test_lost_node_recovers_across_a_stall_of_the_standby_agent(tmp_path, fault_
                             during=_stall_at("standby", "ranks_replaced", '"node": 1', 4.0, did), step_sleep=1.5)
     text0 = _assert_recovered_across_stall(res, events, did, reference)
     assert "still beat to the controller: left to their heartbeats" in text0, text0[-6000:]  # node 1 was lost
+    # and once the standby's agent beats again it is forgotten as lost (ha.RoundWatch._unlose)
+    assert [e for e in events if e["kind"] == "node_back" and e["node"] == 1], text0[-6000:]

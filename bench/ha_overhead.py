@@ -19,6 +19,9 @@ pipeline parallelism its stage --, d = DP size, R = replica count), so the repli
     python bench/ha_overhead.py --pp 2           # TP1 x PP2 x DP2 (2 micro-batches per step)
     python bench/ha_overhead.py --size 1g        # >= 1 GiB of state per rank (bench/_sizes.py); 12 steps
 
+Where the extra time goes, as CPU time per piece of a step (wall clock on a shared machine varies as much
+as the effect): ``python bench/ha_cpu.py --pp 2`` (the same configurations).
+
 ``measure()`` / ``report()`` are what bench/peers/run_all.py calls; the last line of the report checks
 issue 18's target (on <= 1.05x off).
 """
@@ -56,23 +59,25 @@ def layout(nproc: int, pp: int) -> list:
     return ["--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(2 * 2 * nproc // pp)]
 
 
-def run(nproc: int, iters: int, extra, timeout: float = 600, attempts: int = 2) -> str:
-    """One job; retried once if it dies (the machine is shared: e.g. an OOM kill elsewhere)."""
+def run(nproc: int, iters: int, extra, timeout: float = 600, attempts: int = 2, script: Path = PRETRAIN,
+        env=None) -> str:
+    """One job of ``script`` (the example, or a wrapper of it); retried once if it dies (the machine is
+    shared: e.g. an OOM kill elsewhere)."""
     for attempt in range(attempts):
         try:
-            return _run_once(nproc, iters, extra, timeout)
+            return _run_once(nproc, iters, extra, timeout, script, env or {})
         except RuntimeError as exc:
             if attempt == attempts - 1:
                 raise SystemExit(str(exc))
             print(f"  (retrying: {str(exc).splitlines()[0]})", flush=True)
 
 
-def _run_once(nproc: int, iters: int, extra, timeout: float) -> str:
+def _run_once(nproc: int, iters: int, extra, timeout: float, script: Path, env: dict) -> str:
     cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
            str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(PRETRAIN), "--use-distributed-optimizer", "--train-iters", str(iters), *extra]
+           str(script), "--use-distributed-optimizer", "--train-iters", str(iters), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TTP_PORT": str(_free_port()),
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO), **env}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import gc
 import logging
+import random
 import threading
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from mindio.adapter import FrameworkAdapter, RepairRole, recv_state, repair_pairs, send_state
 from mindio.adapter.transfer import restore_rng
@@ -155,11 +158,9 @@ class TrainingContext:
 
     def load_rng_state(self, state: Dict[str, Any]) -> None:
         """Set the live RNG from :meth:`rng_state`'s data; it is also this step's end-of-step state."""
-        from megatron.core import tensor_parallel
-
         tracker = restore_rng(state)
         if tracker:
-            tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+            get_cuda_rng_tracker().set_states(tracker)
         self.record_step_rng()
 
     def restore_step_rng(self, step: int) -> bool:
@@ -203,28 +204,20 @@ def _describe(exc: BaseException) -> str:
 
 
 def _capture_raw_rng() -> tuple:
-    import random
-
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    """(python, numpy, torch, megatron tracker) RNG states of this moment (the tracker's tensors cloned).
+    Called after every step (record_step_rng): the imports are the module's, not the call's."""
+    tracker = get_cuda_rng_tracker().get_states()
     return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
             {k: v.clone() for k, v in tracker.items()})
 
 
 def _restore_raw_rng(raw: tuple) -> None:
-    import random
-
-    import numpy as np
-    from megatron.core import tensor_parallel
-
     py, np_state, torch_state, tracker = raw
     random.setstate(py)
     np.random.set_state(np_state)
     torch.set_rng_state(torch_state)
     if tracker:
-        tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in tracker.items()})
+        get_cuda_rng_tracker().set_states({k: v.clone() for k, v in tracker.items()})
 
 
 def _virtual_size(args) -> Optional[int]:

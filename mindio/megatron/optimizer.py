@@ -40,7 +40,9 @@ What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
    docs/benchmarks.md). On GPU megatron already uses a fused kernel (TE/Apex FusedAdam).
 
 :func:`install` puts the class into the ``megatron.core.optimizer`` namespace, where
-``get_megatron_optimizer`` looks ``DistributedOptimizer`` up, so megatron builds ours.
+``get_megatron_optimizer`` looks ``DistributedOptimizer`` up, so megatron builds ours; it also makes
+megatron's grad reduce-scatter and param all-gather skip a one-rank optimizer instance (d = R), where they
+are the identity (:mod:`mindio.megatron._one_rank`).
 """
 
 from __future__ import annotations
@@ -188,8 +190,12 @@ def _unshare_steps(torch_optimizer: torch.optim.Optimizer) -> None:
 
 
 def install() -> None:
-    """Make ``get_megatron_optimizer`` build :class:`ReplicaDistributedOptimizer`."""
+    """Make ``get_megatron_optimizer`` build :class:`ReplicaDistributedOptimizer`; megatron's bucket
+    collectives skip a one-rank group (an optimizer instance of one rank, _one_rank.py)."""
+    from . import _one_rank
+
     _mopt.DistributedOptimizer = ReplicaDistributedOptimizer
+    _one_rank.install()
 
 
 def distributed_optimizers(optimizer) -> List[ReplicaDistributedOptimizer]:

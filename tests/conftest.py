@@ -62,6 +62,8 @@ def fault_free_run(tmp_path_factory):
 _SHARE_A_REFERENCE = {
     "tests/megatron/test_elastic_megatron.py": "layout-references",  # layout_reference (tests/megatron/_mgt_launch.py)
     "tests/megatron/test_layouts_megatron.py": "layout-references",
+    "tests/megatron/test_retry_megatron.py": "megatron-ha-references",  # ha_reference (tests/megatron/_mgt_launch.py)
+    "tests/recovery/test_recover_megatron.py": "megatron-ha-references",
     "tests/recovery/test_recover_inplace.py": "toy-under-mindio-run",  # fault_free_digest
     "tests/recovery/test_recover_node.py": "toy-under-mindio-run",
     "tests/launch/test_launch_ha.py": "toy-under-mindio-run",
@@ -88,6 +90,20 @@ else:
         class ByGroup(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
                 return _group_of(nodeid)
+
+            def _reschedule(self, node) -> None:
+                # A worker gets its next group when it holds the last test of its groups (it waits for the
+                # test after it before running it: pytest's nextitem): none of its time is lost. xdist's
+                # own threshold (2) hands the group over one test earlier -- a whole Megatron test -- so
+                # that near the end a group could wait behind that test on one worker while the other
+                # worker, done, idled until the end of the suite.
+                if node.shutting_down:
+                    return
+                if not self.workqueue:
+                    node.shutdown()
+                    return
+                if self._pending_of(self.assigned_work[node]) <= 1:
+                    self._assign_work_unit(node)
 
         return ByGroup(config, log)
 

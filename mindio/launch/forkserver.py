@@ -185,16 +185,16 @@ class ForkServer:
             self._send(ack=pid)
             return worker
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
         """No more workers: the server exits once its children are reaped (it is killed at once when it
-        is still importing, or after 5 s)."""
+        is still importing, or after ``wait_s``)."""
         try:
             self._sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
         if not self._ready.is_set() and self.proc.poll() is None:
             self.proc.terminate()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + wait_s
         try:
             self.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

@@ -17,9 +17,9 @@ from tests._exits import assert_no_signal_deaths, check_codes, injected, sent_by
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 
-__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "losses", "grad_norms", "digests", "have_megatron",
+__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "reference_run", "losses", "grad_norms", "digests", "have_megatron",
            "assert_relaunch_reproduces", "SLOW_MEGATRON", "LAYOUTS", "LAYOUT_ITERS", "layout_args",
-           "layout_reference"]
+           "layout_reference", "ha_reference"]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -75,6 +75,19 @@ def torchrun(script, args, nproc: int = 4, timeout: float = 150, env=None, check
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}:\n{out[-6000:]}")
     return out
+
+
+REFERENCE_LAUNCHER = "mindio.launch.cli"
+
+
+def reference_run(script, args, nproc: int = 4, timeout: float = 400, env=None) -> str:
+    """A fault-free run whose only use is its numbers (losses, digests) for a comparison: launched by
+    mindio-run, whose fork server imports torch and megatron-core once for all ranks instead of once per
+    rank as torchrun does (~7 CPU-s less for 4 ranks of the example on this 2-core CI machine). The
+    launcher changes no number (the ranks run the same script with the same environment;
+    test_pretrain_gpt.py::test_runs_under_mindio_run checks it, and so does every comparison of a
+    torchrun run with such a reference)."""
+    return torchrun(script, args, nproc=nproc, timeout=timeout, env=env, launcher=REFERENCE_LAUNCHER)
 
 
 def losses(out: str) -> dict:
@@ -147,9 +160,28 @@ def layout_args(layout: str, ha_flag: str = "--enable-high-availability", dump: 
 
 
 def layout_reference(fault_free_run, layout: str) -> str:
-    """Output of the fault-free run of ``layout`` (torchrun, high availability on, no fault), once per
-    session. Its losses and digest are those of any run of the layout with the same seed and replica
-    count: the flags that only switch on mindio (which strategies, which launcher) change no number."""
+    """Output of the fault-free run of ``layout`` (:func:`reference_run`, high availability on, no fault),
+    once per session. Its losses and digest are those of any run of the layout with the same seed and
+    replica count: the flags that only switch on mindio (which strategies, which launcher) change no number."""
     args = layout_args(layout)
-    key = (str(PRETRAIN), "torch.distributed.run", tuple(map(str, args)))
-    return fault_free_run(key, lambda d: torchrun(PRETRAIN, args, timeout=400))
+    key = (str(PRETRAIN), REFERENCE_LAUNCHER, tuple(map(str, args)))
+    return fault_free_run(key, lambda d: reference_run(PRETRAIN, args))
+
+
+HA_REFERENCE_ENV = {"HIGH_AVAILABILITY": "recover-in-place,dump"}
+
+
+def ha_reference(fault_free_run, args) -> str:
+    """Output of the fault-free run of the example with ``args`` under mindio-run with
+    ``HIGH_AVAILABILITY=recover-in-place,dump`` (the controller in node 0's agent), once per session:
+    shared by test_recover_megatron.py and test_retry_megatron.py (one group of tests/conftest.py). The
+    retry runs (torchrun or mindio-run, the script's flags only) end with the same numbers: the strategies
+    switched on and the launcher change none."""
+    key = (str(PRETRAIN), REFERENCE_LAUNCHER, tuple(map(str, args)), tuple(sorted(HA_REFERENCE_ENV.items())))
+
+    def run(d: Path) -> str:
+        return reference_run(PRETRAIN, args, timeout=330,
+                             env={**HA_REFERENCE_ENV, "MINDIO_EVENT_LOG": str(d / "ref.jsonl"),
+                                  "MINDIO_DRILL_DIR": str(d), "TTP_LOG_PATH": str(d / "logs")})
+
+    return fault_free_run(key, run)

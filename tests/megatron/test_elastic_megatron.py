@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from _mgt_launch import (PRETRAIN, REPO, LAYOUT_ITERS, _kill_tree, free_port, layout_args, layout_reference,
-                         losses, torchrun, assert_relaunch_reproduces, SLOW_MEGATRON)
+                         losses, reference_run, assert_relaunch_reproduces, SLOW_MEGATRON)
 
 from tests._exits import check_codes, injected, sent_by_faults
 
@@ -91,8 +91,8 @@ def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys=(2, 3)
 
 @pytest.mark.timeout(1500)
 def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
-    ref_out = torchrun(PRETRAIN, ARGS + ["--seed", 1234, "--no-dump"], timeout=400)
-    other_out = torchrun(PRETRAIN, ARGS + ["--seed", 1235, "--no-dump"], timeout=400)
+    ref_out = reference_run(PRETRAIN, ARGS + ["--seed", 1234, "--no-dump"])
+    other_out = reference_run(PRETRAIN, ARGS + ["--seed", 1235, "--no-dump"])
     ref, other = losses(ref_out), losses(other_out)
 
     ckpt = tmp_path / "ckpt"
@@ -155,7 +155,7 @@ def test_two_downgrades_4_to_3_to_2_with_renumbered_ranks(tmp_path):
     assert sorted(got) == list(range(1, 21))
     checked = {int(m) for m in re.findall(r"replicas-identical: iteration (\d+)", out)}
     assert checked == set(range(1, 21))
-    ref = losses(torchrun(PRETRAIN, args, timeout=400))
+    ref = losses(reference_run(PRETRAIN, args))
     worst = max(abs(got[i] - ref[i]) / ref[i] for i in range(1, 21))
     print(f"\ntwo downgrades: worst relative loss difference vs fault-free {worst:.2e}")
     assert worst < 0.01

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from _mgt_launch import PRETRAIN, REPO, digests, free_port, torchrun, SLOW_MEGATRON
+from _mgt_launch import PRETRAIN, REPO, digests, free_port, reference_run, torchrun, SLOW_MEGATRON
 
 pytestmark = SLOW_MEGATRON
 
@@ -27,7 +27,7 @@ DECIDER = REPO / "tests" / "ttp" / "_decider_proc.py"
 
 @pytest.mark.timeout(600)
 def test_pause_continue_megatron_is_bitwise(tmp_path):
-    reference = digests(torchrun(PRETRAIN, BASE, timeout=240))[-1]
+    reference = digests(reference_run(PRETRAIN, BASE, timeout=240))[-1]
     port = free_port()
     env = {"MINDIO_SECRET": secrets.token_hex(16), "MINDIO_CONTROLLER_EXTERNAL": "1", "TTP_PORT": str(port),
            "MINDIO_HEARTBEAT_INTERVAL": "0.5", "MINDIO_HEARTBEAT_MISSES": "6",

@@ -13,7 +13,7 @@ DP=4, two replicas per shard). Every scenario must end bit-identical to an unint
 
 import pytest
 
-from _mgt_launch import PRETRAIN, REPO, digests, torchrun, SLOW_MEGATRON
+from _mgt_launch import PRETRAIN, REPO, digests, reference_run, torchrun, SLOW_MEGATRON
 
 pytestmark = SLOW_MEGATRON
 
@@ -22,7 +22,7 @@ WORKER = REPO / "tests" / "megatron" / "_recovery_worker.py"
 
 @pytest.fixture(scope="module")
 def reference_digest():
-    return digests(torchrun(WORKER, ["none", 12], timeout=150))[-1]
+    return digests(reference_run(WORKER, ["none", 12], timeout=150))[-1]
 
 
 @pytest.mark.timeout(200)
@@ -77,7 +77,7 @@ def test_controller_dump_after_fault_loads_bitwise(reference_digest, tmp_path):
 @pytest.mark.timeout(300)
 def test_no_replica_falls_back_to_periodic_checkpoint(tmp_path):
     """R=1: nothing to repair from; every rank loads the step-4 checkpoint and rolls back to it."""
-    reference = digests(torchrun(WORKER, ["none", 12], timeout=150, env={"REPLICAS": "1"}))[-1]
+    reference = digests(reference_run(WORKER, ["none", 12], timeout=150, env={"REPLICAS": "1"}))[-1]
     out = torchrun(WORKER, ["loadckpt", 12, 6, tmp_path / "ckpt"], timeout=150)
     assert out.count("reloaded at iteration 4") == 4
     assert digests(out)[-1] == reference
@@ -90,7 +90,7 @@ def test_controller_dump_tp2_dp2_loads_bitwise(tmp_path):
     ckpt = tmp_path / "tp"
     common = ["--use-distributed-optimizer", "--enable-high-availability",
               "--tensor-model-parallel-size", 2, "--train-iters", 10]
-    reference = digests(torchrun(PRETRAIN, common + ["--no-dump"], timeout=150))[-1]
+    reference = digests(reference_run(PRETRAIN, common + ["--no-dump"], timeout=150))[-1]
     rc, out = torchrun(PRETRAIN, common + ["--save", ckpt, "--inject", "raise:rank=1,step=6"],
                        timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]

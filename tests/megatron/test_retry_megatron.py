@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from _mgt_launch import PRETRAIN, digests, torchrun, SLOW_MEGATRON
+from _mgt_launch import PRETRAIN, digests, ha_reference, torchrun, SLOW_MEGATRON
 
 pytestmark = SLOW_MEGATRON
 
@@ -25,8 +25,9 @@ BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump"
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return digests(torchrun(PRETRAIN, BASE, timeout=240))[-1]
+def reference(fault_free_run):
+    """The digest of the fault-free run (the same as test_recover_megatron.py's: one run per session)."""
+    return digests(ha_reference(fault_free_run, BASE))[-1]
 
 
 @pytest.mark.timeout(400)
@@ -53,10 +54,10 @@ def test_retry_in_place_is_bitwise(reference, tmp_path, launcher, inject, retrie
 
 
 @pytest.mark.timeout(500)
-def test_retry_tp2_dp2_is_bitwise(tmp_path):
+def test_retry_tp2_dp2_is_bitwise(tmp_path, fault_free_run):
     """TP=2 x DP=2 with replicas: a UCE on rank 1 is repaired from its DP replica in place."""
     tp = ["--tensor-model-parallel-size", 2, "--replica-cnt", 2]
-    ref = digests(torchrun(PRETRAIN, BASE + tp, timeout=240))[-1]
+    ref = digests(ha_reference(fault_free_run, BASE + tp))[-1]
     events = tmp_path / "events.jsonl"
     out = torchrun(PRETRAIN, BASE + tp + ["--enable-hbmfault-repair", "--inject", "uce:rank=1,step=7"],
                    timeout=300, env={"MINDIO_EVENT_LOG": str(events), "TTP_LOG_PATH": str(tmp_path / "logs")})

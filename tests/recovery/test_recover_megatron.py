@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from _mgt_launch import PRETRAIN, digests, losses, torchrun, SLOW_MEGATRON  # noqa: E402
+from _mgt_launch import PRETRAIN, digests, ha_reference, losses, torchrun, SLOW_MEGATRON  # noqa: E402
 from test_recover_node import run_nodes  # noqa: E402
 
 from tests._faultplan import FaultPlan  # noqa: E402
@@ -41,10 +41,8 @@ def _run(args, tmp_path, name, env=None):
 
 def _reference(fault_free_run, layout):
     """Output of the fault-free run of ``BASE + layout``: one per layout and session, shared by the
-    recover-in-place and recover tests (same command line, launcher and HIGH_AVAILABILITY)."""
-    args = BASE + layout
-    key = (str(PRETRAIN), LAUNCH, tuple(map(str, args)), ("HIGH_AVAILABILITY", "recover-in-place,dump"))
-    return fault_free_run(key, lambda d: _run(args, d, "ref")[0])
+    recover-in-place and recover tests, and by test_retry_megatron.py (_mgt_launch.ha_reference)."""
+    return ha_reference(fault_free_run, BASE + layout)
 
 
 @pytest.mark.timeout(800)

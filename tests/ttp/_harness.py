@@ -16,6 +16,7 @@ import time
 import torch
 
 from mindio._ports import free_port  # outside the ephemeral range (mindio/_ports.py)
+from mindio.launch import forkserver
 from tests._exits import check_codes
 from tests._faultplan import FaultPlan
 
@@ -126,10 +127,24 @@ class Job:
                  MINDIO_EVENT_LOG=os.path.join(out, "events.jsonl"), OMP_NUM_THREADS="1")
         e.update(env or {})
         self.logs = [open(os.path.join(out, f"rank{r}.log"), "w") for r in range(world)]
-        self.procs = [subprocess.Popen([sys.executable, TOY, "--rank", str(r), "--world", str(world),
-                                        "--store-port", str(store_port), "--ctl-port", str(self.ctl_port),
-                                        "--out", out] + args, env=e, stdout=self.logs[r],
-                                       stderr=subprocess.STDOUT) for r in range(world)]
+        argv = [["--rank", str(r), "--world", str(world), "--store-port", str(store_port),
+                 "--ctl-port", str(self.ctl_port), "--out", out] + args for r in range(world)]
+        # The ranks are forked by mindio-run's own fork server (mindio/launch/forkserver.py) where it can
+        # fork: one interpreter imports torch and mindio.ttp for the whole job (each rank's process would
+        # pay ~1.5 CPU-s), then each rank is a fork child running the toy as __main__ with its own argv,
+        # the job's environment and its output to its log file, exactly as mindio-run starts workers.
+        # Every rank gets the same environment, so nothing the imports read differs between the ranks.
+        self.server = None
+        if not forkserver.unusable(e):
+            self.server = forkserver.ForkServer([TOY], e)
+        self.procs = []
+        for r in range(world):
+            log = os.path.join(out, f"rank{r}.log")
+            worker = self.server and self.server.take({"env": {}, "argv": argv[r], "stdout": log, "stderr": log})
+            if worker is None:  # no fork server, or it cannot fork here: exec the rank
+                worker = subprocess.Popen([sys.executable, TOY, *argv[r]], env=e, stdout=self.logs[r],
+                                          stderr=subprocess.STDOUT)
+            self.procs.append(worker)
 
     def wait(self, timeout: float) -> list:
         end = time.monotonic() + timeout
@@ -142,15 +157,27 @@ class Job:
         finally:
             for f in self.logs:
                 f.close()
+        server = self._close_server()
         codes = [p.returncode for p in self.procs]
         check_codes(codes, self.sent, context=self.tail())
+        assert server in (None, 0), f"the ranks' fork server exited {server}\n" + self.tail()
         return codes
+
+    def _close_server(self, wait_s: float = 60.0):
+        """Its exit code (None: there was none): it exits once every rank ended (its interpreter's exit
+        takes seconds of a loaded machine; killed after ``wait_s``)."""
+        server, self.server = self.server, None
+        if server is None:
+            return None
+        server.close(wait_s)
+        return server.proc.returncode
 
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        self._close_server(5.0)
 
     def tail(self, n: int = 3000) -> str:
         text = ""

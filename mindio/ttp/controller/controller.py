@@ -316,6 +316,12 @@ class Controller:
             else:
                 self._drained_at = time.monotonic()
             now = time.monotonic()
+            if now - last_turn > self.interval:
+                # this thread stalled inside the turn (its work takes milliseconds): not counted either, and
+                # compensated before the sweep looks at anyone (else the ranks' silence during our own stall
+                # declares them dead, and the stall is seen only at the next turn)
+                liveness.stalled(now - last_turn)
+                last_turn = now
             if probe.watched or probe.next_due() is not None:
                 probe.on_events(events, now, poller)
                 for rank, pid in probe.due(now):

@@ -41,6 +41,9 @@ class Liveness:
         self.probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
         self.starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged
         self.lagging = False  # the controller's inbound queue is behind: no death declared meanwhile
+        # the stalls compensated (stalled), latest last: (when the I/O thread resumed, stall in s); a reader
+        # comparing wall time with a rank's window subtracts those that fall inside it
+        self.stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
 
     def touch(self, rank: int) -> None:
         """(I/O thread) A frame of live ``rank`` arrived: it goes to the end of the order."""
@@ -62,6 +65,7 @@ class Liveness:
         _log.warning("controller I/O thread did not run for %.1f s (process stalled?); heartbeat silence in "
                      "that time is not counted", gap)
         _logging.event("controller_stalled", stall_s=round(gap, 3))
+        self.stalls.append((time.monotonic(), gap))
         for r in list(self.ctl.ranks.values()):
             r.last_seen += gap
 

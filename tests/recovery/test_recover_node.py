@@ -103,6 +103,25 @@ def test_lost_node_moves_to_standby_bitwise(tmp_path, fault_free_run):
         assert its == set(range(1, STEPS + 1)), (r, sorted(its))
 
 
+@pytest.mark.timeout(300)
+def test_a_repair_handler_that_raises_under_recover_falls_back_to_a_dump(tmp_path):
+    """A faulty real object under recover: node 1 is lost, the standby takes ranks 2 and 3, and the repair
+    handler of their replica holders on node 0 (tft_register_repair_handler) raises while it should send
+    the shards. The sequence abandons, recover returns FAILED and the controller falls back to the dump:
+    the shards of ranks 2 and 3 are still on ranks 0 and 1, so the lock step is saved and the job ends 75."""
+    res, events = run_nodes(tmp_path / "run", FaultPlan.of(("kill-node", 2, 7), fail_repair="raise"),
+                            "recover-in-place,recover,dump")
+    code0, text0 = res["node0"]
+    assert code0 != 0 and "exiting with code 75" in text0, text0[-6000:]  # dumped
+    failed = [e for e in events if e["kind"] == "recover_failed"]
+    assert failed and failed[0]["step_name"] == "repair", failed
+    fallback = [(e["src"], e["dst"]) for e in events if e["kind"] == "fallback"]
+    assert ("recover", "dump") in fallback, fallback
+    assert not [e for e in events if e["kind"] == "recover_done"]
+    lock = next(e for e in events if e["kind"] == "decision")["lock_step"]
+    assert (tmp_path / "run" / "ckpt" / "latest").read_text() == str(lock)  # the lock step, complete
+
+
 def _stall_at(name: str, kind: str, match: str, seconds: float, log: list):
     """A ``during`` hook: when the first event ``kind`` whose line holds ``match`` is logged, SIGSTOP agent ``name`` (its process
     only, not its workers) for ``seconds``, then SIGCONT it. Appends what it did to ``log``."""

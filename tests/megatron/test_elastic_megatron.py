@@ -40,6 +40,7 @@ ITERS = 60
 ARGS = ["--use-distributed-optimizer", "--enable-elastic-training", "--train-iters", ITERS]
 STANDBY = Path(__file__).resolve().parent / "_elastic_standby.py"
 PACED = Path(__file__).resolve().parent / "_elastic_paced.py"
+FAILING = Path(__file__).resolve().parent / "_elastic_failing.py"
 
 
 def _events(path: Path) -> list:
@@ -136,6 +137,26 @@ def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
 
     # the dump right after the scale-out, relaunched, reproduces the continuing run bit for bit
     assert_relaunch_reproduces(ckpt, u, ARGS + ["--seed", 1234, "--no-dump"], out, tmp_path, ITERS)
+
+
+@pytest.mark.timeout(600)
+def test_a_downgrade_rebuild_handler_that_raises_falls_back_to_a_dump(tmp_path):
+    """A faulty real object under the downgrade: rank 3 is SIGKILLed at step 7, no standby, so the
+    controller removes the instance [2, 3] (rank 2 exits 77) and rebuilds a 2-rank world, where rank 0's
+    zit_downgrade_rebuild handler raises (_elastic_failing.py). The sequence abandons, the downgrade returns
+    FAILED and the controller falls back to the dump: ranks 0 and 1 hold a whole copy of the optimizer state,
+    so the lock step is saved (rank 1 from the state kept before its rebuild) and they exit 75."""
+    ckpt = tmp_path / "ckpt"
+    args = ARGS[:-1] + [12, "--save", ckpt, "--inject", "kill:rank=3,step=7"]
+    run = _launch_elastic(tmp_path, args, standbys=(), script=FAILING)
+    out, evs = run["out"], run["events"]
+    assert run["rc"] == [75, 75, 77, -9], (run["rc"], out[-4000:])
+    failed = [e for e in evs if e["kind"] == "retry_failed"]  # the downgrade's steps log as "retry" (elastic_flow.py)
+    assert failed and failed[0]["step_name"] == "zit_rebuild", failed
+    assert ("downgrade", "dump") in [(e["src"], e["dst"]) for e in evs if e["kind"] == "fallback"], evs
+    assert not [e for e in evs if e["kind"] == "downgrade_done"]
+    lock = next(e for e in evs if e["kind"] == "decision")["lock_step"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(lock)
 
 
 @pytest.mark.timeout(900)

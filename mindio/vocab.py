@@ -1,5 +1,5 @@
 """mindio's vocabulary: every enum, strategy name and exit code that the controller, the processors
-and the launcher share, defined once.
+and the launcher share, defined once (and the controller's own: its states, results and strategy outcomes).
 
 Importing it is light (the standard library only: no torch, no zmq), so the launcher's agent and
 :mod:`mindio._knobs` use it too. The reference import paths stay: ``mindio.ttp`` and
@@ -11,7 +11,8 @@ import enum
 
 __all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode", "ExitCode",
            "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_MEANINGS",
-           "Strategy", "HA_STRATEGIES", "STRATEGY_ORDER", "MINDX_STRATEGIES", "REPLACING", "HOT_SWITCH_ACTIONS"]
+           "Strategy", "HA_STRATEGIES", "STRATEGY_ORDER", "MINDX_STRATEGIES", "REPLACING", "HOT_SWITCH_ACTIONS",
+           "MsgType", "State", "Result", "Outcome"]
 
 
 # ----------------------------------------------------------------------------- exit codes
@@ -151,3 +152,67 @@ class ResultCode(enum.IntEnum):
     RETRY_FAILED = 405       # retry failed; recover, dump, exit allowed
     DUMP_OR_EXIT = 406       # repair failed; dump or exit allowed
     EXIT_ONLY = 499
+
+
+# ----------------------------------------------------------------------------- the wire's message types
+# (mindio/ttp/wire/protocol.py frames them; controller and processors both read them)
+class MsgType(enum.IntEnum):
+    REGISTER = 1       # processor -> controller: join as a rank (or a backup / relay); opens the session
+    REGISTER_ACK = 2   # controller -> processor: accepted; heartbeat interval, backup addresses
+    HEARTBEAT = 3      # processor -> controller: liveness + step progress
+    HEARTBEAT_ACK = 4  # controller -> processor: controller liveness
+    REPORT = 5         # processor -> controller: an error caught on the rank (wakes the controller)
+    INFO = 6           # processor -> controller: optimizer replica layout / DP group changed
+    ACTION = 7         # controller -> processor: do something (sn identifies it)
+    REPLY = 8          # processor -> controller: result of ACTION sn
+    BYE = 9            # processor -> controller: leaving normally (training finished); not a fault
+    BEATS = 10         # relay -> controller: heartbeats of many ranks in one frame (v2)
+    BATCH = 11         # relay <-> controller: many messages of other types in one frame (v2)
+    HELLO = 12         # any -> controller: a fresh nonce; asks for a session (v3)
+    CHALLENGE = 13     # controller -> sender of a HELLO: its nonce back and the session to register in (v3)
+    REQUEST = 14       # processor -> controller: ask for a graceful action ("dump": preemption, preempt.py)
+
+
+# ----------------------------------------------------------------------------- the controller's state machine
+# (mindio/ttp/controller/states.py: TRANSITIONS and StateMachine over these)
+class State(enum.Enum):
+    INIT = "INIT"
+    NORMAL = "NORMAL"
+    PAUSE = "PAUSE"
+    STEP_FINISH = "STEP_FINISH"
+    MIGRATION = "MIGRATION"
+    ENV_CLEAR = "ENV_CLEAR"
+    REPAIR = "REPAIR"
+    ABNORMAL = "ABNORMAL"
+    DG_REPAIR = "DG_REPAIR"
+    DOWNGRADE = "DOWNGRADE"
+    UPGRADE = "UPGRADE"
+    DUMP = "DUMP"
+    EXIT = "EXIT"
+    FINAL = "FINAL"
+
+
+class Result(enum.Enum):
+    ALL_REGISTERED = "ALL_REGISTERED"
+    FAULT = "FAULT"
+    OK = "OK"
+    FAIL = "FAIL"
+    RETRY = "RETRY"
+    RECOVER = "RECOVER"
+    DOWNGRADE = "DOWNGRADE"
+    UPGRADE = "UPGRADE"
+    DUMP = "DUMP"
+    EXIT = "EXIT"
+    PAUSE = "PAUSE"
+    CONTINUE = "CONTINUE"
+    MIGRATE = "MIGRATE"
+    STEP_FINISH = "STEP_FINISH"
+    SHUTDOWN = "SHUTDOWN"
+
+
+# ----------------------------------------------------------------------------- what a strategy's run returns
+# (mindio/ttp/controller/strategy.py)
+class Outcome(enum.Enum):
+    RESUMED = "resumed"  # every rank trains again: the incident is over
+    ENDED = "ended"      # the job ended (a dump and/or the exit order was sent)
+    FAILED = "failed"    # not possible or a step failed: the incident falls back to the next strategy

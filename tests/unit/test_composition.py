@@ -41,3 +41,22 @@ def test_the_controller_is_composed_of_parts_and_has_no_base():
     assert all(getattr(ctl, name).ctl is ctl for name in ("liveness", "stop_round", "replacements", "elastic",
                                                           "hot_switch", "incidents", "pause"))
     assert all(cls.__bases__ == (object,) for cls in (IncidentFlow, PauseFlow))
+
+
+def test_every_enum_is_defined_in_the_vocabulary_module():
+    """Issue 14: one vocabulary module. No enum class is defined anywhere in mindio/ but mindio/vocab.py
+    (modules that use one import it from there)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "mindio"
+    found = []
+    for path in root.rglob("*.py"):
+        if path.name == "vocab.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                if any(b.split(".")[-1] in ("Enum", "IntEnum", "StrEnum", "Flag", "IntFlag") for b in bases):
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}({', '.join(bases)})")
+    assert not found, found

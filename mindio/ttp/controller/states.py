@@ -24,52 +24,17 @@ Flows (later issues fill in the ones marked *):
 """
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 
 from ... import _logging
 from ...errors import IllegalTransition
+from ...vocab import Result, State  # the vocabulary (mindio/vocab.py)
 
 __all__ = ["State", "Result", "TRANSITIONS", "StateMachine"]
 
 _log = logging.getLogger("mindio.ttp.states")
-
-
-class State(enum.Enum):
-    INIT = "INIT"
-    NORMAL = "NORMAL"
-    PAUSE = "PAUSE"
-    STEP_FINISH = "STEP_FINISH"
-    MIGRATION = "MIGRATION"
-    ENV_CLEAR = "ENV_CLEAR"
-    REPAIR = "REPAIR"
-    ABNORMAL = "ABNORMAL"
-    DG_REPAIR = "DG_REPAIR"
-    DOWNGRADE = "DOWNGRADE"
-    UPGRADE = "UPGRADE"
-    DUMP = "DUMP"
-    EXIT = "EXIT"
-    FINAL = "FINAL"
-
-
-class Result(enum.Enum):
-    ALL_REGISTERED = "ALL_REGISTERED"
-    FAULT = "FAULT"
-    OK = "OK"
-    FAIL = "FAIL"
-    RETRY = "RETRY"
-    RECOVER = "RECOVER"
-    DOWNGRADE = "DOWNGRADE"
-    UPGRADE = "UPGRADE"
-    DUMP = "DUMP"
-    EXIT = "EXIT"
-    PAUSE = "PAUSE"
-    CONTINUE = "CONTINUE"
-    MIGRATE = "MIGRATE"
-    STEP_FINISH = "STEP_FINISH"
-    SHUTDOWN = "SHUTDOWN"
 
 
 S, R = State, Result

@@ -15,18 +15,12 @@ subclass, one line in ``Controller.STRATEGIES`` (docs/architecture.md, "Adding a
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, replace
 
 from . import policy
+from ...vocab import Outcome  # the vocabulary (mindio/vocab.py)
 
 __all__ = ["Outcome", "Context", "Strategy"]
-
-
-class Outcome(enum.Enum):
-    RESUMED = "resumed"  # every rank trains again: the incident is over
-    ENDED = "ended"      # the job ended (a dump and/or the exit order was sent)
-    FAILED = "failed"    # not possible or a step failed: the incident falls back to the next strategy
 
 
 @dataclass

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import hmac
 import logging
 import threading
@@ -49,6 +48,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from ...errors import AuthError, ProtocolError
+from ...vocab import MsgType  # the vocabulary (mindio/vocab.py)
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
@@ -60,23 +60,6 @@ VERSION = 3
 MAX_FRAME = 1 << 20  # 1 MiB: control messages are small; anything bigger is an attack or a bug
 _MAC_LEN = 32
 _log = logging.getLogger("mindio.ttp.protocol")
-
-
-class MsgType(enum.IntEnum):
-    REGISTER = 1       # processor -> controller: join as a rank (or a backup / relay); opens the session
-    REGISTER_ACK = 2   # controller -> processor: accepted; heartbeat interval, backup addresses
-    HEARTBEAT = 3      # processor -> controller: liveness + step progress
-    HEARTBEAT_ACK = 4  # controller -> processor: controller liveness
-    REPORT = 5         # processor -> controller: an error caught on the rank (wakes the controller)
-    INFO = 6           # processor -> controller: optimizer replica layout / DP group changed
-    ACTION = 7         # controller -> processor: do something (sn identifies it)
-    REPLY = 8          # processor -> controller: result of ACTION sn
-    BYE = 9            # processor -> controller: leaving normally (training finished); not a fault
-    BEATS = 10         # relay -> controller: heartbeats of many ranks in one frame (v2)
-    BATCH = 11         # relay <-> controller: many messages of other types in one frame (v2)
-    HELLO = 12         # any -> controller: a fresh nonce; asks for a session (v3)
-    CHALLENGE = 13     # controller -> sender of a HELLO: its nonce back and the session to register in (v3)
-    REQUEST = 14       # processor -> controller: ask for a graceful action ("dump": preemption, preempt.py)
 
 
 @dataclass(frozen=True)

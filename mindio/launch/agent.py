@@ -352,13 +352,21 @@ class Agent:
             self._store.set("job/round", str(rnd))
         self._store.add(key, 1)
         deadline = time.monotonic() + self.cfg.rdzv_timeout
+        waiting_for: list[int] = []  # lost nodes this round waits for (a standby's claim, or their agent back)
         while self._store.add(key, 0) < self.cfg.nnodes:
             lost = self._lost_nodes()
             spares = self._store.add("standby/count", 0) - self._store.add("standby/claimed", 0)
-            if lost and spares < len(lost):
+            short = lost if lost and spares < len(lost) else []
+            if short and short != waiting_for:  # as torchrun's rendezvous: wait (bounded) for the node
+                log.warning("round %d: node(s) %s lost and %d standby node(s) available; waiting up to %.0f s "
+                            "(--rdzv-conf join_timeout=S) for a spare agent (--standby) or the lost node's "
+                            "agent to join", rnd, short, max(spares, 0), deadline - time.monotonic())
+            waiting_for = short
+            if time.monotonic() > deadline and short:
                 raise JobError(
-                    f"round {rnd}: node(s) {lost} lost and {max(spares, 0)} standby node(s) available; "
-                    f"start a spare agent with --standby or restart the lost node's agent"
+                    f"round {rnd}: node(s) {short} lost and {max(spares, 0)} standby node(s) joined within "
+                    f"{self.cfg.rdzv_timeout:g} s (--rdzv-conf join_timeout=S); start a spare agent with "
+                    f"--standby or restart the lost node's agent"
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(

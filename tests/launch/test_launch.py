@@ -229,6 +229,76 @@ def test_standby_agent_replaces_a_lost_node(job):
     assert res["r1-rank0.json"]["sum"] == 1.0
 
 
+def _lose_node_1(start, results, common, env):
+    """Start nodes 0 and 1, wait until node 1's worker trains, SIGKILL node 1's agent (the node dies)."""
+    a0 = start(*common, "--node-rank", "0", env=env)
+    a1 = start(*common, "--node-rank", "1", env=env)
+    deadline = time.monotonic() + 60
+    while "r0-rank1.json" not in results():
+        assert time.monotonic() < deadline, "round 0 never started"
+        time.sleep(0.2)
+    a1.send_signal(signal.SIGKILL)
+    a1.sent = {"launcher": "SIGKILL"}
+    return a0, a1
+
+
+def _read_until(proc, text: str, timeout: float) -> list[str]:
+    """Lines of ``proc``'s output up to the first holding ``text`` (a reader thread: bounded)."""
+    import queue
+    import threading
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [q.put(line) for line in iter(proc.stdout.readline, "")] + [q.put(None)],
+                     daemon=True).start()
+    lines, deadline = [], time.monotonic() + timeout
+    while not lines or text not in lines[-1]:
+        line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert line is not None, f"exited before printing {text!r}: " + "".join(lines)[-4000:]
+        lines.append(line)
+    proc.rest = q
+    return lines
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_started_after_the_loss_takes_the_node(job):
+    """No standby yet when node 1 dies: node 0 waits (bounded by join_timeout, and says so) for the
+    spare agent its message asks for; the spare started then takes node 1 and the job ends with 0."""
+    start, results = job
+    port = str(_free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", port, "--max-restarts", "1"]
+    a0, a1 = _lose_node_1(start, results, common, {"STEPS": "40"})
+    head = _read_until(a0, "--rdzv-conf join_timeout=S) for a spare agent", timeout=90)
+    spare = start(*common, "--standby", env={"STEPS": "40"})
+    outs, _ = spare.communicate(timeout=90)
+    a0.wait(30)
+    rest = []
+    while (line := a0.rest.get(timeout=10)) is not None:
+        rest.append(line)
+    out0 = "".join(head + rest)
+    check_codes({"launcher": a0.returncode}, {}, what="process", context=out0[-4000:])
+    assert_no_signal_deaths(out0, {})
+    a1.communicate(timeout=10)
+    assert spare.returncode == 0, outs
+    assert "standby takes over node 1" in outs
+    assert results()["r1-rank1.json"]["env"]["GROUP_RANK"] == "1"
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_node_with_no_spare_ends_the_job_at_the_join_timeout(job):
+    """No standby ever comes: node 0 gives up after ``--rdzv-conf join_timeout`` and says which node it
+    waited for, how many spares joined and which knob sets the bound."""
+    start, results = job
+    port = str(_free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", port, "--max-restarts", "1",
+              "--rdzv-conf", "join_timeout=20"]
+    a0, a1 = _lose_node_1(start, results, common, {"STEPS": "40"})
+    t0 = time.monotonic()
+    out0, _ = a0.communicate(timeout=90)
+    a1.communicate(timeout=10)
+    assert a0.returncode == 1, out0
+    assert "node(s) [1] lost and 0 standby node(s) joined within 20 s (--rdzv-conf join_timeout=S)" in out0
+    assert time.monotonic() - t0 < 60, out0
+
+
 LATE = textwrap.dedent("""
     import os, sys, time
     import torch.distributed as dist

@@ -78,6 +78,8 @@ class Agent:
             base["OMP_NUM_THREADS"] = "1"  # as torchrun does: N processes must not each spawn N threads
         # gloo's interface: checked (or chosen) before any worker starts (netif.py)
         base.update(netif.choose(base, cfg.master_addr, cfg.local_addr, cfg.nnodes > 1 or cfg.standby))
+        if base.get("GLOO_SOCKET_IFNAME") and (advice := netif.flap_advice(base["GLOO_SOCKET_IFNAME"])):
+            log.info("%s", advice)  # hosts' links: a multi-host job (or one that named its interface)
         self._base_env = base
         if cfg.standby and cfg.high_availability and cfg.warm_spares < cfg.nproc_per_node:
             # a standby takes a whole node at once: every one of its ranks should start warm

@@ -13,6 +13,10 @@ job then fails in its first collective, or hangs in it. So, before any worker st
 * a single-node job, or one whose nodes all run on loopback, needs nothing.
 
 Linux only (SIOCGIFADDR); elsewhere the check is skipped and gloo's own choice applies.
+
+``flap_advice`` says, for a multi-host job, whether the chosen interface drops its ARP entries when its
+carrier goes (``net.ipv4.conf.<if>.arp_evict_nocarrier``, 1 by default since Linux 5.16): a link flap
+of a few hundred ms then stops traffic to the peers for 1-2 s (docs/recovery.md, "Outage tolerance").
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import struct
 
 from ..errors import ConfigError
 
-__all__ = ["interfaces", "route_source", "choose"]
+__all__ = ["interfaces", "route_source", "choose", "flap_advice"]
 
 _SIOCGIFADDR = 0x8915
 
@@ -101,3 +105,23 @@ def choose(env: dict, master_addr: str, local_addr: str | None, multi_node: bool
 
 def _listing(have: dict) -> str:
     return ", ".join(f"{n} ({a})" for n, a in sorted(have.items())) or "no IPv4 interface"
+
+
+def flap_advice(ifnames: str, proc: str = "/proc/sys/net/ipv4/conf") -> str | None:
+    """A line for the operator when an interface of ``ifnames`` (GLOO_SOCKET_IFNAME's form) evicts its ARP
+    entries on carrier loss; None when none does, or the kernel has no such setting."""
+    evicting = []
+    for name in (n.strip() for n in ifnames.split(",") if n.strip()):
+        try:
+            with open(f"{proc}/{name}/arp_evict_nocarrier") as f:
+                if f.read().strip() != "0":
+                    evicting.append(name)
+        except OSError:  # an older kernel (< 5.16): it keeps them
+            continue
+    if not evicting:
+        return None
+    sysctl = " ".join(f"net.ipv4.conf.{n}.arp_evict_nocarrier=0" for n in evicting)
+    return (f"interface(s) {', '.join(evicting)} drop their ARP entries when the link's carrier goes "
+            f"(arp_evict_nocarrier=1): a link flap of a few hundred ms then stops this host's traffic for "
+            f"1-2 s, and flaps that add up past the liveness bound are taken for a lost node; where links "
+            f"may flap, set `sysctl -w {sysctl}` (docs/recovery.md, Outage tolerance)")

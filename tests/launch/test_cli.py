@@ -123,6 +123,19 @@ def test_gloo_interface_is_checked_or_chosen_at_start():
         assert netif.choose({}, addr, None, multi_node=False) == {}  # one node: gloo's own choice works
 
 
+def test_an_interface_that_evicts_arp_on_carrier_loss_is_named_with_its_sysctl(tmp_path):
+    """#16: link flaps cost 1-2 s of traffic where the kernel drops ARP entries on carrier loss; the
+    agent of a multi-host job says so at start, with the sysctl that stops it (a /proc tree of the test's)."""
+    for name, value in {"eth0": "1\n", "eth1": "0\n", "ib0": "1\n"}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "arp_evict_nocarrier").write_text(value)
+    advice = netif.flap_advice("eth0,eth1,ib0", proc=str(tmp_path))
+    assert "interface(s) eth0, ib0 drop their ARP entries" in advice
+    assert "sysctl -w net.ipv4.conf.eth0.arp_evict_nocarrier=0 net.ipv4.conf.ib0.arp_evict_nocarrier=0" in advice
+    assert netif.flap_advice("eth1", proc=str(tmp_path)) is None
+    assert netif.flap_advice("eth9", proc=str(tmp_path)) is None  # no such setting (an older kernel)
+
+
 def test_warm_interpreters_import_only_what_cannot_read_the_rank(tmp_path):
     s = tmp_path / "s.py"
     s.write_text("import os, json, helper\nimport torch.distributed as dist\nfrom megatron.core import mpu\n"

@@ -29,7 +29,7 @@ from mindio.errors import ConfigError
 from . import checkpoint, replica
 from .arguments import replica_count
 from .optimizer import distributed_optimizers
-from .restore_build import build_for_restore
+from .restore_build import build_for_restore, spare_buffers
 
 __all__ = ["TrainingContext", "MegatronAdapter"]
 
@@ -52,6 +52,7 @@ class TrainingContext:
     _kept: Optional[Dict[str, Any]] = None  # state saved by clean() for rebuild_groups() and dump
     _loaded_iteration: Optional[int] = None  # set when repair fell back to the periodic checkpoint
     _step_rng: Optional[tuple] = None  # (iteration, RNG state at the end of it): record_step_rng()
+    _spares: List[Any] = field(default_factory=list)  # grad buffers clean() kept for the rebuild (restore_build.py)
     #: why the model's params are not the trained ones yet ("rebuild", "replacement process"): a
     #: recovery built the model again and the rollback (or a load) has not set them; None otherwise
     params_pending: Optional[str] = None
@@ -322,6 +323,7 @@ class MegatronAdapter(FrameworkAdapter):
         """(process exit) Drop model, optimizer and megatron's groups: mindio then destroys the rest."""
         ctx = self.ctx
         ctx.model = ctx.optimizer = ctx.scheduler = None
+        ctx._spares = []
         _drop_megatron_groups()  # also after dist.destroy_process_group(): its globals still hold the groups
 
     def clean(self, is_uce_error: bool) -> int:
@@ -357,6 +359,7 @@ class MegatronAdapter(FrameworkAdapter):
                         _log.warning("clean: no checkpoint state kept (%s): this rank cannot write a "
                                      "dump", _describe(exc))
             _drop_autograd_graphs(ctx.model)
+            ctx._spares = spare_buffers(ctx.model, ctx._kept)  # memory the rebuild's DDP takes again
             ctx.model = ctx.optimizer = ctx.scheduler = None
             dropped = _drop_megatron_groups()
             # no gc here: the caller (mindio's processor teardown) collects once after all callbacks
@@ -385,7 +388,7 @@ class MegatronAdapter(FrameworkAdapter):
         """
         ctx = self.ctx
         ctx.init_parallel()
-        ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "rebuild")
+        ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "rebuild", ctx._spares)
         ctx.params_pending = "rebuild"
         kept = ctx._kept
         # until the rollback, a dump writes the state dict clean() kept: the rebuilt model's params
@@ -458,6 +461,7 @@ class MegatronAdapter(FrameworkAdapter):
         if not self.ctx.args.save:
             raise ConfigError("the last-words checkpoint has no directory: this job runs without --save; "
                               "relaunch with --save DIR to be able to dump")
+        self.ctx._spares = []  # a dump ends the process: no rebuild will take them
         checkpoint.save_dump(self.ctx, step, save_info)
 
     def rename(self, step: int) -> None:

@@ -1,6 +1,7 @@
 """Worker for test_restore_build.py (2 gloo ranks, DP=2, one optimizer instance): a build whose weights
-the rollback restores skips megatron's weight initialisation and ends, after the rollback, with the
-params of a full build; with a frozen param (not restored by the rollback) it builds again in full.
+the rollback restores skips megatron's weight initialisation, takes the previous build's grad buffers
+again, and ends, after the rollback, with the params of a full build; with a frozen param (not restored
+by the rollback) it builds again in full.
 
     _restore_build_worker.py trainable|frozen
 """
@@ -16,7 +17,7 @@ import pretrain_gpt as pg  # noqa: E402
 from megatron.core.tensor_parallel import layers  # noqa: E402
 
 from mindio import megatron as mio  # noqa: E402
-from mindio.megatron.restore_build import build_for_restore  # noqa: E402
+from mindio.megatron.restore_build import build_for_restore, spare_buffers  # noqa: E402
 
 DRAWN = [0]  # weights megatron initialised (its CPU initialisation, one call per weight)
 
@@ -55,8 +56,13 @@ def main():
     full, full_draws = params(ctx.model), DRAWN[0]
     shards = [t.clone() for t in ctx.shard_tensors()]
     DRAWN[0] = 0
-    ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "test")
+    spares = spare_buffers(ctx.model)  # the first build's grad buffers, as clean() keeps them
+    offered = {t.data_ptr() for t in spares}
+    ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "test", spares)
     print(f"draws full={full_draws} restore={DRAWN[0]}", flush=True)
+    taken = sum(t.data_ptr() in offered for chunk in ctx.model for b in chunk.buffers
+                for t in (b.param_data, b.grad_data) if t is not None)
+    print(f"spare buffers taken again: {taken} of {len(offered)}", flush=True)
     with torch.no_grad():
         for dst, src in zip(ctx.shard_tensors(), shards):
             dst.copy_(src)

@@ -1,6 +1,6 @@
 """A recovery's builds skip megatron's weight initialisation only where the rollback restores every
-param (mindio/megatron/restore_build.py): 2 gloo ranks; the params after the rollback are bitwise those
-of a full build."""
+param, and take the previous build's grad buffers again (mindio/megatron/restore_build.py): 2 gloo
+ranks; the params after the rollback are bitwise those of a full build."""
 
 import re
 
@@ -24,6 +24,8 @@ def test_trainable_model_is_built_without_initialisation():
     out = torchrun(WORKER, ["trainable"], nproc=2, timeout=120)
     full, restore = draws(out)
     assert full > 0 and restore == 0, out[-3000:]
+    # the previous build's grad buffer (one: fp32 params, one dtype) is the new build's memory again
+    assert out.count("spare buffers taken again: 1 of 1") == 2, out[-3000:]
     assert out.count("params after rollback equal to the full build: True") == 2, out[-3000:]
 
 

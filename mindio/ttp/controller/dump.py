@@ -7,7 +7,7 @@ rank that cannot write (its save answers an error: no trained state to write -- 
 a UCE rank (mindio.megatron.checkpoint.save_dump refuses) --, a failing disk; or it died meanwhile) is
 replaced by the next usable holder of its shards, a replica, and the save runs again by the new set of
 writers; only when some shard has no holder left that can write does the dump fail, with a line naming
-the shard. The incident flow runs it as a fallback, and for a requested dump (preemption,
+the shard. A rank that does not answer in time fails the dump as before (it may still be writing). The incident flow runs it as a fallback, and for a requested dump (preemption,
 tft_notify_controller_dump); the pause and the hot switch end with it too.
 """
 from __future__ import annotations
@@ -28,20 +28,29 @@ _log = logging.getLogger("mindio.ttp.incident")  # the name these lines always l
 def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
     """Save the lock step's state by ``plan``'s ranks, then rename it "latest"; whether both succeeded.
 
-    ``views`` (policy.RankView of the decision): the other holders of each shard, for a writer that fails;
-    without them a failed writer fails the dump. Each try excludes at least one more rank: bounded by the
-    replica count, each try by the action limit."""
+    ``views`` (policy.RankView of the decision): the other holders of each shard, for a writer whose save
+    answered an error (it wrote nothing, or gave up) or that died; without them a failed writer fails the
+    dump, as does one that did not answer in time (it may still be writing). Each try excludes at least one
+    more rank: bounded by the replica count, each try by the action limit."""
     unable: dict = {}  # rank -> why it could not write this dump
     while True:
         _log.warning("dump at step %d by %d ranks %s%s", lock, len(plan.ranks), list(plan.ranks[:16]),
                      " ..." if len(plan.ranks) > 16 else "")
         saved = ctl._call("save", {"step": lock, "save_info": plan.save_info}, plan.ranks, ctl.action_limit)
-        bad = {r: (_why(saved[r].detail) if r in saved else "no reply (dead or past the deadline)")
+        with ctl._lock:
+            dead = set(ctl.ranks.dead())
+        bad = {r: (_why(saved[r].detail) if r in saved else "died" if r in dead else "no reply in time")
                for r in plan.ranks if r not in saved or not saved[r].ok}
         if not bad:
             break
         _log.error("dump failed on %d ranks %s: %s", len(bad), sorted(bad)[:16], dict(list(bad.items())[:16]))
         unable.update(bad)
+        slow = sorted(r for r, why in bad.items() if why == "no reply in time")
+        if slow:  # its save may still be under way: another writer's pieces must not race with it
+            _log.error("dump at step %d failed: ranks %s did not answer the save within %.0f s "
+                       "(TTP_NORMAL_ACTION_TIME_LIMIT) and may still be writing, so no other holder writes "
+                       "their shards", lock, slow[:16], ctl.action_limit)
+            return False
         if not views:
             return False
         plan = policy.select_dump_ranks(views, lock, unable)

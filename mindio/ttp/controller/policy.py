@@ -27,8 +27,8 @@ from .._enums import OsStatus, ReportState
 __all__ = [
     "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "INCIDENT_SECONDARY_PATTERNS", "classify",
     "secondary_in_incident", "is_primary", "can_do_uce_repair", "RankView",
-    "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "describe_shard", "select_repair_sources",
-    "choose_lock_step", "stale_ranks", "ranks_to_advance",
+    "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "describe_shard",
+    "select_repair_sources", "choose_lock_step", "stale_ranks", "ranks_to_advance",
     "STRATEGY_ORDER", "strategies_of", "Incident", "feasible_strategies", "find_hung_ranks",
 ]
 
@@ -197,8 +197,8 @@ def select_dump_ranks(views: Iterable[RankView], lock_step: int, unable: Iterabl
 def describe_shard(key: tuple) -> str:
     """A shard key (:func:`shard_key`) for a log line: 'shard 1 of optimizer 0 (DP group [0, 1, 2, 3])'."""
     t, group, index = key
-    ranks = list(group[:8]) + (["..."] if len(group) > 8 else [])
-    return f"shard {index} of optimizer {t} (DP group {ranks})".replace("'...'", "...")
+    shown = ", ".join(map(str, group[:8])) + (", ..." if len(group) > 8 else "")
+    return f"shard {index} of optimizer {t} (DP group [{shown}])"
 
 
 def select_repair_sources(views: Iterable[RankView], lock_step: int, targets: Iterable[int]) -> dict:

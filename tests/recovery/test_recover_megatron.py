@@ -117,8 +117,9 @@ def test_dump_after_a_failed_recover_in_place_comes_from_the_replica_not_the_rep
     # controller's exit order (none stopped by the agent)
     exits = [(e["dead_rank"], e["code"]) for e in evs if e["kind"] == "worker_exited"]
     assert exits[:1] == [(0, -9)] and all(c == 75 for _r, c in exits[1:]), (exits, out[-6000:])
+    agent_log = "".join(p.read_text() for p in (tmp_path / "logs").glob("ttp_log.log*"))  # TTP_LOG_PATH, INFO
     assert ("workers' exit codes: rank 0: exit code 75, rank 1: exit code 75, rank 2: exit code 75, "
-            "rank 3: exit code 75\n") in out, out[-6000:]
+            "rank 3: exit code 75\n") in agent_log, out[-6000:]
     assert [e["step_name"] for e in evs if e["kind"] == "recover_failed"] == ["repair"], out[-6000:]
     assert ("recover-in-place", "dump") in [(e["src"], e["dst"]) for e in evs if e["kind"] == "fallback"]
     assert not [e for e in evs if e["kind"] in ("recover_done", "dump_replanned", "dump_impossible")]

@@ -20,8 +20,8 @@ does not leave the rank waiting on nothing.
 """
 from __future__ import annotations
 
-import logging
 import time
+from typing import Callable
 
 import zmq
 
@@ -30,15 +30,13 @@ from .session import fresh
 
 __all__ = ["HomeProbe"]
 
-_log = logging.getLogger("mindio.ttp.transport")
-
 
 class HomeProbe:
     """A HELLO pending at ``home`` (the primary) on a connection of its own; one per link, I/O thread only."""
 
-    def __init__(self, home: str, ctx: zmq.Context, key: bytes, curve: dict, rank: int, drops: P.DropCounter,
-                 renew: float):
-        self.home, self.ctx, self.key, self.curve, self.rank, self.drops = home, ctx, key, curve, rank, drops
+    def __init__(self, home: str, channel: Callable, rank: int, renew: float):
+        self.home, self.rank = home, rank
+        self.channel = channel  # address -> a new transport.Channel connected there (Link._channel)
         self.renew = renew  # s without an answer before the HELLO is sent again on a fresh connection
         self.chan = None    # transport.Channel of the pending HELLO, or None
         self.nonce = 0
@@ -49,20 +47,13 @@ class HomeProbe:
         """Have a HELLO pending at home: open one, or renew one unanswered for ``renew`` s."""
         if self.chan is not None and now - self.sent_at < self.renew:
             return
-        from .transport import Channel  # transport imports this module
-
         if not self.since:
             self.since = now
         self.close(poller, keep_since=True)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        for opt, val in self.curve.items():
-            sock.setsockopt(opt, val)
-        sock.connect(self.home)
-        self.chan = Channel(sock, self.key, self.drops)
+        self.chan = self.channel(self.home)
         self.nonce, self.sent_at = fresh(), now
         self.chan.send(P.Envelope(P.MsgType.HELLO, P.Hello(self.nonce), rank=self.rank, gen=gen))
-        poller.register(sock, zmq.POLLIN)
+        poller.register(self.chan.sock, zmq.POLLIN)
 
     def answer(self, events: dict) -> P.Envelope | None:
         """The primary's CHALLENGE to the pending HELLO, if it came (other frames are dropped, counted)."""

@@ -400,13 +400,17 @@ class Link(threading.Thread):
             bye = bye or env.type is P.MsgType.BYE
         return bye
 
-    def _connect(self) -> Channel:
+    def _channel(self, addr: str) -> Channel:
+        """A new DEALER connection to ``addr`` (its own channel; no session yet)."""
         sock = self._ctx.socket(zmq.DEALER)  # no identity of our own: zmq names the connection
         sock.setsockopt(zmq.LINGER, 0)
         for opt, val in self.curve.items():
             sock.setsockopt(opt, val)
-        sock.connect(self.address)
-        chan = Channel(sock, self.key, self.drops)
+        sock.connect(addr)
+        return Channel(sock, self.key, self.drops)
+
+    def _connect(self) -> Channel:
+        chan = self._channel(self.address)
         self._peer = None
         self._say_hello(chan)
         return chan
@@ -446,8 +450,7 @@ class Link(threading.Thread):
         poller.register(chan.sock, zmq.POLLIN)
         poller.register(self._waker.rfd, zmq.POLLIN)
         last_rx = next_beat = last_beat = last_turn = time.monotonic()
-        probe = HomeProbe(self.home, self._ctx, self.key, self.curve, self.rank, self.drops,
-                          self.misses * self.interval) if self.home else None
+        probe = HomeProbe(self.home, self._channel, self.rank, self.misses * self.interval) if self.home else None
         try:
             while not self._halt.is_set():
                 wait = max(0.0, next_beat - time.monotonic())

@@ -166,8 +166,8 @@ def test_ranks_go_back_to_a_stalled_primary_from_a_passive_backup(tmp_path, monk
         assert until(lambda: all(p.link.address == baddr and p.link.registered.is_set() for p in procs), 10 * bound)
         assert backup.registered == 2 and not backup.active
         time.sleep(bound)  # the stall itself goes on a while with the ranks on the backup
+        t_cont = time.monotonic()  # before the signal: the primary runs only after it
         primary.send_signal(signal.SIGCONT)
-        t_cont = time.monotonic()
         assert until(lambda: all(p.link.address == home and p.link.registered.is_set() for p in procs), 10), \
             [(p.link.address, p.link.registered.is_set()) for p in procs]
         back = time.monotonic() - t_cont

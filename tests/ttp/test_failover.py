@@ -17,6 +17,16 @@ from ._harness import ROOT, Job, free_port
 pytestmark = pytest.mark.slow
 
 
+def until(pred, timeout: float = 20.0) -> bool:
+    """Whether ``pred()`` became true within ``timeout`` s (polled every 10 ms)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 @pytest.mark.timeout(300)
 def test_backup_takes_over_and_dumps(tmp_path, monkeypatch):
     secret = "failover-test-secret"
@@ -80,14 +90,6 @@ def test_report_to_a_passive_backup_is_acted_on_after_takeover(monkeypatch):
     from mindio.ttp.processor.processor import Processor
     from mindio.ttp.controller.states import State
 
-    def until(pred, timeout=20.0):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if pred():
-                return True
-            time.sleep(0.01)
-        return False
-
     monkeypatch.setenv("MINDIO_HEARTBEAT_MISSES", "3")
     key, port, bport = b"f" * 32, free_port(), free_port()
     primary = Controller(rank=-1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=3, hang_timeout=0,
@@ -129,14 +131,6 @@ def test_ranks_go_back_to_a_stalled_primary_from_a_passive_backup(tmp_path, monk
     import signal
 
     from mindio.ttp.processor.processor import Processor
-
-    def until(pred, timeout):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if pred():
-                return True
-            time.sleep(0.01)
-        return False
 
     # 0.5 s beats (bound 1.75 s): at 0.2 s, stress at load 48 starved this process 1.7 s, past the links'
     # bound, and the links failed over once more after they were home (then went home again)

@@ -6,8 +6,9 @@ Protocol (agent -> bootstrap, on the bootstrap's stdin):
    environment (OMP_NUM_THREADS, MASTER_ADDR, ...). The bootstrap arranges to die with its agent
    (PR_SET_PDEATHSIG) and imports what is expensive and cannot depend on which rank it becomes:
    torch, torch.distributed, and those of the script's top-level imports (found by parsing the script
-   with ``ast``; nothing of the script runs) that belong to packages known not to read the rank
-   environment at import time (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``). The script's own
+   with ``ast``; nothing of the script runs; ``from X import Y``: ``X``, and ``X.Y`` where that is a
+   module) that belong to packages known not to read the rank environment at import time
+   (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``). The script's own
    modules are NOT imported here: a module that reads ``LOCAL_RANK`` at import time must see its
    rank's value, as under torchrun. This is the expensive part of a process start (~1-5 s) and happens
    *before* a rank needs it.
@@ -72,6 +73,20 @@ def top_level_imports(path: str) -> list[str]:
     return names
 
 
+def submodule_imports(path: str) -> list[str]:
+    """``X.Y`` for each name ``Y`` of a top-level ``from X import Y`` in ``path``: ``Y`` may be a submodule
+    that importing ``X`` alone does not import (``from mindio import megatron as mio``, as docs/megatron.md
+    writes it, imports megatron-core)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    return [f"{node.module}.{alias.name}" for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            for alias in node.names if alias.name != "*"]
+
+
 def preloadable(names, extra=()) -> list[str]:
     """Those of ``names`` inside a package of :data:`PRELOAD_SAFE` or ``extra``."""
     safe = PRELOAD_SAFE + tuple(extra)
@@ -86,6 +101,8 @@ def _preload(target: str, is_module: bool) -> list[str]:
     names = [] if is_module else top_level_imports(target)
     done = []
     wanted = preloadable(names, extra) + [n for n in extra if n not in names]
+    # then the submodules a ``from X import Y`` names (a Y that is no module fails to import: skipped below)
+    wanted += [n for n in preloadable([] if is_module else submodule_imports(target), extra) if n not in wanted]
     if any(n == "megatron" or n.startswith("megatron.") for n in wanted):
         try:  # first, with its torch.compile decorations deferred to their first call (mindio/_lazy_compile.py)
             from mindio._lazy_compile import import_megatron_core

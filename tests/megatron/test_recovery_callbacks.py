@@ -13,11 +13,17 @@ DP=4, two replicas per shard). Every scenario must end bit-identical to an unint
 
 import pytest
 
-from _mgt_launch import PRETRAIN, REPO, digests, reference_run, torchrun, SLOW_MEGATRON
+from _mgt_launch import PRETRAIN, REFERENCE_LAUNCHER, REPO, digests, reference_run, torchrun, SLOW_MEGATRON
 
 pytestmark = SLOW_MEGATRON
 
 WORKER = REPO / "tests" / "megatron" / "_recovery_worker.py"
+# The runs whose launcher is not what they test (the hand-driven worker, the resumed runs) start their 4 ranks
+# through mindio-run's fork server: one interpreter imports torch and megatron-core for all of them (~9 CPU-s
+# less than torchrun's 4 imports on this 2-core CI machine). The launcher changes no number
+# (test_pretrain_gpt.py::test_runs_under_mindio_run). The runs whose controller sits in rank 0 under
+# torchrun (and whose "exitcode  : 75" is torchrun's summary) stay under torchrun.
+LAUNCH = REFERENCE_LAUNCHER
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +33,7 @@ def reference_digest():
 
 @pytest.mark.timeout(200)
 def test_repair_from_replica_is_bitwise(reference_digest):
-    out = torchrun(WORKER, ["repair", 12, 6], timeout=150)
+    out = torchrun(WORKER, ["repair", 12, 6], timeout=150, launcher=LAUNCH)
     assert out.count("repaired") == 4
     assert digests(out)[-1] == reference_digest
 
@@ -38,7 +44,7 @@ def test_dump_then_load_is_bitwise(reference_digest, tmp_path, scenario):
     """``rebuiltdump``: the dump comes after a rebuild whose rollback never ran (a flow that failed after
     rebuilding falls back to a dump): the rebuilt model's params are not the trained ones."""
     ckpt = tmp_path / "dump"
-    out = torchrun(WORKER, [scenario, 12, 6, ckpt], timeout=150)
+    out = torchrun(WORKER, [scenario, 12, 6, ckpt], timeout=150, launcher=LAUNCH)
     assert "dumped step 6" in out
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     # Megatron's torch_dist layout; only the two dumping ranks (one per shard) wrote data
@@ -46,7 +52,7 @@ def test_dump_then_load_is_bitwise(reference_digest, tmp_path, scenario):
         ".metadata", "__0.mindio.json", "__0_0.distcp", "__3.mindio.json", "__3_0.distcp", "common.pt",
         "metadata.json"]
     resumed = torchrun(PRETRAIN, ["--use-distributed-optimizer", "--replica-cnt", 2,
-                                  "--train-iters", 12, "--load", ckpt], timeout=150)
+                                  "--train-iters", 12, "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest
 
@@ -69,7 +75,7 @@ def test_controller_dump_after_fault_loads_bitwise(reference_digest, tmp_path):
                        timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
-    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150)
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest
 
@@ -78,7 +84,7 @@ def test_controller_dump_after_fault_loads_bitwise(reference_digest, tmp_path):
 def test_no_replica_falls_back_to_periodic_checkpoint(tmp_path):
     """R=1: nothing to repair from; every rank loads the step-4 checkpoint and rolls back to it."""
     reference = digests(reference_run(WORKER, ["none", 12], timeout=150, env={"REPLICAS": "1"}))[-1]
-    out = torchrun(WORKER, ["loadckpt", 12, 6, tmp_path / "ckpt"], timeout=150)
+    out = torchrun(WORKER, ["loadckpt", 12, 6, tmp_path / "ckpt"], timeout=150, launcher=LAUNCH)
     assert out.count("reloaded at iteration 4") == 4
     assert digests(out)[-1] == reference
 
@@ -96,5 +102,5 @@ def test_controller_dump_tp2_dp2_loads_bitwise(tmp_path):
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
     # DP groups {0, 2} and {1, 3}: rank 1 failed, so ranks 0 and 3 hold a usable copy of every shard
     assert sorted(p.name for p in (ckpt / "iter_0000005").glob("*.distcp")) == ["__0_0.distcp", "__3_0.distcp"]
-    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150)
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert digests(resumed)[-1] == reference

@@ -95,9 +95,11 @@ class Job:
 
     def wait(self, timeout: float, poll=None) -> List[Optional[int]]:
         deadline = time.monotonic() + timeout
+        self.timed_out = None
         try:
             while any(p.poll() is None for _, p in self.procs):
                 if time.monotonic() > deadline:
+                    self.timed_out = timeout  # the peer hung: killed here, at this run's bound
                     break
                 if poll:
                     with self.lock:
@@ -159,7 +161,7 @@ def peer_run(ft: str, a, work: Path, settings: str = "default", inject: Optional
             lighthouse.kill()
             lighthouse.wait()
         del store
-    return {"codes": codes, "records": job.records, "tail": job.raw[-30:]}
+    return {"codes": codes, "records": job.records, "tail": job.raw[-30:], "timed_out": job.timed_out}
 
 
 class _Stopper:
@@ -212,7 +214,19 @@ def drill_figures(run: dict) -> dict:
     out["ok"] = all(survivors) and firsts[rank] is not None
     if not out["ok"]:
         out["error"] = "not every rank committed a step after the fault"
+    out["ended"] = how_it_ended(run, out["digests_equal"])
     return out
+
+
+def how_it_ended(run: dict, digests_equal: bool) -> str:
+    """"clean" (every process exited 0, final states equal), else what went wrong after the recovery that
+    the drill's times measure: the table marks such a figure (a peer that recovered, then hung, still
+    recovered in that time; the reader must see that it did not end well)."""
+    if run.get("timed_out"):
+        return f"hung: killed at this run's {run['timed_out']:g} s bound, final states not all written"
+    if any(c != 0 for c in run["codes"]):
+        return f"exit codes {run['codes']}"
+    return "clean" if digests_equal else "final states differ"
 
 
 def steady_ms(run: dict, warmup: int) -> Optional[List[float]]:
@@ -233,7 +247,8 @@ def rows(res: dict) -> List[tuple]:
 
     out = []
     def peer(r, key):
-        return r.get(key, FAILED) if r else None
+        return Marked(r[key], r["ended"]) if r and key in r and r.get("ended", "clean") != "clean" \
+            else r.get(key, FAILED) if r else None
 
     for st in ("default", "tuned"):
         k = pr.get(f"torchft-kill-{st}", {})
@@ -262,16 +277,34 @@ def rows(res: dict) -> List[tuple]:
     return out
 
 
+class Marked(float):
+    """A peer's figure from a run that did not end cleanly (``ended`` says how): shown with a mark and a
+    footnote, never silently as if the run had gone well."""
+
+    def __new__(cls, value, ended):
+        obj = super().__new__(cls, value)
+        obj.ended = ended
+        return obj
+
+
 def table(res: dict) -> str:
+    notes: List[str] = []
+
     def fig(x, unit):
-        return ("not run" if x is None else "FAILED" if x is FAILED else f"{x:.2f} s" if unit == "s"
+        text = ("not run" if x is None else "FAILED" if x is FAILED else f"{x:.2f} s" if unit == "s"
                 else f"x{x:.3f}")
+        if isinstance(x, Marked):
+            if x.ended not in notes:
+                notes.append(x.ended)
+            text += "*" * (notes.index(x.ended) + 1)
+        return text
 
     out = [f"{'drill':14} {'figure':34} {'mindio':37} {'peer (settings)':34} {'mindio/peer':>11}"]
     for d, f, ms, mv, ps, pv, unit in rows(res):
         known = all(isinstance(x, (int, float)) for x in (mv, pv)) and pv
         ratio = f"{mv / pv:.2f}" if known else "-"
         out.append(f"{d:14} {f:34} {fig(mv, unit) + ' ' + ms:37} {fig(pv, unit) + ' ' + ps:34} {ratio:>11}")
+    out += [f"{'*' * (i + 1)} that run recovered in this time, then: {n}" for i, n in enumerate(notes)]
     return "\n".join(out)
 
 

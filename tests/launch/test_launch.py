@@ -229,13 +229,17 @@ def test_standby_agent_replaces_a_lost_node(job):
     assert res["r1-rank0.json"]["sum"] == 1.0
 
 
-def _lose_node_1(start, results, common, env):
-    """Start nodes 0 and 1, wait until node 1's worker trains, SIGKILL node 1's agent (the node dies)."""
-    a0 = start(*common, "--node-rank", "0", env=env)
+def _lose_node_1(start, results, common, env, node0=()):
+    """Start nodes 1 and 0 (``node0``: flags of node 0's agent only), wait until node 1's worker trains,
+    SIGKILL node 1's agent (the node dies). Node 1 starts first: node 0's first join then waits for an
+    agent that is already up, so a short ``join_timeout`` of node 0 bounds the wait for the lost node,
+    not the two agents' start-up on a loaded machine. A launcher that exits before round 0 trains fails
+    the test at once with its output; otherwise the test's timeout bounds the start."""
     a1 = start(*common, "--node-rank", "1", env=env)
-    deadline = time.monotonic() + 60
+    a0 = start(*common, "--node-rank", "0", *node0, env=env)
     while "r0-rank1.json" not in results():
-        assert time.monotonic() < deadline, "round 0 never started"
+        for name, a in (("node 0", a0), ("node 1", a1)):
+            assert a.poll() is None, f"{name}'s launcher exited before round 0 trained: " + a.communicate()[0]
         time.sleep(0.2)
     a1.send_signal(signal.SIGKILL)
     a1.sent = {"launcher": "SIGKILL"}
@@ -288,9 +292,8 @@ def test_a_lost_node_with_no_spare_ends_the_job_at_the_join_timeout(job):
     waited for, how many spares joined and which knob sets the bound."""
     start, results = job
     port = str(_free_port())
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", port, "--max-restarts", "1",
-              "--rdzv-conf", "join_timeout=20"]
-    a0, a1 = _lose_node_1(start, results, common, {"STEPS": "40"})
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", port, "--max-restarts", "1"]
+    a0, a1 = _lose_node_1(start, results, common, {"STEPS": "40"}, node0=("--rdzv-conf", "join_timeout=20"))
     t0 = time.monotonic()
     out0, _ = a0.communicate(timeout=90)
     a1.communicate(timeout=10)

@@ -26,7 +26,10 @@ def test_kill_drill_times_survivors_and_the_replaced_rank_from_the_fault():
     recs += [{"event": "digest", "rank": r, "sha": "abc", "t": 40.0} for r in range(4)]
     fig = ra.drill_figures({"records": recs, "codes": [0, 0, 0, 0]})
     assert fig["ok"] and fig["survivors_s"] == 5.7 and fig["back_s"] == 20.0 and fig["steps_lost"] == 0
-    assert fig["digests_equal"] and fig["back_participants"] == 4
+    assert fig["digests_equal"] and fig["back_participants"] == 4 and fig["ended"] == "clean"
+    hung = ra.drill_figures({"records": recs[:-1], "codes": [-9], "timed_out": 900.0})
+    assert hung["ok"] and hung["back_s"] == 20.0 and not hung["digests_equal"]  # recovered, then hung
+    assert hung["ended"] == "hung: killed at this run's 900 s bound, final states not all written"
 
 
 def test_a_rollback_counts_the_steps_run_again_and_a_missing_rank_is_an_error():
@@ -63,3 +66,16 @@ def test_table_has_every_comparison_and_the_ratio_mindio_over_peer():
     assert "x1.040" in steady and "x1.300" in steady and steady.split()[-1] == "0.80"
     retry = [line for line in text.splitlines() if "retry" in line and "tuned" in line][0]
     assert retry.split()[-1] == "-"  # retry failed: no figure, no ratio
+
+
+def test_a_peer_that_recovered_then_hung_is_marked_in_the_table():
+    """Seen at 1g (2026-11-26): NVRx tuned brought every rank back in 15.9 s, then all 4 ranks hung in
+    its store barrier until the run's bound killed them; the figure stays, marked, with the reason."""
+    res = {"recovery": {"retry": {"ok": True, "recovery_s": 16.5}},
+           "peers": {"nvrx-raise-tuned": {"ok": True, "back_s": 15.92,
+                                          "ended": "hung: killed at this run's 900 s bound, final states not all written"}}}
+    text = ra.table(res)
+    retry = [line for line in text.splitlines() if "retry" in line and "tuned" in line][0]
+    assert "15.92 s* NVRx in-process tuned" in retry and retry.split()[-1] == "1.04"
+    assert text.splitlines()[-1] == ("* that run recovered in this time, then: hung: killed at this run's "
+                                     "900 s bound, final states not all written")

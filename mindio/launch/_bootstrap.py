@@ -57,15 +57,19 @@ def _die_with_parent(parent: int | None = None) -> None:
         os._exit(1)
 
 
-def top_level_imports(path: str) -> list[str]:
-    """Module names imported at the top level of ``path`` (not inside functions or __main__ blocks)."""
+def _top_level(path: str) -> list:
+    """The top-level statements of the script at ``path`` (parsed, not run); [] if it cannot be read."""
     try:
         with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
+            return ast.parse(f.read(), filename=path).body
     except (OSError, SyntaxError, ValueError):
         return []
+
+
+def top_level_imports(path: str) -> list[str]:
+    """Module names imported at the top level of ``path`` (not inside functions or __main__ blocks)."""
     names: list[str] = []
-    for node in tree.body:
+    for node in _top_level(path):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -77,12 +81,7 @@ def submodule_imports(path: str) -> list[str]:
     """``X.Y`` for each name ``Y`` of a top-level ``from X import Y`` in ``path``: ``Y`` may be a submodule
     that importing ``X`` alone does not import (``from mindio import megatron as mio``, as docs/megatron.md
     writes it, imports megatron-core)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
-        return []
-    return [f"{node.module}.{alias.name}" for node in tree.body
+    return [f"{node.module}.{alias.name}" for node in _top_level(path)
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
             for alias in node.names if alias.name != "*"]
 

@@ -16,6 +16,9 @@ toys. Under mindio-run the argument reaches every worker, a replacement or a bac
   stop reached them (a stop that catches the ranks on both sides of their fence, deterministically).
 * ``fail_repair``: the repair source's repair handler ``raise``\\ s or ``kill``\\ s itself (a second fault
   during the recovery).
+* ``fail_save``: ranks whose save handler (the dump's ``save``) raises, as a rank that cannot write holds
+  no trained state to write (mindio.megatron refuses on a replacement process or a UCE rank) or has a
+  failing disk: the controller must take another holder of the shard.
 * ``replacement_fails``: a replacement process (``tft_is_reboot_node()``; the recover toy) exits at
   ``start`` (before its init_process_group) or once ``joined`` (right after it).
 * the toy's registration: ``enable_uce`` (False: the processor refuses step retry), ``enable_arf``
@@ -53,6 +56,7 @@ class FaultPlan:
     fence_step: int = -1
     freeze_s: float = 0.0
     fail_repair: str = ""         # "", "raise", "kill"
+    fail_save: tuple = ()         # ranks whose save handler raises
     replacement_fails: str = ""   # "", "start", "joined"
     enable_uce: bool = True
     enable_arf: bool = False
@@ -79,6 +83,7 @@ class FaultPlan:
             raise ValueError(f"unknown keys in the fault plan: {sorted(unknown)}")
         d["faults"] = tuple(Fault(**f) if isinstance(f, dict) else Fault(*f) for f in d.get("faults", ()))
         d["fenced_late"] = tuple(d.get("fenced_late", ()))
+        d["fail_save"] = tuple(d.get("fail_save", ()))
         return cls(**d)
 
     def tuples(self) -> list:

@@ -19,7 +19,12 @@ copy, exit 76 and nothing is saved (the last periodic checkpoint stays the lates
 one line saying which, and exits 75 (dump) or 1.
 
 Until armed, a backup never takes over (``takeover_quorum`` above the world size): a primary that is
-only stalled, or the backup's own link trouble, is no loss of node 0. A backup armed in a partition
+only stalled, or the backup's own link trouble, is no loss of node 0. Ranks whose links failed over to
+it meanwhile (node 0 stalled longer than their bound) stay registered with it, but its acks say it is
+passive, so each link keeps a HELLO pending at the primary and goes back the moment it answers
+(mindio/ttp/wire/home.py); the backup forgets ranks it no longer hears. A rank that fails over before
+the backup is armed is therefore counted like one that fails over after: the primary being gone, it
+never goes back. A backup armed in a partition
 (node 0 alive but unreachable from node 1) acts too: both sides may then dump the same step (see
 docs/recovery.md, "Node 0").
 

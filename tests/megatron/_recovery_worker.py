@@ -7,10 +7,12 @@ would, on a 4-rank gloo job (DP=4, two replicas of each optimizer shard).
                                              rebuild groups, repair from rank 3, rollback; go on
     _recovery_worker.py dump   ITERS STEP DIR  at STEP ranks 0 and 3 dump (one per shard), rank 0
                                              renames; then exit (the test resumes with --load)
-    _recovery_worker.py rebuiltdump ITERS STEP DIR  at STEP every rank stops, cleans and rebuilds its
-                                             groups and model on a new world (no repair, no rollback:
-                                             a flow that failed after its rebuild); then the dump
-                                             above (the test resumes with --load)
+    _recovery_worker.py rebuiltdump ITERS STEP DIR  at STEP every rank stops, cleans (rank 1 as a UCE
+                                             rank: no state dict kept) and rebuilds its groups and
+                                             model on a new world (no repair, no rollback: a flow that
+                                             failed after its rebuild); rank 1, asked to dump, refuses
+                                             and writes nothing; then the dump above (the test
+                                             resumes with --load)
     _recovery_worker.py loadckpt ITERS STEP DIR  no replicas (R=1); periodic checkpoint every 4
                                              steps; at STEP rank 1's state is destroyed and every
                                              rank falls back to the checkpoint (RT_LOAD_CKPT)
@@ -97,9 +99,15 @@ def main():
     elif scenario in ("dump", "rebuiltdump"):
         if scenario == "rebuiltdump":  # the rebuilt model's weights are not drawn (restore_build.py)
             adapter.stop()
-            assert adapter.clean(is_uce_error=False) == 0
+            assert adapter.clean(is_uce_error=(rank == 1)) == 0  # a UCE rank keeps no state dict to dump
             new_world(1)
             adapter.rebuild_groups([])
+            if rank == 1:  # its params are not the trained ones and it has nothing else: it must refuse
+                try:
+                    adapter.save(step, [{"type": 0, "ranks": [1, 2]}])
+                    print("rank 1 wrote a dump from a rebuilt model", flush=True)
+                except RuntimeError as exc:
+                    print(f"rank 1 refused: {exc}", flush=True)
         adapter.save(step, [{"type": 0, "ranks": [0, 3]}])
         dist.barrier()
         if rank == 0:

@@ -11,6 +11,8 @@ DP=4, two replicas per shard). Every scenario must end bit-identical to an unint
   format), rank 0 renames; ``pretrain_gpt.py --load`` continues from it to 12.
 """
 
+import re
+
 import pytest
 
 from _mgt_launch import PRETRAIN, REFERENCE_LAUNCHER, REPO, digests, reference_run, torchrun, SLOW_MEGATRON
@@ -24,6 +26,8 @@ WORKER = REPO / "tests" / "megatron" / "_recovery_worker.py"
 # (test_pretrain_gpt.py::test_runs_under_mindio_run). The runs whose controller sits in rank 0 under
 # torchrun (and whose "exitcode  : 75" is torchrun's summary) stay under torchrun.
 LAUNCH = REFERENCE_LAUNCHER
+FAULTY = REPO / "tests" / "megatron" / "_faulty_handlers.py"
+EXITCODES = re.compile(r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +46,15 @@ def test_repair_from_replica_is_bitwise(reference_digest):
 @pytest.mark.parametrize("scenario", ["dump", "rebuiltdump"])
 def test_dump_then_load_is_bitwise(reference_digest, tmp_path, scenario):
     """``rebuiltdump``: the dump comes after a rebuild whose rollback never ran (a flow that failed after
-    rebuilding falls back to a dump): the rebuilt model's params are not the trained ones."""
+    rebuilding falls back to a dump): the rebuilt model's params are not the trained ones. Rank 1 was cleaned
+    as a UCE rank (no state dict kept): asked to dump, it refuses with an error saying another holder must
+    write its shard, and writes nothing (the controller then takes that holder: tests/ttp/test_dump_e2e.py)."""
     ckpt = tmp_path / "dump"
     out = torchrun(WORKER, [scenario, 12, 6, ckpt], timeout=150, launcher=LAUNCH)
     assert "dumped step 6" in out
+    if scenario == "rebuiltdump":
+        assert ("rank 1 refused: dump of step 6: rank 1's model was built again (rebuild) and not rolled back"
+                in out and "another holder of its shard must write it" in out), out[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     # Megatron's torch_dist layout; only the two dumping ranks (one per shard) wrote data
     assert sorted(p.name for p in (ckpt / "iter_0000006").iterdir()) == [
@@ -76,6 +85,28 @@ def test_controller_dump_after_fault_loads_bitwise(reference_digest, tmp_path):
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150, launcher=LAUNCH)
+    assert "loaded checkpoint iteration 6" in resumed
+    assert digests(resumed)[-1] == reference_digest
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _ttp_available(), reason="mindio.ttp is not available")
+def test_a_dump_writer_that_fails_is_replaced_by_its_replica(reference_digest, tmp_path):
+    """Rank 1 raises at step 7: the controller picks ranks 0 and 3 to dump step 6, but rank 0's save raises
+    (_faulty_handlers.py: as a rank with no trained state refuses, or a failing disk): the controller saves
+    again by rank 0's replica, rank 2, and rank 3. Every rank exits 75, the dump holds the pieces of ranks 2
+    and 3 only and a --load relaunch from it ends bitwise equal to the uninterrupted run."""
+    ckpt = tmp_path / "ha"
+    common = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", 12]
+    rc, out = torchrun(FAULTY, common + ["--save", ckpt, "--inject", "raise:rank=1,step=7"], timeout=150,
+                       env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60", "FAULTY_HANDLERS": "save@0"}, check=False)
+    codes = {int(r): int(c) for r, c in EXITCODES.findall(out)}  # torchrun's failure summary
+    assert rc != 0 and codes == {0: 75, 1: 75, 2: 75, 3: 75}, (codes, out[-4000:])
+    assert "ranks [0] could not write their shards; their replicas write instead (new writers [2, 3])" in out
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    assert sorted(p.name for p in (ckpt / "iter_0000006").glob("__*")) == [
+        "__2.mindio.json", "__2_0.distcp", "__3.mindio.json", "__3_0.distcp"]
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest
 

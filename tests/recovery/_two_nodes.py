@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from mindio._ports import free_port
@@ -21,10 +22,13 @@ def _agent(cmd: list, env: dict) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def two_nodes(out, toy_args: list, strategies: str, env: dict, wait_for: str, timeout: float = 150):
+def two_nodes(out, toy_args: list, strategies: str, env: dict, wait_for: str, timeout: float = 150, during=None):
     """Start node 0's then node 1's agent, wait up to ``timeout`` s for ``wait_for`` ("node0" or "node1")
     to end (else kill both and fail: a hang), then SIGKILL whatever is left of the other (a frozen or
-    killed node: the test's own doing). Returns ({name: exit code}, {name: output}, events)."""
+    killed node: the test's own doing). ``wait_for="both"``: both must end by themselves within
+    ``timeout``. ``during(procs, events_path, outs)`` runs in a thread meanwhile (a fault the test makes;
+    ``outs``: {name: the lines of output read so far}).
+    Returns ({name: exit code}, {name: output}, events)."""
     out.mkdir()
     events = out / "events.jsonl"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
@@ -35,22 +39,34 @@ def two_nodes(out, toy_args: list, strategies: str, env: dict, wait_for: str, ti
     procs = {"node0": _agent(common + ["--node-rank", "0"] + tail, env)}
     time.sleep(0.3)
     procs["node1"] = _agent(common + ["--node-rank", "1"] + tail, env)
-    main = procs[wait_for]
-    texts = {}
+    outs = {name: [] for name in procs}  # both pipes drained meanwhile: a full pipe would stall an agent
+    readers = [threading.Thread(target=lambda p=p, o=outs[name]: o.extend(p.stdout), daemon=True)
+               for name, p in procs.items()]
+    for t in readers:
+        t.start()
+    if during is not None:
+        threading.Thread(target=during, args=(procs, events, outs), daemon=True).start()
+    waited = list(procs) if wait_for == "both" else [wait_for]
+    end, hung = time.monotonic() + timeout, ""
     try:
-        texts[wait_for], _ = main.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(main.pid, signal.SIGKILL)
-        text, _ = main.communicate()
-        raise AssertionError(f"{wait_for} did not end within {timeout:g} s (a hang):\n{text[-6000:]}")
+        for name in waited:
+            try:
+                procs[name].wait(timeout=max(1.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung = name
+                break
     finally:
         for name, p in procs.items():
-            if p.poll() is None or p is not main:
+            if p.poll() is None or name not in waited or hung:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            if name not in texts:
-                texts[name], _ = p.communicate()
+            p.wait()
+        for t in readers:
+            t.join(timeout=30)  # the pipes close with the process groups just ended
+    texts = {name: "".join(o) for name, o in outs.items()}
+    if hung:
+        raise AssertionError(f"{hung} did not end within {timeout:g} s (a hang):\n{texts[hung][-6000:]}")
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
     return {n: p.returncode for n, p in procs.items()}, texts, evs

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from _mgt_launch import PRETRAIN, digests, ha_reference, losses, torchrun, SLOW_MEGATRON  # noqa: E402
+from _mgt_launch import (PRETRAIN, assert_relaunch_reproduces, digests, ha_reference, losses, torchrun,  # noqa: E402
+                         SLOW_MEGATRON)
 from test_recover_node import run_nodes  # noqa: E402
 
 from tests._faultplan import FaultPlan  # noqa: E402
@@ -25,6 +26,7 @@ from tests._faultplan import FaultPlan  # noqa: E402
 pytestmark = SLOW_MEGATRON
 
 ITERS = 10
+FAULTY = Path(__file__).resolve().parents[1] / "megatron" / "_faulty_handlers.py"
 BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump", "--train-iters", ITERS,
         "--seed", 1234]
 LAUNCH = "mindio.launch.cli"
@@ -88,3 +90,44 @@ def test_megatron_recover_node_is_bitwise(tmp_path, layout, fault_free_run):
     print(f"\nmegatron {layout or 'dp4'}: kill node 1 -> every rank training again {resumed - fault_t:.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
     assert digests(out)[-1] == digests(ref)[-1]
+
+
+@pytest.mark.timeout(900)
+def test_dump_after_a_failed_recover_in_place_comes_from_the_replica_not_the_replacement(tmp_path, fault_free_run):
+    """recover-in-place that fails after the replacement's rebuild falls back to a dump, which must cover the
+    killed rank's shard from its replica: the replacement holds no trained state (its params are not set
+    until a rollback; mindio.megatron.checkpoint.save_dump refuses on it), the replica does (the state dict
+    its clean() kept at the fault). DP=4 R=2: rank 0 (shard 0, the lowest rank, the one that would write
+    common.pt and rename) is SIGKILLed at step 7; its replacement joins, rebuilds and parks; rank 2 -- rank
+    0's replica, the repair source -- has a repair handler that raises (_faulty_handlers.py), so the repair
+    fails, every rank is cleaned again and the controller dumps step 6 by ranks 1 and 2. Every process
+    exits as expected, the dump is complete, and a --load relaunch from it ends bitwise equal to the
+    fault-free run."""
+    ref = _reference(fault_free_run, [])
+    ckpt = tmp_path / "ckpt"
+    args = [a for a in BASE if a != "--no-dump"] + ["--save", ckpt, "--inject", "kill:rank=0,step=7"]
+    events = tmp_path / "run.jsonl"
+    code, out = torchrun(FAULTY, args, timeout=330, launcher=LAUNCH, check=False,
+                         env={"HIGH_AVAILABILITY": "recover-in-place,dump", "MINDIO_EVENT_LOG": str(events),
+                              "MINDIO_DRILL_DIR": str(tmp_path), "TTP_LOG_PATH": str(tmp_path / "logs"),
+                              "FAULTY_HANDLERS": "repair@2"})
+    evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    assert code == 75, out[-6000:]  # mindio-run: the job stopped with a last-words checkpoint
+    # every worker: the original rank 0 by the injected SIGKILL, then its replacement and ranks 1-3 by the
+    # controller's exit order (none stopped by the agent)
+    exits = [(e["dead_rank"], e["code"]) for e in evs if e["kind"] == "worker_exited"]
+    assert exits[:1] == [(0, -9)] and all(c == 75 for _r, c in exits[1:]), (exits, out[-6000:])
+    agent_log = "".join(p.read_text() for p in (tmp_path / "logs").glob("ttp_log.log*"))  # TTP_LOG_PATH, INFO
+    assert ("workers' exit codes: rank 0: exit code 75, rank 1: exit code 75, rank 2: exit code 75, "
+            "rank 3: exit code 75\n") in agent_log, out[-6000:]
+    assert [e["step_name"] for e in evs if e["kind"] == "recover_failed"] == ["repair"], out[-6000:]
+    assert ("recover-in-place", "dump") in [(e["src"], e["dst"]) for e in evs if e["kind"] == "fallback"]
+    assert not [e for e in evs if e["kind"] in ("recover_done", "dump_replanned", "dump_impossible")]
+    decision = next(e for e in evs if e["kind"] == "decision")
+    assert decision["lock_step"] == 6 and decision["save_info"] == [{"type": 0, "ranks": [1, 2]}], decision
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    # written by the replica of rank 0's shard (rank 2, with the model weights) and by rank 1, never by the
+    # replacement
+    pieces = sorted(p.name for p in (ckpt / "iter_0000006").glob("__*.mindio.json"))
+    assert pieces == ["__1.mindio.json", "__2.mindio.json"], pieces
+    assert_relaunch_reproduces(ckpt, 6, BASE, ref, tmp_path, ITERS)

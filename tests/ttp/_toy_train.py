@@ -182,6 +182,8 @@ class Trainer:
             self.helper.wait(10)
 
     def save(self, step, save_info, args, ctx):
+        if self.rank in self.args.plan.fail_save:
+            raise RuntimeError(f"fail_save: rank {self.rank} cannot write the dump (injected)")
         d = os.path.join(self.args.out, "ckpt", f"iter_{step:07d}.tmp")
         os.makedirs(d, exist_ok=True)
         assert self.it == step, (self.it, step)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from mindio.ttp import EXIT_CODE_DUMPED
+from mindio.ttp import EXIT_CODE_DUMPED, EXIT_CODE_FAULT
 from tests._faultplan import FaultPlan
 
 from ._harness import Job, assert_bitwise_equal, fault_free_state, final_state
@@ -73,3 +73,46 @@ def test_fault_dumps_and_relaunch_is_bitwise(baseline, tmp_path, kind, rank):
     job2 = Job(out2, args=["--steps", str(STEPS), "--resume", ckpt])
     assert job2.wait(120) == [0, 0, 0, 0], job2.tail()
     assert_bitwise_equal(final_state(out2, 4), baseline)
+
+
+@pytest.mark.timeout(200)
+def test_a_writer_that_cannot_write_is_replaced_by_its_replica(baseline, tmp_path):
+    """The rank the controller chose to write a shard refuses (its save handler raises: it holds no trained
+    state, a replacement process or a UCE rank, or its disk fails): the controller takes the next holder of
+    that shard, its replica, and the save runs again by the new writers; the dump is complete and a
+    relaunch from it is bitwise equal to the uninterrupted run (issue 16: never abandon the last copy)."""
+    out = str(tmp_path / "run")
+    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of(("raise-unknown", 1, FAULT_IT), fail_save=(0,)))
+    assert job.wait(120) == [EXIT_CODE_DUMPED] * 4, job.tail()
+    events = job.events()
+    assert _by_kind(events, "decision")[0]["save_info"] == [{"type": 0, "ranks": [0, 3]}]
+    replanned = _by_kind(events, "dump_replanned")
+    assert [(e["unable"], e["ranks"]) for e in replanned] == [([0], [2, 3])], replanned
+    ckpt = os.path.join(out, "ckpt")
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert int(f.read()) == FAULT_IT
+    assert sorted(os.listdir(os.path.join(ckpt, f"iter_{FAULT_IT:07d}"))) == ["shard0.pt", "shard1.pt"]
+
+    out2 = str(tmp_path / "resumed")
+    job2 = Job(out2, args=["--steps", str(STEPS), "--resume", ckpt])
+    assert job2.wait(120) == [0, 0, 0, 0], job2.tail()
+    assert_bitwise_equal(final_state(out2, 4), baseline)
+
+
+@pytest.mark.timeout(200)
+def test_no_holder_that_can_write_exits_76_naming_the_shard(tmp_path):
+    """Both holders of shard 0 (ranks 0 and 2) refuse to write: nothing is renamed "latest", every rank exits
+    76 and the controller's log names the shard and why each holder could not write it."""
+    out = str(tmp_path / "run")
+    job = Job(out, args=["--steps", str(STEPS)],
+              plan=FaultPlan.of(("raise-unknown", 1, FAULT_IT), fail_save=(0, 2)))
+    assert job.wait(120) == [EXIT_CODE_FAULT] * 4, job.tail()
+    assert not os.path.exists(os.path.join(out, "ckpt", "latest"))
+    with open(os.path.join(out, "rank0.log")) as f:  # the toy's controller runs in rank 0
+        log = f.read()
+    line = next((ln for ln in log.splitlines() if "no rank can write" in ln), "")
+    assert f"dump at step {FAULT_IT} impossible: no rank can write shard 0 of optimizer 0 (DP group [0, 1, 2, 3])" \
+        in line, log[-4000:]
+    assert "fail_save: rank 0 cannot write" in line and "fail_save: rank 2 cannot write" in line, line
+    assert [e["shards"] for e in _by_kind(job.events(), "dump_impossible")] == [
+        ["shard 0 of optimizer 0 (DP group [0, 1, 2, 3])"]]

@@ -79,6 +79,25 @@ def test_dump_plan_one_usable_rank_per_shard(cluster):
     assert plan.save_info == [{"type": 0, "ranks": sorted(chosen)}]
 
 
+@given(_cluster(), st.sets(st.integers(0, 15)))
+@settings(max_examples=300)
+def test_dump_plan_without_the_ranks_that_could_not_write(cluster, unable):
+    """A re-plan after some writers failed (dump.save): the same as the plan of a cluster where those ranks
+    are not usable -- the next usable holder of each shard, never a rank of ``unable``."""
+    views, lock, _d, _r = cluster
+    plan = policy.select_dump_ranks(views, lock, unable)
+    assert not set(plan.ranks) & unable
+    fenced = [RankView(v.rank, v.alive, v.faulty or v.rank in unable, v.step, v.data_status, v.replica)
+              for v in views]
+    assert plan == policy.select_dump_ranks(fenced, lock)
+
+
+def test_describe_shard():
+    assert policy.describe_shard((0, (0, 1, 2, 3), 1)) == "shard 1 of optimizer 0 (DP group [0, 1, 2, 3])"
+    assert policy.describe_shard((1, tuple(range(10)), 0)) == \
+        "shard 0 of optimizer 1 (DP group [0, 1, 2, 3, 4, 5, 6, 7, ...])"
+
+
 @given(_cluster())
 @settings(max_examples=200)
 def test_repair_sources_are_usable_replicas(cluster):

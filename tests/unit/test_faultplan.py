@@ -7,7 +7,7 @@ from tests._faultplan import Fault, FaultPlan
 
 def test_a_plan_reads_back_as_written():
     plan = FaultPlan.of(("raise-uce-update", 1, 7), ("kill", 2, 7), fenced_late=(0, 3), fence_step=7,
-                        fail_repair="raise", enable_uce=False, declared_replicas=1)
+                        fail_repair="raise", fail_save=(0, 2), enable_uce=False, declared_replicas=1)
     flag, text = plan.argv()
     assert flag == "--plan" and FaultPlan.loads(text) == plan
     assert plan.tuples() == [("raise-uce-update", 1, 7), ("kill", 2, 7)]

@@ -12,7 +12,8 @@ The incident flow (what happens after a fault) is in incident.py.
 Backups: a backup controller binds its own socket, announces itself to the primary (which advertises
 it to processors in every ack; only when the primary accepts backups, MINDIO_BACKUP_CONTROLLERS) and
 stays passive until the primary is silent *and* more than half of the ranks registered with it; then it
-drives the job.
+drives the job. While passive its acks say so: ranks that failed over to it go back to the primary as
+soon as it answers again (wire/home.py), and it forgets those it no longer hears (watch.py).
 
 Every frame belongs to a session (session.py): a connection speaks for a rank only after an
 authenticated REGISTER in a session this controller offered it, and a rank's route (where its ACTIONs
@@ -359,7 +360,8 @@ class Controller:
             return
         if s.role == "relay" and env.type is P.MsgType.REGISTER:
             self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
-                                                                             backups=list(self.backups))), ident)
+                                                                             backups=list(self.backups),
+                                                                             passive=not self.active)), ident)
             return
         self._dispatch(ident, env, relay=s.role == "relay")
 
@@ -455,18 +457,20 @@ class Controller:
             self.incidents.serve_dump_request()
         state = self.sm.state.value
         if unknown:
-            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups), unknown)),
-                            ident)
+            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups), unknown,
+                                                                                passive=not self.active)), ident)
         else:
             self._ack(ident, -1, state)
 
     def _ack(self, ident: bytes, rank: int, state: str) -> None:
         """Send the HEARTBEAT_ACK for ``rank``. The hot path of a large job is one beat and one ack per rank
         per interval; each ack has its own counter (session.py), but its body only changes with the state
-        or the backup list, so it is packed once per change."""
-        version = (state, tuple(self.backups))
+        or the backup list (or a backup's takeover), so it is packed once per change. A passive backup
+        says so (``passive``): the rank goes back to its primary once that answers (wire/home.py)."""
+        version = (state, tuple(self.backups), self.active)
         if self._ack_version != version:
-            self._ack_body = P.pack_body(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups))))
+            self._ack_body = P.pack_body(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(
+                state, list(self.backups), passive=not self.active)))
             self._ack_version = version
         self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, None, rank=rank), ident, body=self._ack_body)
 
@@ -498,7 +502,8 @@ class Controller:
             if self._poller is not None:
                 self.liveness.probe.watch(rank, body.pid, body.pidns, self._poller)
         self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
-                                                                         backups=list(self.backups)),
+                                                                         backups=list(self.backups),
+                                                                         passive=not self.active),
                                    rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
             self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
@@ -591,8 +596,12 @@ class Controller:
         _logging.event("backup_takeover", address=self.address, ranks=n)
         with self._lock:
             for rank in range(self.world_size):  # ranks that never come are declared dead by the sweep
-                if rank not in self.ranks:
+                rec = self.ranks.get(rank)
+                if rec is None:
                     self.ranks[rank] = _Rank(rank, b"", last_seen=now, registered=False)  # no route yet
+                    self.liveness.seen[rank] = None
+                elif not rec.registered and not rec.left and rec.alive:
+                    rec.last_seen = now  # was here once, went back to the primary (watch.Liveness._forget_gone)
                     self.liveness.seen[rank] = None
             for rank in [r for r, rec in self.ranks.items() if not rec.registered and not rec.replica]:
                 # its shard layout as its DP group's registered members know it (the dump plan needs it)

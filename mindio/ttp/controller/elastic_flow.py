@@ -232,7 +232,7 @@ class Elastic:
             views = [policy.RankView(r, True, False, lock, 0, tuple((self.layout or {}).get(r, ())))
                      for r in full]
             plan = policy.select_dump_ranks(views, lock)
-            if not plan.possible or not dump.save(self.ctl, lock, plan):
+            if not plan.possible or not dump.save(self.ctl, lock, plan, views):
                 _log.error("upgrade: the checkpoint after the scale-out failed (missing %s)", plan.missing[:4])
             else:
                 _logging.event("upgrade_dump", step=lock)

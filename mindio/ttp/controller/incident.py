@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ... import _knobs, _logging
-from . import policy, sequence
+from . import dump, policy, sequence
 from .brain import RankFault, fault_key, result_code
 from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
 from .states import Result, State
@@ -253,6 +253,8 @@ class IncidentFlow:
             _log.error("%s failed; falling back to %s (remaining %s)", strategy, left[0], left)
             self.mindx_call("report_result", int(result_code(left)), f"{strategy} failed", self.error_ranks(), strategy)
             _logging.event("fallback", src=strategy, dst=left[0])
+        if ctx.plan.missing and "dump" in enabled:
+            dump.no_writer(ctx.views, lock, ctx.plan.missing)
         self.ctl.sm.fire(Result.FAIL if self.ctl.sm.state is State.DUMP else Result.EXIT,
                          reason="no dump possible" if ctx.plan.missing else "exit chosen")
         self.exit(EXIT_CODE_FAULT)

@@ -1,7 +1,8 @@
 """Pure decisions of the controller: no I/O, no clocks, no globals; property-tested with hypothesis.
 
 * :func:`classify` -- an exception message -> :class:`ReportState` (first match wins).
-* :func:`shard_key`, :func:`select_dump_ranks` -- one usable rank per optimizer shard saves the dump.
+* :func:`shard_key`, :func:`select_dump_ranks` -- one usable rank per optimizer shard saves the dump
+  (not one of the ranks that already failed to write it: the next holder); :func:`describe_shard`.
 * :func:`select_repair_sources` -- a usable replica for every rank to repair (used by retry/recover).
 * :func:`choose_lock_step`, :func:`stale_ranks` -- the step every rank goes back to, and the healthy
   ranks whose state is at another step (a stop that reached the ranks on both sides of their fence);
@@ -26,8 +27,8 @@ from .._enums import OsStatus, ReportState
 __all__ = [
     "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "INCIDENT_SECONDARY_PATTERNS", "classify",
     "secondary_in_incident", "is_primary", "can_do_uce_repair", "RankView",
-    "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "select_repair_sources",
-    "choose_lock_step", "stale_ranks", "ranks_to_advance",
+    "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "describe_shard",
+    "select_repair_sources", "choose_lock_step", "stale_ranks", "ranks_to_advance",
     "STRATEGY_ORDER", "strategies_of", "Incident", "feasible_strategies", "find_hung_ranks",
 ]
 
@@ -169,15 +170,16 @@ class DumpPlan:
         return not self.missing and bool(self.ranks)
 
 
-def select_dump_ranks(views: Iterable[RankView], lock_step: int) -> DumpPlan:
-    """For every optimizer shard, the lowest usable rank that holds it."""
-    views = list(views)
+def select_dump_ranks(views: Iterable[RankView], lock_step: int, unable: Iterable[int] = ()) -> DumpPlan:
+    """For every optimizer shard, the lowest usable rank that holds it, except the ranks of ``unable``
+    (they failed to write this dump: another holder of their shards, a replica, writes instead)."""
+    views, unable = list(views), set(unable)
     members: dict[tuple, list[int]] = {}
     memo: dict = {}
     for v in views:
         for key in shards_of(v, memo):
             members.setdefault(key, [])
-            if usable(v, lock_step):
+            if usable(v, lock_step) and v.rank not in unable:
                 members[key].append(v.rank)
     chosen: dict[int, set] = {}
     missing = []
@@ -190,6 +192,13 @@ def select_dump_ranks(views: Iterable[RankView], lock_step: int) -> DumpPlan:
     save_info = [{"type": t, "ranks": sorted(chosen.get(t, ()))} for t in types]
     every = tuple(sorted(set().union(*chosen.values()))) if chosen else ()
     return DumpPlan(save_info=save_info, ranks=every, missing=tuple(missing))
+
+
+def describe_shard(key: tuple) -> str:
+    """A shard key (:func:`shard_key`) for a log line: 'shard 1 of optimizer 0 (DP group [0, 1, 2, 3])'."""
+    t, group, index = key
+    shown = ", ".join(map(str, group[:8])) + (", ..." if len(group) > 8 else "")
+    return f"shard {index} of optimizer {t} (DP group [{shown}])"
 
 
 def select_repair_sources(views: Iterable[RankView], lock_step: int, targets: Iterable[int]) -> dict:

@@ -72,6 +72,7 @@ class Liveness:
     def sweep(self, now: float, check_hang: bool) -> None:
         ctl = self.ctl
         if not ctl.active:
+            self._forget_gone(now)
             link = ctl._primary_link
             n = ctl._registered
             # more than half of the ranks, or the launcher's quorum (mindio/launch/backup.py: node 0 lost)
@@ -121,6 +122,34 @@ class Liveness:
                     self.ctl.ranks[rank].alive = False
                     self.ctl.ranks[rank].faulty = True
                 self.ctl.incidents.open(rank, None)
+
+    def _forget_gone(self, now: float) -> None:
+        """(I/O thread, a passive backup) Ranks registered here -- their links failed over to us -- that
+        have not been heard for ``misses * interval`` s went back to the primary once it answered again
+        (wire/home.py), or died: they no longer count towards a takeover, their sessions end and their held
+        reports are dropped (the primary has them). If this backup takes over later, it waits for them
+        again and the sweep declares dead those that never come (``Controller._take_over``)."""
+        ctl, limit, gone = self.ctl, self.ctl.misses * self.ctl.interval, []
+        with ctl._cond:
+            while self.seen:
+                r = ctl.ranks[next(iter(self.seen))]
+                if now - r.last_seen <= limit:
+                    break
+                self.seen.popitem(last=False)
+                if r.registered:
+                    r.registered = False
+                    ctl._registered -= 1
+                    if r.ident:
+                        ctl.sessions.close(r.ident)
+                    r.ident = b""
+                    gone.append(r.rank)
+            if gone:
+                ctl._held_reports = [h for h in ctl._held_reports if h[0] not in gone]
+        if gone:
+            _log.info("passive backup: rank(s) %s not heard for %.1f s (MINDIO_HEARTBEAT_MISSES x "
+                      "MINDIO_HEARTBEAT_INTERVAL): back with the primary, or gone; no longer counted for a takeover",
+                      gone[:16], limit)
+            _logging.event("backup_forgot", ranks=gone[:64])
 
     def _starved(self, r, now: float) -> bool:
         """Is silent rank ``r`` only starved of CPU? Its process runs on this host and is alive and not

@@ -82,6 +82,7 @@ class RegisterAck:
     gen: int
     interval: float
     backups: list = field(default_factory=list)   # addresses to fail over to, in order
+    passive: bool = False                         # a backup that has not taken over: go back to the primary
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class HeartbeatAck:
     state: str = ""                               # "UNKNOWN": the controller does not know this rank
     backups: list = field(default_factory=list)   # current backup controller addresses
     unknown: list = field(default_factory=list)   # answer to BEATS: ranks the controller does not know
+    passive: bool = False                         # a backup that has not taken over: go back to the primary
 
 
 @dataclass(frozen=True)

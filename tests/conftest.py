@@ -67,6 +67,9 @@ _SHARE_A_REFERENCE = {
     "tests/recovery/test_recover_inplace.py": "toy-under-mindio-run",  # fault_free_digest
     "tests/recovery/test_recover_node.py": "toy-under-mindio-run",
     "tests/launch/test_launch_ha.py": "toy-under-mindio-run",
+    "tests/recovery/test_network_faults.py": "toy-under-mindio-run",
+    "tests/dropin/test_plain_loop.py": "plain-loop",  # reference (tests/dropin/test_plain_loop.py)
+    "tests/launch/test_preempt.py": "plain-loop",
     "tests/ttp/test_dump_e2e.py": "ttp-toy",  # fault_free_state (tests/ttp/_harness.py)
     "tests/ttp/test_negotiation_e2e.py": "ttp-toy",
     "tests/ttp/test_pause_e2e.py": "ttp-toy",

@@ -6,8 +6,9 @@ Protocol (agent -> bootstrap, on the bootstrap's stdin):
    environment (OMP_NUM_THREADS, MASTER_ADDR, ...). The bootstrap arranges to die with its agent
    (PR_SET_PDEATHSIG) and imports what is expensive and cannot depend on which rank it becomes:
    torch, torch.distributed, and those of the script's top-level imports (found by parsing the script
-   with ``ast``; nothing of the script runs) that belong to packages known not to read the rank
-   environment at import time (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``). The script's own
+   with ``ast``; nothing of the script runs; ``from X import Y``: ``X``, and ``X.Y`` where that is a
+   module) that belong to packages known not to read the rank environment at import time
+   (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``). The script's own
    modules are NOT imported here: a module that reads ``LOCAL_RANK`` at import time must see its
    rank's value, as under torchrun. This is the expensive part of a process start (~1-5 s) and happens
    *before* a rank needs it.
@@ -56,20 +57,33 @@ def _die_with_parent(parent: int | None = None) -> None:
         os._exit(1)
 
 
-def top_level_imports(path: str) -> list[str]:
-    """Module names imported at the top level of ``path`` (not inside functions or __main__ blocks)."""
+def _top_level(path: str) -> list:
+    """The top-level statements of the script at ``path`` (parsed, not run); [] if it cannot be read."""
     try:
         with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
+            return ast.parse(f.read(), filename=path).body
     except (OSError, SyntaxError, ValueError):
         return []
+
+
+def top_level_imports(path: str) -> list[str]:
+    """Module names imported at the top level of ``path`` (not inside functions or __main__ blocks)."""
     names: list[str] = []
-    for node in tree.body:
+    for node in _top_level(path):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
     return names
+
+
+def submodule_imports(path: str) -> list[str]:
+    """``X.Y`` for each name ``Y`` of a top-level ``from X import Y`` in ``path``: ``Y`` may be a submodule
+    that importing ``X`` alone does not import (``from mindio import megatron as mio``, as docs/megatron.md
+    writes it, imports megatron-core)."""
+    return [f"{node.module}.{alias.name}" for node in _top_level(path)
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+            for alias in node.names if alias.name != "*"]
 
 
 def preloadable(names, extra=()) -> list[str]:
@@ -86,6 +100,8 @@ def _preload(target: str, is_module: bool) -> list[str]:
     names = [] if is_module else top_level_imports(target)
     done = []
     wanted = preloadable(names, extra) + [n for n in extra if n not in names]
+    # then the submodules a ``from X import Y`` names (a Y that is no module fails to import: skipped below)
+    wanted += [n for n in preloadable([] if is_module else submodule_imports(target), extra) if n not in wanted]
     if any(n == "megatron" or n.startswith("megatron.") for n in wanted):
         try:  # first, with its torch.compile decorations deferred to their first call (mindio/_lazy_compile.py)
             from mindio._lazy_compile import import_megatron_core

@@ -11,7 +11,7 @@ import pytest
 
 from mindio.errors import ConfigError
 from mindio.launch import LaunchConfig, netif
-from mindio.launch._bootstrap import preloadable, top_level_imports
+from mindio.launch._bootstrap import _preload, preloadable, submodule_imports, top_level_imports
 from mindio.launch.cli import build_parser, parse_args
 
 
@@ -145,6 +145,17 @@ def test_warm_interpreters_import_only_what_cannot_read_the_rank(tmp_path):
     assert names == ["os", "json", "helper", "torch.distributed", "megatron.core", "mindio", "megatron.training"]
     assert preloadable(names) == ["torch.distributed", "megatron.core", "mindio"]
     assert preloadable(names, extra=("helper",)) == ["helper", "torch.distributed", "megatron.core", "mindio"]
+
+
+def test_warm_interpreters_import_the_submodules_a_from_import_names(tmp_path):
+    """``from mindio import megatron as mio`` (docs/megatron.md) imports megatron-core: a warm interpreter
+    preloads ``mindio.megatron``, not only ``mindio``; a name that is no module (a function) is skipped."""
+    s = tmp_path / "s.py"
+    s.write_text("from mindio import ttp as t\nfrom mindio.ttp import tft_init_processor\nfrom . import x\n"
+                 "from os import *\ndef f():\n    from mindio import secret\n")
+    assert submodule_imports(str(s)) == ["mindio.ttp", "mindio.ttp.tft_init_processor"]
+    done = _preload(str(s), is_module=False)  # torch and mindio.ttp: already imported by this process
+    assert "mindio.ttp" in done and "mindio.ttp.tft_init_processor" not in done, done
 
 
 def test_a_spare_is_kept_only_where_a_worker_can_start_again(script):

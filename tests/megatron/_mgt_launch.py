@@ -22,19 +22,24 @@ __all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "reference_run", "losses
            "layout_reference", "ha_reference"]
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def _kill_tree(proc) -> None:
     """SIGKILL the launcher and every descendant: torchrun starts its workers in their own
-    sessions, so killing the launcher's process group alone would leave them running."""
+    sessions, so killing the launcher's process group alone would leave them running. ``proc`` may also
+    be a process forked by a fork server (mindio.launch.forkserver.ForkedWorker): it shares the server's
+    process group, so it is killed alone (through its pidfd), then its descendants."""
     try:
         import psutil
 
         victims = psutil.Process(proc.pid).children(recursive=True)
     except Exception:  # psutil missing or the launcher already gone
         victims = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    if isinstance(proc, subprocess.Popen):  # started with start_new_session: its group is its own
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    else:
+        proc.kill()
     for v in victims:
         try:
             v.kill()

@@ -32,6 +32,7 @@ import pytest
 from _mgt_launch import (PRETRAIN, REPO, LAYOUT_ITERS, _kill_tree, free_port, layout_args, layout_reference,
                          losses, reference_run, assert_relaunch_reproduces, SLOW_MEGATRON)
 
+from mindio.launch import forkserver
 from tests._exits import check_codes, injected, sent_by_faults
 
 pytestmark = SLOW_MEGATRON
@@ -52,25 +53,44 @@ def _events(path: Path) -> list:
 def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys=(2, 3), script: Path = PRETRAIN,
                     env_extra=None) -> dict:
     """4 ranks of ``script`` started directly (torchrun would stop the survivors when rank 3 dies) + a
-    standby for each rank of ``standbys`` (the ranks the downgrade removes)."""
+    standby for each rank of ``standbys`` (the ranks the downgrade removes).
+
+    The ranks are forked by a fork server of mindio-run's (mindio/launch/forkserver.py), the standbys by
+    another: one interpreter per script imports torch and megatron-core (~3 CPU-s) instead of each of the
+    4-6 processes; each child then runs its script as ``__main__`` with its rank's environment, as
+    mindio-run starts its workers (tests/ttp/_harness.py does the same for the toy job). Where it cannot
+    fork, each process is exec'd as before."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "TTP_PORT": str(free_port()), "WORLD_SIZE": "4",
            "LOCAL_WORLD_SIZE": "4", "HIGH_AVAILABILITY": "elastic-training,dump", "MINDIO_ACP_IDLE_EXIT": "20",
            "MINDIO_EVENT_LOG": str(tmp / "events.jsonl"), "TTP_LOG_PATH": str(tmp / "logs"),
            "ELASTIC_TEST_GO": str(tmp / "go"), "MINDIO_DUMP_AFTER_UPGRADE": "1",
-           "MINDIO_DRILL_DIR": str(tmp), **(env_extra or {})}  # each --inject fault fires once per job
-    cmd = [sys.executable, "-W", "ignore"]
+           "MINDIO_DRILL_DIR": str(tmp), "PYTHONWARNINGS": "ignore",  # as python -W ignore
+           "MINDIO_PRELOAD": "mindio.megatron", **(env_extra or {})}  # each --inject fault fires once per job
+    servers: list = []
+
+    def start(target: Path, rank: int, name: str):
+        out = str(tmp / f"{name}.out")
+        server = next((s for s in servers if s.args[-1] == str(target)), None)
+        if server is None and not forkserver.unusable(env):
+            server = forkserver.ForkServer([str(target)], env)
+            servers.append(server)
+        rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+        worker = server and server.take({"env": rank_env, "argv": list(map(str, args)), "stdout": out,
+                                         "stderr": out})
+        if worker is None:  # no fork server, or it cannot fork here: exec the process
+            worker = subprocess.Popen([sys.executable, "-W", "ignore", str(target), *map(str, args)],
+                                      stdout=open(out, "w"), stderr=subprocess.STDOUT,
+                                      env={**env, **rank_env}, start_new_session=True)
+        return worker
+
     procs, sbs = [], []
-    for r in range(4):
-        procs.append(subprocess.Popen(cmd + [str(script), *map(str, args)], stdout=open(tmp / f"rank{r}.out", "w"),
-                                      stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                      start_new_session=True))
-    for r in standbys:
-        sbs.append(subprocess.Popen(cmd + [str(STANDBY), *map(str, args)],
-                                         stdout=open(tmp / f"standby{r}.out", "w"), stderr=subprocess.STDOUT,
-                                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, start_new_session=True))
-    end = time.monotonic() + timeout
     try:
+        for r in range(4):
+            procs.append(start(script, r, f"rank{r}"))
+        for r in standbys:
+            sbs.append(start(STANDBY, r, f"standby{r}"))
+        end = time.monotonic() + timeout
         while time.monotonic() < end:
             if not (tmp / "go").exists() and any(e["kind"] == "downgrade_done" for e in _events(tmp / "events.jsonl")):
                 (tmp / "go").touch()  # the removed ranks' resources are back: the standbys register
@@ -83,11 +103,19 @@ def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys=(2, 3)
         for p in procs + sbs:
             if p.poll() is None:
                 _kill_tree(p)
+        server_codes = [_close(s) for s in servers]
     out = (tmp / "rank0.out").read_text()
     check_codes([p.returncode for p in procs], sent_by_faults(injected(args)), context=out[-4000:])
     check_codes([p.returncode for p in sbs], what="standby", context=out[-4000:])
+    assert server_codes == [0] * len(servers), (server_codes, out[-4000:])  # they exit once their children did
     return {"rc": [p.returncode for p in procs], "standby_rc": [p.returncode for p in sbs],
             "out": out, "events": _events(tmp / "events.jsonl")}
+
+
+def _close(server) -> int:
+    """The fork server's exit code once every child it forked ended (it exits then; killed after 60 s)."""
+    server.close(60.0)
+    return server.proc.returncode
 
 
 @pytest.mark.timeout(1500)

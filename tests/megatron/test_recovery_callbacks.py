@@ -15,11 +15,17 @@ import re
 
 import pytest
 
-from _mgt_launch import PRETRAIN, REPO, digests, reference_run, torchrun, SLOW_MEGATRON
+from _mgt_launch import PRETRAIN, REFERENCE_LAUNCHER, REPO, digests, reference_run, torchrun, SLOW_MEGATRON
 
 pytestmark = SLOW_MEGATRON
 
 WORKER = REPO / "tests" / "megatron" / "_recovery_worker.py"
+# The runs whose launcher is not what they test (the hand-driven worker, the resumed runs) start their 4 ranks
+# through mindio-run's fork server: one interpreter imports torch and megatron-core for all of them (~9 CPU-s
+# less than torchrun's 4 imports on this 2-core CI machine). The launcher changes no number
+# (test_pretrain_gpt.py::test_runs_under_mindio_run). The runs whose controller sits in rank 0 under
+# torchrun (and whose "exitcode  : 75" is torchrun's summary) stay under torchrun.
+LAUNCH = REFERENCE_LAUNCHER
 FAULTY = REPO / "tests" / "megatron" / "_faulty_handlers.py"
 EXITCODES = re.compile(r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
@@ -31,7 +37,7 @@ def reference_digest():
 
 @pytest.mark.timeout(200)
 def test_repair_from_replica_is_bitwise(reference_digest):
-    out = torchrun(WORKER, ["repair", 12, 6], timeout=150)
+    out = torchrun(WORKER, ["repair", 12, 6], timeout=150, launcher=LAUNCH)
     assert out.count("repaired") == 4
     assert digests(out)[-1] == reference_digest
 
@@ -44,7 +50,7 @@ def test_dump_then_load_is_bitwise(reference_digest, tmp_path, scenario):
     as a UCE rank (no state dict kept): asked to dump, it refuses with an error saying another holder must
     write its shard, and writes nothing (the controller then takes that holder: tests/ttp/test_dump_e2e.py)."""
     ckpt = tmp_path / "dump"
-    out = torchrun(WORKER, [scenario, 12, 6, ckpt], timeout=150)
+    out = torchrun(WORKER, [scenario, 12, 6, ckpt], timeout=150, launcher=LAUNCH)
     assert "dumped step 6" in out
     if scenario == "rebuiltdump":
         assert ("rank 1 refused: dump of step 6: rank 1's model was built again (rebuild) and not rolled back"
@@ -55,7 +61,7 @@ def test_dump_then_load_is_bitwise(reference_digest, tmp_path, scenario):
         ".metadata", "__0.mindio.json", "__0_0.distcp", "__3.mindio.json", "__3_0.distcp", "common.pt",
         "metadata.json"]
     resumed = torchrun(PRETRAIN, ["--use-distributed-optimizer", "--replica-cnt", 2,
-                                  "--train-iters", 12, "--load", ckpt], timeout=150)
+                                  "--train-iters", 12, "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest
 
@@ -78,7 +84,7 @@ def test_controller_dump_after_fault_loads_bitwise(reference_digest, tmp_path):
                        timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
-    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150)
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest
 
@@ -109,7 +115,7 @@ def test_a_dump_writer_that_fails_is_replaced_by_its_replica(reference_digest, t
 def test_no_replica_falls_back_to_periodic_checkpoint(tmp_path):
     """R=1: nothing to repair from; every rank loads the step-4 checkpoint and rolls back to it."""
     reference = digests(reference_run(WORKER, ["none", 12], timeout=150, env={"REPLICAS": "1"}))[-1]
-    out = torchrun(WORKER, ["loadckpt", 12, 6, tmp_path / "ckpt"], timeout=150)
+    out = torchrun(WORKER, ["loadckpt", 12, 6, tmp_path / "ckpt"], timeout=150, launcher=LAUNCH)
     assert out.count("reloaded at iteration 4") == 4
     assert digests(out)[-1] == reference
 
@@ -127,5 +133,5 @@ def test_controller_dump_tp2_dp2_loads_bitwise(tmp_path):
     assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
     # DP groups {0, 2} and {1, 3}: rank 1 failed, so ranks 0 and 3 hold a usable copy of every shard
     assert sorted(p.name for p in (ckpt / "iter_0000005").glob("*.distcp")) == ["__0_0.distcp", "__3_0.distcp"]
-    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150)
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert digests(resumed)[-1] == reference

@@ -114,6 +114,10 @@ def test_other_host_or_namespace_is_not_watched():
     try:
         assert not probe.watch(0, child.pid, "other-boot-id/1", poller)   # another host: heartbeats only
         assert not probe.watch(1, os.getpid(), host_token(), poller)     # itself: never
+        # ...but a rank of this very process (a controller hosted by rank 0) is runnable while this runs:
+        # its silence is a starved link thread, never a death (elastic test under load 50: rank 0 was
+        # declared dead by heartbeat by the controller in its own process, 2026-11-26)
+        assert probe.runnable(1) == os.getpid() and probe.runnable(0) == 0 and probe.watched == 0
         assert probe.watch(2, child.pid, host_token(), poller) and probe.watched == 1
         assert probe.watch(2, child.pid, host_token(), poller) and probe.watched == 1  # re-register: replaced
         child.kill()
@@ -121,6 +125,8 @@ def test_other_host_or_namespace_is_not_watched():
         events = dict(poller.poll(2000))
         probe.on_events(events, 0.0, poller)
         assert probe.watched == 0 and probe.due(0.0) == [] and probe.due(PidProbe.GRACE) == [(2, child.pid)]
+        probe.unwatch(1, poller)
+        assert probe.runnable(1) == 0
     finally:
         if child.poll() is None:
             child.kill()

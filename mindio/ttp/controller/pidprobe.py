@@ -56,11 +56,17 @@ class PidProbe:
         self._fds: dict[int, tuple[int, int]] = {}   # fd -> (rank, pid)
         self._by_rank: dict[int, int] = {}           # rank -> fd
         self._exited: dict[int, tuple[int, float]] = {}  # rank -> (pid, when the exit was seen)
+        # ranks whose process is this one (a controller hosted by rank 0's process): alive and running
+        # whenever this code runs, whatever the pid probe's setting (no pidfd: never killed through it)
+        self._own: set[int] = set()
 
     def watch(self, rank: int, pid: int, token: str, poller) -> bool:
         """Watch ``rank``'s process ``pid`` when it runs on this host (``token`` == ours). Replaces an
         earlier watch of the same rank (a relaunched process). True when watched."""
         self.unwatch(rank, poller)
+        if self.token and token == self.token and pid == os.getpid():
+            self._own.add(rank)
+            return False
         if (not self.enabled or token != self.token or pid <= 0 or pid == os.getpid()
                 or len(self._fds) >= self.LIMIT):
             return False
@@ -77,7 +83,11 @@ class PidProbe:
     def runnable(self, rank: int) -> int:
         """The pid of ``rank``'s watched process when it is alive and not stopped (running, runnable,
         sleeping, in I/O: a silent rank that is only starved of CPU), else 0 (not watched, gone, a
-        zombie, or stopped by a signal or a tracer). The pidfd pins the pid: it names no other process."""
+        zombie, or stopped by a signal or a tracer). The pidfd pins the pid: it names no other process.
+        A rank of this very process is runnable: this code runs in it (its silence is a starved link
+        thread of a process that runs, never a death)."""
+        if rank in self._own:
+            return os.getpid()
         fd = self._by_rank.get(rank)
         if fd is None:
             return 0
@@ -101,6 +111,7 @@ class PidProbe:
         return True
 
     def unwatch(self, rank: int, poller) -> None:
+        self._own.discard(rank)
         fd = self._by_rank.pop(rank, None)
         self._exited.pop(rank, None)
         if fd is not None:
@@ -132,4 +143,5 @@ class PidProbe:
     def close(self, poller) -> None:
         for rank in list(self._by_rank):
             self.unwatch(rank, poller)
+        self._own.clear()
         self._exited.clear()

@@ -97,8 +97,10 @@ def spare_buffers(model, kept: Any = None) -> List[Any]:
 def recycled_buffers(spares: List[Any]):
     """Inside, ``torch.zeros(n, dtype=, device=cpu)`` -- how megatron's DDP allocates its buffers --
     returns a tensor of ``spares`` with ``n`` elements of that dtype, zeroed in place, instead of new
-    memory (each spare once); every other call is unchanged. For the builder's own thread, like
-    :func:`uninitialised_weights`. ``spares`` is emptied: what was not taken is dropped."""
+    memory (each spare once); every other call is unchanged. The patch is process-wide while inside, like
+    :func:`uninitialised_weights`'s: a matching call from another thread meanwhile may take a spare too
+    (it gets the same zeros; DDP then allocates fresh memory). ``spares`` is emptied: what was not taken
+    is dropped."""
     import torch
 
     pool, original = list(spares), torch.zeros

@@ -359,9 +359,7 @@ class Controller:
             self.drops.drop(exc, origin=repr(ident))
             return
         if s.role == "relay" and env.type is P.MsgType.REGISTER:
-            self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
-                                                                             backups=list(self.backups),
-                                                                             passive=not self.active)), ident)
+            self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, self.register_ack()), ident)
             return
         self._dispatch(ident, env, relay=s.role == "relay")
 
@@ -457,10 +455,17 @@ class Controller:
             self.incidents.serve_dump_request()
         state = self.sm.state.value
         if unknown:
-            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(state, list(self.backups), unknown,
-                                                                                passive=not self.active)), ident)
+            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, unknown)), ident)
         else:
             self._ack(ident, -1, state)
+
+    def register_ack(self) -> P.RegisterAck:
+        """What a REGISTER is answered with: the generation, the beat interval, where to fail over to, and
+        whether this is a passive backup (the rank then goes back to its primary once it answers: wire/home.py)."""
+        return P.RegisterAck(gen=self.gen, interval=self.interval, backups=list(self.backups), passive=not self.active)
+
+    def _heartbeat_ack(self, state: str, unknown=()) -> P.HeartbeatAck:
+        return P.HeartbeatAck(state, list(self.backups), list(unknown), passive=not self.active)
 
     def _ack(self, ident: bytes, rank: int, state: str) -> None:
         """Send the HEARTBEAT_ACK for ``rank``. The hot path of a large job is one beat and one ack per rank
@@ -469,8 +474,7 @@ class Controller:
         says so (``passive``): the rank goes back to its primary once that answers (wire/home.py)."""
         version = (state, tuple(self.backups), self.active)
         if self._ack_version != version:
-            self._ack_body = P.pack_body(P.Envelope(P.MsgType.HEARTBEAT_ACK, P.HeartbeatAck(
-                state, list(self.backups), passive=not self.active)))
+            self._ack_body = P.pack_body(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state)))
             self._ack_version = version
         self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, None, rank=rank), ident, body=self._ack_body)
 
@@ -501,10 +505,7 @@ class Controller:
                     self._registered += 1  # a counter, not a scan: 100k registrations stay O(n)
             if self._poller is not None:
                 self.liveness.probe.watch(rank, body.pid, body.pidns, self._poller)
-        self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.gen, interval=self.interval,
-                                                                         backups=list(self.backups),
-                                                                         passive=not self.active),
-                                   rank=rank), ident)
+        self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, self.register_ack(), rank=rank), ident)
         if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
             self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
             self.incidents.serve_dump_request()  # a preemption before every rank registered

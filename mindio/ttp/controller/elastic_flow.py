@@ -145,9 +145,7 @@ class Elastic:
             self.standbys[rank] = (ident, body.pid, body.host, now)
         if first:  # a standby's heartbeats are answered UNKNOWN (not in the world yet): it says hello again
             self._standby_seen(rank, body)
-        self.ctl._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, P.RegisterAck(gen=self.ctl.gen, interval=self.ctl.interval,
-                                                                         backups=list(self.ctl.backups)),
-                                   rank=rank), ident)
+        self.ctl._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, self.ctl.register_ack(), rank=rank), ident)
         if set(self.removed) <= set(self.standbys) and self.ctl.sm.state is State.DOWNGRADE and self.ctl.incidents.current is None:
             self.upgrade_wanted = True
             self.ctl.incidents.wakeup.set()

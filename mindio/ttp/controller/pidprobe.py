@@ -67,8 +67,7 @@ class PidProbe:
         if self.token and token == self.token and pid == os.getpid():
             self._own.add(rank)
             return False
-        if (not self.enabled or token != self.token or pid <= 0 or pid == os.getpid()
-                or len(self._fds) >= self.LIMIT):
+        if not self.enabled or token != self.token or pid <= 0 or len(self._fds) >= self.LIMIT:
             return False
         try:
             fd = os.pidfd_open(pid)

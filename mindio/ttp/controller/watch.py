@@ -5,8 +5,8 @@ could observe (``sweep`` on the I/O thread; time in which that thread did not ru
 stopped or starved -- is not counted, ``stalled``, and nothing is declared while its own inbound queue
 is behind), or at once when another detector reports it (``declare_dead``: the same-host pid probe,
 the launcher agent, a lost node). A silent rank whose process runs on this host and is alive and not
-stopped (a rank in the controller's own process always is) is starved of CPU, not dead: it gets up to ``MINDIO_HANG_TIMEOUT`` s (``_starved``), then is
-SIGKILLed through its pidfd and declared dead. A rank making no progress outside a collective for
+stopped (a rank in the controller's own process always is) is starved of CPU, not dead: it gets up to
+``MINDIO_HANG_TIMEOUT`` s (``_starved``), then is SIGKILLed through its pidfd and declared dead. A rank making no progress outside a collective for
 ``MINDIO_HANG_TIMEOUT`` s is ordered SIGKILLed; progress is counted from the moment the controller last
 entered NORMAL at the earliest (a rank parked by a recovery is not hung). ``heard`` tells whether ranks still beat (ha.py uses it
 before it declares a lost node's ranks dead).

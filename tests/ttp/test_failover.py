@@ -12,19 +12,9 @@ from mindio.ttp.controller.controller import Controller
 from mindio.ttp.wire.transport import job_secret
 from tests._faultplan import FaultPlan
 
-from ._harness import ROOT, Job, free_port
+from ._harness import ROOT, Job, free_port, until
 
 pytestmark = pytest.mark.slow
-
-
-def until(pred, timeout: float = 20.0) -> bool:
-    """Whether ``pred()`` became true within ``timeout`` s (polled every 10 ms)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.timeout(300)

@@ -15,7 +15,7 @@ from mindio.ttp.controller.controller import Controller
 from mindio.ttp.controller.pidprobe import PidProbe, host_token
 from mindio.ttp.controller.states import State
 
-from ._harness import ROOT, free_port
+from ._harness import ROOT, free_port, until
 
 KEY = b"p" * 32
 _START = """
@@ -36,14 +36,6 @@ CHILD = textwrap.dedent(_START + """
 
 pytestmark = pytest.mark.skipif(not PidProbe().enabled, reason="no pidfd_open or no host token here")
 
-
-def _until(pred, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def _events(path):
@@ -87,7 +79,7 @@ def test_host_token_names_host_and_pid_namespace():
 def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch):
     # 1 s heartbeats, 3 misses: the heartbeat path alone would need > 3 s
     with _job(tmp_path, monkeypatch, CHILD, interval=1.0, hang_timeout=0) as (ctl, kids, go, events):
-        assert _until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"  # imports, loaded host
+        assert until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"  # imports, loaded host
         assert ctl.liveness.probe.watched == 2  # both processes share this host and pid namespace
         open(go, "w").close()
         assert kids[1].wait(30) == 0  # rank 1: BYE, then a normal exit
@@ -95,12 +87,12 @@ def test_sigkill_seen_through_pidfd_and_bye_is_not_a_fault(tmp_path, monkeypatch
         assert not ctl.ranks[1].faulty and ctl.incidents.current is None and ctl.sm.state is State.NORMAL
         os.kill(kids[0].pid, signal.SIGKILL)
         t0 = time.monotonic()
-        assert _until(lambda: not ctl.ranks[0].alive, 10.0)
+        assert until(lambda: not ctl.ranks[0].alive, 10.0)
         dt = time.monotonic() - t0
         assert dt < 3.0, f"declared dead after {dt:.2f} s: the pidfd path did not fire"
         # the I/O thread marks the rank dead, then writes its event and opens the incident: wait for both
         # (under xdist load the test read the file in between: [] != [(0, 'pid', ...)])
-        assert _until(lambda: any(e["kind"] == "rank_dead" for e in _events(events))
+        assert until(lambda: any(e["kind"] == "rank_dead" for e in _events(events))
                       and ctl.incidents.current is not None, 10.0)
         dead = [e for e in _events(events) if e["kind"] == "rank_dead"]
         assert [(e["dead_rank"], e["cause"], e["pid"]) for e in dead] == [(0, "pid", kids[0].pid)]
@@ -147,15 +139,15 @@ def test_a_silent_live_process_is_starved_not_dead_until_the_hang_timeout(tmp_pa
     and not stopped is starved: it gets MINDIO_HANG_TIMEOUT, then is SIGKILLed and declared dead; a
     stopped one (SIGSTOP) is dead at once."""
     with _job(tmp_path, monkeypatch, SILENT, interval=0.2, hang_timeout=4.0) as (ctl, kids, go, events):
-        assert _until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"
+        assert until(lambda: ctl.sm.state is State.NORMAL, 90), "ranks did not register"
         open(go, "w").close()
         t0 = time.monotonic()
         # the event log is created by the first event: until the ranks starve there may be no file
-        assert _until(lambda: [e["kind"] for e in _events(events)].count("rank_starved") >= 2, 10.0), \
+        assert until(lambda: [e["kind"] for e in _events(events)].count("rank_starved") >= 2, 10.0), \
             "silence of a live process was not seen as starvation"
         assert ctl.ranks[0].alive and ctl.ranks[1].alive  # silent for > misses * interval: not dead
         os.kill(kids[1].pid, signal.SIGSTOP)  # stopped: it will not run again by itself
-        assert _until(lambda: not ctl.ranks[1].alive, 3.0)
+        assert until(lambda: not ctl.ranks[1].alive, 3.0)
         assert ctl.ranks[0].alive and time.monotonic() - t0 < 4.0
-        assert _until(lambda: not ctl.ranks[0].alive, 10.0)  # the hang timeout: SIGKILLed, dead
+        assert until(lambda: not ctl.ranks[0].alive, 10.0)  # the hang timeout: SIGKILLed, dead
         assert kids[0].wait(10) == -signal.SIGKILL

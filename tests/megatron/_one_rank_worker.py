@@ -3,6 +3,7 @@ mindio.megatron._one_rank.install(), on a one-rank group and on the two-rank wor
 ``RESULT<rank> <json>`` of named checks."""
 
 import json
+import sys
 
 import torch
 import torch.distributed as dist
@@ -73,5 +74,6 @@ pgb.dist_all_gather_func(buf, buf[rank * 4:(rank + 1) * 4], group=dist.group.WOR
 out["two_ranks_all_gather"] = torch.equal(buf, torch.arange(8.0) * 3)
 out["two_ranks_run"] = len(calls) == n + 2
 
-print(f"RESULT{rank} {json.dumps(out)}", flush=True)
+sys.stdout.write(f"RESULT{rank} {json.dumps(out)}\n")  # one write: print() writes the line and its end apart, and the other rank's output can land between them
+sys.stdout.flush()
 dist.destroy_process_group()

@@ -7,8 +7,9 @@ Protocol (agent -> bootstrap, on the bootstrap's stdin):
    (PR_SET_PDEATHSIG) and imports what is expensive and cannot depend on which rank it becomes:
    torch, torch.distributed, and those of the script's top-level imports (found by parsing the script
    with ``ast``; nothing of the script runs; ``from X import Y``: ``X``, and ``X.Y`` where that is a
-   module) that belong to packages known not to read the rank environment at import time
-   (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``). The script's own
+   module; the body of a top-level ``try:`` counts) that belong to packages known not to read the rank
+   environment at import time (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``), and the torch modules
+   that functions the script calls import at their first call (:data:`FIRST_CALL_IMPORTS`). The script's own
    modules are NOT imported here: a module that reads ``LOCAL_RANK`` at import time must see its
    rank's value, as under torchrun. This is the expensive part of a process start (~1-5 s) and happens
    *before* a rank needs it.
@@ -57,13 +58,35 @@ def _die_with_parent(parent: int | None = None) -> None:
         os._exit(1)
 
 
-def _top_level(path: str) -> list:
-    """The top-level statements of the script at ``path`` (parsed, not run); [] if it cannot be read."""
+def _parse(path: str):
+    """The script at ``path`` parsed (not run), or None if it cannot be read."""
     try:
         with open(path, encoding="utf-8") as f:
-            return ast.parse(f.read(), filename=path).body
+            return ast.parse(f.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
-        return []
+        return None
+
+
+def _top_level(path: str) -> list:
+    """The top-level statements of the script at ``path``, with those of a top-level ``try:`` body (the
+    ``try: from mindio import ttp / except ImportError:`` of an optional dependency); [] if it cannot be read."""
+    tree = _parse(path)
+    body = tree.body if tree else []
+    return [n for node in body for n in (node.body if isinstance(node, ast.Try) else [node])]
+
+
+# torch functions that import a module of torch at their first call: a script that calls one of them
+# anywhere gets that module preloaded too (torch.use_deterministic_algorithms imports torch._inductor,
+# ~0.5 CPU-s in each worker that calls it).
+FIRST_CALL_IMPORTS = {"use_deterministic_algorithms": "torch._inductor.config"}
+
+
+def first_call_imports(path: str) -> list[str]:
+    """The modules of :data:`FIRST_CALL_IMPORTS` that the script at ``path`` calls for, anywhere in it."""
+    tree = _parse(path)
+    called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+              for node in (ast.walk(tree) if tree else ()) if isinstance(node, ast.Call)}
+    return [module for name, module in FIRST_CALL_IMPORTS.items() if name in called]
 
 
 def top_level_imports(path: str) -> list[str]:
@@ -102,6 +125,7 @@ def _preload(target: str, is_module: bool) -> list[str]:
     wanted = preloadable(names, extra) + [n for n in extra if n not in names]
     # then the submodules a ``from X import Y`` names (a Y that is no module fails to import: skipped below)
     wanted += [n for n in preloadable([] if is_module else submodule_imports(target), extra) if n not in wanted]
+    wanted += [] if is_module else first_call_imports(target)
     if any(n == "megatron" or n.startswith("megatron.") for n in wanted):
         try:  # first, with its torch.compile decorations deferred to their first call (mindio/_lazy_compile.py)
             from mindio._lazy_compile import import_megatron_core

@@ -11,7 +11,7 @@ import pytest
 
 from mindio.errors import ConfigError
 from mindio.launch import LaunchConfig, netif
-from mindio.launch._bootstrap import _preload, preloadable, submodule_imports, top_level_imports
+from mindio.launch._bootstrap import _preload, first_call_imports, preloadable, submodule_imports, top_level_imports
 from mindio.launch.cli import build_parser, parse_args
 
 
@@ -156,6 +156,20 @@ def test_warm_interpreters_import_the_submodules_a_from_import_names(tmp_path):
     assert submodule_imports(str(s)) == ["mindio.ttp", "mindio.ttp.tft_init_processor"]
     done = _preload(str(s), is_module=False)  # torch and mindio.ttp: already imported by this process
     assert "mindio.ttp" in done and "mindio.ttp.tft_init_processor" not in done, done
+
+
+def test_warm_interpreters_import_what_the_script_pays_for_anyway(tmp_path):
+    """A top-level ``try:`` import (an optional dependency, as examples/megatron/pretrain_gpt.py imports
+    mindio.ttp) counts as top-level; a call of torch.use_deterministic_algorithms anywhere preloads the
+    torch module it imports at its first call; its handlers and a script that never calls it do not."""
+    s = tmp_path / "s.py"
+    s.write_text("try:\n    from mindio import ttp\nexcept ImportError:\n    import secret\n"
+                 "def f():\n    torch.use_deterministic_algorithms(True)\n")
+    assert top_level_imports(str(s)) == ["mindio"] and submodule_imports(str(s)) == ["mindio.ttp"]
+    assert first_call_imports(str(s)) == ["torch._inductor.config"]
+    assert "torch._inductor.config" in _preload(str(s), is_module=False)
+    s.write_text("import torch\ntorch.manual_seed(0)\n")
+    assert first_call_imports(str(s)) == []
 
 
 def test_a_spare_is_kept_only_where_a_worker_can_start_again(script):

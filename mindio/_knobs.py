@@ -148,7 +148,8 @@ _ALL = [
          "1: freeze the objects that exist before the model is built (gc.freeze, once) so that the garbage "
          "collection of a recovery teardown walks only the training objects (docs/recovery.md); and at process "
          "exit, after one collection, freeze the rest so that the interpreter's shutdown collections skip it "
-         "(mindio/ttp/shutdown.py); 0: off."),
+         "(mindio/ttp/shutdown.py); mindio-run's fork server freezes what its imports created before it forks a "
+         "worker (mindio/launch/_zygote.py); 0: off."),
     Knob("MINDIO_FAST_EXIT", _bool, True,
          "1: after an EXIT ordered by the controller (e.g. after a dump), end the process with os._exit once "
          "the framework's atexit handlers ran, skipping the interpreter teardown (seconds); 0: full teardown."),

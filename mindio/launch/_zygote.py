@@ -28,10 +28,13 @@ A child keeps the fds a spare would have (0-2 and what the imports opened) and c
 job's process group goes to the agent and the workers, as with spares); numpy's global generator is
 seeded again from the OS, and so is torch's default (CPU) generator, as in a fresh process (Python's
 ``random`` reseeds itself in a fork child). String hashes: every child of a server has the server's
-hash seed (an exec'd worker draws its own unless PYTHONHASHSEED is set).
+hash seed (an exec'd worker draws its own unless PYTHONHASHSEED is set). With ``MINDIO_GC_FREEZE`` (on by
+default) the server collects, then freezes (``gc.freeze``) what its imports created before it forks:
+a child starts with those objects frozen, as its own ``freeze_startup_objects`` would leave them.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -41,6 +44,7 @@ import sys
 import time
 
 from . import _bootstrap
+from .. import _knobs
 
 VERSION = 1
 
@@ -161,8 +165,14 @@ def main() -> None:
     target, is_module, is_program = _bootstrap.parse_target(sys.argv[2:])
     t0 = time.monotonic()
     _bootstrap._preload(target, is_module)
-    warm_s = time.monotonic() - t0
     why = unsafe_to_fork()
+    if not why and _knobs.get("MINDIO_GC_FREEZE"):
+        # the children's freeze of their start-up objects (mindio.ttp.processor.device.freeze_startup_objects)
+        # done once here: each child's collection then walks only what it created (~0.1 CPU-s a worker
+        # with megatron-core imported), and touches no inherited object (no copy-on-write of the heap)
+        gc.collect()
+        gc.freeze()
+    warm_s = time.monotonic() - t0
     server = _Server(sock)
     server.send(ready=True, fork=not why, why=why, warm_s=round(warm_s, 3))
     if why:

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Reports what a worker sees, then exits with EXIT_CODE (a rank's code: EXIT_CODE + rank) or kills
 # itself with KILL_RANK's signal.
 WORKER = textwrap.dedent("""
-    import json, os, signal, sys, threading
+    import gc, json, os, signal, sys, threading
     import numpy, torch
     fds = {}
     for fd in sorted(os.listdir("/proc/self/fd")):
@@ -41,7 +41,7 @@ WORKER = textwrap.dedent("""
                    "tasks": len(os.listdir("/proc/self/task")), "ppid": os.getppid(),
                    "agent": int(os.environ["MINDIO_AGENT_PID"]), "np": float(numpy.random.random()),
                    "torch": torch.initial_seed(), "sigint": repr(signal.getsignal(signal.SIGINT)),
-                   "sigterm": repr(signal.getsignal(signal.SIGTERM)),
+                   "sigterm": repr(signal.getsignal(signal.SIGTERM)), "frozen": gc.get_freeze_count(),
                    "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS",
                                                           "MINDIO_WORKER_WARMUP_S")},
                    "error_file": os.environ["TORCHELASTIC_ERROR_FILE"].split("/")[-3:], "pid": os.getpid()}, f)
@@ -87,6 +87,8 @@ def test_a_forked_worker_sees_what_an_execd_one_sees(tmp_path):
         assert {k: v for k, v in f["env"].items() if k != "MINDIO_WORKER_WARMUP_S"} == \
             {k: v for k, v in x["env"].items() if k != "MINDIO_WORKER_WARMUP_S"}
         assert f["tasks"] == 1 and f["fds"]["0"] == "/dev/null"
+        # the server froze its start-up objects before forking (MINDIO_GC_FREEZE, on by default)
+        assert f["frozen"] > 10000 and x["frozen"] == 0, (f["frozen"], x["frozen"])
     assert forked[0]["ppid"] == forked[1]["ppid"]  # one server per agent
     for seen in (forked, execd):  # numpy's and torch's global generators seeded per process from the OS
         assert seen[0]["np"] != seen[1]["np"] and seen[0]["torch"] != seen[1]["torch"]

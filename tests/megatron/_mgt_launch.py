@@ -120,15 +120,16 @@ def have_megatron() -> bool:
 
 def assert_relaunch_reproduces(ckpt: Path, it: int, args: list, out: str, workdir: Path, iters: int) -> None:
     """The checkpoint of iteration ``it`` under ``ckpt`` (Megatron's iter_XXXXXXX layout), relaunched
-    alone with ``args`` by torchrun, reproduces ``out`` (the continuing run's output) bit for bit: the
-    same loss at every later iteration and the same final state digest."""
+    alone with ``args``, reproduces ``out`` (the continuing run's output) bit for bit: the same loss at
+    every later iteration and the same final state digest. The relaunch goes through mindio-run's fork
+    server, as :func:`reference_run` (the launcher is not what it tests and changes no number)."""
     import shutil
 
     again = workdir / "relaunch"
     again.mkdir()
     shutil.copytree(ckpt / f"iter_{it:07d}", again / f"iter_{it:07d}")
     (again / "latest_checkpointed_iteration.txt").write_text(str(it))
-    re_out = torchrun(PRETRAIN, list(args) + ["--load", again], timeout=400)
+    re_out = reference_run(PRETRAIN, list(args) + ["--load", again], timeout=400)
     assert f"loaded checkpoint iteration {it}" in re_out
     got, re_losses = losses(out), losses(re_out)
     assert sorted(re_losses) == list(range(it + 1, iters + 1))

@@ -11,7 +11,7 @@ survivors at a step, rebuilds the 4-rank world, repairs the new ranks from their
 training goes on at DP=4; ``--check-replicas`` checks after every step that every replica of every
 optimizer shard is bitwise identical (digests all-gathered across each replica pair). With
 MINDIO_DUMP_AFTER_UPGRADE=1 the controller writes a checkpoint right after the scale-out; relaunched
-(torchrun, DP=4) it reproduces the continuing run bit for bit (every later loss, the final digest).
+(DP=4) it reproduces the continuing run bit for bit (every later loss, the final digest).
 
 Loss bound ("normal run-to-run noise"): the fault-free run with another seed (init and data order) is the
 noise scale; the elastic run must stay much closer to the same-seed fault-free run than that: mean

@@ -11,7 +11,7 @@ layout (one per layout and session, _mgt_launch.layout_reference).
   step 5 (recover-in-place: a new process, repaired from its replica), an unknown error on rank 3 at
   step 8 (dump at step 7 by one replica of every shard, exit 75: the fault table the job is given
   sends unknown errors to dump -- by default they would be recovered in place too). The dump,
-  relaunched with torchrun, ends with the fault-free digest and every later loss equal.
+  relaunched, ends with the fault-free digest and every later loss equal.
 - TP1 x PP2 x DP2: that dump read by megatron-core's own ``dist_checkpointing.load`` (no mindio on the
   load path) into freshly built models: the same digest at the same layout; the model weights at
   TP1 x PP1 x DP4 equal tensor for tensor (_mcore_load_worker.py).
@@ -34,6 +34,11 @@ from _mgt_launch import (PRETRAIN, REPO, LAYOUT_ITERS, digests, layout_args, lay
 
 pytestmark = SLOW_MEGATRON
 
+# mindio-run: the three-fault job (its controller in node 0's agent), and the runs whose launcher is not what
+# they test (the --load relaunches, megatron-core's load worker): its fork server imports torch and
+# megatron-core once for the 4 ranks (~8 CPU-s less than torchrun's 4 imports on this 2-core CI machine).
+# The launcher changes no number (test_pretrain_gpt.py::test_runs_under_mindio_run). The TP2 x PP2 job whose
+# "exitcode  : 76" is torchrun's summary stays under torchrun.
 LAUNCH = "mindio.launch.cli"
 WORKER = REPO / "tests" / "megatron" / "_mcore_load_worker.py"
 FAULTS = "uce:rank=1,step=3; kill:rank=2,step=5; raise:rank=3,step=8"
@@ -49,8 +54,9 @@ def _events(path) -> list:
 
 
 def _relaunch(ckpt, args, ref_out, it):
-    """torchrun --load ``ckpt``: loads ``it`` and then reproduces ``ref_out`` (losses after ``it``, digest)."""
-    out = torchrun(PRETRAIN, args + ["--load", ckpt], timeout=400)
+    """``--load ckpt`` (under mindio-run, LAUNCH): loads ``it`` and then reproduces ``ref_out`` (losses after
+    ``it``, digest)."""
+    out = torchrun(PRETRAIN, args + ["--load", ckpt], timeout=400, launcher=LAUNCH)
     assert f"loaded checkpoint iteration {it}" in out, out[-3000:]
     got, ref = losses(out), losses(ref_out)
     assert sorted(got) == list(range(it + 1, LAYOUT_ITERS + 1))
@@ -116,8 +122,10 @@ def test_megatron_core_loads_the_dump(fault_free_run, tmp_path_factory, tmp_path
     if "tp1pp2dp2-loaded" not in _RUNS:
         _RUNS["tp1pp2dp2-loaded"] = re.search(
             r"loaded checkpoint iteration 7: state-digest: ([0-9a-f]{64})",
-            torchrun(PRETRAIN, layout_args(layout) + ["--load", ckpt, "--train-iters", 7], timeout=400)).group(1)
-    out = torchrun(WORKER, [ckpt / "iter_0000007", tmp_path, "--", *layout_args(layout)], timeout=400)
+            torchrun(PRETRAIN, layout_args(layout) + ["--load", ckpt, "--train-iters", 7], timeout=400,
+                     launcher=LAUNCH)).group(1)
+    out = torchrun(WORKER, [ckpt / "iter_0000007", tmp_path, "--", *layout_args(layout)], timeout=400,
+                   launcher=LAUNCH)
     assert re.search(r"mcore-load state-digest: ([0-9a-f]{64})", out).group(1) == _RUNS["tp1pp2dp2-loaded"]
     n = int(re.search(r"resharded-equal: (\d+) tensors", out).group(1))
     assert n > 0

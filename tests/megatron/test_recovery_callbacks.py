@@ -106,7 +106,7 @@ def test_a_dump_writer_that_fails_is_replaced_by_its_replica(reference_digest, t
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert sorted(p.name for p in (ckpt / "iter_0000006").glob("__*")) == [
         "__2.mindio.json", "__2_0.distcp", "__3.mindio.json", "__3_0.distcp"]
-    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150)
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert "loaded checkpoint iteration 6" in resumed
     assert digests(resumed)[-1] == reference_digest
 

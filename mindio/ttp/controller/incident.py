@@ -202,7 +202,7 @@ class IncidentFlow:
         dead = frozenset(v.rank for v in views if not v.alive)
         lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
-                                   spare_available=self.ctl.replacements.possible("recover", dead),
+                                   spare_available=self.spare_available(dead),
                                    in_place_possible=not lacking)
         enabled = self.ctl.brain.enabled(self.ctl.job_strategies()) | ({"dump"} if graceful else set())
         feasible = policy.feasible_strategies(enabled, incident)
@@ -259,6 +259,24 @@ class IncidentFlow:
                          reason="no dump possible" if ctx.plan.missing else "exit chosen")
         self.exit(EXIT_CODE_FAULT)
         return False
+
+    def spare_available(self, dead: frozenset) -> bool:
+        """Can recover replace the dead ranks? Judged, as ``Replace.run`` judges it, on the ranks dead when
+        asked: the launcher's check probes a silent node (up to 1 s), and a node found lost takes its other
+        ranks with it (they die with their agent) -- one of them may have answered the stop just before.
+        Seen under load: rank 3 of a killed node replied to the stop and died 50 ms later; recover was
+        judged on rank 2 alone (not a whole node), found impossible, and the job dumped instead of moving
+        node 1 to its standby."""
+        rep = self.ctl.replacements
+        if rep.possible("recover", dead):
+            return True
+        with self.ctl._lock:
+            now = dead | frozenset(self.ctl.ranks.dead())
+        if now == dead or not rep.possible("recover", now):
+            return False
+        _log.info("recover judged on the ranks dead now %s (the stop round saw %s dead)", sorted(now)[:16],
+                  sorted(dead)[:16])
+        return True
 
     def views(self, replies: dict) -> list:
         """What the decision sees of every rank of the job after the stop round's ``replies``."""

@@ -88,6 +88,30 @@ def test_hccl_backend_calls_torch_npu(monkeypatch):
     assert calls == [("stop", 3), ("restart", 3), ("reinit", True)]
 
 
+def test_processor_teardown_frees_the_device_after_destroying_the_groups(monkeypatch):
+    """A rank's teardown after a fault runs the backend's stop first and its device-side counterpart
+    last (nccl: synchronize + empty_cache; hccl: restart_device after stop_device), on the backend
+    picked while the groups still existed: the later ``clean`` action finds no group and does not."""
+    from mindio.ttp.processor.processor import Processor
+
+    calls = []
+
+    class Recorder(device.DeviceBackend):
+        name = "recorder"
+
+        def stop(self):
+            calls.append("stop")
+
+        def free_device_memory(self):
+            calls.append("free")
+
+    picked = iter([Recorder()])
+    monkeypatch.setattr(device, "backend_for", lambda group=None: next(picked))
+    monkeypatch.setattr(device, "destroy_groups", lambda: calls.append("destroy") or 0)
+    Processor(0, 1).teardown(is_uce=False)
+    assert calls == ["stop", "destroy", "free"]
+
+
 def test_kill_hung_rejects_nothing_but_kills(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     device.kill_hung(p.pid)

@@ -262,14 +262,15 @@ class DeviceBackend:
         if count or drop_references is not None:  # nothing destroyed or dropped: nothing to collect
             collect()
         release(groups)
-        self._free_device_memory()
+        self.free_device_memory()
         return count
 
     def reinit(self) -> None:
         """Re-create device resources after the groups were rebuilt (HCCL only)."""
 
-    def _free_device_memory(self) -> None:
-        pass
+    def free_device_memory(self) -> None:
+        """After the groups are gone: what the device needs before new groups (nccl: synchronize +
+        empty_cache; hccl: restart_device). ``clean`` calls it; so does the processor's teardown."""
 
 
 class GlooBackend(DeviceBackend):
@@ -294,7 +295,7 @@ class NcclBackend(DeviceBackend):
             except Exception as exc:  # an already aborted/destroyed group: nothing left to stop
                 _log.info("nccl abort of %s: %s", g, exc)
 
-    def _free_device_memory(self) -> None:
+    def free_device_memory(self) -> None:
         if torch.cuda.is_available():
             try:
                 torch.cuda.synchronize()  # kernels of the aborted communicators have returned
@@ -322,7 +323,7 @@ class HcclBackend(DeviceBackend):
             raise RuntimeError(f"torch_npu.npu.stop_device({self._device()}) returned {ret}; "
                                "the device could not be stopped (replace this process)")
 
-    def _free_device_memory(self) -> None:
+    def free_device_memory(self) -> None:
         self._npu.npu.restart_device(self._device())
 
     def reinit(self) -> None:

@@ -223,8 +223,9 @@ class Processor:
         ms = {}
         self.world.remember()  # a default group made after tft_start_processor: rebuild needs its store
         groups = device.all_groups()  # destroyed in parallel once the framework dropped its references
+        backend = device.backend_for()  # picked while the default group exists (its backend)
         try:  # nccl: communicator abort; hccl: stop_device; gloo: nothing (device.py)
-            device.backend_for().stop()
+            backend.stop()
         except Exception as exc:
             _log.error("device stop failed: %s", exc)
         for name, call in (("stop", lambda f, c: f(self.step_args, c)),
@@ -243,7 +244,11 @@ class Processor:
         device.release(groups, unreferenced_only=True)  # dropped by the callbacks: released now
         ms["gc"] = round(device.collect(), 2)  # the one collection of this teardown (device.py)
         device.release(groups)  # the groups the collection freed from reference cycles
-        _logging.event("teardown", destroyed=left, **{f"{k}_ms": v for k, v in ms.items()})
+        try:  # nccl: synchronize + empty_cache; hccl: restart_device (the stop's counterpart)
+            backend.free_device_memory()
+        except Exception as exc:
+            _log.error("%s: freeing the device after the teardown failed: %s", backend.name, exc)
+        _logging.event("teardown", backend=backend.name, destroyed=left, **{f"{k}_ms": v for k, v in ms.items()})
 
     def wait_next_action(self) -> tuple[Action, int]:
         """Park the main thread until the controller says RETRY or EXIT; EXIT(fault) if the controller

@@ -2,7 +2,7 @@
 # The checks that need a GPU, in one go (for a lent GPU machine with torch already installed):
 # environment, native build, the device-path tests (the checkpoint store's CUDA save/load, and the
 # tft_* loop's NCCL stop/teardown/rebuild: tests/dropin/test_plain_loop_cuda.py), then
-# bench/acp_gpu_bench.py. Logs go to $OUT (default ./gpu-check-out). A machine with no registry access
+# bench/nccl_abort.py and bench/acp_gpu_bench.py. Logs go to $OUT (default ./gpu-check-out). A machine with no registry access
 # gets missing packages (pyzmq) as wheels in $WHEELS: `pip download pyzmq --only-binary=:all:
 # --python-version 3.12 --platform manylinux_2_28_x86_64 --no-deps -d DIR` on a machine that has one.
 # Usage: [WHEELS=DIR] bash scripts/gpu_check.sh [bench args...]
@@ -23,4 +23,5 @@ python3 -c "from mindio import _native; print('native core:', _native.BACKEND)" 
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider tests/acp/test_device.py \
   tests/acp/test_format.py tests/recovery/test_device.py tests/dropin/test_plain_loop_cuda.py 2>&1 \
   | tee "$OUT/tests.log" | tail -n 15
+timeout 300 python3 bench/nccl_abort.py 2>&1 | tee "$OUT/nccl_abort.log"
 timeout "${BENCH_TIMEOUT:-480}" python3 bench/acp_gpu_bench.py "$@" 2>&1 | tee "$OUT/bench.log"

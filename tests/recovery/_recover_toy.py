@@ -36,8 +36,14 @@ import mindio.ttp as ttp  # noqa: E402
 
 
 class Trainer(toy.Trainer):
+    def _marker(self, kind: str) -> str:
+        return os.path.join(self.args.out, f"fired-{kind}-{self.rank}")
+
+    def fired(self, kind: str) -> bool:
+        return os.path.exists(self._marker(kind))
+
     def inject(self, kind: str) -> None:
-        marker = os.path.join(self.args.out, f"fired-{kind}-{self.rank}")
+        marker = self._marker(kind)
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
@@ -67,6 +73,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--plan", type=toy.FaultPlan.loads, default=toy.FaultPlan())
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--step-sleep-from", type=int, default=0, help="only steps from this one on sleep")
     a = p.parse_args()
     a.rank, a.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     a.resume = ""
@@ -105,7 +112,7 @@ def main() -> int:
         while trainer.it < a.steps:
             trainer.step()
             print(f"[rank {a.rank}] iteration {trainer.it}\n", end="", flush=True)  # one write: ranks share a pipe
-            if a.step_sleep:
+            if a.step_sleep and trainer.it >= a.step_sleep_from:
                 time.sleep(a.step_sleep)
         return 0
 

@@ -33,7 +33,7 @@ NODE1_LOST = FaultPlan.of(("kill-node", 2, 7))  # rank 2 SIGKILLs its agent (nod
 
 
 def run_nodes(out, plan: FaultPlan, strategies: str, timeout: float = 170, tail=None, env=None, during=None,
-              step_sleep: float = 0.1):
+              step_sleep: float = 0.1, sleep_from: int = 0):
     """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with the faults of
     ``plan``; a script of its own names its faults with ``--inject``);
     returns ({name: (code, text)}, events). ``during(procs, events_path)`` runs in a thread meanwhile.
@@ -44,7 +44,8 @@ def run_nodes(out, plan: FaultPlan, strategies: str, timeout: float = 170, tail=
                MINDIO_EVENT_LOG=str(events), **(env or {}))
     common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
               "--master-port", str(_port()), "--high-availability", strategies]
-    tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--step-sleep", str(step_sleep), *plan.argv()]
+    tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
+                    "--step-sleep-from", str(sleep_from), *plan.argv()]
     procs = {}
     for name, flags in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
                         ("standby", ["--standby", "--warm-spares", "2"])):
@@ -176,15 +177,16 @@ def test_lost_node_recovers_across_a_stall_of_the_controller_node(tmp_path, faul
 
 @pytest.mark.timeout(300)
 def test_lost_node_recovers_across_a_stall_of_the_standby_agent(tmp_path, fault_free_run):
-    """The standby agent is SIGSTOPped for 4 s right after it started node 1's ranks again (steps of
-    1.5 s: the job still trains meanwhile): its beat stops for longer than the node-loss timeout, so
-    node 0 finds node 1 lost again -- but the new ranks (the agent's children, not stopped) beat to the
-    controller, so they are left to their own heartbeats instead of being declared dead (ha.tick): the
-    job completes, bitwise."""
+    """The standby agent is SIGSTOPped for 4 s right after it started node 1's ranks again (the steps
+    after the fault take 3 s each, 9 s in all: the job still trains meanwhile): its beat stops for
+    longer than the node-loss timeout, so node 0 finds node 1 lost again -- but the new ranks (the
+    agent's children, not stopped) beat to the controller, so they are left to their own heartbeats
+    instead of being declared dead (ha.tick): the job completes, bitwise."""
     reference = fault_free_digest(fault_free_run)
     did: list = []
     res, events = run_nodes(tmp_path / "run", NODE1_LOST, "recover-in-place,recover,dump",
-                            during=_stall_at("standby", "ranks_replaced", '"node": 1', 4.0, did), step_sleep=1.5)
+                            during=_stall_at("standby", "ranks_replaced", '"node": 1', 4.0, did), step_sleep=3.0,
+                            sleep_from=8)
     text0 = _assert_recovered_across_stall(res, events, did, reference)
     assert "still beat to the controller: left to their heartbeats" in text0, text0[-6000:]  # node 1 was lost
     # and once the standby's agent beats again it is forgotten as lost (ha.RoundWatch._unlose)

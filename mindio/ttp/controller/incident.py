@@ -12,7 +12,9 @@ An incident (the dump flow; the retry strategy is in retry.py; recover/elastic b
    MINDIO_WAIT_MINDX_TIME);
 4. dump: ``save(step, save_info)`` on one usable rank per optimizer shard, then ``rename(step)`` on one
    of them -- only after every save succeeded, so the checkpoint becomes "latest" only when complete;
-5. ``exit(code)`` to every live rank: EXIT_CODE_DUMPED after a complete dump, EXIT_CODE_FAULT otherwise.
+5. ``exit(code)`` to every registered rank (awaited from the live ones): EXIT_CODE_DUMPED after a complete
+   dump, EXIT_CODE_FAULT otherwise; the order stands for ranks heard later (:meth:`IncidentFlow.carry`).
+   No dump at lock step 0: nothing to save (policy.plan_dump).
 
 When "retry" is enabled and possible it is tried first (retry.py); if it succeeds the driver waits for
 the next incident, if any step of it fails the flow falls back to dump (then exit) as above.
@@ -325,7 +327,12 @@ class IncidentFlow:
             targets = [r.rank for r in self.ctl.ranks.values() if r.registered and r.ident]
             self.told.update(dict.fromkeys(targets, now))
             self.order = (code, sn)
-        self.ctl._call("exit", {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
+        replies = self.ctl._call("exit", {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
+        with self.ctl._lock:
+            silent = [r for r in targets if r not in replies and (x := self.ctl.ranks.get(r)) is not None and x.alive]
+        if silent and not self.ctl._stop.is_set():  # (a controller closed meanwhile hears nobody)
+            _log.warning("exit order EXIT(%d): no confirmation from live ranks %s within 10 s (a fixed bound); each "
+                         "gets the order again when heard from", code, silent[:16])
         if self.ctl.sm.state is State.EXIT:
             self.ctl.sm.fire(Result.OK)
         self.ctl.final.set()

@@ -98,6 +98,17 @@ def _finish() -> None:
     os._exit(code)
 
 
+def arm_fast_exit() -> None:
+    """Register :func:`_finish` once (at the first entry of a decorated ``train()``, or before a standby
+    leaves): an EXIT ordered by the controller then skips the interpreter teardown, whose C++ destructors
+    abort the process (SIGABRT) while another thread is still inside gloo -- seen in a standby whose
+    rebuild action was creating groups when the job's exit order came."""
+    global _finish_registered
+    if not _finish_registered:
+        _finish_registered = True
+        atexit.register(_finish)
+
+
 def exit_process(proc, code: int):
     """Leave the process after EXIT: exit callback, let an in-process controller finish, SystemExit
     (``finally`` blocks and atexit handlers of the framework run; the interpreter teardown is skipped:
@@ -145,10 +156,7 @@ def tft_exception_handler(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        global _finish_registered
-        if not _finish_registered:
-            _finish_registered = True
-            atexit.register(_finish)
+        arm_fast_exit()
         proc = _rt.processor
         if proc is not None and proc.step_args is None:  # the reference's default callback arguments
             proc.step_args = args if _compat.get_mindio_export_version() else list(args)

@@ -31,15 +31,13 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
-import sys
 import time
 import traceback
 
 from .. import _knobs, _logging
 from ..errors import describe
 from ..launch import failures as _launcher
-from . import compat as _compat
+from . import compat as _compat, shutdown
 from .controller import policy
 from .processor import reboot as _reboot
 from ._enums import EXIT_MEANINGS, Action, OsStatus, ReportState
@@ -89,13 +87,7 @@ def _finish() -> None:
     code = _ordered_exit
     if code is None or not _knobs.get("MINDIO_FAST_EXIT"):
         return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    logging.shutdown()
-    os._exit(code)
+    shutdown.hard_exit(code)
 
 
 def arm_fast_exit() -> None:

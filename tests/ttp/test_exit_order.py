@@ -13,17 +13,14 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from mindio._ports import free_port
 from mindio.ttp import EXIT_CODE_FAULT
-from tests._exits import check_codes
 from tests._faultplan import FaultPlan
 
-from ._harness import ROOT, Job, until
+from ._harness import ROOT, Job, run_ranks, until
 
 LATE = os.path.join(os.path.dirname(__file__), "_late_main.py")
 
@@ -93,19 +90,7 @@ def test_a_rank_still_setting_up_is_ended_with_the_exit_orders_code(tmp_path):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", MINDIO_SECRET="s" * 32, OMP_NUM_THREADS="1",
                MINDIO_EXIT_ORDER_WAIT="3", TTP_NORMAL_ACTION_TIME_LIMIT="30")
-    procs = [subprocess.Popen([sys.executable, LATE, str(r), str(port), str(tmp_path)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=90)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    check_codes(codes, context="\n".join(outs))
+    codes, outs = run_ranks(LATE, [[r, port, tmp_path] for r in range(2)], env, 90)
     assert codes == [EXIT_CODE_FAULT] * 2, (codes, outs[0][-3000:], outs[1][-3000:])
     assert "dump at step 0 impossible: nothing to save" in outs[0], outs[0][-3000:]
     assert re.search(r"the controller ordered EXIT\(76\) 3 s ago, but this rank's main thread has not carried it "

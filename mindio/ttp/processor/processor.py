@@ -43,6 +43,7 @@ from ..wire import protocol as P
 from ..controller.pidprobe import host_token
 from .._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
 from .._runtime import state as _rt
+from .. import shutdown
 from . import device, elastic_rank, inplace, preempt, reboot
 from .reboot import adopt as _adopt_reboot
 from ..wire.transport import Link
@@ -472,13 +473,7 @@ class Processor:
         ctl = _rt.controller
         if ctl is not None:
             ctl.final.wait(_knobs.get("MINDIO_CONTROLLER_EXIT_WAIT"))
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        logging.shutdown()
-        os._exit(code)
+        shutdown.hard_exit(code)
 
     def _do_unhold(self) -> dict:
         """Release the fence a ``stop`` set, the main thread staying in its step (elastic.py: an upgrade

@@ -50,7 +50,7 @@ import time
 
 from .. import _logging
 from ..errors import ConfigError
-from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, switch
+from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, stores, switch
 from .config import LaunchConfig
 from .logs import WorkerLogs
 from .spares import Spares
@@ -93,6 +93,8 @@ class Agent:
         self._hosted: ha.HostedController | None = None
         self._backup = None  # this round's backup controller (backup.py; opt-in, nodes 1..N)
         self._store_lost = False  # node 0's agents' store is unreachable (run)
+        self.leader = None  # etcd: the controller's leader key this node holds (etcdstore.Leader; the beat thread refreshes it)
+        self._leader_lost = False  # ... and could not refresh
         self._ttp: dict | None = None
         self.secret = ""  # the job secret, handed to every worker (secret.py)
         self._round = self._port = 0
@@ -148,6 +150,15 @@ class Agent:
         from torch.distributed import DistNetworkError, TCPStore
 
         cfg = self.cfg
+        if stores.on_etcd(cfg):  # a store that outlives node 0: node 0 creates the job's keys (etcdstore.py)
+            from . import etcdstore
+
+            node0 = cfg.node_rank == 0 and not cfg.standby
+            self._store = etcdstore.connect(cfg.etcd_endpoint, cfg.run_id, cfg.rdzv_timeout, create=node0)
+            if node0 and backup.count(cfg):  # the controller's leader key, while backups wait (backup.py)
+                self.leader = etcdstore.Leader(0, cfg.node_lost_after)
+                self.leader.take(self._store)
+            return
         timeout = datetime.timedelta(seconds=cfg.rdzv_timeout)
         where = f"{cfg.master_addr}:{cfg.master_port}"
         host = cfg.node_rank == 0 and not cfg.standby
@@ -227,7 +238,7 @@ class Agent:
             "TORCHELASTIC_RESTART_COUNT": rnd, "TORCHELASTIC_MAX_RESTARTS": cfg.max_restarts,
             "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "MINDIO_AGENT_STORE": f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
+            "MINDIO_AGENT_STORE": cfg.etcd_endpoint or f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
             "MINDIO_AGENT_PID": os.getpid(),  # the node's agent: mindio.drill's kill-node target
             "MINDIO_SECRET": self.secret,  # through the spare's stdin pipe, never a store (secret.py)
             **(ha.ttp_env(self._ttp) if self._ttp else {}),
@@ -486,7 +497,22 @@ class Agent:
         return all(failures.read(r, c, self._logs.error_file(r - base)).secondary for r, c in bad.items())
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
-        return self._ha.tick(bad)
+        if self._leader_lost:  # etcd: node 0 could not refresh the controller's leader key (backup.py)
+            raise JobError(f"node {self.cfg.node_rank} could not refresh the controller's leader key on "
+                           f"{stores.where(self.cfg)} within {self.cfg.node_lost_after:g} s (cut off from it, or "
+                           f"stalled): a backup controller may hold the job now, so this node stops acting")
+        reason = self._ha.tick(bad)
+        if reason == ha.NODE0_LOST and self._backup is not None and stores.on_etcd(self.cfg):
+            if not backup.lead(self):
+                return None  # node 0 still refreshes its leader key: alive, reaching etcd (wait: bounded by its TTL)
+            raise backup.NodeLost(f"its agent stopped beating for {self.cfg.node_lost_after:g} s and its leader key "
+                                  f"on etcd expired")
+        return reason
+
+    def lose_leadership(self) -> None:
+        """(beat thread) This node could not refresh the controller's leader key: it stops acting (_ha_tick)."""
+        self.leader = None
+        self._leader_lost = True
 
     def _vacant(self, rnd: int) -> int:
         return elastic.vacant_nodes(self, rnd) if self.cfg.high_availability and elastic.enabled(self.cfg) else 0
@@ -502,6 +528,9 @@ class Agent:
         while not self._stopping:
             try:
                 lost = self._lost_nodes()
+                if stores.ended(self._store, self.cfg):
+                    log.info("standby agent: the job ended; leaving")
+                    return None
             except (RuntimeError, OSError) as exc:  # node 0's store is gone: the job ended
                 log.info("standby agent: job store unreachable (%s); leaving", str(exc).splitlines()[0])
                 return None
@@ -568,6 +597,8 @@ class Agent:
                 if code is not None:
                     return code
                 rnd += 1
+        except backup.NodeLost as exc:  # etcd: node 0 lost, this node holds the leader key now
+            return backup.orphaned(self, self._backup, str(exc))
         except (JobError, TimeoutError, _Stopped) as exc:
             print(f"mindio-run: job failed: {exc or 'agent stopped by a signal'}", file=sys.stderr)
             return 1
@@ -579,12 +610,17 @@ class Agent:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             self._store_lost = True  # no leaving through it either (_leave)
             if self._backup is not None:  # this node's backup controller saves what survives (backup.py)
-                return backup.orphaned(self, self._backup, first)
-            where = "this node's" if self.cfg.node_rank == 0 and not self.cfg.standby else "node 0's"
-            print(f"mindio-run: job failed on node {self.cfg.node_rank}: {where} agents' store at "
-                  f"{self.cfg.master_addr}:{self.cfg.master_port} is unreachable ({first}); node 0 hosts the "
-                  "stores and the controller, so the job cannot go on without it: resume from the last "
-                  "checkpoint", file=sys.stderr)
+                return backup.orphaned(self, self._backup, f"its agents' store is unreachable: {first}")
+            if stores.on_etcd(self.cfg):
+                print(f"mindio-run: job failed on node {self.cfg.node_rank}: {stores.where(self.cfg)} is "
+                      f"unreachable ({first}); the agents cannot coordinate without it: resume from the last "
+                      "checkpoint", file=sys.stderr)
+            else:
+                where = "this node's" if self.cfg.node_rank == 0 and not self.cfg.standby else "node 0's"
+                print(f"mindio-run: job failed on node {self.cfg.node_rank}: {where} agents' store at "
+                      f"{self.cfg.master_addr}:{self.cfg.master_port} is unreachable ({first}); node 0 hosts the "
+                      "stores and the controller, so the job cannot go on without it: resume from the last "
+                      "checkpoint", file=sys.stderr)
             _logging.event("store_lost", node=self.cfg.node_rank, error=first)
             return 1
         finally:
@@ -616,11 +652,13 @@ class Agent:
     def _leave(self) -> None:
         """Node 0 hosts the stores: it leaves last (bounded by ``leave_timeout``), so no agent reads a
         store that is gone."""
-        if self._store_lost:
-            return
+        if self._store_lost or (self.cfg.standby and stores.on_etcd(self.cfg)):
+            return  # a standby that never took a node has nothing to say on etcd
         try:
             if self.cfg.node_rank != 0:
                 self._store.add("job/left", 1)
+                if self.leader is not None:  # etcd: node 0 is gone, this node's backup ended the job
+                    stores.end_job(self._store, self.cfg, f"ended by node {self.cfg.node_rank}'s backup controller")
                 return
             deadline = time.monotonic() + self.cfg.leave_timeout
             left = self.cfg.nnodes - 1 - self._vacant(self._round)  # a vacant node (elastic.py) has no agent
@@ -628,8 +666,9 @@ class Agent:
                 if time.monotonic() >= deadline:
                     log.warning("left after waiting %g s for the other agents to leave (%d of %d did); the "
                                 "agents' store closes now", self.cfg.leave_timeout, n, left)
-                    return
+                    break
                 time.sleep(self.cfg.monitor_interval)
+            stores.end_job(self._store, self.cfg, "ended")
         except Exception:  # the store is already gone: nothing left to coordinate
             pass
 

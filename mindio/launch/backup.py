@@ -43,7 +43,29 @@ from ..vocab import EXIT_CODE_DUMPED
 
 log = logging.getLogger(__name__)
 
-__all__ = ["count", "start", "orphaned"]
+__all__ = ["count", "start", "orphaned", "NodeLost", "lead"]
+
+
+class NodeLost(Exception):
+    """(agent main loop, etcd) Node 0 is lost and this node took the controller's leader key: its backup
+    takes over (:func:`orphaned`, with this exception's text as the cause)."""
+
+
+def lead(agent) -> bool:
+    """(etcd) Node 0's agent stopped beating: take the controller's leader key for this node, which
+    succeeds only once node 0's expired (etcdstore.Leader). True: this node's backup may take over
+    (the beat thread refreshes the key from now on); False: node 0 still refreshes it, so it is alive
+    and reaches etcd -- wait (its beats come back, or its key expires within its TTL)."""
+    from .etcdstore import Leader
+
+    lease = Leader(agent.cfg.node_rank, agent.cfg.node_lost_after)
+    if not lease.take(agent.store):
+        return False
+    agent.leader = lease
+    log.warning("node 0's agent stopped beating and its leader key expired: node %d holds it now",
+                agent.cfg.node_rank)
+    _logging.event("leader_taken", node=agent.cfg.node_rank)
+    return True
 
 
 def count(cfg) -> int:
@@ -85,9 +107,10 @@ def start(agent, rnd: int, info: dict):
 
 
 def orphaned(agent, ctl, error: str) -> int:
-    """Node 0's agents' store is unreachable (``error``): node 0 is lost. Arm this node's backup, let it
-    take over and end the job with a last-words checkpoint; wait (bounded) for its decision and for this
-    node's workers; print one line; return the agent's exit code (75: dumped, else 1)."""
+    """Node 0 is lost (``error`` says how: its agents' store is unreachable, or on etcd its agent stopped
+    beating and its leader key expired). Arm this node's backup, let it take over and end the job with a
+    last-words checkpoint; wait (bounded) for its decision and for this node's workers; print one line;
+    return the agent's exit code (75: dumped, else 1)."""
     from ..ttp.controller.states import State
 
     cfg = agent.cfg
@@ -96,7 +119,7 @@ def orphaned(agent, ctl, error: str) -> int:
     others = cfg.world_size - len(node0)
     bound = cfg.decision_timeout
     _logging.event("controller_node_lost", node=cfg.node_rank, error=error)
-    log.info("node 0's agents' store is unreachable (%s): node 0 (controller and stores) is lost; the backup "
+    log.info("%s: node 0 (controller and stores) is lost; the backup "
               "controller on node %d takes over once ranks %d..%d failed over to it", error, cfg.node_rank,
               len(node0), cfg.world_size - 1)
     declared = False
@@ -148,7 +171,7 @@ def orphaned(agent, ctl, error: str) -> int:
     codes = {r: p.poll() for r, p in sorted(procs.items())}
     d = ctl.last_decision if ctl.final.is_set() else {}
     took = time.monotonic() - t0
-    where = f"mindio-run: node 0 lost (its agents' store is unreachable: {error[:120]})"
+    where = f"mindio-run: node 0 lost ({error[:160]})"
     if ctl.final.is_set() and ctl.exit_code == EXIT_CODE_DUMPED and all(c == EXIT_CODE_DUMPED for c in codes.values()):
         print(f"{where}; the backup controller on node {cfg.node_rank} saved a last-words checkpoint at step "
               f"{d.get('lock_step')} from the surviving replicas ({took:.1f} s): relaunch the job to resume from it",

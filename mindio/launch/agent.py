@@ -50,7 +50,7 @@ import time
 
 from .. import _logging
 from ..errors import ConfigError
-from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, stores, switch
+from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, stores, switch, takeover
 from .config import LaunchConfig
 from .logs import WorkerLogs
 from .spares import Spares
@@ -95,6 +95,10 @@ class Agent:
         self._store_lost = False  # node 0's agents' store is unreachable (run)
         self.leader = None  # etcd: the controller's leader key this node holds (etcdstore.Leader; the beat thread refreshes it)
         self._leader_lost = False  # ... and could not refresh
+        self._takeover = None  # etcd: this node's backup taking over from a lost node 0 (takeover.py)
+        self._took_lead = False  # ... and it did: this agent leads the job as node 0's did
+        self._was_standby = cfg.standby  # started as a standby agent (run: after the rendezvous)
+        self._store_addr = cfg.master_addr  # the host of the round's workers' store (takeover.py moves it)
         self._ttp: dict | None = None
         self.secret = ""  # the job secret, handed to every worker (secret.py)
         self._round = self._port = 0
@@ -192,16 +196,23 @@ class Agent:
             _logging.set_context(node="-" if standby else node, rank="standby" if standby else "agent")
             log.info("c10d rendezvous: this agent is %s", "a standby" if standby else f"node {node}")
 
-    def _new_worker_store(self, rnd: int) -> int:
+    def _new_worker_store(self, rnd: int, gen: int | None = None) -> int:
+        """The port of round ``rnd``'s workers' store: node 0 hosts it (not a standby that takes node 0 in
+        the running round, ``gen``); where it moved (takeover.py), the address too (``_store_addr``)."""
         from torch.distributed import TCPStore
 
-        if self.cfg.node_rank == 0:
+        if self.cfg.node_rank == 0 and gen is None:
             self._worker_store = TCPStore(
                 self.cfg.master_addr, 0, is_master=True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout),
             )
             self._store.set(f"round/{rnd}/port", str(self._worker_store.port))
         self._wait_key(f"round/{rnd}/port", f"the port of round {rnd}'s worker store", "node 0's agent")
+        moved = takeover.STORE_KEY.format(rnd=rnd)
+        if gen is not None and self._store.check([moved]):
+            where = json.loads(self._store.get(moved))
+            self._store_addr = where["addr"]
+            return int(where["port"])
         return int(self._store.get(f"round/{rnd}/port"))
 
     def _wait_key(self, key: str, what: str, whom: str) -> None:
@@ -234,7 +245,7 @@ class Agent:
             "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": cfg.world_size,
             "LOCAL_WORLD_SIZE": cfg.nproc_per_node, "GROUP_RANK": cfg.node_rank,
             "GROUP_WORLD_SIZE": cfg.nnodes, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": cfg.world_size,
-            "ROLE_NAME": cfg.role, "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": port,
+            "ROLE_NAME": cfg.role, "MASTER_ADDR": self._store_addr, "MASTER_PORT": port,
             "TORCHELASTIC_RESTART_COUNT": rnd, "TORCHELASTIC_MAX_RESTARTS": cfg.max_restarts,
             "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
@@ -502,9 +513,21 @@ class Agent:
                            f"{stores.where(self.cfg)} within {self.cfg.node_lost_after:g} s (cut off from it, or "
                            f"stalled): a backup controller may hold the job now, so this node stops acting")
         reason = self._ha.tick(bad)
+        if self._takeover is not None:  # node 0 lost: this node's backup takes over (takeover.py)
+            why = self._takeover.tick()
+            if why:
+                return why
+            if why == "":  # it did: this agent hosts the job's controller and store from now on
+                self._hosted, self._worker_store = self._takeover.hosted, self._takeover.worker_store
+                self._store_addr, self._port = self._takeover.addr, self._worker_store.port  # this node's replacements too
+                self._backup, self._takeover, self._took_lead = None, None, True
+            return None if reason == ha.NODE0_LOST else reason
         if reason == ha.NODE0_LOST and self._backup is not None and stores.on_etcd(self.cfg):
             if not backup.lead(self):
                 return None  # node 0 still refreshes its leader key: alive, reaching etcd (wait: bounded by its TTL)
+            if takeover.possible(self):  # a standby waits: go on (takeover.py)
+                self._takeover = takeover.Takeover(self, self._backup, rnd)
+                return None
             raise backup.NodeLost(f"its agent stopped beating for {self.cfg.node_lost_after:g} s and its leader key "
                                   f"on etcd expired")
         return reason
@@ -564,6 +587,7 @@ class Agent:
         try:
             if self._store is None:
                 self._connect()
+            self._was_standby = self.cfg.standby
             self.secret = secret.resolve(self.cfg, self._store)
         except BaseException:
             self._spares.close()
@@ -581,7 +605,7 @@ class Agent:
             while True:
                 if gen is None:
                     self._join(rnd)
-                port = self._new_worker_store(rnd)
+                port = self._new_worker_store(rnd, gen)
                 log.info("round %d: starting %d workers (world size %d)", rnd, self.cfg.nproc_per_node, self.cfg.world_size)
                 _logging.event("round_start", round=rnd, node=self.cfg.node_rank)
                 self._start_workers(rnd, port, gen)
@@ -655,7 +679,7 @@ class Agent:
         if self._store_lost or (self.cfg.standby and stores.on_etcd(self.cfg)):
             return  # a standby that never took a node has nothing to say on etcd
         try:
-            if self.cfg.node_rank != 0:
+            if not self._leads():
                 self._store.add("job/left", 1)
                 if self.leader is not None:  # etcd: node 0 is gone, this node's backup ended the job
                     stores.end_job(self._store, self.cfg, f"ended by node {self.cfg.node_rank}'s backup controller")
@@ -671,6 +695,11 @@ class Agent:
             stores.end_job(self._store, self.cfg, "ended")
         except Exception:  # the store is already gone: nothing left to coordinate
             pass
+
+    def _leads(self) -> bool:
+        """This agent leads the job: node 0's (not a standby that took node 0), or the agent whose backup
+        took over from a lost node 0 (takeover.py). It leaves last and says that the job ended."""
+        return self._took_lead or (self.cfg.node_rank == 0 and not self._was_standby)
 
     def _on_signal(self, signum, frame):
         """(signal handler) Note the signal; the main loop acts on it. A preemption signal while workers

@@ -76,7 +76,7 @@ def count(cfg) -> int:
     return min(int(_knobs.get("MINDIO_BACKUP_CONTROLLERS")), cfg.nnodes - 1)
 
 
-def _bind_addr(cfg) -> str:
+def bind_addr(cfg) -> str:
     """Where this node's backup listens: --local-addr, else the address this host reaches node 0 from."""
     if cfg.local_addr:
         return cfg.local_addr
@@ -99,11 +99,25 @@ def start(agent, rnd: int, info: dict):
     ctl = Controller(rank=cfg.node_rank, world_size=cfg.world_size, enabled=set(cfg.high_availability),
                      key=secret_key(agent.secret), backup=True)
     ctl.takeover_quorum = cfg.world_size + 1  # never, until orphaned() arms it
-    ctl.start(_bind_addr(cfg), 0, primary=f"tcp://{info['addr']}:{info['port']}")
+    ctl.start(bind_addr(cfg), 0, primary=f"tcp://{info['addr']}:{info['port']}")
     log.info("round %d: backup controller on %s for the primary at %s:%s", rnd, ctl.address, info["addr"],
              info["port"])
     _logging.event("backup_started", round=rnd, node=cfg.node_rank, address=ctl.address)
     return ctl
+
+
+def arm(agent, ctl, t0: float) -> list:
+    """(node 0 lost since ``t0``) Let the backup ``ctl`` take over as soon as every rank outside node 0 but
+    this node's exited workers failed over to it; a rank still missing once every live link must have
+    failed over (its bound, plus two beats) is dead too. Returns this node's exited workers' ranks."""
+    cfg = agent.cfg
+    with agent.lock:
+        gone = sorted(r for r, p in agent.workers.items() if p.poll() is not None)
+    if not ctl.active:
+        others = cfg.world_size - cfg.nproc_per_node
+        late = time.monotonic() - t0 > ctl.misses * ctl.interval + 2.5 * ctl.interval
+        ctl.takeover_quorum = max(1, ctl.registered if late else others - len(gone))
+    return gone
 
 
 def orphaned(agent, ctl, error: str) -> int:
@@ -116,7 +130,6 @@ def orphaned(agent, ctl, error: str) -> int:
     cfg = agent.cfg
     t0 = time.monotonic()
     node0 = list(range(cfg.nproc_per_node))
-    others = cfg.world_size - len(node0)
     bound = cfg.decision_timeout
     _logging.event("controller_node_lost", node=cfg.node_rank, error=error)
     log.info("%s: node 0 (controller and stores) is lost; the backup "
@@ -126,14 +139,8 @@ def orphaned(agent, ctl, error: str) -> int:
     why = ""
     deadline = t0 + bound
     while True:
-        with agent.lock:
-            gone = sorted(r for r, p in agent.workers.items() if p.poll() is not None)
-        if not ctl.active:
-            # every rank outside node 0, but this node's exited workers, fails over to us; a rank still
-            # missing once every live link must have failed over (its bound, plus two beats) is dead too
-            late = time.monotonic() - t0 > ctl.misses * ctl.interval + 2.5 * ctl.interval
-            ctl.takeover_quorum = max(1, ctl.registered if late else others - len(gone))
-        elif not declared:
+        gone = arm(agent, ctl, t0)
+        if ctl.active and not declared:
             declared = True  # their host is gone, or they exited here: no need to wait for missed heartbeats
             ctl.declare_dead(node0, "node lost", node=0)
             if gone:

@@ -77,26 +77,32 @@ def ttp_env(info: dict) -> dict:
 class HostedController:
     """Node 0's controller for one round, plus the replacer it calls (recover.py's protocol)."""
 
-    def __init__(self, agent: WorkerView, rnd: int):
+    store_moved = ""  # host:port of the workers' store when it moved off node 0 (takeover.py); "" if not
+
+    def __init__(self, agent: WorkerView, rnd: int, ctl=None, addr: str = ""):
+        """Node 0: start the round's controller. Or (takeover.py) host ``ctl``, a backup controller
+        listening on ``addr``, that takes over node 0's."""
         from ..ttp.controller.controller import Controller
 
         cfg = agent.cfg
         self.agent, self.rnd = agent, rnd
         # the controller's driver thread gets its own client of the agent store (not shared across threads)
         self.store = stores.client(cfg, cfg.rdzv_timeout)
-        self.ctl = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability),
-                              key=secret_key(agent.secret), backups_allowed=backup.count(cfg))
-        self.ctl.start(cfg.master_addr, 0)  # the bind picks a free port
+        if ctl is None:
+            ctl, addr = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability),
+                                   key=secret_key(agent.secret), backups_allowed=backup.count(cfg)), cfg.master_addr
+            ctl.start(addr, 0)  # the bind picks a free port
+        self.ctl = ctl
         port = self.ctl.port
         self.ctl.attach_replacer(self, timeout=cfg.recover_timeout)
-        self.info = {"addr": cfg.master_addr, "port": port}
+        self.info = {"addr": addr, "port": port}
         agent.store.set(f"round/{rnd}/ttp", json.dumps(self.info))
         self._deaths_seen = 0
         self.lost: set[int] = set()  # nodes whose agent is known gone (until a standby takes them)
         self._probing: dict[int, tuple] = {}  # node -> (its beat when a rank of it died, since)
         self._probed: set[int] = set()  # dead ranks whose node was probed already
         self._adopted = 0  # registered ranks when adopt() last looked
-        log.info("round %d: controller (rank -1) on %s:%d, strategies %s", rnd, cfg.master_addr, port,
+        log.info("round %d: controller (rank %d) on %s:%d, strategies %s", rnd, ctl.rank, addr, port,
                  sorted(cfg.high_availability))
 
     # -- called by the controller's driver thread --------------------------------------------------

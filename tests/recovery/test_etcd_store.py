@@ -108,3 +108,36 @@ def test_a_job_id_with_keys_left_on_etcd_is_refused(tmp_path, etcd_endpoint):
     lines = [x for x in p.stderr.splitlines() if x.startswith("mindio-run: error:")]
     assert len(lines) == 1 and "--rdzv-id taken" in lines[0] and "holds the keys of a job" in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.timeout(300)
+def test_node0_lost_backup_controller_moves_its_ranks_to_the_standby_bitwise(tmp_path, fault_free_run, etcd_endpoint):
+    """Node 0 lost (its agent, the controller, the workers' store, ranks 0 and 1) with the agents on etcd, a
+    backup controller on node 1 and a standby: node 1's agent takes the leader key, hosts a new workers'
+    store, its backup takes over and gives node 0's ranks to the standby in the running round; the
+    survivors rebuild on the moved store; the job ends with exit 0 on node 1 and the standby, bitwise."""
+    reference = fault_free_digest(fault_free_run)
+    res, events = run_nodes(tmp_path / "run", FaultPlan.of(("kill-node", 0, 7)), "recover-in-place,recover,dump",
+                            env={"MINDIO_BACKUP_CONTROLLERS": "1"}, flags=_flags(etcd_endpoint, "node0-standby"),
+                            killed={"node0": "SIGKILL"})
+    text1, texts = res["node1"][1], {n: t[-4000:] for n, (_c, t) in res.items()}
+    assert res["node0"][0] == -signal.SIGKILL, texts
+    assert res["node1"][0] == 0 and res["standby"][0] == 0, texts
+    assert digest(res["standby"][1]) == reference  # rank 0 prints it: on the standby now
+    assert [e for e in events if e["kind"] == "leader_taken" and e["node"] == 1], text1[-6000:]
+    assert [e for e in events if e["kind"] == "backup_takeover"], text1[-6000:]
+    assert "Traceback" not in text1 + res["standby"][1], texts
+    done = [e for e in events if e["kind"] == "recover_done"]
+    assert len(done) == 1 and done[0]["strategy"] == "recover" and done[0]["replaced"] == [0, 1], done
+    takeover = [e for e in events if e["kind"] == "standby_takeover"]
+    assert takeover and takeover[0]["node"] == 0 and takeover[0]["round"] == 0, takeover
+    assert not [e for e in events if e["kind"] == "round_failed"]
+    for r in range(4):  # every step on every rank, the standby's ranks from the lock step on
+        its = {int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+?)(?=\[|\r?\n|\d{{4}}-\d\d-\d\d |$)",
+                                          "".join(t for _c, t in res.values()))}
+        assert its == set(range(1, 11)), (r, sorted(its))
+    fault_t = next(e["t"] for e in events if e["kind"] == "fault_injected")
+    resumed = max(e["t"] for e in events if e["kind"] == "train_resumed")
+    print(f"\nkill node 0 (backup on node 1, standby): fault -> every rank training again {resumed - fault_t:.3f} s")
+    ttl, keys = _job_keys(etcd_endpoint, "node0-standby")
+    assert keys.get("job/ended") is not None and ttl is not None, (ttl, sorted(keys))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -40,9 +41,10 @@ def etcd_server(workdir):
         end = time.monotonic() + 30
         while True:  # bounded: the server answers its v2 API, or the test fails with its log
             try:
+                socket.create_connection(("127.0.0.1", client), timeout=1).close()  # listening (no client retries)
                 etcd.Client(host="127.0.0.1", port=client, read_timeout=2).get("/")
                 break
-            except etcd.EtcdException:
+            except (OSError, etcd.EtcdException):
                 if p.poll() is not None or time.monotonic() > end:
                     raise AssertionError(f"etcd did not start within 30 s (exit {p.poll()}):\n"
                                          f"{(workdir / 'etcd.log').read_text()[-3000:]}")

@@ -50,6 +50,20 @@ def _job_keys(endpoint: str, run_id: str):
 
 
 @pytest.mark.timeout(300)
+def test_fault_free_on_etcd_and_an_idle_standby_leaves_at_the_end(tmp_path, fault_free_run, etcd_endpoint):
+    """No fault: both nodes and the standby (which never takes a node) exit 0, bitwise; the standby leaves
+    because the job's keys say it ended (on etcd no store goes away with node 0 to tell it)."""
+    reference = fault_free_digest(fault_free_run)
+    res, events = run_nodes(tmp_path / "run", FaultPlan(), "recover-in-place,recover,dump",
+                            env={"MINDIO_BACKUP_CONTROLLERS": "1"}, flags=_flags(etcd_endpoint, "fault-free"))
+    assert {n: c for n, (c, _t) in res.items()} == {"node0": 0, "node1": 0, "standby": 0}, \
+        {n: t[-3000:] for n, (_c, t) in res.items()}
+    assert digest(res["node0"][1]) == reference
+    assert "standby agent: the job ended; leaving" in res["standby"][1], res["standby"][1][-3000:]
+    assert not [e for e in events if e["kind"] in ("round_failed", "leader_taken", "backup_takeover")]
+
+
+@pytest.mark.timeout(300)
 def test_lost_node_moves_to_standby_on_etcd_bitwise(tmp_path, fault_free_run, etcd_endpoint):
     """Node 1 lost with the agents on etcd: as on node 0's TCPStore, the controller gives its ranks to the
     standby in the running round, bitwise; at the end the job's keys say it ended and expire."""
@@ -91,6 +105,11 @@ def test_node0_lost_backup_takes_the_leader_key_and_dumps(tmp_path, etcd_endpoin
     step = int((out / "ckpt" / "latest").read_text())
     assert step >= 11, text1[-6000:]
     assert re.search(r"workers' exit codes: rank 2: exit code 75, rank 3: exit code 75\n", text1), text1[-6000:]
+    fault_t = next(e["t"] for e in evs if e["kind"] == "fault_injected")
+    dumped = next(e for e in evs if e["kind"] == "backup_dumped")
+    print(f"\nnode 0 killed (etcd, no standby): node 1 took the leader key "
+          f"{next(e['t'] for e in evs if e['kind'] == 'leader_taken') - fault_t:.2f} s, checkpoint complete "
+          f"{dumped['t'] - fault_t:.2f} s after the kill")
     ttl, keys = _job_keys(etcd_endpoint, "node0-lost-dump")
     assert keys.get("job/ended") is not None and ttl is not None, (ttl, sorted(keys))
 

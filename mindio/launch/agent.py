@@ -1,7 +1,8 @@
 """The per-node launch agent behind ``mindio-run`` (torchrun-compatible).
 
-One agent runs on every node. Conversation through the agents' TCPStore (hosted by node 0 on
-``--master-port``; every key below lives there):
+One agent runs on every node. Conversation through the agents' store -- a TCPStore hosted by node 0 on
+``--master-port``, or the job's keys on an etcd server (``--rdzv-backend etcd``: stores.py,
+etcdstore.py); every key below lives there:
 
 * ``agent/<node>/beat``      each agent, every monitor interval, from its beat thread: its wall-clock
                              time; others watch the value change (liveness.py).
@@ -19,6 +20,11 @@ One agent runs on every node. Conversation through the agents' TCPStore (hosted 
                              summary names the round's root cause, whichever node it ran on.
 * ``rdzv/next_node``         ``--rdzv-backend c10d`` without ``--node-rank``: the node ranks handed out
                              (the agent hosting the endpoint is node 0).
+* ``controller/leader``      etcd, with backup controllers: the node whose agent hosts the controller in
+                             charge (a TTL key; etcdstore.Leader, backup.lead).
+* ``round/<n>/store``        etcd: JSON {addr, port} of the workers' store once it moved off a lost node 0
+                             (takeover.py).
+* ``job/ended``              etcd: the leading agent's last word; waiting standby agents leave.
 
 With high availability on (``--high-availability`` / ``HIGH_AVAILABILITY``), node 0 also hosts the
 controller as rank -1, a worker death is reported to it at once, and agents start single ranks again

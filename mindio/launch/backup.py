@@ -18,6 +18,11 @@ surviving ranks dump from the surviving replicas and exit 75 -- or, when some sh
 copy, exit 76 and nothing is saved (the last periodic checkpoint stays the latest). The agent prints
 one line saying which, and exits 75 (dump) or 1.
 
+With the agents on etcd (``--rdzv-backend etcd``) the agents' store outlives node 0: node 0's loss is
+found by its beats stopping, node 1 arms its backup only once it took the controller's leader key
+(:func:`lead`: node 0's expired), and with a ``--standby`` agent waiting the job goes on instead:
+takeover.py gives the backup a launcher to replace node 0's ranks with.
+
 Until armed, a backup never takes over (``takeover_quorum`` above the world size): a primary that is
 only stalled, or the backup's own link trouble, is no loss of node 0. Ranks whose links failed over to
 it meanwhile (node 0 stalled longer than their bound) stay registered with it, but its acks say it is

@@ -1,7 +1,7 @@
 """High availability in the launcher: the controller as rank -1, worker deaths, process replacement.
 
 Active when the job enables strategies (``--high-availability`` or ``HIGH_AVAILABILITY``). Then, per
-round, in addition to the keys of agent.py (all in node 0's agent store):
+round, in addition to the keys of agent.py (all in the agents' store: node 0's, or etcd):
 
 * ``round/<n>/ttp``             node 0: JSON {addr, port} of the controller it hosts (rank -1). Every
                                 agent passes them to its workers as TTP_ADDR / TTP_PORT with

@@ -144,6 +144,10 @@ _ALL = [
     Knob("MINDIO_PID_PROBE", _bool, True,
          "1: the controller also watches the processes of ranks on its own host (pidfd) and declares a rank "
          "dead the moment its process exits without BYE; 0: heartbeats only (docs/ttp.md)."),
+    Knob("MINDIO_NCCL_ABORT_TIMEOUT", float, 30.0,
+         "Seconds a rank's teardown waits for the abort of its NCCL communicators (all at once, one thread "
+         "each: ncclCommAbort takes about 1 s per communicator); past it the teardown goes on without them and "
+         "logs the groups still aborting.", min=1, max=600),
     Knob("MINDIO_GC_FREEZE", _bool, True,
          "1: freeze the objects that exist before the model is built (gc.freeze, once) so that the garbage "
          "collection of a recovery teardown walks only the training objects (docs/recovery.md); and at process "

@@ -479,8 +479,7 @@ def pretrain_standby(args, ctx, dataset) -> str:
     ctl_addr = os.environ.get("TTP_ADDR") or addr  # mindio-run: the controller its node 0 agent hosts
     elastic.start_standby(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), ctl_addr, port, addr,
                           int(os.environ["MASTER_PORT"]), register=register)
-    if ttp.tft_wait_next_action() != 0:  # parked until the upgrade: 0 = train
-        raise SystemExit(1)
+    elastic.wait_for_scale_out()  # parked until the upgrade; a job ending first: exit with its code (75/76)
     ttp.tft_exception_handler(train)(forward_step, ctx, dataset)
     return finish(ctx)
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 from ..errors import ConfigError
 
-__all__ = ["start_standby"]
+__all__ = ["start_standby", "wait_for_scale_out"]
 
 
 def start_standby(rank: int, world_size: int, controller_ip: str, controller_port: int, master_addr: str,
@@ -50,3 +50,20 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
     if register is not None:
         register()
     api.tft_start_processor(controller_ip, controller_port)
+
+
+def wait_for_scale_out() -> None:
+    """In a standby, after :func:`start_standby`: park until the scale-out has taken this process in and
+    repaired it, then return (the script trains). If the job ends first -- the upgrade failed, the job
+    dumped, training finished -- the process ends with the controller's code, as a rank's decorator does:
+    75 after a last-words checkpoint, 76 otherwise (``SystemExit``), so that the launcher and the scheduler
+    see the job's outcome, not a standby's own error."""
+    from . import decorator
+    from ._enums import Action
+    from ._runtime import state
+
+    if state.processor is None:
+        raise RuntimeError("wait_for_scale_out: no processor (call start_standby first)")
+    action, code = state.processor.wait_next_action()
+    if action is not Action.RETRY:
+        decorator.exit_process(state.processor, code)

@@ -2,11 +2,14 @@
 it), and nothing of mindio's internals: no stop, clean or rebuild handler, no process-group handling.
 
     torchrun --nproc-per-node 4 tests/dropin/plain_loop.py --out DIR [--steps 10] [--fault KIND:RANK:STEP] [--repair]
+             [--device cuda]
     mindio-run --nproc-per-node 4 tests/dropin/plain_loop.py --out DIR ...
 
 Every rank holds the whole model (a 2-layer MLP) and its Adam state; gradients are summed with one
 ``dist.all_reduce`` a step (gloo, timeout 60 s). The job tells mindio that the optimizer state lives on
-2 replicas of the 4-rank DP group (``replica_cnt=2``: ranks 0/2 and 1/3 hold one shard each). The
+2 replicas of the 4-rank DP group (``replica_cnt=2``: ranks 0/2 and 1/3 hold one shard each; one copy
+when the job has a single rank). ``--device cuda``: model, optimizer and batches on ``cuda:LOCAL_RANK``,
+the default group on NCCL bound to that device (``device_id``). The
 batch of step ``s`` is derived from ``s``, so a resumed or repaired run sees the batches an
 uninterrupted run saw.
 
@@ -18,7 +21,9 @@ being repaired, point to point) and rollback (the step counter back to the lock 
 (``--pg-timeout`` s, default 60). ``--enable-arf``: ``tft_init_processor(enable_arf=True)``.
 ``--fault KIND:RANK:STEP[,...]`` (each once per job, a marker file in DIR): ``unknown`` raises ``RuntimeError("Other ERROR ...")``
 at the start of the step, ``uce`` overwrites the rank's parameters and optimizer state with NaN and
-raises ``RuntimeError("UCE ERROR ...")``, ``kill`` SIGKILLs the rank. The time of the (latest) fault
+raises ``RuntimeError("UCE ERROR ...")``, ``network`` raises ``RuntimeError("HCCL OP RETRY FAILED ...")``
+(a network-class error: nothing lost, a retry rebuilds the groups and redoes the step), ``kill``
+SIGKILLs the rank. The time of the (latest) fault
 goes to ``DIR/fault_t``; the time every rank is training again after a recovery can be read from each rank's
 ``DIR/trained_rank<r>`` (time of each finished step). At the end every rank writes
 ``DIR/final_rank<r>.pt``. ``--resume``: start from ``DIR/ckpt/latest`` when there is one (every rank holds
@@ -51,10 +56,13 @@ class Job:
     def __init__(self, args):
         self.args = args
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) \
+            if args.device == "cuda" else torch.device("cpu")
         self.group = dist.new_group(list(range(self.world)), timeout=timedelta(seconds=args.pg_timeout)) \
             if args.keep_group else None
         torch.manual_seed(0)
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.model.to(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.step = 0
 
@@ -73,7 +81,8 @@ class Job:
         g = torch.Generator().manual_seed(1000 + step)
         x = torch.randn(4 * self.world, 8, generator=g)
         y = torch.sin(x.sum(1, keepdim=True))
-        return x[4 * self.rank:4 * (self.rank + 1)], y[4 * self.rank:4 * (self.rank + 1)]
+        rows = slice(4 * self.rank, 4 * (self.rank + 1))
+        return x[rows].to(self.device), y[rows].to(self.device)
 
     def train_step(self) -> None:
         step = self.step + 1
@@ -117,6 +126,8 @@ class Job:
                 for t in self.tensors():
                     t.fill_(float("nan"))
             raise RuntimeError(f"UCE ERROR: injected on rank {self.rank} at step {step}")
+        if kind == "network":
+            raise RuntimeError(f"HCCL OP RETRY FAILED: injected on rank {self.rank} at step {step}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"unknown fault kind {kind!r}")
@@ -146,7 +157,8 @@ class Job:
             f.write(f"{step}\n")
 
     def repair(self, step, need_rebuild, error_ranks, repair_info, args, ctx):
-        flat = torch.cat([t.reshape(-1) for t in self.tensors()] + [torch.tensor([float(self.step)])])
+        flat = torch.cat([t.reshape(-1).to(self.device) for t in self.tensors()]
+                         + [torch.tensor([float(self.step)], device=self.device)])
         if repair_info["repair_type"] == RepairType.RT_SEND:
             dist.send(flat, repair_info["dst"][0])
             return
@@ -177,7 +189,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--fault", default="", help="KIND:RANK:STEP[,...], KIND in unknown, uce, kill")
+    p.add_argument("--fault", default="", help="KIND:RANK:STEP[,...], KIND in unknown, uce, network, kill")
     p.add_argument("--repair", action="store_true", help="register the repair and rollback handlers")
     p.add_argument("--stop-clean", action="store_true", help="register stop and clean handlers (no group handling)")
     p.add_argument("--keep-group", action="store_true", help="all-reduce on a group the loop keeps")
@@ -185,9 +197,15 @@ def main() -> int:
     p.add_argument("--resume", action="store_true", help="start from DIR/ckpt/latest when there is one")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes")
     p.add_argument("--enable-arf", action="store_true", help="tft_init_processor(enable_arf=True)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL on cuda:LOCAL_RANK")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=args.pg_timeout), device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     addr, port = os.environ["MASTER_ADDR"], int(os.environ.get("TTP_PORT", "8000"))
     if rank == 0:
         tft_init_controller(rank, world, enable_local_copy=False)
@@ -195,7 +213,8 @@ def main() -> int:
     tft_init_processor(rank, world, enable_local_copy=False, enable_tls=False, enable_uce=True,
                        enable_arf=args.enable_arf)
     tft_start_processor(addr, port)
-    tft_set_optimizer_replica(rank, [{"rank_list": list(range(world)), "replica_cnt": 2, "replica_shift": 0}])
+    tft_set_optimizer_replica(rank, [{"rank_list": list(range(world)), "replica_cnt": min(2, world),
+                                     "replica_shift": 0}])
     job = Job(args)
     if args.resume:
         job.resume()

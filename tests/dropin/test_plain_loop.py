@@ -37,14 +37,14 @@ class Run:
     """One 4-rank job of the plain loop: launcher exit code, output, the time it ended, its files."""
 
     def __init__(self, out: Path, args: list, launcher: str = "torchrun", launcher_args: list = (),
-                 timeout: float = 150, during=None):
+                 timeout: float = 150, during=None, nproc: int = 4):
         """``during(popen)``: called once the launcher started (e.g. to signal it mid-training)."""
         out.mkdir(parents=True, exist_ok=True)
-        self.out = out
+        self.out, self.nproc = out, nproc
         env = {k: v for k, v in os.environ.items() if k != "HIGH_AVAILABILITY"}  # only what a test asks for
         env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_PORT=str(free_port()), TTP_LOG_STDOUT="1",
                    MINDIO_EVENT_LOG=str(out / "events.jsonl"))
-        cmd = [sys.executable, "-m", LAUNCHERS[launcher], "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+        cmd = [sys.executable, "-m", LAUNCHERS[launcher], "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), *launcher_args, str(LOOP), "--out", str(out),
                "--steps", str(STEPS), *args]
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -85,7 +85,7 @@ class Run:
         return {int(r): int(c) for r, c in found}
 
     def final(self) -> list:
-        return [torch.load(self.out / f"final_rank{r}.pt") for r in range(4)]
+        return [torch.load(self.out / f"final_rank{r}.pt") for r in range(self.nproc)]
 
     def tail(self) -> str:
         return self.text[-6000:]

@@ -187,6 +187,26 @@ def test_a_downgrade_rebuild_handler_that_raises_falls_back_to_a_dump(tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(lock)
 
 
+@pytest.mark.timeout(600)
+def test_an_upgrade_rebuild_handler_that_raises_ends_with_a_dump_from_the_survivors(tmp_path):
+    """A faulty real object under the upgrade: rank 3 is SIGKILLed at step 7, the instance [2, 3] removed
+    (rank 2 exits 77), training goes on at DP=2; the standbys for ranks 2 and 3 register and the scale-out
+    begins, where rank 0's zit_upgrade_rebuild handler raises (_elastic_failing.py). The survivors 0 and 1
+    are the only copies of the optimizer state (the standbys hold nothing yet): the controller dumps the
+    upgrade's lock step from them before ending the job -- ranks and standbys exit 75 -- instead of exiting
+    76 with nothing saved (issue 16). The checkpoint is megatron's and names that step."""
+    ckpt = tmp_path / "ckpt"
+    args = ARGS[:-1] + [40, "--save", ckpt, "--inject", "kill:rank=3,step=7"]
+    run = _launch_elastic(tmp_path, args, script=FAILING, env_extra={"ELASTIC_FAILING": "upgrade",
+                                                                       "ELASTIC_TEST_PACE": "4"})
+    out, evs = run["out"], run["events"]
+    assert run["rc"] == [75, 75, 77, -9] and run["standby_rc"] == [75, 75], (run["rc"], run["standby_rc"], out[-4000:])
+    assert len([e for e in evs if e["kind"] == "downgrade_done"]) == 1 and not [e for e in evs if e["kind"] == "upgrade_done"]
+    dumped = [e for e in evs if e["kind"] == "upgrade_failed_dump"]
+    assert len(dumped) == 1 and sorted(dumped[0]["ranks"]) == [0, 1], dumped
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(dumped[0]["step"])
+
+
 @pytest.mark.timeout(900)
 def test_two_downgrades_4_to_3_to_2_with_renumbered_ranks(tmp_path):
     """DP=4 with 4 replicas (every rank a full copy), global batch 24: SIGKILL of rank 3 -> DP=3 (4

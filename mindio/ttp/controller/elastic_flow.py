@@ -32,7 +32,11 @@ controller treats a registration for a removed rank as a standby offer), the dri
 
 Both record events (``downgrade_done`` / ``upgrade_done``) with the time and a breakdown. A failed step
 falls back: a downgrade returns None to the incident flow (next strategy, e.g. dump); a failed upgrade
-ends the job (EXIT_CODE_FAULT) -- the survivors' groups are gone by then.
+ends the job -- the survivors' groups are gone by then -- with a last-words checkpoint first when the
+job enabled dump: the survivors that stopped at the lock step with complete state hold every shard
+between them (the new ranks hold nothing yet and never write), so the lock step is dumped from them and
+the job exits EXIT_CODE_DUMPED; only when some shard has no such holder (a line per shard says why)
+EXIT_CODE_FAULT.
 
 The rank side (the zit actions a processor runs) is in elastic_rank.py, the standby process in
 standby.py; mindio.ttp.elastic is the public module that names them all. This module imports neither
@@ -45,7 +49,7 @@ import time
 
 from ... import _knobs, _logging
 from . import dump, policy, sequence
-from .._enums import EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
+from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
 from ... import vocab
 from .ranks import RankRecord
 from .sequence import Sequence
@@ -198,12 +202,15 @@ class Elastic:
             self.ctl._call("unhold", {}, survivors, self.ctl.action_limit)
             time.sleep(0.1 * (attempt + 1))
         seq.mark("stop")
+        # what a failed upgrade can still dump: the survivors at the lock step with complete state
+        holders = [r for r in survivors if steps.get(r) == (lock, int(OsStatus.UPDATED))]
+        ended = lambda: self._upgrade_ended(lock, holders, new)  # noqa: E731 (the failure exits below)
         if stale:
             _log.error("upgrade: survivors %s did not stop at step %d with complete state (%s)", stale[:16], lock,
                        {r: steps.get(r) for r in stale[:8]})
-            return self._upgrade_failed(survivors, "stop")
+            return self._upgrade_failed(survivors, "stop", ended)
         if not seq.step("clean", {"timeout": self.ctl.action_limit}, survivors, abandon=survivors):
-            return self._upgrade_ended()
+            return ended()
         with self.ctl._cond:
             for r in new:
                 ident, pid, host, _t = self.standbys.pop(r)
@@ -216,16 +223,16 @@ class Elastic:
         self.ctl.gen += 1
         if not seq.step("zit_rebuild", {"gen": self.ctl.gen, "members": full, "kind": "upgrade", "rank_list": new},
                         full, abandon=full, mark="rebuild"):
-            return self._upgrade_ended()
+            return ended()
         pairs = _repair_pairs(self.layout or {}, survivors, new)
         if pairs is None:
-            return self._upgrade_failed(full, "repair plan")
+            return self._upgrade_failed(full, "repair plan", ended)
         involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
         if not seq.step("zit_repair", {"step": lock, "error_ranks": new, "pairs": pairs}, involved, abandon=full,
                         mark="repair"):
-            return self._upgrade_ended()
+            return ended()
         if not seq.step("zit_rollback", {"step": lock}, full, abandon=full, mark="rollback"):
-            return self._upgrade_ended()
+            return ended()
         if _knobs.get("MINDIO_DUMP_AFTER_UPGRADE"):
             views = [policy.RankView(r, True, False, lock, 0, tuple((self.layout or {}).get(r, ())))
                      for r in full]
@@ -241,15 +248,37 @@ class Elastic:
                  added=new, world=len(full), table=sorted(self.ctl.ranks)[:64], members=self.job_ranks()[:64])
         return True
 
-    def _upgrade_failed(self, ranks: list, failed: str) -> bool:
+    def _upgrade_failed(self, ranks: list, failed: str, ended) -> bool:
         """A failure outside a step (the stop, the repair plan): logged, ``ranks`` cleaned, the job ends."""
         _log.error("upgrade failed at %s; the survivors' groups are gone: ending the job", failed)
         _logging.event("upgrade_failed", step_name=failed)
         sequence.abandon(self.ctl, ranks, failed)
-        return self._upgrade_ended()
+        return ended()
 
-    def _upgrade_ended(self) -> bool:
-        self.ctl.incidents.exit(EXIT_CODE_FAULT)
+    def _upgrade_ended(self, lock: int, holders: list, new: list) -> bool:
+        """End the job after a failed upgrade: first the lock step's state from ``holders`` (survivors stopped
+        there with complete state; the ``new`` ranks hold nothing yet), written by one holder per shard and
+        renamed (dump.save, which re-plans around a holder that cannot write), then EXIT_CODE_DUMPED; when some
+        shard has no holder left, a line per shard names why and the job exits EXIT_CODE_FAULT. Never False
+        for a job whose state survived: the survivors are the last copies (issue 16)."""
+        if "dump" not in self.ctl.brain.enabled(self.ctl.job_strategies()):
+            _log.error("upgrade failed: the job did not enable 'dump', so the survivors' state at step %d is not "
+                       "saved (HIGH_AVAILABILITY / --high-availability)", lock)
+            self.ctl.incidents.exit(EXIT_CODE_FAULT)
+            return False
+        layout = self.layout or {}
+        views = [policy.RankView(r, alive=r in holders, faulty=r not in holders, step=lock,
+                                 replica=tuple(layout.get(r, ()))) for r in sorted(set(self.job_ranks()) | set(new))]
+        plan = policy.select_dump_ranks(views, lock)
+        code = EXIT_CODE_FAULT
+        if not plan.possible:
+            dump.no_writer(views, lock, plan.missing)
+        else:
+            _log.warning("upgrade failed: dumping step %d from the survivors before the job ends", lock)
+            if dump.save(self.ctl, lock, plan, views):
+                code = EXIT_CODE_DUMPED
+                _logging.event("upgrade_failed_dump", step=lock, ranks=list(plan.ranks[:64]))
+        self.ctl.incidents.exit(code)
         return False
 
 

@@ -223,10 +223,13 @@ class Processor:
         ms = {}
         self.world.remember()  # a default group made after tft_start_processor: rebuild needs its store
         groups = device.all_groups()  # destroyed in parallel once the framework dropped its references
+        backend = device.backend_for()  # picked while the default group exists (its backend)
+        t0 = time.monotonic()
         try:  # nccl: communicator abort; hccl: stop_device; gloo: nothing (device.py)
-            device.backend_for().stop()
+            backend.stop()
         except Exception as exc:
             _log.error("device stop failed: %s", exc)
+        ms["device_stop"] = round((time.monotonic() - t0) * 1000, 2)
         for name, call in (("stop", lambda f, c: f(self.step_args, c)),
                            ("clean", lambda f, c: f(is_uce, self.step_args, c))):
             if name in self.callbacks:
@@ -243,7 +246,13 @@ class Processor:
         device.release(groups, unreferenced_only=True)  # dropped by the callbacks: released now
         ms["gc"] = round(device.collect(), 2)  # the one collection of this teardown (device.py)
         device.release(groups)  # the groups the collection freed from reference cycles
-        _logging.event("teardown", destroyed=left, **{f"{k}_ms": v for k, v in ms.items()})
+        t0 = time.monotonic()
+        try:  # nccl: synchronize + empty_cache; hccl: restart_device (the stop's counterpart)
+            backend.free_device_memory()
+        except Exception as exc:
+            _log.error("%s: freeing the device after the teardown failed: %s", backend.name, exc)
+        ms["device_free"] = round((time.monotonic() - t0) * 1000, 2)
+        _logging.event("teardown", backend=backend.name, destroyed=left, **{f"{k}_ms": v for k, v in ms.items()})
 
     def wait_next_action(self) -> tuple[Action, int]:
         """Park the main thread until the controller says RETRY or EXIT; EXIT(fault) if the controller

@@ -160,3 +160,27 @@ def test_node0_lost_backup_controller_moves_its_ranks_to_the_standby_bitwise(tmp
     print(f"\nkill node 0 (backup on node 1, standby): fault -> every rank training again {resumed - fault_t:.3f} s")
     ttl, keys = _job_keys(etcd_endpoint, "node0-standby")
     assert keys.get("job/ended") is not None and ttl is not None, (ttl, sorted(keys))
+
+
+@pytest.mark.timeout(200)
+def test_node0_stalled_past_its_leader_key_stops_acting(tmp_path, etcd_endpoint):
+    """Split brain, settled by the leader key: node 0's agent (controller, workers' store) is SIGSTOPped
+    7 s while the job trains, past its key's TTL. Node 1 takes the key and its backup ends the job with a
+    last-words checkpoint (exit 75); node 0, running again, finds the key held by node 1 and stops acting:
+    one line, exit 1 -- the two never both go on."""
+    from test_controller_node_stall import _stall_node0_once_ranks_know_the_backup
+
+    out, did = tmp_path / "run", []
+    codes, texts, evs = two_nodes(out, ["--steps", "40", "--step-sleep", "1.0"], "retry,recover-in-place,recover,dump",
+                                  {"MINDIO_BACKUP_CONTROLLERS": "1"}, wait_for="both",
+                                  during=_stall_node0_once_ranks_know_the_backup(did),
+                                  flags=_flags(etcd_endpoint, "node0-stalled"))
+    both = "\n".join(f"--- {n}\n{t[-5000:]}" for n, t in texts.items())
+    assert [d[0] for d in did] == ["stopped", "continued"], did
+    assert codes == {"node0": 1, "node1": 75}, both
+    assert re.search(r"^mindio-run: job failed: node 0 could not refresh the controller's leader key", texts["node0"],
+                     re.M), both
+    said = re.findall(r"^mindio-run: node 0 lost.*$", texts["node1"], re.M)
+    assert len(said) == 1 and "saved a last-words checkpoint" in said[0], both
+    assert [e["node"] for e in evs if e["kind"] == "leader_taken"] == [1], both
+    assert (out / "ckpt" / "latest").exists(), both

@@ -116,6 +116,11 @@ _ALL = [
     Knob("MINDIO_CONTROLLER_EXIT_WAIT", float, 30.0,
          "Seconds a process that hosts the controller waits, after an EXIT, for the controller's exit order to "
          "reach every rank before it leaves.", min=1, max=3600),
+    Knob("MINDIO_EXIT_ORDER_WAIT", float, 60.0,
+         "Seconds a rank's main thread has to carry out the controller's exit order (at its next fence, "
+         "tft_start_updating_os / tft_pause_train, or parked in tft_exception_handler); then the processor ends "
+         "the process with the order's code, logging where the main thread was (outside train(), or blocked "
+         "where no fence comes).", min=1, max=3600),
     Knob("TTP_NORMAL_ACTION_TIME_LIMIT", float, 180.0,
          "Seconds the controller waits for replies to one recovery action.", min=30, max=1800),
     Knob("MINDIO_WAIT_MINDX_TIME", float, 30.0,

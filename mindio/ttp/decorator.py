@@ -31,15 +31,13 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
-import sys
 import time
 import traceback
 
 from .. import _knobs, _logging
 from ..errors import describe
 from ..launch import failures as _launcher
-from . import compat as _compat
+from . import compat as _compat, shutdown
 from .controller import policy
 from .processor import reboot as _reboot
 from ._enums import EXIT_MEANINGS, Action, OsStatus, ReportState
@@ -89,13 +87,18 @@ def _finish() -> None:
     code = _ordered_exit
     if code is None or not _knobs.get("MINDIO_FAST_EXIT"):
         return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    logging.shutdown()
-    os._exit(code)
+    shutdown.hard_exit(code)
+
+
+def arm_fast_exit() -> None:
+    """Register :func:`_finish` once (at the first entry of a decorated ``train()``, or before a standby
+    leaves): an EXIT ordered by the controller then skips the interpreter teardown, whose C++ destructors
+    abort the process (SIGABRT) while another thread is still inside gloo -- seen in a standby whose
+    rebuild action was creating groups when the job's exit order came."""
+    global _finish_registered
+    if not _finish_registered:
+        _finish_registered = True
+        atexit.register(_finish)
 
 
 def exit_process(proc, code: int):
@@ -145,10 +148,7 @@ def tft_exception_handler(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        global _finish_registered
-        if not _finish_registered:
-            _finish_registered = True
-            atexit.register(_finish)
+        arm_fast_exit()
         proc = _rt.processor
         if proc is not None and proc.step_args is None:  # the reference's default callback arguments
             proc.step_args = args if _compat.get_mindio_export_version() else list(args)

@@ -34,13 +34,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
 
 from .. import _knobs
 
-__all__ = ["install", "track", "on_exit", "at_exit", "collective_threads"]
+__all__ = ["install", "track", "on_exit", "at_exit", "collective_threads", "hard_exit"]
 
 _log = logging.getLogger(__name__)
 _installed = False
@@ -167,3 +168,16 @@ def at_exit() -> None:
     except Exception:  # an exit hook never raises: the process ends anyway, say why it was unclean
         _log.exception("exit: teardown failed")
     _log.debug("exit teardown: %.1f ms", (time.monotonic() - t0) * 1000)
+
+
+def hard_exit(code: int) -> None:
+    """End the process with ``code`` now, without the interpreter teardown: flush stdout, stderr and the
+    logging handlers, then ``os._exit`` (decorator._finish after an ordered exit; the processor's exit
+    watch, processor.Processor._watch_exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    logging.shutdown()
+    os._exit(code)

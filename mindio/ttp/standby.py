@@ -64,6 +64,7 @@ def wait_for_scale_out() -> None:
 
     if state.processor is None:
         raise RuntimeError("wait_for_scale_out: no processor (call start_standby first)")
+    decorator.arm_fast_exit()  # a standby never entered train(): its exit must skip the teardown too
     action, code = state.processor.wait_next_action()
     if action is not Action.RETRY:
         decorator.exit_process(state.processor, code)

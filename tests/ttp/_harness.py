@@ -36,6 +36,26 @@ def until(pred, timeout: float = 20.0) -> bool:
     return bool(pred())
 
 
+def run_ranks(script: str, argvs: list, env: dict, timeout: float) -> tuple[list, list]:
+    """Run ``script`` once per argument list of ``argvs`` (one process a rank, ``env``), each with its
+    output captured; every process is reaped, killed past ``timeout`` s. ``(exit codes, outputs)``; fails
+    if one died by a signal (tests/_exits.py)."""
+    procs = [subprocess.Popen([sys.executable, script, *map(str, argv)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for argv in argvs]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    check_codes(codes, context="\n".join(o[-3000:] for o in outs))
+    return codes, outs
+
+
 def start_plane(world: int, key: bytes, *, misses: int = 10, action_limit: float = 2.0, interval: float = 0.2,
                 before_start=None):
     """A Controller (rank 0, ``enabled={"dump"}``, no hang detection) on a free loopback port and

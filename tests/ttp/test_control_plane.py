@@ -259,3 +259,39 @@ def test_send_with_wait_is_bounded_when_the_io_thread_is_not_running():
     assert link.send(P.Envelope(P.MsgType.BYE, P.Bye("test")), wait=0.2) is False
     assert 0.2 <= time.monotonic() - t0 < 5
     assert link.send(P.Envelope(P.MsgType.BYE, P.Bye("test"))) is True  # no wait: queued
+
+
+@pytest.mark.timeout(60)
+def test_the_exit_order_reaches_a_rank_that_registers_after_it(caplog):
+    """A rank faults before every rank registered and before any step (lock step 0): nothing to save, so
+    the controller orders EXIT(76) to the ranks it has. A rank that registers only afterwards (a slow
+    start) must get that order too -- else it trains into peers that left and parks for a decision that
+    never comes; the order stands for every rank the controller hears from (incident.IncidentFlow.carry)."""
+    import logging
+
+    from mindio._ports import free_port
+    from mindio.ttp.controller.controller import Controller
+    from mindio.ttp.processor.processor import Processor
+
+    caplog.set_level(logging.WARNING, logger="mindio.ttp")
+    port = free_port()
+    ctl = Controller(rank=0, world_size=3, enabled={"dump"}, key=KEY, interval=0.2, misses=10, hang_timeout=0)
+    ctl.action_limit = 2.0
+    ctl.start("127.0.0.1", port)
+    procs = [Processor(r, 3) for r in range(3)]
+    try:
+        for p in procs[:2]:
+            p.start(f"tcp://127.0.0.1:{port}", KEY)
+        assert ctl.sm.state is State.INIT
+        procs[1].report(ReportState.RS_UNKNOWN, "RuntimeError: injected before the first step")
+        assert _until(lambda: ctl.final.is_set(), 30)
+        assert (ctl.last_decision["strategy"], ctl.last_decision["lock_step"], ctl.exit_code) == ("exit", 0, 76)
+        assert "dump at step 0 impossible: nothing to save" in caplog.text
+        assert _until(lambda: all(p._next == (Action.EXIT, 76) for p in procs[:2]))
+        procs[2].start(f"tcp://127.0.0.1:{port}", KEY)  # late: registers after the order went out
+        assert _until(lambda: procs[2]._next == (Action.EXIT, 76), 10), caplog.text[-2000:]
+        assert "rank 2 heard after the job's exit order without having confirmed it (registered after the " \
+               "order went out): sending it the order again, EXIT(76)" in caplog.text
+        assert _until(lambda: 2 in ctl.incidents.carried)  # confirmed: not sent again
+    finally:
+        stop_plane(ctl, procs)

@@ -7,14 +7,12 @@ what it records just before the interpreter shuts down shows the teardown happen
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from mindio._ports import free_port
 
-from ._harness import ROOT
+from ._harness import ROOT, run_ranks
 
 PROBE = os.path.join(os.path.dirname(__file__), "_exit_probe.py")
 pytestmark = pytest.mark.slow
@@ -23,19 +21,9 @@ pytestmark = pytest.mark.slow
 def _run(tmp_path, mode):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, PROBE, str(r), str(port), str(tmp_path), mode], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{outs[r][-3000:]}"
+    codes, outs = run_ranks(PROBE, [[r, port, tmp_path, mode] for r in range(2)], env, 120)
+    for r, code in enumerate(codes):
+        assert code == 0, f"rank {r} exited with {code}:\n{outs[r][-3000:]}"
     threads = [json.loads((tmp_path / f"threads{r}.json").read_text()) for r in range(2)]
     return outs, threads
 

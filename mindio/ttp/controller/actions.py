@@ -74,14 +74,28 @@ class ActionEngine:
                 if p.outstanding <= 0 or p.failed:
                     self._cond.notify_all()
 
-    def call(self, name: str, params: dict, ranks, timeout: float, fail_fast: bool = False) -> dict:
+    def reserve(self) -> int:
+        """(any thread) A sequence number of its own, for an action that is also sent outside :meth:`call`
+        (the exit order, incident.py: ranks heard after it get it again with the same ``sn``)."""
+        with self._cond:
+            self.sn += 1
+            return self.sn
+
+    def call(self, name: str, params: dict, ranks, timeout: float, fail_fast: bool = False,
+             sn: int | None = None) -> dict:
         """Run ACTION ``name`` on ``ranks``; see the module docstring. ``fail_fast``: return as soon as
-        one rank replies with a failure (a recovery step that failed anywhere has failed)."""
+        one rank replies with a failure (a recovery step that failed anywhere has failed). ``sn``: one
+        from :meth:`reserve` (default: the next)."""
         t0 = time.monotonic()
         targets = set(ranks)
         with self._cond:
-            self.sn += 1
-            pend = self._pending = _Pending(self.sn, name, targets, outstanding=len(targets), fail_fast=fail_fast)
+            if sn is None:
+                self.sn += 1
+                sn = self.sn
+            # the caller is woken once every target alive now answered (a dead target -- the exit order goes to
+            # every registered rank, incident.py -- never answers; one that does only wakes it once more)
+            alive = sum(1 for r in targets if self._alive(r))
+            pend = self._pending = _Pending(sn, name, targets, outstanding=alive, fail_fast=fail_fast)
         body = P.Action(name, params)
         # an action that carries a timeout is answered within it: no resend before then
         waiting, last_send, gap = set(targets), -1e9, self.resend + float(params.get("timeout") or 0)

@@ -54,6 +54,8 @@ from ..wire.transport import Channel, Link, Waker, job_curve_keypair
 __all__ = ["Controller"]
 
 _log = logging.getLogger("mindio.ttp.controller")
+# frames of a rank that show it is there: one that has not confirmed the job's exit order gets it (incident.py)
+_HEARD = (P.MsgType.HEARTBEAT, P.MsgType.REGISTER, P.MsgType.REPORT, P.MsgType.REQUEST)
 
 
 class Controller:
@@ -422,6 +424,7 @@ class Controller:
             if r is not None and r.alive and env.rank in self.liveness.seen:  # any frame proves life, not only a beat
                 r.last_seen = now
                 self.liveness.seen.move_to_end(env.rank)
+            self.incidents.confirmed(env.rank, env.sn)
             self.actions.on_reply(env.rank, env.sn, body)
         elif env.type is P.MsgType.REQUEST and env.rank in self.ranks:
             if env.body.name == "dump":
@@ -434,6 +437,8 @@ class Controller:
         elif env.type is P.MsgType.BATCH:
             for item in body.items:
                 self._dispatch(ident, item, relay=True)
+        if self.incidents.order is not None and env.rank >= 0 and env.type in _HEARD:
+            self.incidents.carry(env.rank)  # the job's exit order, to a rank it has not reached (incident.py)
 
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
         """A relay's heartbeats for many ranks: the same per-rank bookkeeping as HEARTBEAT, one ack."""
@@ -453,6 +458,9 @@ class Controller:
                 seen.move_to_end(rank)
         if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
             self.incidents.serve_dump_request()
+        if self.incidents.order is not None:  # the job's exit order, to ranks it has not reached (incident.py)
+            for rank in b.ranks:
+                self.incidents.carry(rank)
         state = self.sm.state.value
         if unknown:
             self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, unknown)), ident)

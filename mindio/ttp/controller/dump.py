@@ -20,7 +20,7 @@ from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome, Strategy
 
-__all__ = ["Dump", "save", "no_writer"]
+__all__ = ["Dump", "save", "no_writer", "nothing_to_save"]
 
 _log = logging.getLogger("mindio.ttp.incident")  # the name these lines always logged under
 
@@ -32,6 +32,9 @@ def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
     answered an error (it wrote nothing, or gave up) or that died; without them a failed writer fails the
     dump, as does one that did not answer in time (it may still be writing). Each try excludes at least one
     more rank: bounded by the replica count, each try by the action limit."""
+    if lock <= 0:  # (policy.plan_dump plans none; a pause or a hot switch before the first step)
+        nothing_to_save(lock)
+        return False
     unable: dict = {}  # rank -> why it could not write this dump
     while True:
         _log.warning("dump at step %d by %d ranks %s%s", lock, len(plan.ranks), list(plan.ranks[:16]),
@@ -66,6 +69,14 @@ def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
 
 def _why(detail) -> str:
     return str(detail.get("error", detail) if isinstance(detail, dict) else detail)[:300]
+
+
+def nothing_to_save(lock: int) -> None:
+    """The error line of a dump asked for at step ``lock`` <= 0 (policy.plan_dump)."""
+    _log.error("dump at step %d impossible: nothing to save -- the state at step 0 is the one this run started "
+               "from (its initialisation, or the checkpoint it loaded, which a dump would label step 0); the job "
+               "exits with %d; relaunched, it starts again from there", lock, EXIT_CODE_FAULT)
+    _logging.event("dump_impossible", step=lock, shards=[], unable={}, why="nothing to save at step 0")
 
 
 def no_writer(views, lock: int, missing, unable: dict | None = None) -> None:

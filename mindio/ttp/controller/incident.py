@@ -12,7 +12,9 @@ An incident (the dump flow; the retry strategy is in retry.py; recover/elastic b
    MINDIO_WAIT_MINDX_TIME);
 4. dump: ``save(step, save_info)`` on one usable rank per optimizer shard, then ``rename(step)`` on one
    of them -- only after every save succeeded, so the checkpoint becomes "latest" only when complete;
-5. ``exit(code)`` to every live rank: EXIT_CODE_DUMPED after a complete dump, EXIT_CODE_FAULT otherwise.
+5. ``exit(code)`` to every registered rank (awaited from the live ones): EXIT_CODE_DUMPED after a complete
+   dump, EXIT_CODE_FAULT otherwise; the order stands for ranks heard later (:meth:`IncidentFlow.carry`).
+   No dump at lock step 0: nothing to save (policy.plan_dump).
 
 When "retry" is enabled and possible it is tried first (retry.py); if it succeeds the driver waits for
 the next incident, if any step of it fails the flow falls back to dump (then exit) as above.
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from ... import _knobs, _logging
 from . import dump, policy, sequence
+from ..wire import protocol as P
 from .brain import RankFault, fault_key, result_code
 from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
 from .states import Result, State
@@ -75,6 +78,9 @@ class IncidentFlow:
         self.chosen: str | None = None  # its answer
         self.mindx_wait: float | None = None  # the next negotiation's wait (notify_stop_train's ``wait``)
         self.dump_wanted: str | None = None  # why a last-words checkpoint was requested, until one starts
+        self.order: tuple[int, int] | None = None  # the job's exit order once given: (code, sn)
+        self.told: dict = {}  # rank -> when it was last sent the exit order
+        self.carried: set = set()  # ranks that confirmed the exit order (I/O thread)
 
     def expect(self) -> None:
         """Forget the cluster brain's earlier answer: the next one is awaited."""
@@ -190,7 +196,7 @@ class IncidentFlow:
                          stale[:16])
             _logging.event("mixed_steps", lock_step=lock, stale=stale[:64],
                            steps={str(v.rank): v.step for v in views[:64] if v.alive})
-        plan = policy.select_dump_ranks(views, lock)
+        plan = policy.plan_dump(views, lock)  # none at step 0: nothing to save
         faulty = [v.rank for v in views if v.faulty]
         try:
             policy.select_repair_sources(views, lock, faulty)
@@ -253,10 +259,13 @@ class IncidentFlow:
             _log.error("%s failed; falling back to %s (remaining %s)", strategy, left[0], left)
             self.mindx_call("report_result", int(result_code(left)), f"{strategy} failed", self.error_ranks(), strategy)
             _logging.event("fallback", src=strategy, dst=left[0])
-        if ctx.plan.missing and "dump" in enabled:
+        if lock <= 0 and "dump" in enabled:
+            dump.nothing_to_save(lock)
+        elif ctx.plan.missing and "dump" in enabled:
             dump.no_writer(ctx.views, lock, ctx.plan.missing)
         self.ctl.sm.fire(Result.FAIL if self.ctl.sm.state is State.DUMP else Result.EXIT,
-                         reason="no dump possible" if ctx.plan.missing else "exit chosen")
+                         reason="nothing to save at step 0" if lock <= 0 and "dump" in enabled else
+                         "no dump possible" if ctx.plan.missing else "exit chosen")
         self.exit(EXIT_CODE_FAULT)
         return False
 
@@ -302,21 +311,61 @@ class IncidentFlow:
         return strategies[0]
 
     def exit(self, code: int) -> None:
+        """The job's exit order: ``exit(code)`` to every rank with a route, awaited from the live ones (10 s,
+        a fixed bound), then FINAL. Also to the ranks declared dead: such a rank's process may live (a
+        link thread starved past the heartbeat window, a stopped process continued, a host cut off for a
+        while) and its next collective fails on the peers that left; it then parks for a decision, and
+        without the order it waited for a controller that ignored it -- forever when that controller
+        lives in its own process (rank 0, issue 13), else MINDIO_CONTROLLER_LOST_EXIT s and the wrong
+        code. The order stands: a rank heard later that has not confirmed it gets it again (:meth:`carry`)."""
         if self.ctl.sm.state is not State.EXIT:
             self.ctl.sm.fire(Result.EXIT if self.ctl.sm.can(Result.EXIT) else Result.SHUTDOWN, code=code)
         self.ctl.exit_code = code
+        sn = self.ctl.actions.reserve()
+        with self.ctl._lock:  # a rank registering meanwhile is either a target or sees the order (carry)
+            now = time.monotonic()
+            targets = [r.rank for r in self.ctl.ranks.values() if r.registered and r.ident]
+            self.told.update(dict.fromkeys(targets, now))
+            self.order = (code, sn)
+        replies = self.ctl._call("exit", {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
         with self.ctl._lock:
-            # also a rank declared dead that was heard since: its process lives (its link starved while its
-            # teardown's garbage collection held the GIL past misses * interval, measured at load 35) and
-            # is parked for this order; without it, it waits MINDIO_CONTROLLER_LOST_EXIT and exits 76. The
-            # engine sends to every target and waits only for the live ones.
-            now, recent = time.monotonic(), self.ctl.misses * self.ctl.interval
-            live = [r.rank for r in self.ctl.ranks.values()
-                    if r.alive or (r.registered and now - r.last_seen <= recent)]
-        self.ctl._call("exit", {"code": code}, live, 10.0)
+            silent = [r for r in targets if r not in replies and (x := self.ctl.ranks.get(r)) is not None and x.alive]
+        if silent and not self.ctl._stop.is_set():  # (a controller closed meanwhile hears nobody)
+            _log.warning("exit order EXIT(%d): no confirmation from live ranks %s within 10 s (a fixed bound); each "
+                         "gets the order again when heard from", code, silent[:16])
         if self.ctl.sm.state is State.EXIT:
             self.ctl.sm.fire(Result.OK)
         self.ctl.final.set()
+
+    def carry(self, rank: int) -> None:
+        """(I/O thread) A frame of ``rank`` (a beat, a report, a registration) after the job's exit order:
+        a rank that has not confirmed the order gets it again, with the same sn (a processor that has it
+        replays its reply), at most every 2 heartbeat intervals -- as the action engine resends. A rank
+        declared dead whose process lived, or one that registered or reported after the order went out,
+        carries it out instead of parking for a decision that never comes."""
+        order = self.order
+        if order is None or rank in self.carried:
+            return
+        r = self.ctl.ranks.get(rank)
+        if r is None or not r.registered or not r.ident:
+            return
+        now = time.monotonic()
+        last = self.told.get(rank)
+        if last is not None and now - last < 2 * self.ctl.interval:
+            return
+        self.told[rank] = now
+        why = "declared dead, its process lives" if not r.alive else \
+            "registered after the order went out" if last is None else "no confirmation yet"
+        _log.warning("rank %d heard after the job's exit order without having confirmed it (%s): sending it "
+                     "the order again, EXIT(%d)", rank, why, order[0])
+        _logging.event("exit_order_resent", to_rank=rank, code=order[0], why=why)
+        self.ctl._send(rank, P.Action("exit", {"code": order[0]}), sn=order[1])
+
+    def confirmed(self, rank: int, sn: int) -> None:
+        """(I/O thread) ``rank`` replied to action ``sn``: when that is the exit order, it has it."""
+        order = self.order
+        if order is not None and sn == order[1]:
+            self.carried.add(rank)
 
     # ------------------------------------------------------------------ cluster brain
     def notify_dump(self) -> int:

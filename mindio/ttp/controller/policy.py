@@ -27,7 +27,7 @@ from .._enums import OsStatus, ReportState
 __all__ = [
     "REFERENCE_PATTERNS", "SECONDARY_PATTERNS", "INCIDENT_SECONDARY_PATTERNS", "classify",
     "secondary_in_incident", "is_primary", "can_do_uce_repair", "RankView",
-    "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "describe_shard",
+    "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "plan_dump", "describe_shard",
     "select_repair_sources", "choose_lock_step", "stale_ranks", "ranks_to_advance",
     "STRATEGY_ORDER", "strategies_of", "Incident", "feasible_strategies", "find_hung_ranks",
 ]
@@ -192,6 +192,13 @@ def select_dump_ranks(views: Iterable[RankView], lock_step: int, unable: Iterabl
     save_info = [{"type": t, "ranks": sorted(chosen.get(t, ()))} for t in types]
     every = tuple(sorted(set().union(*chosen.values()))) if chosen else ()
     return DumpPlan(save_info=save_info, ranks=every, missing=tuple(missing))
+
+
+def plan_dump(views: Iterable[RankView], lock_step: int) -> DumpPlan:
+    """The dump of an incident at ``lock_step`` (:func:`select_dump_ranks`); at step 0 none (no ranks):
+    the state of step 0 is the one this run started from -- its initialisation, or the checkpoint it
+    loaded, which a dump would label step 0 -- so there is nothing to save (dump.py says so)."""
+    return select_dump_ranks(views, lock_step) if lock_step > 0 else DumpPlan(save_info=[], ranks=())
 
 
 def describe_shard(key: tuple) -> str:

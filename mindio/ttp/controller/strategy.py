@@ -36,7 +36,7 @@ class Context:
     def replan_dump(self, dead_now) -> None:
         """After a failed strategy: ranks of ``dead_now`` may have died meanwhile; plan the dump again."""
         self.views = [v if v.rank not in dead_now else replace(v, alive=False, faulty=True) for v in self.views]
-        self.plan = policy.select_dump_ranks(self.views, self.lock)
+        self.plan = policy.plan_dump(self.views, self.lock)
 
 
 class Strategy:

@@ -42,6 +42,8 @@ from ...errors import ConfigError, NoController, describe
 from ..wire import protocol as P
 from ..controller.pidprobe import host_token
 from .._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
+from .._runtime import state as _rt
+from .. import shutdown
 from . import device, elastic_rank, inplace, preempt, reboot
 from .reboot import adopt as _adopt_reboot
 from ..wire.transport import Link
@@ -101,6 +103,8 @@ class Processor:
         self.world = inplace.World()  # the job's store, backend, timeout: what a rebuild needs
         self._force = False  # clean asked a fenced main thread to leave with FORCE STOP
         self.members: list | None = None  # the job ranks of the current torch world (None: all; elastic_rank.py)
+        self._exit_watched = False  # the exit order's watch started (_watch_exit)
+        self._left = False  # destroy() ran
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, addr: str, key: bytes) -> None:
@@ -120,6 +124,9 @@ class Processor:
     def destroy(self, reason: str = "") -> None:
         """Leave: BYE tells the controller this rank stopped on purpose (not a fault), unless exiting
         after an incident (``reason`` empty), where the controller already knows."""
+        with self._cond:
+            self._left = True  # nothing of this processor acts any more (_watch_exit)
+            self._cond.notify_all()
         if self.link is not None:
             if reason:
                 self.link.send(P.Envelope(P.MsgType.BYE, P.Bye(reason)))
@@ -434,10 +441,39 @@ class Processor:
         return {}
 
     def _do_exit(self, code: int) -> dict:
+        """Hand EXIT(code) to the main thread: parked, it takes it at once; at its fence, it leaves with
+        FORCE STOP and parks; running, at its next fence or park -- watched (:meth:`_watch_exit`)."""
         with self._cond:
             self._next = (Action.EXIT, code)
             self._cond.notify_all()
+            watch, self._exit_watched = not self._exit_watched, True
+        if watch:
+            threading.Thread(target=self._watch_exit, args=(code,), name="mindio-exit-watch", daemon=True).start()
         return {}
+
+    def _watch_exit(self, code: int) -> None:
+        """(a thread of its own) A main thread that does not take the exit order within
+        MINDIO_EXIT_ORDER_WAIT s -- still setting up outside train(), or blocked where no fence comes --
+        would keep the job from ending: the process ends with the order's code, the log naming where its
+        main thread was (a controller hosted here first finishes its order: MINDIO_CONTROLLER_EXIT_WAIT)."""
+        wait = _knobs.get("MINDIO_EXIT_ORDER_WAIT")
+        end = time.monotonic() + wait
+        with self._cond:
+            while self._next is not None and not self._left and time.monotonic() < end:
+                self._cond.wait(min(1.0, max(0.01, end - time.monotonic())))
+            if self._next is None or self._left:  # taken: the decorator's exit_process ends the process (bounded)
+                return
+        frame = sys._current_frames().get(self._main_ident)
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame else "gone"
+        _log.error("the controller ordered EXIT(%d) %.0f s ago, but this rank's main thread has not carried it out: "
+                   "it reached no fence (tft_start_updating_os, tft_pause_train) and did not park in "
+                   "tft_exception_handler (it runs at %s); ending the process with %d (MINDIO_EXIT_ORDER_WAIT)",
+                   code, wait, where, code)
+        _logging.event("exit_order_forced", code=code, wait_s=wait, where=where[:300])
+        ctl = _rt.controller
+        if ctl is not None:
+            ctl.final.wait(_knobs.get("MINDIO_CONTROLLER_EXIT_WAIT"))
+        shutdown.hard_exit(code)
 
     def _do_unhold(self) -> dict:
         """Release the fence a ``stop`` set, the main thread staying in its step (elastic.py: an upgrade

@@ -20,7 +20,9 @@ down at each full second for 10 s: node 1's switch port, also with more heartbea
 ``arp_evict_nocarrier=0`` on the hosts; the port blocked at the bridge, no carrier change; node 1's own
 NIC; a flapping row's outcome adds the longest heartbeat silence survived before any death), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
 replacement dies at start), node 0's loss without and with a backup controller on node 1
-(MINDIO_BACKUP_CONTROLLERS=1: the backup dumps from node 1's replicas).
+(MINDIO_BACKUP_CONTROLLERS=1: the backup dumps from node 1's replicas), and with a backup controller and a
+standby while the agents' store is an etcd server on a fourth host (``--rdzv-backend etcd``: the backup
+takes over and moves node 0's ranks to the standby; needs the ``etcd`` binary, Debian's etcd-server).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class Row:
     seconds: float = 0.0
     replacement_fails: str = ""    # the toy plan's replacement_fails (tests/_faultplan.py)
     sysctl: dict = field(default_factory=dict)  # set in every host namespace for this row (reset after it)
+    etcd: bool = False             # the agents' store on an etcd server on host 3 (--rdzv-backend etcd)
 
 
 FAULTS = [
@@ -73,6 +76,8 @@ FAULTS = [
     Row("kill node 0 (controller + stores; no backup)", "kill-node0"),
     Row("kill node 0, backup controller on node 1 (no standby)", "kill-node0", standby=False,
         env={"MINDIO_BACKUP_CONTROLLERS": "1"}),
+    Row("kill node 0, backup controller on node 1, standby (agents on etcd)", "kill-node0",
+        env={"MINDIO_BACKUP_CONTROLLERS": "1"}, etcd=True),
     Row("hang rank 1 (MINDIO_HANG_TIMEOUT=5)", "none", toy_fault=("hang", 1), env={"MINDIO_HANG_TIMEOUT": "5"}),
     Row("fault during recovery (replacement dies)", "none", toy_fault=("kill", 1), replacement_fails="start"),
 ]
@@ -165,6 +170,7 @@ class Drill:
         self.steps, self.fault_step, self.timeout, self.step_sleep = steps, fault_step, timeout, step_sleep
         self.procs: dict[str, subprocess.Popen] = {}
         self.fault_t: float | None = None
+        self.etcd: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.out.mkdir(parents=True)
@@ -178,6 +184,17 @@ class Drill:
         tail = [str(TOY), "--out", str(self.out), "--steps", str(self.steps), "--step-sleep", str(self.step_sleep)]
         faults = [(*self.row.toy_fault, self.fault_step)] if self.row.toy_fault else []
         tail += FaultPlan.of(*faults, replacement_fails=self.row.replacement_fails).argv()
+        if self.row.etcd:  # host 3 runs the etcd server (v2 API); the agents wait for it (etcdstore.connect)
+            url, peer = f"http://{self.net.addrs[3]}:2379", f"http://{self.net.addrs[3]}:2380"
+            log = open(self.out / "etcd.log", "w")
+            self.etcd = subprocess.Popen(
+                ["ip", "netns", "exec", self.net.hosts[3], "etcd", "--name", "d", "--data-dir", str(self.out / "etcd-data"),
+                 "--enable-v2=true", "--listen-client-urls", url, "--advertise-client-urls", url,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"d={peer}"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            common += ["--rdzv-backend", "etcd", "--rdzv-endpoint", f"{self.net.addrs[3]}:2379",
+                       "--rdzv-id", f"drill-{self.out.name}"]
         agents = [("node0", 0, ["--node-rank", "0"]), ("node1", 1, ["--node-rank", "1"])]
         if self.row.standby:
             agents.append(("standby", 2, ["--standby", "--warm-spares", "2"]))
@@ -255,6 +272,8 @@ class Drill:
             self.net.kill_host(i)
         for p in self.procs.values():
             p.wait()
+        if self.etcd is not None:
+            self.etcd.wait()
         self.net.link(1, True)
         self.net.link(1, True, host_side=True)
         self.net.block(1, False)
@@ -290,7 +309,7 @@ class Drill:
         if gaps and self.row.apply.startswith("flap"):  # how close the outages came to the liveness bound
             worst = max(gaps, key=lambda e: e["silent_s"])
             outcome += f"; longest silence survived: {worst['silent_s']:.2f} s (rank {worst['from_rank']})"
-        if self.row.apply == "kill-node0" and not hung:
+        if self.row.apply == "kill-node0" and not hung and not (code == 0 and done):
             said = re.findall(r"mindio-run: (?:job failed|node 0 lost)[^\n]*",
                               (self.out / "node1.log").read_text(errors="replace"))
             tb = "mindio/launch/agent.py" in (self.out / "node1.log").read_text(errors="replace")  # agent traceback
@@ -328,9 +347,13 @@ def main() -> int:
         print(f"drills skipped: {why}")
         return 0
     rows = [r for r in FAULTS if a.only.lower() in r.name.lower()]
+    if shutil.which("etcd") is None:
+        for r in [r for r in rows if r.etcd]:
+            print(f"  {r.name}: skipped: needs the etcd binary (apt-get install etcd-server)")
+        rows = [r for r in rows if not r.etcd]
     work = Path(tempfile.mkdtemp(prefix="mindio-drills-"))
     ident = os.getpid() % 200 + 20
-    net = Net(3, ident)
+    net = Net(4 if any(r.etcd for r in rows) else 3, ident)  # host 3: the etcd server
     results = []
     try:
         ref = Drill(net, Row("no fault (reference)", "none"), work / "ref", a.steps, a.fault_step,

@@ -8,5 +8,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,megatron]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[test,megatron,etcd]"
+# an etcd server for mindio-run --rdzv-backend etcd and its tests (tests/_etcd.py; skipped without one):
+# Debian's etcd-server (3.4), where this runs as root with apt; elsewhere install etcd yourself
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1 \
+      || echo "install.sh: apt-get install etcd-server failed: the etcd tests will be skipped"
+  else
+    echo "install.sh: no etcd binary (not root, or no apt): the etcd tests will be skipped"
+  fi
+fi
 .venv/bin/python -c "import mindio, mindio._native as n; print('mindio', mindio.__version__, 'installed; native core:', n.BACKEND)"

@@ -66,6 +66,7 @@ _SHARE_A_REFERENCE = {
     "tests/recovery/test_recover_megatron.py": "megatron-ha-references",
     "tests/recovery/test_recover_inplace.py": "toy-under-mindio-run",  # fault_free_digest
     "tests/recovery/test_recover_node.py": "toy-under-mindio-run",
+    "tests/recovery/test_etcd_store.py": "toy-under-mindio-run",
     "tests/launch/test_launch_ha.py": "toy-under-mindio-run",
     "tests/recovery/test_network_faults.py": "toy-under-mindio-run",
     "tests/dropin/test_plain_loop.py": "plain-loop",  # reference (tests/dropin/test_plain_loop.py)

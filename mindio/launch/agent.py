@@ -1,7 +1,8 @@
 """The per-node launch agent behind ``mindio-run`` (torchrun-compatible).
 
-One agent runs on every node. Conversation through the agents' TCPStore (hosted by node 0 on
-``--master-port``; every key below lives there):
+One agent runs on every node. Conversation through the agents' store -- a TCPStore hosted by node 0 on
+``--master-port``, or the job's keys on an etcd server (``--rdzv-backend etcd``: stores.py,
+etcdstore.py); every key below lives there:
 
 * ``agent/<node>/beat``      each agent, every monitor interval, from its beat thread: its wall-clock
                              time; others watch the value change (liveness.py).
@@ -19,6 +20,11 @@ One agent runs on every node. Conversation through the agents' TCPStore (hosted 
                              summary names the round's root cause, whichever node it ran on.
 * ``rdzv/next_node``         ``--rdzv-backend c10d`` without ``--node-rank``: the node ranks handed out
                              (the agent hosting the endpoint is node 0).
+* ``controller/leader``      etcd, with backup controllers: the node whose agent hosts the controller in
+                             charge (a TTL key; etcdstore.Leader, backup.lead).
+* ``round/<n>/store``        etcd: JSON {addr, port} of the workers' store once it moved off a lost node 0
+                             (takeover.py).
+* ``job/ended``              etcd: the leading agent's last word; waiting standby agents leave.
 
 With high availability on (``--high-availability`` / ``HIGH_AVAILABILITY``), node 0 also hosts the
 controller as rank -1, a worker death is reported to it at once, and agents start single ranks again
@@ -50,7 +56,7 @@ import time
 
 from .. import _logging
 from ..errors import ConfigError
-from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, switch
+from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, stores, switch, takeover
 from .config import LaunchConfig
 from .logs import WorkerLogs
 from .spares import Spares
@@ -93,6 +99,12 @@ class Agent:
         self._hosted: ha.HostedController | None = None
         self._backup = None  # this round's backup controller (backup.py; opt-in, nodes 1..N)
         self._store_lost = False  # node 0's agents' store is unreachable (run)
+        self.leader = None  # etcd: the controller's leader key this node holds (etcdstore.Leader; the beat thread refreshes it)
+        self._leader_lost = False  # ... and could not refresh
+        self._takeover = None  # etcd: this node's backup taking over from a lost node 0 (takeover.py)
+        self._took_lead = False  # ... and it did: this agent leads the job as node 0's did
+        self._was_standby = cfg.standby  # started as a standby agent (run: after the rendezvous)
+        self._store_addr = cfg.master_addr  # the host of the round's workers' store (takeover.py moves it)
         self._ttp: dict | None = None
         self.secret = ""  # the job secret, handed to every worker (secret.py)
         self._round = self._port = 0
@@ -148,6 +160,15 @@ class Agent:
         from torch.distributed import DistNetworkError, TCPStore
 
         cfg = self.cfg
+        if stores.on_etcd(cfg):  # a store that outlives node 0: node 0 creates the job's keys (etcdstore.py)
+            from . import etcdstore
+
+            node0 = cfg.node_rank == 0 and not cfg.standby
+            self._store = etcdstore.connect(cfg.etcd_endpoint, cfg.run_id, cfg.rdzv_timeout, create=node0)
+            if node0 and backup.count(cfg):  # the controller's leader key, while backups wait (backup.py)
+                self.leader = etcdstore.Leader(0, cfg.node_lost_after)
+                self.leader.take(self._store)
+            return
         timeout = datetime.timedelta(seconds=cfg.rdzv_timeout)
         where = f"{cfg.master_addr}:{cfg.master_port}"
         host = cfg.node_rank == 0 and not cfg.standby
@@ -181,16 +202,23 @@ class Agent:
             _logging.set_context(node="-" if standby else node, rank="standby" if standby else "agent")
             log.info("c10d rendezvous: this agent is %s", "a standby" if standby else f"node {node}")
 
-    def _new_worker_store(self, rnd: int) -> int:
+    def _new_worker_store(self, rnd: int, gen: int | None = None) -> int:
+        """The port of round ``rnd``'s workers' store: node 0 hosts it (not a standby that takes node 0 in
+        the running round, ``gen``); where it moved (takeover.py), the address too (``_store_addr``)."""
         from torch.distributed import TCPStore
 
-        if self.cfg.node_rank == 0:
+        if self.cfg.node_rank == 0 and gen is None:
             self._worker_store = TCPStore(
                 self.cfg.master_addr, 0, is_master=True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=self.cfg.rdzv_timeout),
             )
             self._store.set(f"round/{rnd}/port", str(self._worker_store.port))
         self._wait_key(f"round/{rnd}/port", f"the port of round {rnd}'s worker store", "node 0's agent")
+        moved = takeover.STORE_KEY.format(rnd=rnd)
+        if gen is not None and self._store.check([moved]):
+            where = json.loads(self._store.get(moved))
+            self._store_addr = where["addr"]
+            return int(where["port"])
         return int(self._store.get(f"round/{rnd}/port"))
 
     def _wait_key(self, key: str, what: str, whom: str) -> None:
@@ -223,11 +251,11 @@ class Agent:
             "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": cfg.world_size,
             "LOCAL_WORLD_SIZE": cfg.nproc_per_node, "GROUP_RANK": cfg.node_rank,
             "GROUP_WORLD_SIZE": cfg.nnodes, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": cfg.world_size,
-            "ROLE_NAME": cfg.role, "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": port,
+            "ROLE_NAME": cfg.role, "MASTER_ADDR": self._store_addr, "MASTER_PORT": port,
             "TORCHELASTIC_RESTART_COUNT": rnd, "TORCHELASTIC_MAX_RESTARTS": cfg.max_restarts,
             "TORCHELASTIC_RUN_ID": cfg.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "MINDIO_AGENT_STORE": f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
+            "MINDIO_AGENT_STORE": cfg.etcd_endpoint or f"{cfg.master_addr}:{cfg.master_port}", "MINDIO_NODE_RANK": cfg.node_rank,
             "MINDIO_AGENT_PID": os.getpid(),  # the node's agent: mindio.drill's kill-node target
             "MINDIO_SECRET": self.secret,  # through the spare's stdin pipe, never a store (secret.py)
             **(ha.ttp_env(self._ttp) if self._ttp else {}),
@@ -486,7 +514,34 @@ class Agent:
         return all(failures.read(r, c, self._logs.error_file(r - base)).secondary for r, c in bad.items())
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
-        return self._ha.tick(bad)
+        if self._leader_lost:  # etcd: node 0 could not refresh the controller's leader key (backup.py)
+            raise JobError(f"node {self.cfg.node_rank} could not refresh the controller's leader key on "
+                           f"{stores.where(self.cfg)} within {self.cfg.node_lost_after:g} s (cut off from it, or "
+                           f"stalled): a backup controller may hold the job now, so this node stops acting")
+        reason = self._ha.tick(bad)
+        if self._takeover is not None:  # node 0 lost: this node's backup takes over (takeover.py)
+            why = self._takeover.tick()
+            if why:
+                return why
+            if why == "":  # it did: this agent hosts the job's controller and store from now on
+                self._hosted, self._worker_store = self._takeover.hosted, self._takeover.worker_store
+                self._store_addr, self._port = self._takeover.addr, self._worker_store.port  # this node's replacements too
+                self._backup, self._takeover, self._took_lead = None, None, True
+            return None if reason == ha.NODE0_LOST else reason
+        if reason == ha.NODE0_LOST and self._backup is not None and stores.on_etcd(self.cfg):
+            if not backup.lead(self):
+                return None  # node 0 still refreshes its leader key: alive, reaching etcd (wait: bounded by its TTL)
+            if takeover.possible(self):  # a standby waits: go on (takeover.py)
+                self._takeover = takeover.Takeover(self, self._backup, rnd)
+                return None
+            raise backup.NodeLost(f"its agent stopped beating for {self.cfg.node_lost_after:g} s and its leader key "
+                                  f"on etcd expired")
+        return reason
+
+    def lose_leadership(self) -> None:
+        """(beat thread) This node could not refresh the controller's leader key: it stops acting (_ha_tick)."""
+        self.leader = None
+        self._leader_lost = True
 
     def _vacant(self, rnd: int) -> int:
         return elastic.vacant_nodes(self, rnd) if self.cfg.high_availability and elastic.enabled(self.cfg) else 0
@@ -502,6 +557,9 @@ class Agent:
         while not self._stopping:
             try:
                 lost = self._lost_nodes()
+                if stores.ended(self._store, self.cfg):
+                    log.info("standby agent: the job ended; leaving")
+                    return None
             except (RuntimeError, OSError) as exc:  # node 0's store is gone: the job ended
                 log.info("standby agent: job store unreachable (%s); leaving", str(exc).splitlines()[0])
                 return None
@@ -535,6 +593,7 @@ class Agent:
         try:
             if self._store is None:
                 self._connect()
+            self._was_standby = self.cfg.standby
             self.secret = secret.resolve(self.cfg, self._store)
         except BaseException:
             self._spares.close()
@@ -552,7 +611,7 @@ class Agent:
             while True:
                 if gen is None:
                     self._join(rnd)
-                port = self._new_worker_store(rnd)
+                port = self._new_worker_store(rnd, gen)
                 log.info("round %d: starting %d workers (world size %d)", rnd, self.cfg.nproc_per_node, self.cfg.world_size)
                 _logging.event("round_start", round=rnd, node=self.cfg.node_rank)
                 self._start_workers(rnd, port, gen)
@@ -568,6 +627,8 @@ class Agent:
                 if code is not None:
                     return code
                 rnd += 1
+        except backup.NodeLost as exc:  # etcd: node 0 lost, this node holds the leader key now
+            return backup.orphaned(self, self._backup, str(exc))
         except (JobError, TimeoutError, _Stopped) as exc:
             print(f"mindio-run: job failed: {exc or 'agent stopped by a signal'}", file=sys.stderr)
             return 1
@@ -579,12 +640,17 @@ class Agent:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             self._store_lost = True  # no leaving through it either (_leave)
             if self._backup is not None:  # this node's backup controller saves what survives (backup.py)
-                return backup.orphaned(self, self._backup, first)
-            where = "this node's" if self.cfg.node_rank == 0 and not self.cfg.standby else "node 0's"
-            print(f"mindio-run: job failed on node {self.cfg.node_rank}: {where} agents' store at "
-                  f"{self.cfg.master_addr}:{self.cfg.master_port} is unreachable ({first}); node 0 hosts the "
-                  "stores and the controller, so the job cannot go on without it: resume from the last "
-                  "checkpoint", file=sys.stderr)
+                return backup.orphaned(self, self._backup, f"its agents' store is unreachable: {first}")
+            if stores.on_etcd(self.cfg):
+                print(f"mindio-run: job failed on node {self.cfg.node_rank}: {stores.where(self.cfg)} is "
+                      f"unreachable ({first}); the agents cannot coordinate without it: resume from the last "
+                      "checkpoint", file=sys.stderr)
+            else:
+                where = "this node's" if self.cfg.node_rank == 0 and not self.cfg.standby else "node 0's"
+                print(f"mindio-run: job failed on node {self.cfg.node_rank}: {where} agents' store at "
+                      f"{self.cfg.master_addr}:{self.cfg.master_port} is unreachable ({first}); node 0 hosts the "
+                      "stores and the controller, so the job cannot go on without it: resume from the last "
+                      "checkpoint", file=sys.stderr)
             _logging.event("store_lost", node=self.cfg.node_rank, error=first)
             return 1
         finally:
@@ -616,11 +682,13 @@ class Agent:
     def _leave(self) -> None:
         """Node 0 hosts the stores: it leaves last (bounded by ``leave_timeout``), so no agent reads a
         store that is gone."""
-        if self._store_lost:
-            return
+        if self._store_lost or (self.cfg.standby and stores.on_etcd(self.cfg)):
+            return  # a standby that never took a node has nothing to say on etcd
         try:
-            if self.cfg.node_rank != 0:
+            if not self._leads():
                 self._store.add("job/left", 1)
+                if self.leader is not None:  # etcd: node 0 is gone, this node's backup ended the job
+                    stores.end_job(self._store, self.cfg, f"ended by node {self.cfg.node_rank}'s backup controller")
                 return
             deadline = time.monotonic() + self.cfg.leave_timeout
             left = self.cfg.nnodes - 1 - self._vacant(self._round)  # a vacant node (elastic.py) has no agent
@@ -628,10 +696,16 @@ class Agent:
                 if time.monotonic() >= deadline:
                     log.warning("left after waiting %g s for the other agents to leave (%d of %d did); the "
                                 "agents' store closes now", self.cfg.leave_timeout, n, left)
-                    return
+                    break
                 time.sleep(self.cfg.monitor_interval)
+            stores.end_job(self._store, self.cfg, "ended")
         except Exception:  # the store is already gone: nothing left to coordinate
             pass
+
+    def _leads(self) -> bool:
+        """This agent leads the job: node 0's (not a standby that took node 0), or the agent whose backup
+        took over from a lost node 0 (takeover.py). It leaves last and says that the job ended."""
+        return self._took_lead or (self.cfg.node_rank == 0 and not self._was_standby)
 
     def _on_signal(self, signum, frame):
         """(signal handler) Note the signal; the main loop acts on it. A preemption signal while workers

@@ -18,6 +18,11 @@ surviving ranks dump from the surviving replicas and exit 75 -- or, when some sh
 copy, exit 76 and nothing is saved (the last periodic checkpoint stays the latest). The agent prints
 one line saying which, and exits 75 (dump) or 1.
 
+With the agents on etcd (``--rdzv-backend etcd``) the agents' store outlives node 0: node 0's loss is
+found by its beats stopping, node 1 arms its backup only once it took the controller's leader key
+(:func:`lead`: node 0's expired), and with a ``--standby`` agent waiting the job goes on instead:
+takeover.py gives the backup a launcher to replace node 0's ranks with.
+
 Until armed, a backup never takes over (``takeover_quorum`` above the world size): a primary that is
 only stalled, or the backup's own link trouble, is no loss of node 0. Ranks whose links failed over to
 it meanwhile (node 0 stalled longer than their bound) stay registered with it, but its acks say it is
@@ -43,7 +48,29 @@ from ..vocab import EXIT_CODE_DUMPED
 
 log = logging.getLogger(__name__)
 
-__all__ = ["count", "start", "orphaned"]
+__all__ = ["count", "start", "orphaned", "NodeLost", "lead"]
+
+
+class NodeLost(Exception):
+    """(agent main loop, etcd) Node 0 is lost and this node took the controller's leader key: its backup
+    takes over (:func:`orphaned`, with this exception's text as the cause)."""
+
+
+def lead(agent) -> bool:
+    """(etcd) Node 0's agent stopped beating: take the controller's leader key for this node, which
+    succeeds only once node 0's expired (etcdstore.Leader). True: this node's backup may take over
+    (the beat thread refreshes the key from now on); False: node 0 still refreshes it, so it is alive
+    and reaches etcd -- wait (its beats come back, or its key expires within its TTL)."""
+    from .etcdstore import Leader
+
+    lease = Leader(agent.cfg.node_rank, agent.cfg.node_lost_after)
+    if not lease.take(agent.store):
+        return False
+    agent.leader = lease
+    log.warning("node 0's agent stopped beating and its leader key expired: node %d holds it now",
+                agent.cfg.node_rank)
+    _logging.event("leader_taken", node=agent.cfg.node_rank)
+    return True
 
 
 def count(cfg) -> int:
@@ -54,7 +81,7 @@ def count(cfg) -> int:
     return min(int(_knobs.get("MINDIO_BACKUP_CONTROLLERS")), cfg.nnodes - 1)
 
 
-def _bind_addr(cfg) -> str:
+def bind_addr(cfg) -> str:
     """Where this node's backup listens: --local-addr, else the address this host reaches node 0 from."""
     if cfg.local_addr:
         return cfg.local_addr
@@ -77,40 +104,48 @@ def start(agent, rnd: int, info: dict):
     ctl = Controller(rank=cfg.node_rank, world_size=cfg.world_size, enabled=set(cfg.high_availability),
                      key=secret_key(agent.secret), backup=True)
     ctl.takeover_quorum = cfg.world_size + 1  # never, until orphaned() arms it
-    ctl.start(_bind_addr(cfg), 0, primary=f"tcp://{info['addr']}:{info['port']}")
+    ctl.start(bind_addr(cfg), 0, primary=f"tcp://{info['addr']}:{info['port']}")
     log.info("round %d: backup controller on %s for the primary at %s:%s", rnd, ctl.address, info["addr"],
              info["port"])
     _logging.event("backup_started", round=rnd, node=cfg.node_rank, address=ctl.address)
     return ctl
 
 
+def arm(agent, ctl, t0: float) -> list:
+    """(node 0 lost since ``t0``) Let the backup ``ctl`` take over as soon as every rank outside node 0 but
+    this node's exited workers failed over to it; a rank still missing once every live link must have
+    failed over (its bound, plus two beats) is dead too. Returns this node's exited workers' ranks."""
+    cfg = agent.cfg
+    with agent.lock:
+        gone = sorted(r for r, p in agent.workers.items() if p.poll() is not None)
+    if not ctl.active:
+        others = cfg.world_size - cfg.nproc_per_node
+        late = time.monotonic() - t0 > ctl.misses * ctl.interval + 2.5 * ctl.interval
+        ctl.takeover_quorum = max(1, ctl.registered if late else others - len(gone))
+    return gone
+
+
 def orphaned(agent, ctl, error: str) -> int:
-    """Node 0's agents' store is unreachable (``error``): node 0 is lost. Arm this node's backup, let it
-    take over and end the job with a last-words checkpoint; wait (bounded) for its decision and for this
-    node's workers; print one line; return the agent's exit code (75: dumped, else 1)."""
+    """Node 0 is lost (``error`` says how: its agents' store is unreachable, or on etcd its agent stopped
+    beating and its leader key expired). Arm this node's backup, let it take over and end the job with a
+    last-words checkpoint; wait (bounded) for its decision and for this node's workers; print one line;
+    return the agent's exit code (75: dumped, else 1)."""
     from ..ttp.controller.states import State
 
     cfg = agent.cfg
     t0 = time.monotonic()
     node0 = list(range(cfg.nproc_per_node))
-    others = cfg.world_size - len(node0)
     bound = cfg.decision_timeout
     _logging.event("controller_node_lost", node=cfg.node_rank, error=error)
-    log.info("node 0's agents' store is unreachable (%s): node 0 (controller and stores) is lost; the backup "
+    log.info("%s: node 0 (controller and stores) is lost; the backup "
               "controller on node %d takes over once ranks %d..%d failed over to it", error, cfg.node_rank,
               len(node0), cfg.world_size - 1)
     declared = False
     why = ""
     deadline = t0 + bound
     while True:
-        with agent.lock:
-            gone = sorted(r for r, p in agent.workers.items() if p.poll() is not None)
-        if not ctl.active:
-            # every rank outside node 0, but this node's exited workers, fails over to us; a rank still
-            # missing once every live link must have failed over (its bound, plus two beats) is dead too
-            late = time.monotonic() - t0 > ctl.misses * ctl.interval + 2.5 * ctl.interval
-            ctl.takeover_quorum = max(1, ctl.registered if late else others - len(gone))
-        elif not declared:
+        gone = arm(agent, ctl, t0)
+        if ctl.active and not declared:
             declared = True  # their host is gone, or they exited here: no need to wait for missed heartbeats
             ctl.declare_dead(node0, "node lost", node=0)
             if gone:
@@ -148,7 +183,7 @@ def orphaned(agent, ctl, error: str) -> int:
     codes = {r: p.poll() for r, p in sorted(procs.items())}
     d = ctl.last_decision if ctl.final.is_set() else {}
     took = time.monotonic() - t0
-    where = f"mindio-run: node 0 lost (its agents' store is unreachable: {error[:120]})"
+    where = f"mindio-run: node 0 lost ({error[:160]})"
     if ctl.final.is_set() and ctl.exit_code == EXIT_CODE_DUMPED and all(c == EXIT_CODE_DUMPED for c in codes.values()):
         print(f"{where}; the backup controller on node {cfg.node_rank} saved a last-words checkpoint at step "
               f"{d.get('lock_step')} from the surviving replicas ({took:.1f} s): relaunch the job to resume from it",

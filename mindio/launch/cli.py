@@ -24,7 +24,8 @@ DESCRIPTION = ("mindio-run: torchrun's launcher with mindio's fault tolerance (w
 
 # torchrun flag -> (the value(s) mindio-run honours, why others are refused)
 _REFUSED = {
-    "rdzv_backend": (("static", "c10d"), "mindio-run's agents meet in node 0's TCPStore: use static or c10d"),
+    "rdzv_backend": (("static", "c10d", "etcd", "etcd-v2"),
+                     "mindio-run's agents meet in node 0's TCPStore (static, c10d) or on an etcd server (etcd)"),
     "event_log_handler": (("null",), "mindio-run writes its events to MINDIO_EVENT_LOG (JSON lines) instead"),
     "numa_binding": ((None,), "NUMA binding of workers is not supported by mindio-run"),
 }
@@ -63,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in notes:
             action.help = notes[action.dest]
         if action.dest == "rdzv_backend":
-            action.help = "rendezvous backend: static (default; --node-rank says which node this is) or c10d " \
-                          "(node ranks in arrival order; the agent hosting --rdzv-endpoint is node 0)"
+            action.help = "rendezvous backend: static (default; --node-rank says which node this is), c10d " \
+                          "(node ranks in arrival order; the agent hosting --rdzv-endpoint is node 0) or etcd " \
+                          "(etcd-v2: the agents' store is the etcd server at --rdzv-endpoint, v2 API, which " \
+                          "outlives node 0; --node-rank or --standby; node 0's address is --master-addr)"
     g = p.add_argument_group("mindio")
     g.add_argument("--version", action="version", version=f"mindio-run (mindio {mindio.__version__})")
     g.add_argument("--standby", action=check_env,
@@ -143,11 +146,18 @@ def parse_args(argv=None):
     except ValueError as exc:
         p.error(f"--nproc-per-node {a.nproc_per_node}: {exc}")
     conf = _rdzv_conf(p, a.rdzv_conf)
-    node_rank, dynamic = a.node_rank, False
+    node_rank, dynamic, etcd = a.node_rank, False, ""
     if a.standalone:
         from .._ports import free_port
 
         addr, port, run_id = "127.0.0.1", free_port(), a.rdzv_id
+    elif a.rdzv_backend in ("etcd", "etcd-v2"):
+        if not a.rdzv_endpoint:
+            p.error(f"--rdzv-backend {a.rdzv_backend} needs --rdzv-endpoint HOST:PORT (the etcd server)")
+        if node_rank is None and not a.standby and hi > 1:
+            p.error(f"--rdzv-backend {a.rdzv_backend}: give each agent its --node-rank (or --standby)")
+        etcd = "%s:%d" % _endpoint(p, a.rdzv_endpoint, 2379)
+        addr, port, run_id = a.master_addr, a.master_port or 29500, a.rdzv_id
     elif a.rdzv_backend == "c10d" or a.rdzv_endpoint:
         if not a.rdzv_endpoint:
             p.error("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (node 0's store)")
@@ -192,7 +202,7 @@ def parse_args(argv=None):
             nproc_per_node=nproc, nnodes=hi, node_rank=node_rank or 0,
             master_addr=addr, master_port=port, max_restarts=a.max_restarts,
             monitor_interval=a.monitor_interval, rdzv_timeout=timeout, warm_spares=a.warm_spares,
-            run_id=run_id, standby=a.standby, high_availability=strategies,
+            run_id=run_id, etcd_endpoint=etcd, standby=a.standby, high_availability=strategies,
             recover_timeout=a.recover_timeout, term_grace=float(grace),
             decision_timeout=_knobs.get("MINDIO_DECISION_TIMEOUT"),
             # one outage tolerance for ranks (controller) and nodes (agents): docs/recovery.md

@@ -39,6 +39,9 @@ class LaunchConfig:
     standby: bool = False
     """Offer this node as a spare: wait until a node is lost, take over its node rank, join the next round."""
     run_id: str = "mindio"
+    etcd_endpoint: str = ""
+    """``--rdzv-backend etcd --rdzv-endpoint HOST:PORT``: the agents' store is the job's keys on this etcd
+    server (etcdstore.py), which outlives node 0; empty: node 0's TCPStore on ``--master-port``."""
     high_availability: tuple = ()
     """Strategies of the controller that node 0 hosts (HIGH_AVAILABILITY); empty: no controller here
     (the training script starts one in rank 0, as under torchrun)."""

@@ -1,7 +1,7 @@
 """High availability in the launcher: the controller as rank -1, worker deaths, process replacement.
 
 Active when the job enables strategies (``--high-availability`` or ``HIGH_AVAILABILITY``). Then, per
-round, in addition to the keys of agent.py (all in node 0's agent store):
+round, in addition to the keys of agent.py (all in the agents' store: node 0's, or etcd):
 
 * ``round/<n>/ttp``             node 0: JSON {addr, port} of the controller it hosts (rank -1). Every
                                 agent passes them to its workers as TTP_ADDR / TTP_PORT with
@@ -49,7 +49,7 @@ import time
 from .. import _logging
 from .._secret import secret_key
 from ..vocab import EXIT_CODE_SWITCHED
-from . import backup, elastic, liveness, switch
+from . import backup, elastic, liveness, stores, switch
 from .failures import describe
 from .view import WorkerView
 
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HostedController", "RoundWatch", "ttp_env", "wait_for_takeover"]
 
+
+NODE0_LOST = "node 0 (the controller's node) lost"  # RoundWatch.tick on the other nodes: its agent stopped beating
 
 # a processor's enable flag -> the strategies this launcher carries out for it (HostedController.adopt)
 _BY_FEATURE = {"arf": ("recover-in-place", "recover")}
@@ -75,31 +77,32 @@ def ttp_env(info: dict) -> dict:
 class HostedController:
     """Node 0's controller for one round, plus the replacer it calls (recover.py's protocol)."""
 
-    def __init__(self, agent: WorkerView, rnd: int):
+    store_moved = ""  # host:port of the workers' store when it moved off node 0 (takeover.py); "" if not
+
+    def __init__(self, agent: WorkerView, rnd: int, ctl=None, addr: str = ""):
+        """Node 0: start the round's controller. Or (takeover.py) host ``ctl``, a backup controller
+        listening on ``addr``, that takes over node 0's."""
         from ..ttp.controller.controller import Controller
 
         cfg = agent.cfg
         self.agent, self.rnd = agent, rnd
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
         # the controller's driver thread gets its own client of the agent store (not shared across threads)
-        self.store = TCPStore(cfg.master_addr, cfg.master_port, is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=cfg.rdzv_timeout))
-        self.ctl = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability),
-                              key=secret_key(agent.secret), backups_allowed=backup.count(cfg))
-        self.ctl.start(cfg.master_addr, 0)  # the bind picks a free port
+        self.store = stores.client(cfg, cfg.rdzv_timeout)
+        if ctl is None:
+            ctl, addr = Controller(rank=-1, world_size=cfg.world_size, enabled=set(cfg.high_availability),
+                                   key=secret_key(agent.secret), backups_allowed=backup.count(cfg)), cfg.master_addr
+            ctl.start(addr, 0)  # the bind picks a free port
+        self.ctl = ctl
         port = self.ctl.port
         self.ctl.attach_replacer(self, timeout=cfg.recover_timeout)
-        self.info = {"addr": cfg.master_addr, "port": port}
+        self.info = {"addr": addr, "port": port}
         agent.store.set(f"round/{rnd}/ttp", json.dumps(self.info))
         self._deaths_seen = 0
         self.lost: set[int] = set()  # nodes whose agent is known gone (until a standby takes them)
         self._probing: dict[int, tuple] = {}  # node -> (its beat when a rank of it died, since)
         self._probed: set[int] = set()  # dead ranks whose node was probed already
         self._adopted = 0  # registered ranks when adopt() last looked
-        log.info("round %d: controller (rank -1) on %s:%d, strategies %s", rnd, cfg.master_addr, port,
+        log.info("round %d: controller (rank %d) on %s:%d, strategies %s", rnd, ctl.rank, addr, port,
                  sorted(cfg.high_availability))
 
     # -- called by the controller's driver thread --------------------------------------------------
@@ -109,6 +112,10 @@ class HostedController:
         cfg, store = self.agent.cfg, self.store
         nodes = {r // cfg.nproc_per_node for r in ranks}
         alive = {n: self.node_alive(n) for n in nodes}
+        if strategy == "hot switch" and stores.on_etcd(cfg):
+            log.warning("hot switch of ranks %s declined: its backups wait on node 0's TCPStore, and this job's "
+                        "agents are on etcd (--rdzv-backend etcd)", sorted(ranks))
+            return False
         if strategy in ("recover-in-place", "hot switch"):
             return all(alive.values())
         if strategy == "recover":
@@ -377,7 +384,7 @@ class RoundWatch:
                     switch.release(store, rnd, order["ranks"], order["gen"])
                 self.dead_since = None
             if 0 in agent.lost_nodes():
-                return "node 0 (the controller's node) lost"
+                return NODE0_LOST
         with agent.lock:
             all_live = all(p.poll() is None or p.poll() == 0 or r in removed or r in agent.late_ranks
                            for r, p in agent.workers.items())
@@ -394,6 +401,9 @@ def wait_for_takeover(agent: WorkerView, me: str):
     it; return (round, generation) -- the ranks start as replacements in the running round."""
     while not agent.stopping:
         try:
+            if stores.ended(agent.store, agent.cfg):
+                log.info("standby agent: the job ended; leaving")
+                return None
             rnd = int(agent.store.get("job/round")) if agent.store.check(["job/round"]) else 0
             for node in range(agent.cfg.nnodes):
                 key = f"round/{rnd}/takeover/{node}"

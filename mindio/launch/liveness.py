@@ -15,7 +15,6 @@ declared the standby's just started ranks dead.
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
@@ -85,17 +84,19 @@ class Beater(threading.Thread):
         self._stop.set()
 
     def run(self) -> None:
-        from torch.distributed import TCPStore
+        from . import stores
 
         store = None
         while not self._stop.is_set():
             cfg = self.agent.cfg
             try:
                 if store is None:
-                    store = TCPStore(cfg.master_addr, cfg.master_port, is_master=False, wait_for_workers=False,
-                                     timeout=datetime.timedelta(seconds=max(cfg.node_lost_after, 10.0)))
+                    store = stores.client(cfg, max(cfg.node_lost_after, 10.0))
                 if not cfg.standby:
                     store.set(f"agent/{cfg.node_rank}/beat", repr(time.time()))
+                lead = self.agent.leader
+                if lead is not None and not lead.refresh(store):  # etcd: the controller's leader key
+                    self.agent.lose_leadership()
             except Exception as exc:  # node 0's store is gone (the job ended) or stalled past the timeout
                 if self._stop.is_set():
                     return

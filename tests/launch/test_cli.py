@@ -70,6 +70,13 @@ def test_torchrun_flags_keep_their_meaning(script, monkeypatch):
     assert c.dynamic_rank and (c.master_addr, c.master_port) == ("127.0.0.1", 29555)
     assert not parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--nnodes", "2", "--node-rank",
                            "1", script]).dynamic_rank
+    # etcd: the endpoint is the etcd server (port 2379 by default); node 0's address stays --master-addr
+    e = parse_args(["--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.9", "--nnodes", "2", "--node-rank", "1",
+                    "--master-addr", "10.0.0.1", script])
+    assert (e.etcd_endpoint, e.master_addr, e.node_rank, e.dynamic_rank) == ("10.0.0.9:2379", "10.0.0.1", 1, False)
+    assert parse_args(["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1", "--nnodes", "2", "--standby",
+                       script]).etcd_endpoint == "h:1"
+    assert parse_args([script]).etcd_endpoint == ""
     # PET_* variables are torchrun's defaults for its flags, mindio's flags included
     monkeypatch.setenv("PET_NPROC_PER_NODE", "5")
     monkeypatch.setenv("PET_MAX_RESTARTS", "2")
@@ -93,7 +100,11 @@ def test_preemption_flags_reach_the_agent_and_its_workers(script, capsys, monkey
 
 
 def test_flags_mindio_run_cannot_honour_fail_with_one_line(script, capsys):
-    assert "--rdzv-backend etcd: not supported" in _error(capsys, ["--rdzv-backend", "etcd", script])
+    assert "--rdzv-backend zookeeper: not supported" in _error(capsys, ["--rdzv-backend", "zookeeper", script])
+    # etcd (the agents' store on an etcd server: tests/recovery/test_etcd_store.py runs it)
+    assert "needs --rdzv-endpoint HOST:PORT (the etcd server)" in _error(capsys, ["--rdzv-backend", "etcd", script])
+    assert "give each agent its --node-rank" in _error(capsys, ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1",
+                                                                "--nnodes", "2", script])
     assert "elastic ranges are not supported" in _error(capsys, ["--nnodes", "1:4", script])
     assert "--numa-binding node: not supported" in _error(capsys, ["--numa-binding", "node", script])
     assert "--event-log-handler console" in _error(capsys, ["--event-log-handler", "console", script])

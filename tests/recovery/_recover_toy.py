@@ -88,7 +88,7 @@ def main() -> int:
         print(f"[rank {a.rank}] replacement fails after joining the world (replacement_fails=joined)", flush=True)
         os._exit(3)
     toy.build_groups(a.rank, a.world)
-    a.store = dist.distributed_c10d._get_default_store()  # toy.Trainer.maybe_inject: faults of one step together
+    a.store = _JobStore(dist.distributed_c10d._get_default_store())  # toy.Trainer.maybe_inject: faults of one step together
     # enable_arf: the ranks register for worker reboot (the launcher then enables recover-in-place)
     ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False, enable_arf=a.plan.enable_arf)
     trainer = Trainer(a)
@@ -131,6 +131,21 @@ def main() -> int:
     ttp.tft_destroy_processor()
     toy.stop_groups(None, None)  # no group outlives main(): mindio/ttp/shutdown.py
     return 0
+
+
+class _JobStore:
+    """The store the toy counts its steps on (toy.Trainer): the one its world started on -- or, once mindio
+    moved the job's store because its host was lost (node 0 lost, a backup controller in charge:
+    mindio.ttp.processor.inplace.World.move), the moved one."""
+
+    def __init__(self, first):
+        self.first = first
+
+    def add(self, key, n):
+        from mindio.ttp.api import _rt
+
+        world = _rt.processor.world if _rt.processor is not None else None
+        return (world.base_store if world is not None and world.moved_to else self.first).add(key, n)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,12 @@ def _agent(cmd: list, env: dict) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def two_nodes(out, toy_args: list, strategies: str, env: dict, wait_for: str, timeout: float = 150, during=None):
+def two_nodes(out, toy_args: list, strategies: str, env: dict, wait_for: str, timeout: float = 150, during=None,
+              flags=()):
     """Start node 0's then node 1's agent, wait up to ``timeout`` s for ``wait_for`` ("node0" or "node1")
     to end (else kill both and fail: a hang), then SIGKILL whatever is left of the other (a frozen or
     killed node: the test's own doing). ``wait_for="both"``: both must end by themselves within
-    ``timeout``. ``during(procs, events_path, outs)`` runs in a thread meanwhile (a fault the test makes;
+    ``timeout``. ``flags``: more mindio-run flags (e.g. the etcd store). ``during(procs, events_path, outs)`` runs in a thread meanwhile (a fault the test makes;
     ``outs``: {name: the lines of output read so far}).
     Returns ({name: exit code}, {name: output}, events)."""
     out.mkdir()
@@ -34,7 +35,7 @@ def two_nodes(out, toy_args: list, strategies: str, env: dict, wait_for: str, ti
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
                MINDIO_EVENT_LOG=str(events), **env)
     common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
-              "--master-port", str(free_port()), "--high-availability", strategies]
+              "--master-port", str(free_port()), "--high-availability", strategies, *flags]
     tail = [str(TOY), "--out", str(out), *toy_args]
     procs = {"node0": _agent(common + ["--node-rank", "0"] + tail, env)}
     time.sleep(0.3)

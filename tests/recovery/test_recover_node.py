@@ -33,9 +33,11 @@ NODE1_LOST = FaultPlan.of(("kill-node", 2, 7))  # rank 2 SIGKILLs its agent (nod
 
 
 def run_nodes(out, plan: FaultPlan, strategies: str, timeout: float = 170, tail=None, env=None, during=None,
-              step_sleep: float = 0.1, sleep_from: int = 0):
+              step_sleep: float = 0.1, sleep_from: int = 0, flags=(), killed=None):
     """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with the faults of
-    ``plan``; a script of its own names its faults with ``--inject``);
+    ``plan``; a script of its own names its faults with ``--inject``), with more mindio-run ``flags``
+    (e.g. the etcd store); ``killed``: {agent: signal name} the faults kill (default: node 1's, when
+    a kill-node fault is planned);
     returns ({name: (code, text)}, events). ``during(procs, events_path)`` runs in a thread meanwhile.
     Fails if an agent or a worker died by a signal the faults do not explain (tests/_exits.py)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -43,13 +45,13 @@ def run_nodes(out, plan: FaultPlan, strategies: str, timeout: float = 170, tail=
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_LOG_STDOUT="1",
                MINDIO_EVENT_LOG=str(events), **(env or {}))
     common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
-              "--master-port", str(_port()), "--high-availability", strategies]
+              "--master-port", str(_port()), "--high-availability", strategies, *flags]
     tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
                     "--step-sleep-from", str(sleep_from), *plan.argv()]
     procs = {}
-    for name, flags in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
-                        ("standby", ["--standby", "--warm-spares", "2"])):
-        procs[name] = subprocess.Popen(common + flags + tail, env=env, stdout=subprocess.PIPE,
+    for name, own in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
+                      ("standby", ["--standby", "--warm-spares", "2"])):
+        procs[name] = subprocess.Popen(common + own + tail, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
         time.sleep(0.3)
     if during is not None:
@@ -68,7 +70,8 @@ def run_nodes(out, plan: FaultPlan, strategies: str, timeout: float = 170, tail=
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
     # kill-node SIGKILLs node 1's agent; its two workers die with it (PDEATHSIG)
     spec = injected(tail)
-    killed = {"node1": "SIGKILL"} if "kill-node:" in spec or any(f.kind == "kill-node" for f in plan.faults) else {}
+    if killed is None:
+        killed = {"node1": "SIGKILL"} if "kill-node:" in spec or any(f.kind == "kill-node" for f in plan.faults) else {}
     check_codes({n: c for n, (c, _t) in res.items()}, killed, what="agent", context=str(
         {n: t[-2000:] for n, (_c, t) in res.items()}))
     sent = sent_by_faults(spec, also=plan.sent(per_node=2), per_node=2)

@@ -183,7 +183,9 @@ class Replace(Strategy):
             return seq.abandon(survivors, "replace")
         seq.mark("replace")
         deadline = time.monotonic() + rep.timeout
-        if not seq.step("rebuild", {"gen": gen, "fault_ranks": dead}, survivors, timeout=rep.timeout,
+        moved = getattr(rep.replacer, "store_moved", "")  # node 0 lost: the job's store moved (launch/takeover.py)
+        if not seq.step("rebuild", {"gen": gen, "fault_ranks": dead, **({"store": moved} if moved else {})},
+                        survivors, timeout=rep.timeout,
                         watch=survivors, abandon=survivors):
             return False
         if not rep.wait_registered(dead, gen, deadline):

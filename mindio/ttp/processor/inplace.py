@@ -11,7 +11,8 @@ in this order, one action in flight, each to every live rank unless said otherwi
    destroys any process group still left (``device.backend_for().clean()``).
 2. ``rebuild(gen, fault_ranks)``: a new default process group on the job's store under the prefix
    ``mindio/gen<gen>/`` (keys of an older generation can never meet this one), device re-init, then the
-   framework's ``rebuild_group(fault_ranks, args, ctx)`` callback re-creates its subgroups.
+   framework's ``rebuild_group(fault_ranks, args, ctx)`` callback re-creates its subgroups. With
+   ``store`` (host:port) the job's store moved (node 0 lost): the new group is made there (World.move).
 3. ``repair(step, error_ranks, pairs)`` (only the ranks named in ``pairs``): for each pair
    ``{"type", "src", "dst"}`` in the given order, the source calls ``repair(step, False, error_ranks,
    {"type", "repair_type": "RT_SEND", "src", "dst", "rank_list"}, args, ctx)`` and the destination the
@@ -48,6 +49,7 @@ class World:
     def __init__(self):
         self.base_store = None
         self.pg_settings: dict = {}
+        self.moved_to = ""  # the address the store moved to (move), if it did
 
     def remember(self) -> None:
         """(start-up, and before a teardown) Keep the job's store, backend and group timeout once: a
@@ -55,6 +57,20 @@ class World:
         if self.base_store is None and dist.is_available() and dist.is_initialized():
             self.base_store = dist.distributed_c10d._get_default_store()
             self.pg_settings = device.group_settings()
+
+    def move(self, address: str) -> None:
+        """The job's store moved to ``address`` (host:port): its first host is gone (node 0 lost, a backup
+        controller in charge; mindio/launch/takeover.py). Later generations are made on the new one, under
+        the prefixes a fresh process's env:// start uses there (``0/`` over ``default_pg``: reboot.install),
+        so the survivors and the replacements it starts meet."""
+        if self.moved_to == address:
+            return
+        host, _, port = address.rpartition(":")
+        timeout = self.pg_settings.get("timeout") or _PG_TIMEOUT
+        tcp = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+        self.base_store = dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
+        self.moved_to = address
+        _log.warning("the job's store moved to %s (its first host is gone): later generations are made there", address)
 
     def require(self) -> None:
         if self.base_store is None:
@@ -88,8 +104,10 @@ def clean(p, timeout: float = 60.0) -> dict:
     return {"main": main, "destroyed": destroyed}
 
 
-def rebuild(p, gen: int, fault_ranks: list) -> dict:
+def rebuild(p, gen: int, fault_ranks: list, store: str = "") -> dict:
     p.world.require()
+    if store:  # the job's store moved (node 0 lost): the controller names the new one
+        p.world.move(store)
     t0 = time.monotonic()
     if dist.is_initialized():  # a rank that never tore down (should not happen after clean)
         device.backend_for().clean()

@@ -1,0 +1,192 @@
+"""The agents' store on an etcd server (``--rdzv-backend etcd --rdzv-endpoint HOST:PORT``): a store
+that outlives every node of the job, node 0 included (issue 16).
+
+torch.distributed.elastic's :class:`EtcdStore` (the store of torch's ``etcd`` rendezvous, on etcd's v2
+API through python-etcd) with what the agents use of a c10d store besides: ``compare_set`` in its
+``""`` -> value form (an atomic create: etcd's ``prevExist=false``), failures as torch's store errors
+(``DistNetworkError`` when etcd cannot be reached, ``DistStoreError`` when a key never came), so the
+agent's handling of a lost store is the same for both stores; and the leader key of the controller
+(:class:`Leader`), an etcd key with a TTL.
+
+The job's keys live under ``/mindio/<rdzv id>/``. Node 0 creates that directory (a job id that a
+previous job used on the same server is refused while its keys are there: they would mislead this one);
+the agent that leaves last says the job ended (``job/ended``: waiting standby agents leave) and the
+keys expire a minute later (stores.py). etcd must serve its v2 API (``etcd --enable-v2=true``; etcd 3.4, Debian's
+``etcd-server``). Needs ``python-etcd`` (``pip install mindio[etcd]``).
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import time
+
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["connect", "Leader", "PREFIX"]
+
+PREFIX = "/mindio"
+
+
+def _etcd():
+    try:
+        import etcd
+    except ImportError:
+        raise ConfigError("--rdzv-backend etcd needs python-etcd: pip install 'mindio[etcd]' "
+                          "(python-etcd==0.4.5)") from None
+    return etcd
+
+
+def _as_store_errors(fn):
+    """etcd's exceptions as torch's store errors (what the agent and its threads handle)."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        from torch.distributed import DistNetworkError, DistStoreError
+
+        etcd = _etcd()
+        store = self if hasattr(self, "endpoint") else args[0]  # a store's method, or Leader's (store first)
+        try:
+            return fn(self, *args, **kwargs)
+        except etcd.EtcdConnectionFailed as exc:
+            raise DistNetworkError(f"etcd at {store.endpoint} is unreachable: {exc}") from None
+        except LookupError as exc:  # EtcdStore.get/wait: the key did not come within the store's timeout
+            raise DistStoreError(f"{exc} (etcd at {store.endpoint}; waited {store.timeout.total_seconds():g} s)") from None
+        except etcd.EtcdException as exc:
+            raise DistStoreError(f"etcd at {store.endpoint}: {type(exc).__name__}: {exc}") from None
+    return call
+
+
+def _store_class():
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+    class AgentEtcdStore(EtcdStore):
+        """EtcdStore plus compare_set, multi_get and torch's store errors (see the module docstring)."""
+
+        def __init__(self, client, prefix: str, timeout: datetime.timedelta, endpoint: str):
+            super().__init__(client, prefix, timeout)
+            self.endpoint = endpoint
+
+        def key(self, key: str) -> str:
+            """The etcd key behind the store key ``key``."""
+            return self.prefix + self._encode(key)
+
+        set = _as_store_errors(EtcdStore.set)
+        get = _as_store_errors(EtcdStore.get)
+        add = _as_store_errors(EtcdStore.add)
+        check = _as_store_errors(EtcdStore.check)
+        wait = _as_store_errors(EtcdStore.wait)
+
+        @_as_store_errors
+        def multi_get(self, keys):
+            return [EtcdStore.get(self, k) for k in keys]
+
+        @_as_store_errors
+        def compare_set(self, key, expected, desired) -> bytes:
+            """c10d's compare_set in the form the agents use: ``expected`` empty -- create ``key`` with
+            ``desired`` unless it exists (atomic: etcd's prevExist=false); returns the value it holds."""
+            etcd = _etcd()
+            if expected not in ("", b""):
+                raise NotImplementedError("compare_set on etcd: only the create form (expected '') is used")
+            try:
+                self.client.write(self.key(key), self._encode(desired), prevExist=False)
+                return desired.encode() if isinstance(desired, str) else bytes(desired)
+            except etcd.EtcdAlreadyExist:
+                return self._decode(self.client.get(self.key(key)).value)
+
+    return AgentEtcdStore
+
+
+def _client(endpoint: str, read_timeout: float):
+    etcd = _etcd()
+    host, _, port = endpoint.rpartition(":")
+    return etcd.Client(host=host.strip("[]"), port=int(port), read_timeout=read_timeout, allow_reconnect=False)
+
+
+def connect(endpoint: str, run_id: str, timeout: float, create: bool = False, wait: float | None = None):
+    """A client of the job's keys on the etcd server at ``endpoint`` (HOST:PORT); its calls wait up to
+    ``timeout`` s for a key. Waits up to ``wait`` s (default ``timeout``) for the server to answer.
+    ``create`` (node 0, once): create the job's directory, refusing one a previous job left."""
+    etcd = _etcd()
+    client = _client(endpoint, read_timeout=max(timeout, 5.0))
+    deadline = time.monotonic() + (timeout if wait is None else wait)
+    while True:
+        try:
+            client.get("/")  # the v2 API answers (etcd 3.4 serves it with --enable-v2=true only)
+            break
+        except etcd.EtcdConnectionFailed as exc:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"etcd at {endpoint} did not answer within {timeout:g} s (--rdzv-conf "
+                                  f"join_timeout=S sets it): start it, or check --rdzv-endpoint ({exc})") from None
+            time.sleep(0.1)
+        except etcd.EtcdException as exc:
+            raise ConfigError(f"etcd at {endpoint} does not serve its v2 API ({type(exc).__name__}: {exc}): "
+                              f"run it with --enable-v2=true") from None
+    prefix = f"{PREFIX}/{run_id}"
+    if create:
+        try:
+            client.write(prefix, None, dir=True, prevExist=False)
+        except etcd.EtcdAlreadyExist:
+            raise ConfigError(f"--rdzv-id {run_id}: etcd at {endpoint} holds the keys of a job with that id "
+                              f"({prefix}): give this job its own --rdzv-id, or remove them "
+                              f"(ETCDCTL_API=2 etcdctl rm -r {prefix})") from None
+    return _store_class()(client, prefix, datetime.timedelta(seconds=timeout), endpoint)
+
+
+def expire(store, ttl: float) -> None:
+    """(the job's end) The job's keys go in ``ttl`` s (etcd removes the directory then)."""
+    etcd = _etcd()
+    try:
+        store.client.write(store.prefix.rstrip("/"), None, dir=True, ttl=int(ttl), prevExist=True)
+    except etcd.EtcdException as exc:
+        log.info("could not set the expiry of the job's keys %s on etcd: %s", store.prefix, exc)
+
+
+class Leader:
+    """The controller's leader key (``controller/leader`` = "node <k>"): held by the node whose agent
+    hosts the controller in charge, with a TTL of ``ttl`` s, refreshed (test-and-set on its value) every
+    monitor interval by that agent's beat thread. Another node's backup takes over only by creating it,
+    so only once it expired: the side of a partition that cannot refresh it stops acting, and the other
+    cannot take it while it is refreshed. Each call takes the store client of the calling thread."""
+
+    KEY = "controller/leader"
+
+    def __init__(self, node: int, ttl: float):
+        self.node, self.ttl = node, max(1, round(ttl))
+
+    def _value(self, store) -> str:
+        return store._encode(f"node {self.node}")
+
+    @_as_store_errors
+    def take(self, store) -> bool:
+        """Create the key (it does not exist, or expired); False when another node holds it."""
+        etcd = _etcd()
+        try:
+            store.client.write(store.key(self.KEY), self._value(store), ttl=self.ttl, prevExist=False)
+            return True
+        except etcd.EtcdAlreadyExist:
+            return False
+
+    @_as_store_errors
+    def refresh(self, store) -> bool:
+        """Extend the TTL while this node still holds the key (or take it again when it expired and nobody
+        took it); False when another node holds it."""
+        etcd = _etcd()
+        value = self._value(store)
+        try:
+            store.client.write(store.key(self.KEY), value, ttl=self.ttl, prevValue=value)
+            return True
+        except etcd.EtcdKeyNotFound:
+            return self.take(store)
+        except etcd.EtcdCompareFailed:
+            return False
+
+    @_as_store_errors
+    def holder(self, store) -> str:
+        """Who holds the key now ("" when nobody)."""
+        etcd = _etcd()
+        try:
+            return store._decode(store.client.get(store.key(self.KEY)).value).decode()
+        except etcd.EtcdKeyNotFound:
+            return ""

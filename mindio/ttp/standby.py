@@ -26,6 +26,7 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
     import torch.distributed as dist
 
     from . import api
+    from .processor import inplace
 
     if dist.is_initialized():
         raise ConfigError("start_standby: this process already has a process group; a standby joins the "
@@ -36,7 +37,7 @@ def start_standby(rank: int, world_size: int, controller_ip: str, controller_por
     # env:// TCPStore under torch's prefixes "default_pg" and "<group name>/" (the first group is "0");
     # without a secret of its own (MINDIO_SECRET / _FILE), the one the controller's rank published there
     tcp = dist.TCPStore(master_addr, int(master_port), is_master=False, timeout=timedelta(seconds=60))
-    base = dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
+    base = inplace.env_store(tcp)
     from .wire import transport
 
     if not transport.user_secret():

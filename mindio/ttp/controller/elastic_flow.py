@@ -234,8 +234,7 @@ class Elastic:
         if not seq.step("zit_rollback", {"step": lock}, full, abandon=full, mark="rollback"):
             return ended()
         if _knobs.get("MINDIO_DUMP_AFTER_UPGRADE"):
-            views = [policy.RankView(r, True, False, lock, 0, tuple((self.layout or {}).get(r, ())))
-                     for r in full]
+            views = self._lock_views(lock, full, full)
             plan = policy.select_dump_ranks(views, lock)
             if not plan.possible or not dump.save(self.ctl, lock, plan, views):
                 _log.error("upgrade: the checkpoint after the scale-out failed (missing %s)", plan.missing[:4])
@@ -255,6 +254,13 @@ class Elastic:
         sequence.abandon(self.ctl, ranks, failed)
         return ended()
 
+    def _lock_views(self, lock: int, ranks, writers) -> list:
+        """The views of ``ranks`` for a dump of ``lock`` planned on the job's layout: ``writers`` alive with
+        complete state at that step, the others out (dead or holding nothing)."""
+        layout = self.layout or {}
+        return [policy.RankView(r, alive=r in writers, faulty=r not in writers, step=lock,
+                                replica=tuple(layout.get(r, ()))) for r in ranks]
+
     def _upgrade_ended(self, lock: int, holders: list, new: list) -> bool:
         """End the job after a failed upgrade: first the lock step's state from ``holders`` (survivors stopped
         there with complete state; the ``new`` ranks hold nothing yet), written by one holder per shard and
@@ -266,9 +272,7 @@ class Elastic:
                        "saved (HIGH_AVAILABILITY / --high-availability)", lock)
             self.ctl.incidents.exit(EXIT_CODE_FAULT)
             return False
-        layout = self.layout or {}
-        views = [policy.RankView(r, alive=r in holders, faulty=r not in holders, step=lock,
-                                 replica=tuple(layout.get(r, ()))) for r in sorted(set(self.job_ranks()) | set(new))]
+        views = self._lock_views(lock, sorted(set(self.job_ranks()) | set(new)), holders)
         plan = policy.select_dump_ranks(views, lock)
         code = EXIT_CODE_FAULT
         if not plan.possible:

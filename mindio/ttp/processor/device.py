@@ -55,7 +55,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ... import _logging
+from ... import _knobs, _logging
 
 __all__ = ["DeviceBackend", "GlooBackend", "NcclBackend", "HcclBackend", "backend_for",
            "teardown", "kill_hung", "all_groups", "destroy_all", "destroy_groups", "group_settings",
@@ -124,8 +124,6 @@ def freeze_startup_objects() -> int:
     with ``MINDIO_GC_FREEZE=0``). Objects created later -- the model, optimizer and process groups
     whose last reference a teardown drops -- stay collectable."""
     global _frozen
-    from ... import _knobs
-
     if _frozen or not _knobs.get("MINDIO_GC_FREEZE"):
         return 0
     _frozen = True
@@ -294,8 +292,6 @@ class NcclBackend(DeviceBackend):
         ``_abort_process_group()`` unregistered them in 4 ms. ``ProcessGroup.abort`` releases the GIL.
         The wait is bounded (MINDIO_NCCL_ABORT_TIMEOUT): past it the teardown goes on and the log names
         the groups still aborting."""
-        from ... import _knobs
-
         groups = all_groups()
         failed: list = []
 

@@ -41,6 +41,12 @@ _log = logging.getLogger("mindio.ttp.inplace")
 _PG_TIMEOUT = timedelta(seconds=120)  # a rebuilt default group whose first one's timeout is unknown
 
 
+def env_store(tcp):
+    """The store the default group of a process started by env:// uses over the job's TCPStore ``tcp``:
+    torch's prefixes ``default_pg`` and the first group's ``0/`` (a standby, a moved store)."""
+    return dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
+
+
 class World:
     """What a rebuild needs of the job's first world: its store (every generation's default group is
     made on it, under its own prefix), backend, timeout and device. The processor holds one
@@ -67,8 +73,8 @@ class World:
             return
         host, _, port = address.rpartition(":")
         timeout = self.pg_settings.get("timeout") or _PG_TIMEOUT
-        tcp = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
-        self.base_store = dist.PrefixStore("0/", dist.PrefixStore("default_pg", tcp))
+        self.base_store = env_store(dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                                  timeout=timeout))
         self.moved_to = address
         _log.warning("the job's store moved to %s (its first host is gone): later generations are made there", address)
 

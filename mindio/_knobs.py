@@ -153,6 +153,11 @@ _ALL = [
          "Seconds a rank's teardown waits for the abort of its NCCL communicators (all at once, one thread "
          "each: ncclCommAbort takes about 1 s per communicator); past it the teardown goes on without them and "
          "logs the groups still aborting.", min=1, max=600),
+    Knob("MINDIO_ETCD_RETRY", float, 10.0,
+         "--rdzv-backend etcd: seconds an agent keeps asking again when etcd answers a request with a transient "
+         "error (its raft could not commit in time: 'Raft Internal Error: request timed out', a leader election) or "
+         "the connection fails; only requests that may be repeated are (reads, sets, the create-if-absent forms, "
+         "read back first); past it the error stands and the agent ends its job as for a lost store.", min=0, max=600),
     Knob("MINDIO_GC_FREEZE", _bool, True,
          "1: freeze the objects that exist before the model is built (gc.freeze, once) so that the garbage "
          "collection of a recovery teardown walks only the training objects (docs/recovery.md); and at process "

@@ -514,6 +514,9 @@ class Agent:
         return all(failures.read(r, c, self._logs.error_file(r - base)).secondary for r, c in bad.items())
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
+        lead = self.leader
+        if lead is not None and lead.lapsed():  # etcd: no refresh got through within its TTL (the beat
+            self.lose_leadership()              # thread may still be asking etcd again): another node may hold it
         if self._leader_lost:  # etcd: node 0 could not refresh the controller's leader key (backup.py)
             raise JobError(f"node {self.cfg.node_rank} could not refresh the controller's leader key on "
                            f"{stores.where(self.cfg)} within {self.cfg.node_lost_after:g} s (cut off from it, or "

@@ -21,6 +21,7 @@ import functools
 import logging
 import time
 
+from .. import _knobs
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -39,22 +40,53 @@ def _etcd():
     return etcd
 
 
-def _as_store_errors(fn):
-    """etcd's exceptions as torch's store errors (what the agent and its threads handle)."""
+def _transient(etcd, exc) -> bool:
+    """Worth asking again: the connection failed or timed out, or etcd could not commit in time (its
+    "Raft Internal Error: request timed out", code 300, is a plain EtcdException) or elects a leader."""
+    if isinstance(exc, (etcd.EtcdConnectionFailed, etcd.EtcdLeaderElectionInProgress)):
+        return True
+    return type(exc) is etcd.EtcdException  # not a key/value/compare error: those are answers
+
+
+def _as_store_errors(fn=None, *, repeat: bool = True):
+    """etcd's exceptions as torch's store errors (what the agent and its threads handle). A call that
+    may be repeated (``repeat``: reads, sets, the create-if-absent forms, which read back what they find)
+    is asked again on a transient error for up to MINDIO_ETCD_RETRY s: an etcd under load answers "request
+    timed out" now and then, and one such answer must not end a job. ``add`` is not repeated (a timed
+    out increment may have happened)."""
+    if fn is None:
+        return functools.partial(_as_store_errors, repeat=repeat)
+
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
         from torch.distributed import DistNetworkError, DistStoreError
 
         etcd = _etcd()
         store = self if hasattr(self, "endpoint") else args[0]  # a store's method, or Leader's (store first)
-        try:
-            return fn(self, *args, **kwargs)
-        except etcd.EtcdConnectionFailed as exc:
-            raise DistNetworkError(f"etcd at {store.endpoint} is unreachable: {exc}") from None
-        except LookupError as exc:  # EtcdStore.get/wait: the key did not come within the store's timeout
-            raise DistStoreError(f"{exc} (etcd at {store.endpoint}; waited {store.timeout.total_seconds():g} s)") from None
-        except etcd.EtcdException as exc:
-            raise DistStoreError(f"etcd at {store.endpoint}: {type(exc).__name__}: {exc}") from None
+        deadline, pause, said = time.monotonic() + store.retry_for, 0.05, False
+        while True:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                if not isinstance(exc, (etcd.EtcdException, LookupError)):
+                    raise
+                first = exc
+            if repeat and isinstance(first, etcd.EtcdException) and _transient(etcd, first) \
+                    and time.monotonic() + pause < deadline:
+                if not said:
+                    log.info("etcd at %s: %s: %s; asking again for up to %g s (MINDIO_ETCD_RETRY)",
+                             store.endpoint, type(first).__name__, first, store.retry_for)
+                    said = True
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
+            tried = f" (asked again for {store.retry_for:g} s: MINDIO_ETCD_RETRY)" if said else ""
+            if isinstance(first, etcd.EtcdConnectionFailed):
+                raise DistNetworkError(f"etcd at {store.endpoint} is unreachable: {first}{tried}") from None
+            if isinstance(first, LookupError):  # EtcdStore.get/wait: the key did not come within the store's timeout
+                raise DistStoreError(f"{first} (etcd at {store.endpoint}; waited "
+                                     f"{store.timeout.total_seconds():g} s)") from None
+            raise DistStoreError(f"etcd at {store.endpoint}: {type(first).__name__}: {first}{tried}") from None
     return call
 
 
@@ -64,9 +96,9 @@ def _store_class():
     class AgentEtcdStore(EtcdStore):
         """EtcdStore plus compare_set, multi_get and torch's store errors (see the module docstring)."""
 
-        def __init__(self, client, prefix: str, timeout: datetime.timedelta, endpoint: str):
+        def __init__(self, client, prefix: str, timeout: datetime.timedelta, endpoint: str, retry_for: float):
             super().__init__(client, prefix, timeout)
-            self.endpoint = endpoint
+            self.endpoint, self.retry_for = endpoint, retry_for
 
         def key(self, key: str) -> str:
             """The etcd key behind the store key ``key``."""
@@ -74,7 +106,7 @@ def _store_class():
 
         set = _as_store_errors(EtcdStore.set)
         get = _as_store_errors(EtcdStore.get)
-        add = _as_store_errors(EtcdStore.add)
+        add = _as_store_errors(EtcdStore.add, repeat=False)
         check = _as_store_errors(EtcdStore.check)
         wait = _as_store_errors(EtcdStore.wait)
 
@@ -85,7 +117,9 @@ def _store_class():
         @_as_store_errors
         def compare_set(self, key, expected, desired) -> bytes:
             """c10d's compare_set in the form the agents use: ``expected`` empty -- create ``key`` with
-            ``desired`` unless it exists (atomic: etcd's prevExist=false); returns the value it holds."""
+            ``desired`` unless it exists (atomic: etcd's prevExist=false); returns the value it holds. Asked
+            again after a transient error, a create that did happen reads back as ``desired``: the agents'
+            values are their own (a standby's name, a node's)."""
             etcd = _etcd()
             if expected not in ("", b""):
                 raise NotImplementedError("compare_set on etcd: only the create form (expected '') is used")
@@ -124,6 +158,7 @@ def connect(endpoint: str, run_id: str, timeout: float, create: bool = False, wa
             raise ConfigError(f"etcd at {endpoint} does not serve its v2 API ({type(exc).__name__}: {exc}): "
                               f"run it with --enable-v2=true") from None
     prefix = f"{PREFIX}/{run_id}"
+    store = _store_class()(client, prefix, datetime.timedelta(seconds=timeout), endpoint, _knobs.get("MINDIO_ETCD_RETRY"))
     if create:
         try:
             client.write(prefix, None, dir=True, prevExist=False)
@@ -131,7 +166,7 @@ def connect(endpoint: str, run_id: str, timeout: float, create: bool = False, wa
             raise ConfigError(f"--rdzv-id {run_id}: etcd at {endpoint} holds the keys of a job with that id "
                               f"({prefix}): give this job its own --rdzv-id, or remove them "
                               f"(ETCDCTL_API=2 etcdctl rm -r {prefix})") from None
-    return _store_class()(client, prefix, datetime.timedelta(seconds=timeout), endpoint)
+    return store
 
 
 def expire(store, ttl: float) -> None:
@@ -154,28 +189,51 @@ class Leader:
 
     def __init__(self, node: int, ttl: float):
         self.node, self.ttl = node, max(1, round(ttl))
+        self.sent_ok: float | None = None  # (monotonic) when the last take/refresh that succeeded was sent
+
+    def lapsed(self, now: float | None = None) -> bool:
+        """Held no longer for sure: no take or refresh sent in the last ``ttl`` s succeeded (etcd's TTL runs
+        from when it applied the write, later than its sending), so another node may have taken the key
+        while this one could not reach etcd or was stalled: this node stops acting (agent._ha_tick)."""
+        now = time.monotonic() if now is None else now
+        return self.sent_ok is None or now - self.sent_ok > self.ttl
 
     def _value(self, store) -> str:
         return store._encode(f"node {self.node}")
 
     @_as_store_errors
     def take(self, store) -> bool:
-        """Create the key (it does not exist, or expired); False when another node holds it."""
+        """Create the key (it does not exist, or expired); False when another node holds it (True when it
+        holds this node's value: a create asked again after a transient error, or taken already)."""
         etcd = _etcd()
-        try:
-            store.client.write(store.key(self.KEY), self._value(store), ttl=self.ttl, prevExist=False)
+        for _ in range(3):  # the key may expire between the create and the read: create it again
+            sent = time.monotonic()
+            try:
+                store.client.write(store.key(self.KEY), self._value(store), ttl=self.ttl, prevExist=False)
+            except etcd.EtcdAlreadyExist:
+                # ours if it holds this node's value (a create asked again after a transient error): extend
+                # it, which also dates the lease (the create's TTL ran from a sending not known here)
+                sent = time.monotonic()
+                try:
+                    store.client.write(store.key(self.KEY), self._value(store), ttl=self.ttl,
+                                       prevValue=self._value(store))
+                except etcd.EtcdCompareFailed:
+                    return False
+                except etcd.EtcdKeyNotFound:
+                    continue
+            self.sent_ok = sent
             return True
-        except etcd.EtcdAlreadyExist:
-            return False
+        return False
 
     @_as_store_errors
     def refresh(self, store) -> bool:
         """Extend the TTL while this node still holds the key (or take it again when it expired and nobody
         took it); False when another node holds it."""
         etcd = _etcd()
-        value = self._value(store)
+        value, sent = self._value(store), time.monotonic()
         try:
             store.client.write(store.key(self.KEY), value, ttl=self.ttl, prevValue=value)
+            self.sent_ok = sent
             return True
         except etcd.EtcdKeyNotFound:
             return self.take(store)

@@ -178,11 +178,11 @@ def test_node0_stalled_past_its_leader_key_stops_acting(tmp_path, etcd_endpoint)
     both = "\n".join(f"--- {n}\n{t[-5000:]}" for n, t in texts.items())
     assert [d[0] for d in did] == ["stopped", "continued"], did
     assert codes == {"node0": 1, "node1": 75}, both
-    # node 0 stops by whichever of its threads meets the stall's consequence first: the beat thread finds the key
-    # held by node 1, or (etcd itself slow under load: "request timed out", seen once in the full suite) the
-    # monitor loop fails on the store; either way it ends with 1 and one line, and never acts again
-    assert re.search(r"^mindio-run: job failed(: node 0 could not refresh the controller's leader key| on node 0: "
-                     r"the agents' store \(etcd at [^)]*\) is unreachable)", texts["node0"], re.M), both
+    # node 0, running again, finds its lease lapsed (or the key held by node 1) before it acts: one line, exit 1.
+    # (etcd slow under load, "Raft Internal Error: request timed out", once ended node 0 on a store error
+    # instead: the agents now ask etcd again for MINDIO_ETCD_RETRY s, tests/launch/test_etcd_retry.py)
+    assert re.search(r"^mindio-run: job failed: node 0 could not refresh the controller's leader key",
+                     texts["node0"], re.M), both
     said = re.findall(r"^mindio-run: node 0 lost.*$", texts["node1"], re.M)
     assert len(said) == 1 and "saved a last-words checkpoint" in said[0], both
     assert [e["node"] for e in evs if e["kind"] == "leader_taken"] == [1], both

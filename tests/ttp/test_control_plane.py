@@ -295,3 +295,54 @@ def test_the_exit_order_reaches_a_rank_that_registers_after_it(caplog):
         assert _until(lambda: 2 in ctl.incidents.carried)  # confirmed: not sent again
     finally:
         stop_plane(ctl, procs)
+
+
+@pytest.mark.parametrize("end", ["exit-order", "training-finished"])
+def test_a_waiting_standby_leaves_with_the_jobs_code(end, caplog):
+    """A downgrade removed ranks 2 and 3; a standby (``start_standby`` / ``wait_for_scale_out``) waits for
+    rank 2 while no standby offers rank 3, so no upgrade comes. The job then ends -- by an exit order
+    (a later incident's dump: 75), or because every rank of the world left after its training
+    (``train() returned``: 0). The standby is in no rank table, so before it was never told: it left
+    MINDIO_CONTROLLER_LOST_EXIT s (30) after the controller was gone, with 76. Now it gets the job's
+    code at once, and so does a standby that says hello only after the end."""
+    import logging
+    import threading
+
+    from mindio.ttp.processor.processor import Processor
+
+    caplog.set_level(logging.WARNING, logger="mindio.ttp")
+    ctl, procs, port = start_plane(4, KEY)
+    standbys = []
+
+    def standby(rank):
+        p = Processor(rank, 4)
+        p.standby = True
+        p.start(f"tcp://127.0.0.1:{port}", KEY)
+        standbys.append(p)
+        return p
+
+    try:
+        ctl.elastic.remove_ranks([2, 3], [0, 1], {r: [] for r in range(4)})  # the downgrade's bookkeeping
+        for p in procs[2:]:
+            p.destroy()  # the removed ranks' processes are gone
+        ctl.elastic.gone.clear()  # (they shared this process's pid with the standbys: not a removed rank's own exit)
+        first = standby(2)
+        assert _until(lambda: 2 in ctl.elastic.standbys, 10)
+        assert first._next is None
+        if end == "exit-order":
+            t = threading.Thread(target=ctl.incidents.exit, args=(75,))  # as the dump's end does (dump.py)
+            t.start()
+            code = 75
+        else:
+            for p in procs[:2]:
+                p.destroy(reason="train() returned")
+            code = 0
+        assert _until(lambda: first._next == (Action.EXIT, code), 10), caplog.text[-2000:]
+        assert f"the job ended (EXIT({code})): the standby for removed rank 2 leaves with that code" in caplog.text
+        late = standby(3)  # says hello only after the end
+        assert _until(lambda: late._next == (Action.EXIT, code), 10), caplog.text[-2000:]
+        if end == "exit-order":
+            t.join(timeout=30)
+            assert not t.is_alive()
+    finally:
+        stop_plane(ctl, procs[:2] + standbys)

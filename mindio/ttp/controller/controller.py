@@ -419,6 +419,10 @@ class Controller:
                 self.ranks[env.rank].left = True
                 self._registered -= 1
                 self._cond.notify_all()
+                done = self.elastic.standbys and all(
+                    (x := self.ranks.get(r)) is not None and x.left for r in self.elastic.job_ranks())
+            if done:  # every rank of the world finished its training: a waiting standby is not needed
+                self.elastic.tell_standbys(0)
         elif env.type is P.MsgType.REPLY:
             r = self.ranks.get(env.rank)
             if r is not None and r.alive and env.rank in self.liveness.seen:  # any frame proves life, not only a beat

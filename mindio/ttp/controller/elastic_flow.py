@@ -109,6 +109,8 @@ class Elastic:
         self.layout: dict | None = None      # rank -> replica list before the first downgrade (for the upgrade)
         self.gone: dict = {}                 # removed rank -> (host, pid) of its old process (never a standby)
         self.upgrade_wanted = False
+        self.end: tuple | None = None        # (code, sn): the job ended; every standby is told (tell_standbys)
+        self._told: dict = {}                # standby rank -> when it was last told
 
     def job_ranks(self) -> list:
         """The ranks of the current world (every rank unless a downgrade removed some)."""
@@ -150,9 +152,42 @@ class Elastic:
         if first:  # a standby's heartbeats are answered UNKNOWN (not in the world yet): it says hello again
             self._standby_seen(rank, body)
         self.ctl._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, self.ctl.register_ack(), rank=rank), ident)
+        if self.end is not None:  # the job ended: this standby leaves with its code instead of waiting
+            self._tell(rank, ident)
+            return
         if set(self.removed) <= set(self.standbys) and self.ctl.sm.state is State.DOWNGRADE and self.ctl.incidents.current is None:
             self.upgrade_wanted = True
             self.ctl.incidents.wakeup.set()
+
+    def tell_standbys(self, code: int, sn: int | None = None) -> None:
+        """(any thread) The job ended with ``code``: its exit order, or 0 once every rank of the world left
+        after its training finished. A standby waiting in ``wait_for_scale_out`` is in no rank table, so the
+        order's targets miss it: each gets the order here, and one that says hello later gets it then
+        (:meth:`on_standby`) -- it exits with the job's code, not with 76 after MINDIO_CONTROLLER_LOST_EXIT s
+        of a controller gone (issue 13)."""
+        sn = self.ctl.actions.reserve() if sn is None else sn  # (its lock is the controller's)
+        with self.ctl._lock:
+            if self.end is None:
+                self.end = (code, sn)
+            waiting = [(r, v[0]) for r, v in self.standbys.items()]
+        for rank, ident in waiting:
+            self._tell(rank, ident)
+
+    def _tell(self, rank: int, ident: bytes) -> None:
+        """Send the job's exit order to the standby of ``rank`` (at most every 2 heartbeat intervals: it says
+        hello every interval until it has it)."""
+        from ..wire import protocol as P
+
+        code, sn = self.end
+        now = time.monotonic()
+        last = self._told.get(rank)
+        if last is not None and now - last < 2 * self.ctl.interval:
+            return
+        self._told[rank] = now
+        _log.warning("the job ended (EXIT(%d)): the standby for removed rank %d leaves with that code", code, rank)
+        _logging.event("exit_order_to_standby", standby_rank=rank, code=code)
+        self.ctl._out.put(((ident,), P.Envelope(P.MsgType.ACTION, P.Action("exit", {"code": code}), rank=rank, sn=sn)))
+        self.ctl._waker.wake()
 
     def _standby_seen(self, rank: int, body) -> None:
         _log.warning("standby for removed rank %d registered (pid %d on %s); waiting for %s", rank, body.pid,

@@ -345,6 +345,7 @@ class IncidentFlow:
             targets = [r.rank for r in self.ctl.ranks.values() if r.registered and r.ident]
             self.told.update(dict.fromkeys(targets, now))
             self.order = (code, sn)
+        self.ctl.elastic.tell_standbys(code, sn)  # standbys are in no rank table (elastic_flow.py)
         replies = self.ctl._call("exit", {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
         with self.ctl._lock:
             silent = [r for r in targets if r not in replies and (x := self.ctl.ranks.get(r)) is not None and x.alive]

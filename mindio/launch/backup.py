@@ -1,7 +1,8 @@
 """A backup controller in a node's agent: the controller survives the loss of node 0 (issue 16).
 
-Opt-in: ``MINDIO_BACKUP_CONTROLLERS=N`` (N >= 1) in the agents' environment, with ``mindio-run
---high-availability`` on two nodes or more. Then node 0's hosted controller (ha.py) accepts N backups,
+On by default with ``mindio-run --high-availability`` on two nodes or more (``MINDIO_BACKUP_CONTROLLERS=N``
+in the agents' environment: N backups, at most one per node but node 0; 0: none). Node 0's hosted
+controller (ha.py) accepts N backups,
 and the agents of nodes 1..N each host one passive backup (``Controller(backup=True)``) for the round:
 it announces itself to the primary, which advertises it to every rank in its acks, so each rank's link
 knows where to fail over to (transport.Link).
@@ -39,6 +40,7 @@ message says what was awaited and from whom.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -74,11 +76,14 @@ def lead(agent) -> bool:
 
 
 def count(cfg) -> int:
-    """How many backup controllers this job keeps (0: none): MINDIO_BACKUP_CONTROLLERS, under high
-    availability, at most one per node other than node 0."""
+    """How many backup controllers this job keeps (0: none), under high availability on 2+ nodes: one
+    unless MINDIO_BACKUP_CONTROLLERS says otherwise (0 turns them off), at most one per node other than
+    node 0. On by default: without one, node 0's loss ends the job with nothing saved although node 1
+    holds a copy of every shard (issue 16: never lose the last copy)."""
     if not cfg.high_availability or cfg.nnodes < 2:
         return 0
-    return min(int(_knobs.get("MINDIO_BACKUP_CONTROLLERS")), cfg.nnodes - 1)
+    wanted = _knobs.get("MINDIO_BACKUP_CONTROLLERS") if os.environ.get("MINDIO_BACKUP_CONTROLLERS", "") else 1
+    return min(int(wanted), cfg.nnodes - 1)
 
 
 def bind_addr(cfg) -> str:

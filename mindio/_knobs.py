@@ -183,9 +183,10 @@ _ALL = [
     Knob("MINDIO_BACKUP_CONTROLLERS", int, 0,
          "How many backup controllers (start_backup_controller) the primary accepts; each is advertised to "
          "every processor. 0: none (a backup's registration is refused and logged). Under mindio-run "
-         "--high-availability on 2+ nodes the default is 1 (0 turns it off): nodes 1..N's agents each host "
-         "one, which saves a last-words checkpoint when node 0 is lost, or with the agents on etcd and a "
-         "standby takes the job over (mindio/launch/backup.py).", min=0, max=2),
+         "--high-availability on 2+ nodes: nodes 1..N's agents each host one, which saves a last-words "
+         "checkpoint when node 0 is lost, or with a standby takes the job over; unset: 1 with the agents on "
+         "etcd (--rdzv-backend etcd, whose leader key settles a partition), 0 on node 0's TCPStore, where a "
+         "node cut off from node 0 cannot tell that from node 0's loss (mindio/launch/backup.py).", min=0, max=2),
     Knob("MINDIO_RELAYS", _bool, False,
          "1: the controller accepts relays (one connection carrying the heartbeats and messages of many ranks, "
          "protocol v2 BEATS/BATCH); 0: refused."),

@@ -19,9 +19,9 @@ down, then every process on it killed), a partition of node 1 for 2 s and for 10
 down at each full second for 10 s: node 1's switch port, also with more heartbeat misses and with
 ``arp_evict_nocarrier=0`` on the hosts; the port blocked at the bridge, no carrier change; node 1's own
 NIC; a flapping row's outcome adds the longest heartbeat silence survived before any death), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
-replacement dies at start), node 0's loss with the backup controllers turned off
-(MINDIO_BACKUP_CONTROLLERS=0) and with the default one on node 1 (it dumps from node 1's replicas), and with it and a
-standby while the agents' store is an etcd server on a fourth host (``--rdzv-backend etcd``: the backup
+replacement dies at start), node 0's loss without and with a backup controller on node 1
+(MINDIO_BACKUP_CONTROLLERS=1: the backup dumps from node 1's replicas; also under the 10 s partition), and with one
+(the default there) and a standby while the agents' store is an etcd server on a fourth host (``--rdzv-backend etcd``: the backup
 takes over and moves node 0's ranks to the standby; needs the ``etcd`` binary, Debian's etcd-server).
 """
 from __future__ import annotations
@@ -73,10 +73,12 @@ FAULTS = [
     Row("loss flapping at the switch, no carrier loss (port blocked 100 ms every 1 s, 10 s)", "flap-block",
         seconds=10.0),
     Row("NIC flapping on node 1 (eth0 100 ms down every 1 s, 10 s)", "flap-nic", seconds=10.0),
-    Row("kill node 0 (controller + stores), backups off (MINDIO_BACKUP_CONTROLLERS=0)", "kill-node0",
-        env={"MINDIO_BACKUP_CONTROLLERS": "0"}),
-    Row("kill node 0 (default: backup controller on node 1; no standby)", "kill-node0", standby=False),
-    Row("kill node 0 (default backup controller), standby, agents on etcd", "kill-node0", etcd=True),
+    Row("kill node 0 (controller + stores; no backup: the default on its TCPStore)", "kill-node0"),
+    Row("kill node 0, backup controller on node 1 (MINDIO_BACKUP_CONTROLLERS=1; no standby)", "kill-node0",
+        standby=False, env={"MINDIO_BACKUP_CONTROLLERS": "1"}),
+    Row("partition node 1 for 10 s, backup controller on node 1 (MINDIO_BACKUP_CONTROLLERS=1)", "partition",
+        seconds=10.0, env={"MINDIO_BACKUP_CONTROLLERS": "1"}),
+    Row("kill node 0, standby, agents on etcd (backup controller on node 1 by default)", "kill-node0", etcd=True),
     Row("hang rank 1 (MINDIO_HANG_TIMEOUT=5)", "none", toy_fault=("hang", 1), env={"MINDIO_HANG_TIMEOUT": "5"}),
     Row("fault during recovery (replacement dies)", "none", toy_fault=("kill", 1), replacement_fails="start"),
 ]

@@ -1,8 +1,8 @@
 """A backup controller in a node's agent: the controller survives the loss of node 0 (issue 16).
 
-On by default with ``mindio-run --high-availability`` on two nodes or more (``MINDIO_BACKUP_CONTROLLERS=N``
-in the agents' environment: N backups, at most one per node but node 0; 0: none). Node 0's hosted
-controller (ha.py) accepts N backups,
+With ``mindio-run --high-availability`` on two nodes or more: on by default with the agents on etcd,
+opt-in on node 0's TCPStore (``MINDIO_BACKUP_CONTROLLERS=N`` in the agents' environment: N backups, at
+most one per node but node 0; 0: none; :func:`count`). Node 0's hosted controller (ha.py) accepts N backups,
 and the agents of nodes 1..N each host one passive backup (``Controller(backup=True)``) for the round:
 it announces itself to the primary, which advertises it to every rank in its acks, so each rank's link
 knows where to fail over to (transport.Link).
@@ -76,13 +76,20 @@ def lead(agent) -> bool:
 
 
 def count(cfg) -> int:
-    """How many backup controllers this job keeps (0: none), under high availability on 2+ nodes: one
-    unless MINDIO_BACKUP_CONTROLLERS says otherwise (0 turns them off), at most one per node other than
-    node 0. On by default: without one, node 0's loss ends the job with nothing saved although node 1
-    holds a copy of every shard (issue 16: never lose the last copy)."""
+    """How many backup controllers this job keeps (0: none), under high availability on 2+ nodes, at most
+    one per node other than node 0: MINDIO_BACKUP_CONTROLLERS when set; else one with the agents on etcd
+    (its leader key settles which side of a partition acts) and none on node 0's TCPStore, where a node
+    cut off from node 0 cannot tell that from node 0's loss: its backup would dump beside a job that
+    went on, even after that job ended (the drill "partition node 1 for 10 s": node 0 recovered onto
+    the standby and finished, then node 1's backup wrote a step-12 checkpoint as the latest)."""
+    from . import stores
+
     if not cfg.high_availability or cfg.nnodes < 2:
         return 0
-    wanted = _knobs.get("MINDIO_BACKUP_CONTROLLERS") if os.environ.get("MINDIO_BACKUP_CONTROLLERS", "") else 1
+    if os.environ.get("MINDIO_BACKUP_CONTROLLERS", ""):
+        wanted = _knobs.get("MINDIO_BACKUP_CONTROLLERS")
+    else:
+        wanted = 1 if stores.on_etcd(cfg) else 0
     return min(int(wanted), cfg.nnodes - 1)
 
 
@@ -130,15 +137,54 @@ def arm(agent, ctl, t0: float) -> list:
     return gone
 
 
+def primary_answers(ctl, timeout: float = 1.0) -> str:
+    """The primary controller's address when something still accepts a connection there ("" when the
+    connection is refused, times out or fails): node 0's controller lives and this node was cut off."""
+    import socket
+    from urllib.parse import urlsplit
+
+    link = ctl._primary_link
+    if link is None:
+        return ""
+    where = urlsplit(link.address)
+    try:
+        socket.create_connection((where.hostname, where.port), timeout=timeout).close()
+    except (OSError, ValueError):
+        return ""
+    return f"{where.hostname}:{where.port}"
+
+
 def orphaned(agent, ctl, error: str) -> int:
     """Node 0 is lost (``error`` says how: its agents' store is unreachable, or on etcd its agent stopped
     beating and its leader key expired). Arm this node's backup, let it take over and end the job with a
     last-words checkpoint; wait (bounded) for its decision and for this node's workers; print one line;
-    return the agent's exit code (75: dumped, else 1)."""
+    return the agent's exit code (75: dumped, else 1).
+
+    On node 0's TCPStore (no leader key) a store that fails is not proof enough: after a partition heals,
+    node 1's store connection may break while node 0 lives on and its controller went on without node 1
+    (its ranks declared dead, replaced from their replicas or saved): a backup taking over then would
+    dump a stale step beside the job and make it the latest. So the backup takes over only when node 0's
+    controller does not answer either (refused, or silent for 1 s); else this node stops (exit 1). On etcd
+    only a node holding the controller's leader key acts: one cut off from etcd stops (exit 1)."""
     from ..ttp.controller.states import State
+    from . import stores
 
     cfg = agent.cfg
     t0 = time.monotonic()
+    if stores.on_etcd(cfg) and agent.leader is None:  # etcd unreachable from here: the key decides, not us
+        print(f"mindio-run: job failed on node {cfg.node_rank}: {error[:160]}; this node does not hold the "
+              f"controller's leader key, so its backup controller does not take over (node 0, holding it, "
+              f"may go on without this node)", file=sys.stderr, flush=True)
+        _logging.event("backup_declined", node=cfg.node_rank, error=error[:300], primary="leader key not held")
+        return 1
+    live = "" if stores.on_etcd(cfg) else primary_answers(ctl)
+    if live:
+        print(f"mindio-run: job failed on node {cfg.node_rank}: {error[:160]}, but node 0's controller at {live} "
+              f"still answers: this node was cut off from the job, which went on without it (its ranks were "
+              f"declared dead); its workers stop and its backup controller does not take over",
+              file=sys.stderr, flush=True)
+        _logging.event("backup_declined", node=cfg.node_rank, error=error[:300], primary=live)
+        return 1
     node0 = list(range(cfg.nproc_per_node))
     bound = cfg.decision_timeout
     _logging.event("controller_node_lost", node=cfg.node_rank, error=error)
@@ -190,9 +236,13 @@ def orphaned(agent, ctl, error: str) -> int:
     took = time.monotonic() - t0
     where = f"mindio-run: node 0 lost ({error[:160]})"
     if ctl.final.is_set() and ctl.exit_code == EXIT_CODE_DUMPED and all(c == EXIT_CODE_DUMPED for c in codes.values()):
+        # on node 0's TCPStore a node cut off from node 0 cannot tell it from node 0's loss (no quorum
+        # with two nodes): say so, lest a second copy of a job that went on be started
+        maybe = "" if stores.on_etcd(cfg) else (" (unless node 0 is only cut off from this node: if its agent "
+                                                "still runs, the job went on there without this node)")
         print(f"{where}; the backup controller on node {cfg.node_rank} saved a last-words checkpoint at step "
-              f"{d.get('lock_step')} from the surviving replicas ({took:.1f} s): relaunch the job to resume from it",
-              file=sys.stderr, flush=True)
+              f"{d.get('lock_step')} from the surviving replicas ({took:.1f} s): relaunch the job to resume from it"
+              f"{maybe}", file=sys.stderr, flush=True)
         _logging.event("backup_dumped", node=cfg.node_rank, step=d.get("lock_step"), took_s=round(took, 3))
         return EXIT_CODE_DUMPED
     if ctl.final.is_set():

@@ -320,6 +320,11 @@ class Drill:
                 saved += f", saved {dumped['t'] - fault_t:.2f} s after the kill"
             outcome = (f"node 1 exit {code}{saved}" + (", with a traceback" if tb else "") +
                        (f": \"{said[0][:160]}...\"" if said else ", no reason printed"))
+        elif (self.out / "node1.log").exists():  # node 1 acting on its own (a backup beside a job that went on)
+            said = re.findall(r"mindio-run: (?:node 0 lost|job failed on node 1)[^\n]*",
+                              (self.out / "node1.log").read_text(errors="replace"))
+            if said:
+                outcome += f"; node 1: \"{said[0][:140]}...\""
         again = f"{done[0]['t'] - fault_t:.2f} s" if done and fault_t else "-"  # every rank trains again
         reached = max((int(i) for i in re.findall(r"\[rank \d\] iteration (\d+)", text)), default=0)
         if done:  # iterations some rank computed twice (its old process, then its replacement / a rollback)

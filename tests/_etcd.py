@@ -15,7 +15,7 @@ import pytest
 
 from mindio._ports import free_port
 
-__all__ = ["etcd_server", "skip_without_etcd"]
+__all__ = ["etcd_server", "etcd_cluster", "skip_without_etcd"]
 
 skip_without_etcd = pytest.mark.skipif(
     shutil.which("etcd") is None or not __import__("importlib").util.find_spec("etcd"),
@@ -61,3 +61,59 @@ def etcd_server(workdir):
         log.close()
     # etcd ends on SIGTERM by shutting down, then re-raising the signal (its pkg/osutil): -SIGTERM is its clean stop
     assert code in (0, -signal.SIGTERM), f"etcd exited with {code}:\n{(workdir / 'etcd.log').read_text()[-3000:]}"
+
+
+@contextlib.contextmanager
+def etcd_cluster(workdir, n: int = 3):
+    """Yield ``(endpoints, kill)`` of a fresh ``n``-member etcd cluster on loopback (v2 API on): the comma
+    list of the members' client HOST:PORT, and ``kill(i)``, which SIGKILLs member ``i`` (its host dies)
+    and waits for it. Every member still running is stopped (SIGTERM) at the end; each exit code is
+    checked (-SIGKILL for the ones the test killed)."""
+    import etcd
+
+    clients, peers = [free_port() for _ in range(n)], [free_port() for _ in range(n)]
+    initial = ",".join(f"m{i}=http://127.0.0.1:{peers[i]}" for i in range(n))
+    procs, logs, killed = [], [], set()
+    try:
+        for i in range(n):
+            url = f"http://127.0.0.1:{clients[i]}"
+            logs.append(open(workdir / f"etcd{i}.log", "w"))
+            procs.append(subprocess.Popen(
+                ["etcd", "--name", f"m{i}", "--data-dir", str(workdir / f"etcd{i}-data"), "--enable-v2=true",
+                 "--listen-client-urls", url, "--advertise-client-urls", url,
+                 "--listen-peer-urls", f"http://127.0.0.1:{peers[i]}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peers[i]}",
+                 "--initial-cluster", initial, "--initial-cluster-state", "new"],
+                stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+        end = time.monotonic() + 60
+        for i in range(n):  # bounded: every member answers a quorum read, or the test fails with the logs
+            while True:
+                try:
+                    etcd.Client(host="127.0.0.1", port=clients[i], read_timeout=2).read("/", quorum=True)
+                    break
+                except (OSError, etcd.EtcdException):
+                    if procs[i].poll() is not None or time.monotonic() > end:
+                        raise AssertionError(f"etcd member {i} did not start within 60 s (exit {procs[i].poll()}):\n"
+                                             f"{(workdir / f'etcd{i}.log').read_text()[-3000:]}")
+                    time.sleep(0.1)
+        def kill(i: int) -> None:
+            killed.add(i)
+            procs[i].send_signal(signal.SIGKILL)
+            procs[i].wait(timeout=20)
+
+        yield ",".join(f"127.0.0.1:{c}" for c in clients), kill
+    finally:
+        codes = []
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=20))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        for f in logs:
+            f.close()
+    want = [(-signal.SIGKILL,) if i in killed else (0, -signal.SIGTERM) for i in range(len(codes))]
+    assert all(c in w for c, w in zip(codes, want)), f"etcd members exited with {codes}"

@@ -153,10 +153,11 @@ def parse_args(argv=None):
         addr, port, run_id = "127.0.0.1", free_port(), a.rdzv_id
     elif a.rdzv_backend in ("etcd", "etcd-v2"):
         if not a.rdzv_endpoint:
-            p.error(f"--rdzv-backend {a.rdzv_backend} needs --rdzv-endpoint HOST:PORT (the etcd server)")
+            p.error(f"--rdzv-backend {a.rdzv_backend} needs --rdzv-endpoint HOST:PORT (the etcd server; "
+                    f"several members of an etcd cluster: HOST:PORT,HOST:PORT,...)")
         if node_rank is None and not a.standby and hi > 1:
             p.error(f"--rdzv-backend {a.rdzv_backend}: give each agent its --node-rank (or --standby)")
-        etcd = "%s:%d" % _endpoint(p, a.rdzv_endpoint, 2379)
+        etcd = ",".join("%s:%d" % _endpoint(p, e.strip(), 2379) for e in a.rdzv_endpoint.split(","))
         addr, port, run_id = a.master_addr, a.master_port or 29500, a.rdzv_id
     elif a.rdzv_backend == "c10d" or a.rdzv_endpoint:
         if not a.rdzv_endpoint:

@@ -63,7 +63,7 @@ def _as_store_errors(fn=None, *, repeat: bool = True):
 
         etcd = _etcd()
         store = self if hasattr(self, "endpoint") else args[0]  # a store's method, or Leader's (store first)
-        deadline, pause, said = time.monotonic() + store.retry_for, 0.05, False
+        deadline, pause, said, moved = time.monotonic() + store.retry_for, 0.05, False, 0
         while True:
             try:
                 return fn(self, *args, **kwargs)
@@ -73,6 +73,11 @@ def _as_store_errors(fn=None, *, repeat: bool = True):
                 first = exc
             if repeat and isinstance(first, etcd.EtcdException) and _transient(etcd, first) \
                     and time.monotonic() + pause < deadline:
+                if isinstance(first, etcd.EtcdConnectionFailed) and len(store.members) > 1:
+                    store.next_member(first)  # an etcd cluster: ask the next member, at once unless
+                    moved += 1                # every member failed since the last pause
+                    if moved % len(store.members):
+                        continue
                 if not said:
                     log.info("etcd at %s: %s: %s; asking again for up to %g s (MINDIO_ETCD_RETRY)",
                              store.endpoint, type(first).__name__, first, store.retry_for)
@@ -96,9 +101,18 @@ def _store_class():
     class AgentEtcdStore(EtcdStore):
         """EtcdStore plus compare_set, multi_get and torch's store errors (see the module docstring)."""
 
-        def __init__(self, client, prefix: str, timeout: datetime.timedelta, endpoint: str, retry_for: float):
+        def __init__(self, client, prefix: str, timeout: datetime.timedelta, endpoint: str, retry_for: float,
+                     member: int = 0):
             super().__init__(client, prefix, timeout)
             self.endpoint, self.retry_for = endpoint, retry_for
+            self.members, self._member = members(endpoint), member
+
+        def next_member(self, why) -> None:
+            """(an etcd cluster) The member in use failed: the next one's client from now on."""
+            old = self.members[self._member]
+            self._member = (self._member + 1) % len(self.members)
+            self.client = _client(self.members[self._member], self.client._read_timeout)
+            log.info("etcd member %s failed (%s): asking %s", old, str(why)[:200], self.members[self._member])
 
         def key(self, key: str) -> str:
             """The etcd key behind the store key ``key``."""
@@ -132,20 +146,31 @@ def _store_class():
     return AgentEtcdStore
 
 
+def members(endpoint: str) -> list:
+    """``HOST:PORT[,HOST:PORT...]``: the members of an etcd cluster to ask, in order."""
+    return [e.strip() for e in endpoint.split(",") if e.strip()]
+
+
 def _client(endpoint: str, read_timeout: float):
+    """A python-etcd client of the one member ``endpoint`` (mindio moves to the next member itself:
+    AgentEtcdStore.next_member)."""
     etcd = _etcd()
     host, _, port = endpoint.rpartition(":")
     return etcd.Client(host=host.strip("[]"), port=int(port), read_timeout=read_timeout, allow_reconnect=False)
 
 
 def connect(endpoint: str, run_id: str, timeout: float, create: bool = False, wait: float | None = None):
-    """A client of the job's keys on the etcd server at ``endpoint`` (HOST:PORT); its calls wait up to
-    ``timeout`` s for a key. Waits up to ``wait`` s (default ``timeout``) for the server to answer.
-    ``create`` (node 0, once): create the job's directory, refusing one a previous job left."""
+    """A client of the job's keys on the etcd server at ``endpoint`` (HOST:PORT, or the members of an etcd
+    cluster, HOST:PORT,HOST:PORT,...: the first that answers, the next one whenever the one in use
+    fails); its calls wait up to ``timeout`` s for a key. Waits up to ``wait`` s (default ``timeout``)
+    for a member to answer. ``create`` (node 0, once): create the job's directory, refusing one a
+    previous job left."""
     etcd = _etcd()
-    client = _client(endpoint, read_timeout=max(timeout, 5.0))
+    hosts = members(endpoint)
     deadline = time.monotonic() + (timeout if wait is None else wait)
+    member = 0
     while True:
+        client = _client(hosts[member], read_timeout=max(timeout, 5.0))
         try:
             client.get("/")  # the v2 API answers (etcd 3.4 serves it with --enable-v2=true only)
             break
@@ -153,12 +178,15 @@ def connect(endpoint: str, run_id: str, timeout: float, create: bool = False, wa
             if time.monotonic() > deadline:
                 raise ConfigError(f"etcd at {endpoint} did not answer within {timeout:g} s (--rdzv-conf "
                                   f"join_timeout=S sets it): start it, or check --rdzv-endpoint ({exc})") from None
-            time.sleep(0.1)
+            member = (member + 1) % len(hosts)
+            if member == 0:
+                time.sleep(0.1)
         except etcd.EtcdException as exc:
             raise ConfigError(f"etcd at {endpoint} does not serve its v2 API ({type(exc).__name__}: {exc}): "
                               f"run it with --enable-v2=true") from None
     prefix = f"{PREFIX}/{run_id}"
-    store = _store_class()(client, prefix, datetime.timedelta(seconds=timeout), endpoint, _knobs.get("MINDIO_ETCD_RETRY"))
+    store = _store_class()(client, prefix, datetime.timedelta(seconds=timeout), endpoint,
+                           _knobs.get("MINDIO_ETCD_RETRY"), member)
     if create:
         try:
             client.write(prefix, None, dir=True, prevExist=False)

@@ -77,6 +77,9 @@ def test_torchrun_flags_keep_their_meaning(script, monkeypatch):
     assert parse_args(["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1", "--nnodes", "2", "--standby",
                        script]).etcd_endpoint == "h:1"
     assert parse_args([script]).etcd_endpoint == ""
+    # the members of an etcd cluster, each with 2379 by default
+    assert parse_args(["--rdzv-backend", "etcd", "--rdzv-endpoint", "a:1, b,c:3", "--nnodes", "2", "--standby",
+                       script]).etcd_endpoint == "a:1,b:2379,c:3"
     # PET_* variables are torchrun's defaults for its flags, mindio's flags included
     monkeypatch.setenv("PET_NPROC_PER_NODE", "5")
     monkeypatch.setenv("PET_MAX_RESTARTS", "2")
@@ -102,7 +105,8 @@ def test_preemption_flags_reach_the_agent_and_its_workers(script, capsys, monkey
 def test_flags_mindio_run_cannot_honour_fail_with_one_line(script, capsys):
     assert "--rdzv-backend zookeeper: not supported" in _error(capsys, ["--rdzv-backend", "zookeeper", script])
     # etcd (the agents' store on an etcd server: tests/recovery/test_etcd_store.py runs it)
-    assert "needs --rdzv-endpoint HOST:PORT (the etcd server)" in _error(capsys, ["--rdzv-backend", "etcd", script])
+    assert "needs --rdzv-endpoint HOST:PORT (the etcd server; several members of an etcd cluster: " \
+           "HOST:PORT,HOST:PORT,...)" in _error(capsys, ["--rdzv-backend", "etcd", script])
     assert "give each agent its --node-rank" in _error(capsys, ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1",
                                                                 "--nnodes", "2", script])
     assert "elastic ranges are not supported" in _error(capsys, ["--nnodes", "1:4", script])

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from tests._etcd import etcd_server, skip_without_etcd
+from tests._etcd import etcd_cluster, etcd_server, skip_without_etcd
 
 pytestmark = skip_without_etcd
 
@@ -189,3 +189,26 @@ def test_the_leader_key_is_held_for_sure_only_ttl_after_a_refresh_was_sent(flaky
     flaky.fail(1)  # a refresh asked again after a timeout dates the lease from the attempt that got through
     t = time.monotonic()
     assert lead.refresh(store) and lead.sent_ok > t
+
+
+def test_a_cluster_member_that_dies_is_left_for_the_next(tmp_path, caplog):
+    """``--rdzv-endpoint A,B,C`` (an etcd cluster): the agents' store asks the first member that answers
+    and, when it dies, the next one -- keys and the leader key live on; etcd's own quorum keeps them."""
+    from mindio.launch import etcdstore
+
+    caplog.set_level(logging.INFO, logger="mindio.launch.etcdstore")
+    with etcd_cluster(tmp_path) as (endpoints, kill):
+        store = _store(endpoints, "cluster")
+        assert store.members == endpoints.split(",")
+        store.set("a", "1")
+        lead = etcdstore.Leader(0, 3.0)
+        assert lead.take(store)
+        used = store.members.index(f"127.0.0.1:{store.client.port}")
+        kill(used)  # the member in use dies (its host)
+        assert store.get("a") == b"1"
+        assert lead.refresh(store) and lead.holder(store) == "node 0"
+        assert store.compare_set("claim", "", "standby-1") == b"standby-1"
+        now = f"127.0.0.1:{store.client.port}"
+        assert now != store.members[used], now
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("etcd member")]
+        assert said and said[0].startswith(f"etcd member {store.members[used]} failed"), said

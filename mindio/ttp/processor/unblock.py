@@ -61,10 +61,10 @@ def protected_ports(link_addrs=()) -> set:
     ports = {p for p in (_port_of(a) for a in link_addrs) if p is not None}
     ports |= _store_ports()
     for name in ("MASTER_PORT", "MINDIO_AGENT_STORE", "MINDIO_STATUS_PORT"):
-        value = os.environ.get(name, "")
-        p = int(value) if value.isdigit() else _port_of(value)
-        if p:
-            ports.add(p)
+        for value in os.environ.get(name, "").split(","):  # the agents' store: the members of an etcd cluster
+            p = int(value) if value.isdigit() else _port_of(value)
+            if p:
+                ports.add(p)
     return ports
 
 

@@ -171,19 +171,18 @@ def orphaned(agent, ctl, error: str) -> int:
 
     cfg = agent.cfg
     t0 = time.monotonic()
-    if stores.on_etcd(cfg) and agent.leader is None:  # etcd unreachable from here: the key decides, not us
-        print(f"mindio-run: job failed on node {cfg.node_rank}: {error[:160]}; this node does not hold the "
-              f"controller's leader key, so its backup controller does not take over (node 0, holding it, "
-              f"may go on without this node)", file=sys.stderr, flush=True)
-        _logging.event("backup_declined", node=cfg.node_rank, error=error[:300], primary="leader key not held")
-        return 1
-    live = "" if stores.on_etcd(cfg) else primary_answers(ctl)
-    if live:
-        print(f"mindio-run: job failed on node {cfg.node_rank}: {error[:160]}, but node 0's controller at {live} "
-              f"still answers: this node was cut off from the job, which went on without it (its ranks were "
-              f"declared dead); its workers stop and its backup controller does not take over",
-              file=sys.stderr, flush=True)
-        _logging.event("backup_declined", node=cfg.node_rank, error=error[:300], primary=live)
+    if stores.on_etcd(cfg):  # etcd unreachable from here: the leader key decides, not this node
+        primary = "" if agent.leader is not None else "leader key not held"
+        why = ("; this node does not hold the controller's leader key, so its backup controller does not take "
+               "over (node 0, holding it, may go on without this node)")
+    else:
+        primary = primary_answers(ctl)
+        why = (f", but node 0's controller at {primary} still answers: this node was cut off from the job, which "
+               f"went on without it (its ranks were declared dead); its workers stop and its backup controller "
+               f"does not take over")
+    if primary:
+        print(f"mindio-run: job failed on node {cfg.node_rank}: {error[:160]}{why}", file=sys.stderr, flush=True)
+        _logging.event("backup_declined", node=cfg.node_rank, error=error[:300], primary=primary)
         return 1
     node0 = list(range(cfg.nproc_per_node))
     bound = cfg.decision_timeout

@@ -229,26 +229,36 @@ class Leader:
     def _value(self, store) -> str:
         return store._encode(f"node {self.node}")
 
+    def _extend(self, store) -> bool | None:
+        """The test-and-set that keeps the key while it holds this node's value, dating the lease from its
+        sending: True; False when another node's value is there; None when there is no key."""
+        etcd = _etcd()
+        value, sent = self._value(store), time.monotonic()
+        try:
+            store.client.write(store.key(self.KEY), value, ttl=self.ttl, prevValue=value)
+        except etcd.EtcdCompareFailed:
+            return False
+        except etcd.EtcdKeyNotFound:
+            return None
+        self.sent_ok = sent
+        return True
+
     @_as_store_errors
     def take(self, store) -> bool:
         """Create the key (it does not exist, or expired); False when another node holds it (True when it
         holds this node's value: a create asked again after a transient error, or taken already)."""
         etcd = _etcd()
-        for _ in range(3):  # the key may expire between the create and the read: create it again
+        for _ in range(3):  # the key may expire between the create and the extend: create it again
             sent = time.monotonic()
             try:
                 store.client.write(store.key(self.KEY), self._value(store), ttl=self.ttl, prevExist=False)
             except etcd.EtcdAlreadyExist:
                 # ours if it holds this node's value (a create asked again after a transient error): extend
                 # it, which also dates the lease (the create's TTL ran from a sending not known here)
-                sent = time.monotonic()
-                try:
-                    store.client.write(store.key(self.KEY), self._value(store), ttl=self.ttl,
-                                       prevValue=self._value(store))
-                except etcd.EtcdCompareFailed:
-                    return False
-                except etcd.EtcdKeyNotFound:
+                held = self._extend(store)
+                if held is None:
                     continue
+                return held
             self.sent_ok = sent
             return True
         return False
@@ -257,16 +267,8 @@ class Leader:
     def refresh(self, store) -> bool:
         """Extend the TTL while this node still holds the key (or take it again when it expired and nobody
         took it); False when another node holds it."""
-        etcd = _etcd()
-        value, sent = self._value(store), time.monotonic()
-        try:
-            store.client.write(store.key(self.KEY), value, ttl=self.ttl, prevValue=value)
-            self.sent_ok = sent
-            return True
-        except etcd.EtcdKeyNotFound:
-            return self.take(store)
-        except etcd.EtcdCompareFailed:
-            return False
+        held = self._extend(store)
+        return self.take(store) if held is None else held
 
     @_as_store_errors
     def holder(self, store) -> str:

@@ -250,16 +250,19 @@ class Controller:
         return ended
 
     # ------------------------------------------------------------------ I/O thread
-    def _send(self, rank: int, body, mtype=P.MsgType.ACTION, sn: int = 0) -> None:
+    def _send(self, rank: int, body, mtype=P.MsgType.ACTION, sn: int = 0, ident: bytes | None = None) -> None:
         """(any thread) Queue a message for ``rank``; the envelope's rank names the rank it concerns (the
         recipient here), so a relay can deliver it. The I/O thread signs it (session.py: the counter of
-        the controller's frames follows the order they are sent in). A rank without a route is skipped."""
-        r = self.ranks.get(rank)
-        if r is None or not r.ident:
-            return
-        if mtype is P.MsgType.ACTION and r.ident in self._relays:
-            body = P.Action(body.name, body.params, [rank])
-        self._out.put(((r.ident,), P.Envelope(mtype, body, rank=rank, sn=sn)))
+        the controller's frames follows the order they are sent in). A rank without a route is skipped.
+        ``ident``: to that connection instead of the rank's route (an elastic standby: in no rank table)."""
+        if ident is None:
+            r = self.ranks.get(rank)
+            if r is None or not r.ident:
+                return
+            ident = r.ident
+            if mtype is P.MsgType.ACTION and ident in self._relays:
+                body = P.Action(body.name, body.params, [rank])
+        self._out.put(((ident,), P.Envelope(mtype, body, rank=rank, sn=sn)))
         self._waker.wake()
 
     def _send_many(self, ranks, body: P.Action, sn: int) -> None:

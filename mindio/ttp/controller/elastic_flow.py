@@ -186,8 +186,7 @@ class Elastic:
         self._told[rank] = now
         _log.warning("the job ended (EXIT(%d)): the standby for removed rank %d leaves with that code", code, rank)
         _logging.event("exit_order_to_standby", standby_rank=rank, code=code)
-        self.ctl._out.put(((ident,), P.Envelope(P.MsgType.ACTION, P.Action("exit", {"code": code}), rank=rank, sn=sn)))
-        self.ctl._waker.wake()
+        self.ctl._send(rank, P.Action("exit", {"code": code}), sn=sn, ident=ident)
 
     def _standby_seen(self, rank: int, body) -> None:
         _log.warning("standby for removed rank %d registered (pid %d on %s); waiting for %s", rank, body.pid,

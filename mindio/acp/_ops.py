@@ -15,7 +15,7 @@ import os
 import time
 
 from ._state import FAILED, LIVE, PENDING, PERSISTED, SUPERSEDED, Entry, Region
-from ._storage import target_problem, write_marker
+from ._storage import current_key, target_problem, write_marker
 
 __all__ = ["Operations"]
 
@@ -101,8 +101,11 @@ class Operations:
                 if kind == "cache":
                     entry.state, entry.stat = PERSISTED, req.get("stat")
                 else:
+                    # "pre": the target as it is now; a recovery replaces only this version or one the daemon
+                    # wrote itself, never a file written behind its back after this commit (_persist.recover)
                     self.journal.append({"c": entry.seq, "path": path, "file": region.file, "off": region.offset,
-                                         "size": region.size, "kind": kind, "mode": mode})
+                                         "size": region.size, "kind": kind, "mode": mode,
+                                         "pre": current_key(path)})
                     try:
                         write_marker(path, {"seq": entry.seq, "daemon": os.getpid(), "time": time.time()})
                     except OSError as exc:

@@ -36,7 +36,8 @@ from ..errors import CheckpointError
 from . import format as fmt
 from ._secure import open_private
 from ._state import FAILED, PENDING, PERSISTED, PERSISTING, SUPERSEDED, Entry, Region
-from ._storage import atomic_write_direct, is_target_error, marker_path, remove_marker, target_problem
+from ._storage import (atomic_write_direct, current_key, is_target_error, marker_path, remove_marker, stat_key,
+                       target_problem)
 
 __all__ = ["Persister"]
 
@@ -185,8 +186,11 @@ class Persister:
                 parts = [aligned, region.padded[len(header):]]
             else:
                 parts = [region.padded]
-            st = atomic_write_direct(entry.path, parts, region.size, mode=entry.mode, tag=str(entry.seq))
-            return [st.st_ino, st.st_mtime_ns, st.st_size]
+            # journalled (durably) before the rename: a recovery knows this version of the file as its own
+            own = lambda st: self.d.journal.append({"r": entry.seq, "path": entry.path, "stat": stat_key(st)})  # noqa: E731
+            st = atomic_write_direct(entry.path, parts, region.size, mode=entry.mode, tag=str(entry.seq),
+                                     before_rename=own)
+            return stat_key(st)
         except Exception as exc:  # storage errors of every kind are handled by the retry policy
             return exc
 
@@ -287,15 +291,12 @@ class Persister:
                 newest[rec["path"]] = rec
         kept = []
         for rec in sorted(newest.values(), key=lambda r: r["c"]):
-            try:
-                if os.stat(rec["path"]).st_mtime_ns // 1000 > rec["c"]:
-                    # written directly (fallback) after this commit: the file is newer, keep it
-                    log.warning("not recovering %s: the file on storage is newer than the unpersisted "
-                                "version (seq %d)", rec["path"], rec["c"])
-                    remove_marker(rec["path"])
-                    continue
-            except FileNotFoundError:
-                pass
+            if self._written_behind(rec):
+                # written directly (fallback) after this commit: the file is newer, keep it
+                log.warning("not recovering %s: the file on storage is newer than the unpersisted "
+                            "version (seq %d)", rec["path"], rec["c"])
+                remove_marker(rec["path"])
+                continue
             try:
                 padded = self._recovered_view(rec, maps)
                 view = padded[: rec["size"]]
@@ -314,6 +315,20 @@ class Persister:
             kept.append(rec)
             log.warning("recovered unpersisted checkpoint %s from %s; persisting it now", rec["path"], rec["file"])
         return kept
+
+    @staticmethod
+    def _written_behind(rec: dict) -> bool:
+        """True when the target of the unfinished commit ``rec`` was written by someone else after it.
+        Told by identity: the file must be the version it was at the commit or one this daemon wrote
+        (Journal.load's "known"); no file is no newer write. Journals of earlier versions have no "pre":
+        there the file's mtime is compared with the commit's time (seq, microseconds), which a write within
+        one tick of the file system's coarse clock after the commit can pass unseen."""
+        now = current_key(rec["path"])
+        if now is None:
+            return False
+        if "known" in rec:
+            return now not in rec["known"]
+        return now[1] // 1000 > rec["c"]
 
     @staticmethod
     def _recovered_view(rec: dict, maps: dict) -> memoryview:

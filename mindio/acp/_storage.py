@@ -23,7 +23,7 @@ import threading
 
 from ._secure import open_private, umask
 
-__all__ = ["atomic_write", "atomic_write_direct", "atomic_torch_save", "marker_path", "temp_path", "write_marker",
+__all__ = ["atomic_write", "atomic_write_direct", "atomic_torch_save", "stat_key", "current_key", "marker_path", "temp_path", "write_marker",
            "remove_marker", "Journal", "is_internal_name", "is_target_error", "target_problem", "sweep_temps",
            "file_mode", "fsync_dir"]
 
@@ -143,9 +143,11 @@ def _create_temp(path: str, tag: str, flags: int = 0) -> tuple:
     raise FileExistsError(errno.EEXIST, f"cannot create a temporary file next to {path}: every name tried exists")
 
 
-def _atomic(path: str, fill, mode: int, tag: str, flags: int = 0) -> os.stat_result:
+def _atomic(path: str, fill, mode: int, tag: str, flags: int = 0, before_rename=None) -> os.stat_result:
     """Create a temp file, ``fill(fd)`` it, set ``mode``, fsync, rename over ``path``, fsync the
-    directory; returns the new file's stat. The temp file is removed on every failure."""
+    directory; returns the new file's stat. ``before_rename(stat)`` is called with the file's final
+    stat before it replaces ``path`` (the daemon journals it: mindio/acp/_persist.py). The temp file is
+    removed on every failure."""
     fd, tmp = _create_temp(path, tag or str(os.getpid()), flags)
     try:
         try:
@@ -155,6 +157,8 @@ def _atomic(path: str, fill, mode: int, tag: str, flags: int = 0) -> os.stat_res
             st = os.fstat(fd)
         finally:
             os.close(fd)
+        if before_rename is not None:
+            before_rename(st)
         os.rename(tmp, path)
     except BaseException:
         _unlink(tmp)
@@ -163,9 +167,9 @@ def _atomic(path: str, fill, mode: int, tag: str, flags: int = 0) -> os.stat_res
     return st
 
 
-def atomic_write(path: str, chunks, mode: int = 0o644, tag: str = "") -> os.stat_result:
+def atomic_write(path: str, chunks, mode: int = 0o644, tag: str = "", before_rename=None) -> os.stat_result:
     """Write the byte chunks to ``path`` atomically and durably; returns the new file's stat."""
-    return _atomic(path, lambda fd: _write_all(fd, chunks), mode, tag)
+    return _atomic(path, lambda fd: _write_all(fd, chunks), mode, tag, before_rename=before_rename)
 
 
 def atomic_torch_save(obj, path: str, mode: int) -> os.stat_result:
@@ -190,7 +194,8 @@ def _write_all(fd: int, chunks) -> None:
                 done += os.write(fd, piece[done:])
 
 
-def atomic_write_direct(path: str, parts: list, size: int, mode: int = 0o644, tag: str = "") -> os.stat_result:
+def atomic_write_direct(path: str, parts: list, size: int, mode: int = 0o644, tag: str = "",
+                        before_rename=None) -> os.stat_result:
     """Like atomic_write, but with O_DIRECT: the bytes go from memory to the device without passing
     through the page cache (no page-cache allocation, almost no CPU). Every part must start page
     aligned and be a multiple of 4096 bytes long (the last may run past ``size``: the file is cut
@@ -201,7 +206,7 @@ def atomic_write_direct(path: str, parts: list, size: int, mode: int = 0o644, ta
         os.ftruncate(fd, size)
 
     try:
-        return _atomic(path, fill, mode, tag, os.O_DIRECT)
+        return _atomic(path, fill, mode, tag, os.O_DIRECT, before_rename)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -210,7 +215,21 @@ def atomic_write_direct(path: str, parts: list, size: int, mode: int = 0o644, ta
         view = memoryview(part).cast("B")[:left]
         chunks.append(view)
         left -= len(view)
-    return atomic_write(path, chunks, mode=mode, tag=tag)
+    return atomic_write(path, chunks, mode=mode, tag=tag, before_rename=before_rename)
+
+
+def stat_key(st) -> list:
+    """What identifies one version of a file: [inode, mtime in ns, size] (an atomic rename brings a new
+    inode; a write in place a new mtime or size)."""
+    return [st.st_ino, st.st_mtime_ns, st.st_size]
+
+
+def current_key(path: str):
+    """``stat_key`` of ``path`` now, or None where there is no file."""
+    try:
+        return stat_key(os.stat(path))
+    except OSError:
+        return None
 
 
 def sweep_temps(records: list) -> list:
@@ -250,8 +269,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 class Journal:
-    """Append-only JSON-lines log of commits ("c"), completions ("d") and drops ("x"), fsynced per write.
-    Its file must be private to the daemon's user (opened O_NOFOLLOW and checked by descriptor)."""
+    """Append-only JSON-lines log of commits ("c"), completions ("d"), drops ("x") and the daemon's own
+    writes ("r": the stat of a file it is about to rename over a target), fsynced per write. A commit
+    records the target's stat at commit time ("pre"). Its file must be private to the daemon's user
+    (opened O_NOFOLLOW and checked by descriptor)."""
 
     _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT
 
@@ -262,9 +283,12 @@ class Journal:
 
     @staticmethod
     def load(path: str) -> tuple:
-        """(commits without a matching completion or drop, every commit), in commit order."""
+        """(commits without a matching completion or drop, every commit), in commit order. Each pending
+        commit that records its target's stat at commit time gets ``"known"``: that stat and those of the
+        daemon's own writes of the target, the versions of the file a recovery may replace."""
         commits: dict = {}
         every: list = []
+        own: dict = {}
         try:
             fd = open_private(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -284,7 +308,14 @@ class Journal:
                     commits.pop(rec["d"], None)
                 elif "x" in rec:
                     commits.pop(rec["x"], None)
-        return list(commits.values()), every
+                elif "r" in rec and isinstance(rec.get("path"), str):
+                    own.setdefault(rec["path"], []).append(rec.get("stat"))
+        pending = list(commits.values())
+        for rec in pending:
+            if "pre" in rec:  # "known" already there: kept through an earlier recovery's rewrite
+                prior = rec["known"] if isinstance(rec.get("known"), list) else []
+                rec["known"] = [rec["pre"], *prior, *own.get(rec.get("path"), [])]
+        return pending, every
 
     def append(self, record: dict, sync: bool = True) -> None:
         with self._lock:

@@ -4,8 +4,9 @@ in rank 0, ``enable_tls`` passed positionally, ``set_mindio_export_version`` ins
 ``train()``, callbacks that get ``train()``'s arguments. Nothing in it names ``mindio``.
 
 Plain data parallelism on gloo: every rank holds the whole model and optimizer (one shard, replicated
-on every rank). ``--fault RANK:STEP`` makes that rank raise after its backward pass of that step; the
-job then writes a last-words checkpoint at the last completed step and exits. ``--resume DIR`` loads
+on every rank). ``--fault RANK:STEP`` makes that rank raise after its backward pass of that step, before the
+gradients' all-reduce (the other ranks wait in it, so none completes that step); the job then writes a
+last-words checkpoint at the last completed step (STEP - 1) and exits. ``--resume DIR`` loads
 it. The final state is written to ``OUT/final_rank<r>.pt``.
 """
 import argparse
@@ -120,11 +121,11 @@ def main():
         for step in range(start + 1, args.steps + 1):
             opt_.zero_grad()
             model_(batch(step, rank)).pow(2).mean().backward()
+            if (rank, step) == (fault_rank, fault_step):
+                raise RuntimeError(f"injected fault on rank {rank} at step {step}")
             for p in model_.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world
-            if (rank, step) == (fault_rank, fault_step):
-                raise RuntimeError(f"injected fault on rank {rank} at step {step}")
             tft_set_update_start_time()
             tft_start_updating_os(-1)
             opt_.step()

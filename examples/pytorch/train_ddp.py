@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch._dynamo  # noqa: F401  before init_process_group: see the note in main()
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -227,6 +228,10 @@ def main():
         except ValueError as exc:
             p.error(str(exc))
 
+    # torch._dynamo is imported above, before the default group exists: DDP's constructor imports it, and
+    # imported after init_process_group it keeps that group alive past destroy_process_group (torch
+    # 2.13, measured: its 2 gloo worker threads still run at exit), which leaves the interpreter's
+    # shutdown open to pytorch/pytorch#190489 (SIGABRT, "terminate called without an active exception")
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)

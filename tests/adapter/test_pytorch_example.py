@@ -58,6 +58,10 @@ def test_high_availability_on_same_digest(plain):
     out = torchrun(SCRIPT, ["--train-iters", 20, "--enable-high-availability"], nproc=2,
                    timeout=200)
     assert digests(out)[-1] == digests(plain)[-1]
+    # mindio's exit teardown ended every rank's gloo threads: the example imports torch._dynamo before
+    # init_process_group. Imported later -- as DDP's constructor and Adam's first step do -- torch 2.13
+    # keeps the default group alive into the interpreter shutdown, pytorch/pytorch#190489's SIGABRT window
+    assert "gloo worker thread(s) still run" not in out, out[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -229,9 +229,10 @@ def main():
             p.error(str(exc))
 
     # torch._dynamo is imported above, before the default group exists: DDP's constructor and Adam's first
-    # step import it, and imported after init_process_group it keeps that group alive past destroy_process_group (torch
-    # 2.13, measured: its 2 gloo worker threads still run at exit), which leaves the interpreter's
-    # shutdown open to pytorch/pytorch#190489 (SIGABRT, "terminate called without an active exception")
+    # step import it, and imported after init_process_group it keeps that group alive past
+    # destroy_process_group (torch 2.13, measured: its 2 gloo worker threads still run at exit), which leaves
+    # the interpreter's shutdown open to pytorch/pytorch#190489 (SIGABRT, "terminate called without an
+    # active exception")
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)

@@ -186,8 +186,9 @@ class Persister:
                 parts = [aligned, region.padded[len(header):]]
             else:
                 parts = [region.padded]
-            # journalled (durably) before the rename: a recovery knows this version of the file as its own
-            own = lambda st: self.d.journal.append({"r": entry.seq, "path": entry.path, "stat": stat_key(st)})  # noqa: E731
+            def own(st) -> None:  # journalled (durably) before the rename: a recovery knows this version as its own
+                self.d.journal.append({"r": entry.seq, "path": entry.path, "stat": stat_key(st)})
+
             st = atomic_write_direct(entry.path, parts, region.size, mode=entry.mode, tag=str(entry.seq),
                                      before_rename=own)
             return stat_key(st)

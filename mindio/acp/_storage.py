@@ -23,9 +23,9 @@ import threading
 
 from ._secure import open_private, umask
 
-__all__ = ["atomic_write", "atomic_write_direct", "atomic_torch_save", "stat_key", "current_key", "marker_path", "temp_path", "write_marker",
-           "remove_marker", "Journal", "is_internal_name", "is_target_error", "target_problem", "sweep_temps",
-           "file_mode", "fsync_dir"]
+__all__ = ["atomic_write", "atomic_write_direct", "atomic_torch_save", "stat_key", "current_key", "marker_path",
+           "temp_path", "write_marker", "remove_marker", "Journal", "is_internal_name", "is_target_error",
+           "target_problem", "sweep_temps", "file_mode", "fsync_dir"]
 
 log = logging.getLogger(__name__)
 _CHUNK = 64 << 20

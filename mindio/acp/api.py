@@ -214,7 +214,7 @@ def _pooled_region(path: str):
             st = os.stat(path)
         except FileNotFoundError:
             return None       # deleted behind mindio's back
-        if [st.st_ino, st.st_mtime_ns, st.st_size] != list(reply["stat"]):
+        if _storage.stat_key(st) != list(reply["stat"]):
             return None       # replaced behind mindio's back: the file on storage is newer
     return mm, client.device_reader(reply)
 
@@ -305,7 +305,7 @@ def preload(*paths, weights_only: bool = True) -> int:
             else:
                 plan = fmt.plan(_torch_load(path, None, weights_only, len(head)))
                 write, size = plan.write_into, plan.total_len
-            client.save_image(size, write, [path], kind="cache", stat=[st.st_ino, st.st_mtime_ns, st.st_size])
+            client.save_image(size, write, [path], kind="cache", stat=_storage.stat_key(st))
     except Exception as exc:
         log.error("preload of %s failed: %s", paths, exc)
         return 1

@@ -130,9 +130,9 @@ def _release_groups(deadline: float) -> None:
                      "groups (a global, a model or optimizer wrapper), or torch._dynamo was first imported after "
                      "init_process_group (DistributedDataParallel's constructor and a torch optimizer's first step "
                      "import it; torch 2.13 then keeps the default group alive: import torch._dynamo before "
-                     "init_process_group). Drop those "
-                     "references before the process ends (megatron: parallel_state.destroy_model_parallel()), "
-                     "or its interpreter shutdown can abort with SIGABRT (pytorch/pytorch#190489)", left)
+                     "init_process_group). Drop those references before the process ends (megatron: "
+                     "parallel_state.destroy_model_parallel()), or its interpreter shutdown can abort with "
+                     "SIGABRT (pytorch/pytorch#190489)", left)
 
 
 def _freeze_for_shutdown() -> None:

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,8 @@ from tests._exits import assert_no_signal_deaths, check_codes, injected, sent_by
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 
-__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "reference_run", "losses", "grad_norms", "digests", "have_megatron",
-           "assert_relaunch_reproduces", "SLOW_MEGATRON", "LAYOUTS", "LAYOUT_ITERS", "layout_args",
+__all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "reference_run", "losses", "assert_steps_logged_once",
+           "grad_norms", "digests", "have_megatron", "assert_relaunch_reproduces", "SLOW_MEGATRON", "LAYOUTS", "LAYOUT_ITERS", "layout_args",
            "layout_reference", "ha_reference"]
 
 
@@ -98,6 +99,23 @@ def reference_run(script, args, nproc: int = 4, timeout: float = 400, env=None) 
 def losses(out: str) -> dict:
     return {int(m.group(1)): float(m.group(2))
             for m in re.finditer(r"iteration\s+(\d+)/\d+ \| lm loss ([0-9.eE+-]+)", out)}
+
+
+def assert_steps_logged_once(out: str, iters: int, node_lost_at: int | None = None,
+                             line: str = r"iteration\s+(\d+)/\d+ \| lm loss") -> None:
+    """Rank 0 printed ``line`` (its group: the iteration) once for every iteration 1..``iters``: none
+    repeated, none lost. One exception, for a node loss (``kill-node``) whose lock step is
+    ``node_lost_at``: the firing rank kills its node's agent, and the node's other ranks die wherever
+    they are -- possibly inside the collectives that follow the lock step's update (the loss all-reduce,
+    the replica check). Rank 0's side of that collective then fails (gloo: connection closed), so the
+    lock step's line may be missing; its update was made everywhere (the event's lock_step says so)."""
+    counts = Counter(int(m.group(1)) for m in re.finditer(line, out))
+    twice = sorted(s for s, n in counts.items() if n > 1)
+    want = set(range(1, iters + 1))
+    missing, extra = sorted(want - set(counts)), sorted(set(counts) - want)
+    excused = {node_lost_at} if node_lost_at is not None else set()
+    assert not twice and not extra and set(missing) <= excused, \
+        f"{line!r}: repeated {twice}, beyond {iters}: {extra}, missing {missing} (excused: {sorted(excused)})"
 
 
 def grad_norms(out: str) -> dict:

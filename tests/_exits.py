@@ -61,6 +61,10 @@ _PATTERNS = (
     re.compile(r"rank\s*:\s*(?P<rank>\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(?P<code>-\d+)"),
 )
 _ABORTS = re.compile(r"terminate called|Fatal Python error|\(core dumped\)")
+# mindio's exit teardown (mindio/ttp/shutdown.py) could not end a process group's gloo worker threads: the
+# interpreter shutdown that follows is the window of pytorch/pytorch#190489 (SIGABRT in a few percent of
+# exits on a loaded machine). Seen in a test's output it fails the test every time, not once in 20 runs.
+_LEFT_THREADS = re.compile(r"exit: \d+ gloo worker thread\(s\) still run")
 
 
 def signal_deaths(text: str) -> list:
@@ -71,6 +75,7 @@ def signal_deaths(text: str) -> list:
             sig = m.group("sig") if "sig" in pattern.groupindex else signal_name(int(m.group("code")))
             found.append((int(m.group("rank")), sig))
     found += [(None, m.group(0)) for m in _ABORTS.finditer(text)]
+    found += [(None, m.group(0) + " (the SIGABRT window at exit)") for m in _LEFT_THREADS.finditer(text)]
     return found
 
 

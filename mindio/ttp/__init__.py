@@ -1,12 +1,18 @@
 """mindio.ttp: training fault tolerance (MindIO TFT/TTP compatible API).
 
 Everything public is re-exported here, so ``from mindio.ttp import tft_init_processor`` works like
-``from mindio_ttp.framework_ttp import tft_init_processor`` in the reference. Importing starts nothing.
+``from mindio_ttp.framework_ttp import tft_init_processor`` in the reference. Importing starts nothing;
+in a process that has imported torch and has no process group yet it imports torch._dynamo
+(shutdown.import_dynamo_early: torch 2.13 keeps the default group alive when it comes later).
 See docs/ttp.md for the controller <-> processor conversation.
 """
 from __future__ import annotations
 
-from . import api as _api
+from . import shutdown as _shutdown
+
+_shutdown.import_dynamo_early()  # before the script's init_process_group (shutdown.import_dynamo_early)
+
+from . import api as _api  # noqa: E402
 from ._enums import (EXIT_CODE_DUMPED, EXIT_CODE_FAULT, Action, OptimizerType, OsStatus, RepairType,
                      ReportState, ResultCode)
 from .api import (

@@ -7,6 +7,8 @@ what it records just before the interpreter shuts down shows the teardown happen
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +17,7 @@ from mindio._ports import free_port
 from ._harness import ROOT, run_ranks
 
 PROBE = os.path.join(os.path.dirname(__file__), "_exit_probe.py")
+DYNAMO_PROBE = os.path.join(os.path.dirname(__file__), "_dynamo_probe.py")
 pytestmark = pytest.mark.slow
 
 
@@ -45,3 +48,32 @@ def test_exit_teardown_names_groups_the_script_still_holds(tmp_path):
         assert "2 gloo worker thread(s) still run: the training script still references process groups" \
             in outs[r], outs[r][-2000:]
         assert "pt_gloo_runloop" in threads[r]["native"]  # what the message is about
+
+
+def _probe(mode: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, DYNAMO_PROBE, mode, str(free_port())], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(150)
+def test_importing_mindio_ttp_after_torch_lets_destroy_end_the_default_group():
+    """torch 2.13: torch._dynamo first imported after init_process_group (here by torch.optim.Adam's
+    constructor) keeps the default group alive past destroy_process_group -- its gloo threads run into
+    the interpreter shutdown (pytorch/pytorch#190489). ``import torch; from mindio import ttp`` imports it
+    before the group exists (shutdown.import_dynamo_early): destroy then ends every gloo thread."""
+    plain = _probe("plain")
+    assert not plain["dynamo_before_init"] and "pt_gloo_runloop" in plain["threads"], plain  # torch's behaviour
+    with_mindio = _probe("mindio")
+    assert with_mindio["dynamo_before_init"], with_mindio
+    assert not [t for t in with_mindio["threads"] if t.startswith(("pt_gloo", "gloo_"))], with_mindio
+
+
+def test_mindio_ttp_imported_before_torch_does_not_import_dynamo():
+    """mindio-run's agent imports mindio.ttp for its controller and never torch._dynamo."""
+    code = "import sys, mindio.ttp.controller; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr

@@ -320,8 +320,12 @@ class MegatronAdapter(FrameworkAdapter):
         self.ctx.stop_requested.set()
 
     def release(self) -> None:
-        """(process exit) Drop model, optimizer and megatron's groups: mindio then destroys the rest."""
+        """(process exit) Drop model, optimizer and megatron's groups: mindio then destroys the rest.
+        The model's autograd graphs go first (:func:`_drop_autograd_graphs`: with MoE layers the model
+        would otherwise outlive every reference in an uncollectable cycle, and the process groups its DDP
+        holds with it -- measured: 38 gloo worker threads left at the exit of every moe_ep2dp2 run)."""
         ctx = self.ctx
+        _drop_autograd_graphs(ctx.model)
         ctx.model = ctx.optimizer = ctx.scheduler = None
         ctx._spares = []
         _drop_megatron_groups()  # also after dist.destroy_process_group(): its globals still hold the groups

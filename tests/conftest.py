@@ -53,7 +53,7 @@ def fault_free_run(tmp_path_factory):
     return get
 
 
-# pytest-xdist (scripts/test.sh runs the suite on 2 workers, --dist loadgroup): the tests of one module run
+# pytest-xdist (scripts/test.sh runs the suite on 3 workers, --dist loadgroup): the tests of one module run
 # on one worker, so that a module-scoped fixture runs once; modules that compare against the same
 # fault-free reference run (``fault_free_run`` keys) form one group, so that it runs once too.
 # The groups are made by the scheduler below from the test ids: pytest-xdist 3.8 turns an

@@ -5,12 +5,12 @@ Protocol (agent -> bootstrap, on the bootstrap's stdin):
 1. The agent starts ``python -m mindio.launch._bootstrap SCRIPT`` (or ``-m MODULE``) with the node-wide
    environment (OMP_NUM_THREADS, MASTER_ADDR, ...). The bootstrap arranges to die with its agent
    (PR_SET_PDEATHSIG) and imports what is expensive and cannot depend on which rank it becomes:
-   torch, torch.distributed, torch._dynamo (:func:`_import_dynamo`), and those of the script's top-level
-   imports (found by parsing the script with ``ast``; nothing of the script runs; ``from X import Y``:
-   ``X``, and ``X.Y`` where that is a module; the body of a top-level ``try:`` counts) that belong to
-   packages known not to read the rank
-   environment at import time (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``), and the torch modules
-   that functions the script calls import at their first call (:data:`FIRST_CALL_IMPORTS`). The script's own
+   torch, torch.distributed, torch._dynamo (when the script wants it: mindio/_dynamo.py), and those of
+   the script's top-level imports (found by parsing the script with ``ast``; nothing of the script runs;
+   ``from X import Y``: ``X``, and ``X.Y`` where that is a module; the body of a top-level ``try:``
+   counts) that belong to packages known not to read the rank environment at import time
+   (:data:`PRELOAD_SAFE`, plus ``MINDIO_PRELOAD``), and the torch modules that functions the script
+   calls import at their first call (:data:`FIRST_CALL_IMPORTS`). The script's own
    modules are NOT imported here: a module that reads ``LOCAL_RANK`` at import time must see its
    rank's value, as under torchrun. This is the expensive part of a process start (~1-5 s) and happens
    *before* a rank needs it.
@@ -116,26 +116,14 @@ def preloadable(names, extra=()) -> list[str]:
     return [n for n in names if any(n == s or n.startswith(s + ".") for s in safe)]
 
 
-def _import_dynamo() -> None:
-    """torch._dynamo, imported before the script's ``init_process_group``. Every torch optimizer's
-    constructor imports it (``torch.optim.Adam(...)``: 1.06 CPU-s, measured with torch 2.13 on this 2-core
-    machine), as does DistributedDataParallel's; imported *after* ``init_process_group`` it keeps the default
-    process group alive past ``destroy_process_group`` in torch 2.13, so that the gloo worker threads still
-    run when the interpreter shuts down and it may abort with SIGABRT (pytorch/pytorch#190489;
-    mindio/ttp/shutdown.py). Imported here it costs a script that builds an optimizer nothing more (and
-    a fork server's children nothing at all: the import is done once for every rank of the node); a
-    script without one pays the import once per warm interpreter."""
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception:  # a torch without it (or a broken one): the script meets the same error itself
-        pass
-
-
 def _preload(target: str, is_module: bool) -> list[str]:
     import torch  # noqa: F401  (the dominant start-up cost)
     import torch.distributed  # noqa: F401
 
-    _import_dynamo()
+    if not is_module:  # before the script's init_process_group, if it wants it (mindio/_dynamo.py)
+        from .. import _dynamo
+
+        _dynamo.import_early(target)
 
     extra = tuple(filter(None, (s.strip() for s in os.environ.get("MINDIO_PRELOAD", "").split(","))))
     names = [] if is_module else top_level_imports(target)

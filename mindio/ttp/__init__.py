@@ -2,8 +2,9 @@
 
 Everything public is re-exported here, so ``from mindio.ttp import tft_init_processor`` works like
 ``from mindio_ttp.framework_ttp import tft_init_processor`` in the reference. Importing starts nothing;
-in a process that has imported torch and has no process group yet it imports torch._dynamo
-(shutdown.import_dynamo_early: torch 2.13 keeps the default group alive when it comes later).
+in a process that has imported torch and has no process group yet, for a script that will import
+torch._dynamo anyway (a torch optimizer, DDP, megatron), it imports it now (mindio/_dynamo.py: torch
+2.13 keeps the default group alive when it comes after init_process_group).
 See docs/ttp.md for the controller <-> processor conversation.
 """
 from __future__ import annotations

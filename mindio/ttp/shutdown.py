@@ -44,7 +44,8 @@ import weakref
 
 from .. import _knobs
 
-__all__ = ["install", "track", "on_exit", "at_exit", "collective_threads", "hard_exit", "import_dynamo_early"]
+__all__ = ["install", "track", "on_exit", "at_exit", "collective_threads", "hard_exit",
+           "import_dynamo_early"]
 
 _log = logging.getLogger(__name__)
 _installed = False
@@ -55,24 +56,14 @@ _closers: list = []  # once the control plane's threads ended: close its sockets
 
 
 def import_dynamo_early() -> None:
-    """Import torch._dynamo now if the process has imported torch but not yet called
-    ``init_process_group`` (``import torch`` then ``from mindio import ttp`` at the top of a training
-    script): imported after ``init_process_group`` -- a torch optimizer's constructor imports it (1.06
-    CPU-s measured, torch 2.13), so does DistributedDataParallel's -- it keeps the default group alive
-    past ``destroy_process_group`` and the interpreter shutdown may abort (the module docstring, step
-    3). A script that builds an optimizer pays nothing more; one without pays the import. A process
-    that has not imported torch (mindio-run's agent, which imports mindio.ttp for its controller) is left
-    alone, and so is one whose group already exists (too late: the exit says so)."""
-    if "torch" not in sys.modules or "torch._dynamo" in sys.modules:
-        return
-    try:
-        import torch.distributed as dist
+    """(mindio.ttp's import) torch._dynamo now, before the training script's ``init_process_group``, if
+    the script wants it (mindio/_dynamo.py): imported later it keeps the default group alive past
+    ``destroy_process_group`` (the module docstring, step 3). A process without torch yet (mindio-run's
+    agent, which imports mindio.ttp for its controller) or with a group already is left alone."""
+    from .. import _dynamo
 
-        if dist.is_available() and dist.is_initialized():
-            return
-        import torch._dynamo  # noqa: F401
-    except Exception as exc:  # a torch without it, or a broken install: the script meets it itself
-        _log.debug("torch._dynamo not imported early: %s", exc)
+    main = sys.modules.get("__main__")
+    _dynamo.import_early(getattr(main, "__file__", None))
 
 
 def install() -> None:

@@ -71,6 +71,26 @@ def test_importing_mindio_ttp_after_torch_lets_destroy_end_the_default_group():
     assert not [t for t in with_mindio["threads"] if t.startswith(("pt_gloo", "gloo_"))], with_mindio
 
 
+def test_dynamo_is_imported_early_only_for_scripts_that_name_what_imports_it(tmp_path):
+    """mindio/_dynamo.py: a script that never builds a torch optimizer, DDP, FSDP, torch.compile or megatron
+    would pay ~1 CPU-s per process for nothing."""
+    from mindio import _dynamo
+
+    cases = {"opt.py": "opt = torch.optim.Adam(model.parameters())\n", "sgd.py": "from torch import optim\n",
+             "ddp.py": "from torch.nn.parallel import DistributedDataParallel as DDP\n",
+             "mcore.py": "from mindio import megatron as mio\n", "toy.py": "import torch\nx = torch.ones(2)\n"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    assert {n: _dynamo.wanted(str(tmp_path / n)) for n in cases} == {
+        "opt.py": True, "sgd.py": True, "ddp.py": True, "mcore.py": True, "toy.py": False}
+    assert not _dynamo.wanted(str(tmp_path / "missing.py")) and not _dynamo.wanted(None)
+    code = "import sys, torch, mindio.ttp; print('torch._dynamo' in sys.modules)"
+    (tmp_path / "toy_main.py").write_text(code + "\n")
+    out = subprocess.run([sys.executable, str(tmp_path / "toy_main.py")], env=dict(os.environ, PYTHONPATH=ROOT),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 def test_mindio_ttp_imported_before_torch_does_not_import_dynamo():
     """mindio-run's agent imports mindio.ttp for its controller and never torch._dynamo."""
     code = "import sys, mindio.ttp.controller; print('torch._dynamo' in sys.modules)"

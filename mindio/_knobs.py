@@ -184,9 +184,12 @@ _ALL = [
          "How many backup controllers (start_backup_controller) the primary accepts; each is advertised to "
          "every processor. 0: none (a backup's registration is refused and logged). Under mindio-run "
          "--high-availability on 2+ nodes: nodes 1..N's agents each host one, which saves a last-words "
-         "checkpoint when node 0 is lost, or with a standby takes the job over; unset: 1 with the agents on "
-         "etcd (--rdzv-backend etcd, whose leader key settles a partition), 0 on node 0's TCPStore, where a "
-         "node cut off from node 0 cannot tell that from node 0's loss (mindio/launch/backup.py).", min=0, max=2),
+         "checkpoint when node 0 is lost, or with a standby takes the job over; unset: 1 -- with the agents on "
+         "etcd (--rdzv-backend etcd, whose leader key settles a partition) a full one, on node 0's TCPStore, "
+         "where a node cut off from node 0 cannot tell that from node 0's loss, a provisional one: its "
+         "checkpoint is never made the latest (mindio.megatron writes it under <save>/mindio-provisional; "
+         "other save handlers where they write, their rename handler not run; mindio/launch/backup.py). "
+         "Set (1, 2) on the TCPStore: full backups, whose checkpoint is the latest.", min=0, max=2),
     Knob("MINDIO_RELAYS", _bool, False,
          "1: the controller accepts relays (one connection carrying the heartbeats and messages of many ranks, "
          "protocol v2 BEATS/BATCH); 0: refused."),

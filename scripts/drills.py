@@ -19,8 +19,9 @@ down, then every process on it killed), a partition of node 1 for 2 s and for 10
 down at each full second for 10 s: node 1's switch port, also with more heartbeat misses and with
 ``arp_evict_nocarrier=0`` on the hosts; the port blocked at the bridge, no carrier change; node 1's own
 NIC; a flapping row's outcome adds the longest heartbeat silence survived before any death), a hang (``MINDIO_HANG_TIMEOUT=5``), a fault during recovery (the
-replacement dies at start), node 0's loss without and with a backup controller on node 1
-(MINDIO_BACKUP_CONTROLLERS=1: the backup dumps from node 1's replicas; also under the 10 s partition), and with one
+replacement dies at start), node 0's loss with the default provisional backup controller on node 1
+(its dump is never made the latest) and with a full one (MINDIO_BACKUP_CONTROLLERS=1: the backup dumps
+from node 1's replicas as the latest; also under the 10 s partition), and with one
 (the default there) and a standby while the agents' store is an etcd server on a fourth host (``--rdzv-backend etcd``: the backup
 takes over and moves node 0's ranks to the standby; needs the ``etcd`` binary, Debian's etcd-server).
 """
@@ -73,7 +74,8 @@ FAULTS = [
     Row("loss flapping at the switch, no carrier loss (port blocked 100 ms every 1 s, 10 s)", "flap-block",
         seconds=10.0),
     Row("NIC flapping on node 1 (eth0 100 ms down every 1 s, 10 s)", "flap-nic", seconds=10.0),
-    Row("kill node 0 (controller + stores; no backup: the default on its TCPStore)", "kill-node0"),
+    Row("kill node 0 (controller + stores; provisional backup on node 1: the default on its TCPStore)",
+        "kill-node0"),
     Row("kill node 0, backup controller on node 1 (MINDIO_BACKUP_CONTROLLERS=1; no standby)", "kill-node0",
         standby=False, env={"MINDIO_BACKUP_CONTROLLERS": "1"}),
     Row("partition node 1 for 10 s, backup controller on node 1 (MINDIO_BACKUP_CONTROLLERS=1)", "partition",
@@ -314,8 +316,10 @@ class Drill:
             said = re.findall(r"mindio-run: (?:job failed|node 0 lost)[^\n]*",
                               (self.out / "node1.log").read_text(errors="replace"))
             tb = "mindio/launch/agent.py" in (self.out / "node1.log").read_text(errors="replace")  # agent traceback
-            saved = " (last-words checkpoint)" if code == 75 and (self.out / "ckpt" / "latest").exists() else ""
             dumped = next((e for e in events if e["kind"] == "backup_dumped"), None)
+            saved = (" (last-words checkpoint)" if code == 75 and (self.out / "ckpt" / "latest").exists() else
+                     " (provisional last-words checkpoint, not the latest)" if code == 75 and dumped
+                     and dumped.get("provisional") else "")
             if dumped and fault_t:
                 saved += f", saved {dumped['t'] - fault_t:.2f} s after the kill"
             outcome = (f"node 1 exit {code}{saved}" + (", with a traceback" if tb else "") +
@@ -332,6 +336,8 @@ class Drill:
                            ([int(i) for i in re.findall(rf"\[rank {r}\] iteration (\d+)", text)] for r in range(4))))
         elif (self.out / "ckpt" / "latest").exists():  # resuming from the dump redoes what came after it
             lost = str(max(0, reached - int((self.out / "ckpt" / "latest").read_text())))
+        elif any(e["kind"] == "backup_dumped" and e.get("provisional") for e in events):  # the same, from it
+            lost = str(max(0, reached - next(e["step"] for e in events if e["kind"] == "backup_dumped")))
         else:
             lost = "-" if code == 0 else "all"
         return {"fault": self.row.name, "outcome": outcome, "again": again, "lost": lost,

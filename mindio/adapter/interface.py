@@ -24,7 +24,8 @@ Call order of one in-process recovery (driven by mindio.ttp, on every surviving 
 7. the main thread re-enters ``train()``.
 
 Dump (last-words checkpoint): ``stop()`` (if TTP_STOP_CLEAN_BEFORE_DUMP) then ``save(step,
-save_info)`` on the chosen ranks, then ``rename(step)`` on one rank makes it the latest.
+save_info)`` on the chosen ranks, then ``rename(step)`` on one rank makes it the latest -- except a
+provisional dump (:attr:`FrameworkAdapter.supports_provisional_dump`).
 ``stream_sync()`` waits for queued device work; ``pause(step)`` is called by the training loop at
 the end of every iteration (``tft_pause_train``).
 """
@@ -117,6 +118,15 @@ class FrameworkAdapter(abc.ABC):
     def rename(self, step: int) -> None:
         """Make the dump checkpoint of ``step`` the latest one (one rank)."""
 
+    #: An adapter that can write a *provisional* dump -- ordered by a backup controller that cannot tell
+    #: node 0's loss from a partition (mindio/launch/backup.py) -- sets this True: its ``save`` and
+    #: ``rename`` then read :attr:`provisional` and, when it is set, write the dump complete under that
+    #: subdirectory of the job's checkpoint directory, never touching the job's own files or its latest.
+    #: Otherwise mindio runs ``save`` as always and skips ``rename`` for such a dump.
+    supports_provisional_dump = False
+    #: (set by mindio before ``save`` / ``rename``) "" or the subdirectory of a provisional dump
+    provisional = ""
+
     def stream_sync(self) -> None:
         """Wait for queued device work (nothing to do on CPU)."""
 
@@ -150,9 +160,19 @@ def register(adapter: FrameworkAdapter, step_args: Any = None) -> None:
         lambda step, need_rebuild, error_ranks, repair_info, args, ctx: adapter.repair(
             step, need_rebuild, error_ranks, repair_info), adapter)
     ttp.tft_register_rollback_handler(lambda step, args, ctx: adapter.rollback(step), adapter)
-    ttp.tft_register_save_ckpt_handler(
-        lambda step, save_info, args, ctx: adapter.save(step, save_info), adapter)
-    ttp.tft_register_rename_handler(lambda step, args, ctx: adapter.rename(step), adapter)
+    from mindio.ttp._runtime import state
+
+    def save(step, save_info, args, ctx):
+        adapter.provisional = getattr(state.processor, "dump_provisional", "")
+        adapter.save(step, save_info)
+
+    def rename(step, args, ctx):
+        adapter.provisional = getattr(state.processor, "dump_provisional", "")
+        adapter.rename(step)
+
+    rename.mindio_provisional = bool(adapter.supports_provisional_dump)  # processor._do_rename
+    ttp.tft_register_save_ckpt_handler(save, adapter)
+    ttp.tft_register_rename_handler(rename, adapter)
     ttp.tft_register_exit_handler(lambda ctx: adapter.exit(), adapter)
     ttp.tft_register_stream_sync_handler(adapter.stream_sync)
     from mindio.ttp import shutdown

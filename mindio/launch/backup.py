@@ -1,8 +1,9 @@
 """A backup controller in a node's agent: the controller survives the loss of node 0 (issue 16).
 
-With ``mindio-run --high-availability`` on two nodes or more: on by default with the agents on etcd,
-opt-in on node 0's TCPStore (``MINDIO_BACKUP_CONTROLLERS=N`` in the agents' environment: N backups, at
-most one per node but node 0; 0: none; :func:`count`). Node 0's hosted controller (ha.py) accepts N backups,
+With ``mindio-run --high-availability`` on two nodes or more: one backup by default
+(``MINDIO_BACKUP_CONTROLLERS=N`` in the agents' environment: N backups, at most one per node but node 0;
+0: none; :func:`count`) -- on node 0's TCPStore a *provisional* one unless that knob is set
+(:func:`provisional`: its last-words checkpoint is never made the latest). Node 0's hosted controller (ha.py) accepts N backups,
 and the agents of nodes 1..N each host one passive backup (``Controller(backup=True)``) for the round:
 it announces itself to the primary, which advertises it to every rank in its acks, so each rank's link
 knows where to fail over to (transport.Link).
@@ -50,7 +51,7 @@ from ..vocab import EXIT_CODE_DUMPED
 
 log = logging.getLogger(__name__)
 
-__all__ = ["count", "start", "orphaned", "NodeLost", "lead"]
+__all__ = ["count", "provisional", "PROVISIONAL_DIR", "start", "orphaned", "NodeLost", "lead"]
 
 
 class NodeLost(Exception):
@@ -75,22 +76,33 @@ def lead(agent) -> bool:
     return True
 
 
+PROVISIONAL_DIR = "mindio-provisional"  # where a provisional dump goes, under the job's checkpoint directory
+
+
 def count(cfg) -> int:
     """How many backup controllers this job keeps (0: none), under high availability on 2+ nodes, at most
-    one per node other than node 0: MINDIO_BACKUP_CONTROLLERS when set; else one with the agents on etcd
-    (its leader key settles which side of a partition acts) and none on node 0's TCPStore, where a node
-    cut off from node 0 cannot tell that from node 0's loss: its backup would dump beside a job that
-    went on, even after that job ended (the drill "partition node 1 for 10 s": node 0 recovered onto
-    the standby and finished, then node 1's backup wrote a step-12 checkpoint as the latest)."""
-    from . import stores
-
+    one per node other than node 0: MINDIO_BACKUP_CONTROLLERS when set; else one (on node 0's TCPStore a
+    provisional one: :func:`provisional`)."""
     if not cfg.high_availability or cfg.nnodes < 2:
         return 0
-    if os.environ.get("MINDIO_BACKUP_CONTROLLERS", ""):
-        wanted = _knobs.get("MINDIO_BACKUP_CONTROLLERS")
-    else:
-        wanted = 1 if stores.on_etcd(cfg) else 0
+    wanted = _knobs.get("MINDIO_BACKUP_CONTROLLERS") if os.environ.get("MINDIO_BACKUP_CONTROLLERS", "") else 1
     return min(int(wanted), cfg.nnodes - 1)
+
+
+def provisional(cfg) -> bool:
+    """Whether this job's backup dumps provisionally: on node 0's TCPStore unless MINDIO_BACKUP_CONTROLLERS
+    is set. There a node cut off from node 0 cannot tell that from node 0's loss (no quorum with two nodes,
+    no leader key): a backup dumping as a controller does would write beside a job that went on, even after
+    that job ended, and make its step the latest (the drill "partition node 1 for 10 s", 2026-11-26: node 0
+    recovered onto the standby and finished, then node 1's backup wrote a step-12 checkpoint as the
+    latest). A provisional dump writes the surviving replicas' state all the same, but never as the latest
+    and never over the job's files: under :data:`PROVISIONAL_DIR` for an adapter that supports it
+    (mindio.megatron: a complete checkpoint to ``--load``), else by the save handlers only (the rename
+    handler is not run). MINDIO_BACKUP_CONTROLLERS=N asks for full backups (their dump is the latest);
+    on etcd the leader key settles which side acts, so its backups are full by default."""
+    from . import stores
+
+    return not stores.on_etcd(cfg) and not os.environ.get("MINDIO_BACKUP_CONTROLLERS", "")
 
 
 def bind_addr(cfg) -> str:
@@ -186,7 +198,9 @@ def orphaned(agent, ctl, error: str) -> int:
         return 1
     node0 = list(range(cfg.nproc_per_node))
     bound = cfg.decision_timeout
-    _logging.event("controller_node_lost", node=cfg.node_rank, error=error)
+    if provisional(cfg):
+        ctl.provisional_dump = PROVISIONAL_DIR
+    _logging.event("controller_node_lost", node=cfg.node_rank, error=error, provisional=bool(ctl.provisional_dump))
     log.info("%s: node 0 (controller and stores) is lost; the backup "
               "controller on node %d takes over once ranks %d..%d failed over to it", error, cfg.node_rank,
               len(node0), cfg.world_size - 1)
@@ -235,14 +249,29 @@ def orphaned(agent, ctl, error: str) -> int:
     took = time.monotonic() - t0
     where = f"mindio-run: node 0 lost ({error[:160]})"
     if ctl.final.is_set() and ctl.exit_code == EXIT_CODE_DUMPED and all(c == EXIT_CODE_DUMPED for c in codes.values()):
-        # on node 0's TCPStore a node cut off from node 0 cannot tell it from node 0's loss (no quorum
-        # with two nodes): say so, lest a second copy of a job that went on be started
+        step = d.get("lock_step")
+        if ctl.provisional_dump:
+            print(f"{where}; the backup controller on node {cfg.node_rank} saved a provisional last-words "
+                  f"checkpoint at step {step} from the surviving replicas ({took:.1f} s), not made the latest: on "
+                  f"node 0's TCPStore this node cannot tell node 0's loss from being cut off from it (if node 0's "
+                  f"agent still runs, the job went on there). "
+                  + (f"It is the checkpoint directory {PROVISIONAL_DIR}/ inside the job's own (mindio.megatron: "
+                     f"--load that directory to resume from it)" if ctl.provisional_renamed else
+                     "The save handlers wrote it where they write; the rename handler, which would make it the "
+                     "latest, was not run (run its step by hand to resume from it)")
+                  + "; MINDIO_BACKUP_CONTROLLERS=1 or --rdzv-backend etcd make such a checkpoint the latest",
+                  file=sys.stderr, flush=True)
+            _logging.event("backup_dumped", node=cfg.node_rank, step=step, took_s=round(took, 3), provisional=True,
+                           where=PROVISIONAL_DIR if ctl.provisional_renamed else "save handlers")
+            return EXIT_CODE_DUMPED
+        # on node 0's TCPStore (backups asked for) a node cut off from node 0 cannot tell it from node 0's
+        # loss (no quorum with two nodes): say so, lest a second copy of a job that went on be started
         maybe = "" if stores.on_etcd(cfg) else (" (unless node 0 is only cut off from this node: if its agent "
                                                 "still runs, the job went on there without this node)")
         print(f"{where}; the backup controller on node {cfg.node_rank} saved a last-words checkpoint at step "
-              f"{d.get('lock_step')} from the surviving replicas ({took:.1f} s): relaunch the job to resume from it"
+              f"{step} from the surviving replicas ({took:.1f} s): relaunch the job to resume from it"
               f"{maybe}", file=sys.stderr, flush=True)
-        _logging.event("backup_dumped", node=cfg.node_rank, step=d.get("lock_step"), took_s=round(took, 3))
+        _logging.event("backup_dumped", node=cfg.node_rank, step=step, took_s=round(took, 3))
         return EXIT_CODE_DUMPED
     if ctl.final.is_set():
         missing = d.get("missing_shards") or []

@@ -461,15 +461,23 @@ class MegatronAdapter(FrameworkAdapter):
         ctx.params_pending, ctx._kept = None, None
         ctx.stop_requested.clear()
 
+    supports_provisional_dump = True  # FrameworkAdapter: a provisional dump is written under its own root
+
+    def _dump_root(self) -> Path:
+        """The dump's checkpoint directory: --save, or for a provisional dump its subdirectory of --save
+        (a complete Megatron checkpoint with its own tracker file: ``--load`` that directory)."""
+        root = Path(self.ctx.args.save)
+        return root / self.provisional if self.provisional else root
+
     def save(self, step: int, save_info: Any) -> None:
         if not self.ctx.args.save:
             raise ConfigError("the last-words checkpoint has no directory: this job runs without --save; "
                               "relaunch with --save DIR to be able to dump")
         self.ctx._spares = []  # a dump ends the process: no rebuild will take them
-        checkpoint.save_dump(self.ctx, step, save_info)
+        checkpoint.save_dump(self.ctx, step, save_info, root=self._dump_root())
 
     def rename(self, step: int) -> None:
-        checkpoint.finish_dump(Path(self.ctx.args.save), step, checkpoint._rank(self.ctx))
+        checkpoint.finish_dump(self._dump_root(), step, checkpoint._rank(self.ctx))
 
     def stream_sync(self) -> None:
         if torch.cuda.is_available() and not _cpu_patched():

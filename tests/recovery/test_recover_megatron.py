@@ -11,6 +11,7 @@ without the fault: parameters and optimizer state bitwise equal, no step lost.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -131,3 +132,29 @@ def test_dump_after_a_failed_recover_in_place_comes_from_the_replica_not_the_rep
     pieces = sorted(p.name for p in (ckpt / "iter_0000006").glob("__*.mindio.json"))
     assert pieces == ["__1.mindio.json", "__2.mindio.json"], pieces
     assert_relaunch_reproduces(ckpt, 6, BASE, ref, tmp_path, ITERS)
+
+
+@pytest.mark.timeout(600)
+def test_node0_lost_on_its_tcpstore_leaves_a_provisional_checkpoint_that_resumes_bitwise(tmp_path, fault_free_run):
+    """Node 0 (controller, both stores, ranks 0 and 1) SIGKILLed at step 7, no standby, no
+    MINDIO_BACKUP_CONTROLLERS: node 1's agent hosts a provisional backup controller (launch/backup.py: on node
+    0's TCPStore it cannot tell node 0's loss from being cut off). It takes over and ranks 2, 3 -- DP=4 R=2:
+    a copy of every shard -- dump step 6 through the Megatron adapter under <save>/mindio-provisional, a
+    complete checkpoint with its own tracker file, never the job's latest; node 1's line says so. A --load
+    of that directory ends bitwise equal to the fault-free run."""
+    ref = _reference(fault_free_run, [])
+    ckpt = tmp_path / "ckpt"
+    args = [a for a in BASE if a != "--no-dump"] + ["--save", ckpt, "--inject", "kill-node:node=0,step=7"]
+    res, evs = run_nodes(tmp_path / "run", FaultPlan(), "recover-in-place,recover,dump", timeout=400,
+                         tail=[str(PRETRAIN), *map(str, args)], standby=False, killed={"node0": "SIGKILL"},
+                         env={"MINDIO_DRILL_DIR": str(tmp_path), "MINDIO_ACP_IDLE_EXIT": "20"})
+    code1, out1 = res["node1"]
+    assert code1 == 75, out1[-6000:]
+    said = re.findall(r"^mindio-run: node 0 lost.*$", out1, re.M)
+    assert len(said) == 1 and "saved a provisional last-words checkpoint at step 6" in said[0], out1[-6000:]
+    assert "the checkpoint directory mindio-provisional/ inside the job's own" in said[0], said[0]
+    assert [e["provisional"] for e in evs if e["kind"] == "backup_dumped"] == [True], out1[-4000:]
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists() and not list(ckpt.glob("iter_*"))
+    provisional = ckpt / "mindio-provisional"
+    assert (provisional / "latest_checkpointed_iteration.txt").read_text() == "6"
+    assert_relaunch_reproduces(provisional, 6, BASE, ref, tmp_path, ITERS)

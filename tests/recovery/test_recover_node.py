@@ -33,8 +33,8 @@ NODE1_LOST = FaultPlan.of(("kill-node", 2, 7))  # rank 2 SIGKILLs its agent (nod
 
 
 def run_nodes(out, plan: FaultPlan, strategies: str, timeout: float = 170, tail=None, env=None, during=None,
-              step_sleep: float = 0.1, sleep_from: int = 0, flags=(), killed=None):
-    """Agents for node 0, node 1 and a standby running ``tail`` (default: the toy with the faults of
+              step_sleep: float = 0.1, sleep_from: int = 0, flags=(), killed=None, standby: bool = True):
+    """Agents for node 0, node 1 and (``standby``) a standby running ``tail`` (default: the toy with the faults of
     ``plan``; a script of its own names its faults with ``--inject``), with more mindio-run ``flags``
     (e.g. the etcd store); ``killed``: {agent: signal name} the faults kill (default: node 1's, when
     a kill-node fault is planned);
@@ -49,8 +49,9 @@ def run_nodes(out, plan: FaultPlan, strategies: str, timeout: float = 170, tail=
     tail = tail or [str(TOY), "--out", str(out), "--steps", str(STEPS), "--step-sleep", str(step_sleep),
                     "--step-sleep-from", str(sleep_from), *plan.argv()]
     procs = {}
-    for name, own in (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
-                      ("standby", ["--standby", "--warm-spares", "2"])):
+    agents = (("node0", ["--node-rank", "0"]), ("node1", ["--node-rank", "1"]),
+              ("standby", ["--standby", "--warm-spares", "2"]))
+    for name, own in agents if standby else agents[:2]:
         procs[name] = subprocess.Popen(common + own + tail, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
         time.sleep(0.3)

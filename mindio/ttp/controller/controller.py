@@ -93,6 +93,10 @@ class Controller:
         self.sm = StateMachine()
         self.backup, self.active = backup, not backup
         self.takeover_quorum: int | None = None  # a backup: registered ranks it takes over with (None: > half)
+        # a backup that cannot rule out a partition (launch/backup.py): its dumps go to this subdirectory of
+        # the job's checkpoint directory and are not made the latest (dump.save); "": a dump as always
+        self.provisional_dump = ""
+        self.provisional_renamed = False  # whether the rename handler completed the provisional dump there
         self.backups: list[str] = []
         self.ranks = RankTable()  # {rank: RankRecord} (ranks.py)
         self.drops = P.DropCounter()

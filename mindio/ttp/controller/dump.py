@@ -2,7 +2,8 @@
 
 ``save(step, save_info)`` on one usable rank per optimizer shard (policy.select_dump_ranks), then
 ``rename(step)`` on one of them -- only after every save succeeded, so the checkpoint becomes "latest"
-only when complete -- then ``exit(75)`` to every live rank (``exit(76)`` when the dump failed). A chosen
+only when complete (a *provisional* dump, ordered by a backup controller that cannot rule out a
+partition, ``Controller.provisional_dump``, never does: the processor's rename) -- then ``exit(75)`` to every live rank (``exit(76)`` when the dump failed). A chosen
 rank that cannot write (its save answers an error: no trained state to write -- a replacement process or
 a UCE rank (mindio.megatron.checkpoint.save_dump refuses) --, a failing disk; or it died meanwhile) is
 replaced by the next usable holder of its shards, a replica, and the save runs again by the new set of
@@ -39,7 +40,10 @@ def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
     while True:
         _log.warning("dump at step %d by %d ranks %s%s", lock, len(plan.ranks), list(plan.ranks[:16]),
                      " ..." if len(plan.ranks) > 16 else "")
-        saved = ctl._call("save", {"step": lock, "save_info": plan.save_info}, plan.ranks, ctl.action_limit)
+        params = {"step": lock, "save_info": plan.save_info}
+        if ctl.provisional_dump:  # a backup that cannot rule out a partition (mindio/launch/backup.py)
+            params["provisional"] = ctl.provisional_dump
+        saved = ctl._call("save", params, plan.ranks, ctl.action_limit)
         with ctl._lock:
             dead = set(ctl.ranks.dead())
         bad = {r: (_why(saved[r].detail) if r in saved else "died" if r in dead else "no reply in time")
@@ -63,8 +67,12 @@ def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
         _log.warning("dump at step %d: ranks %s could not write their shards; their replicas write instead "
                      "(new writers %s)", lock, sorted(bad)[:16], list(plan.ranks[:16]))
         _logging.event("dump_replanned", step=lock, unable=sorted(unable)[:64], ranks=list(plan.ranks[:64]))
-    renamed = ctl._call("rename", {"step": lock}, [plan.ranks[0]], ctl.action_limit)
-    return plan.ranks[0] in renamed and renamed[plan.ranks[0]].ok
+    params = {"step": lock, "provisional": ctl.provisional_dump} if ctl.provisional_dump else {"step": lock}
+    renamed = ctl._call("rename", params, [plan.ranks[0]], ctl.action_limit)
+    ok = plan.ranks[0] in renamed and renamed[plan.ranks[0]].ok
+    if ok and ctl.provisional_dump:
+        ctl.provisional_renamed = bool(renamed[plan.ranks[0]].detail.get("renamed"))
+    return ok
 
 
 def _why(detail) -> str:

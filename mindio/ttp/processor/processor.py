@@ -19,7 +19,8 @@ Actions (ACTION name -> what this rank does; every reply is cached by sn, a repe
              fenced rank tears its groups down; wait for a running one; a rank held before an update
              every other holder of its shards made finishes it.
 * ``save``   run the save-ckpt callback ``func(step, save_info, args, ctx)``.
-* ``rename`` run the rename callback ``func(step, args, ctx)``.
+* ``rename`` run the rename callback ``func(step, args, ctx)``; for a provisional dump only one that
+             can complete it elsewhere (:meth:`Processor._do_rename`).
 * ``exit``   hand EXIT(code) to the main thread (a fenced main thread gets ``RuntimeError("FORCE STOP")``).
 * ``kill``   SIGKILL this process: the controller found it hung; a hang becomes a process death.
 * ``clean``, ``rebuild``, ``repair``, ``rollback``, ``retry``: the retry strategy (inplace.py).
@@ -85,6 +86,9 @@ class Processor:
         self.update_window: list = [None, None]
         self.repair_step = 0
         self.repair_type = "unknown"
+        # a dump the controller orders as provisional (a backup that cannot rule out a partition,
+        # mindio/launch/backup.py): the subdirectory, of the job's checkpoint directory, it goes to; "" else
+        self.dump_provisional = ""
         self._cond = threading.Condition()
         self._hold = False
         self._allow: int | None = None  # while held: an update up to this step may still start (advance)
@@ -429,16 +433,27 @@ class Processor:
             reply["missing"] = missing
         return reply
 
-    def _do_save(self, step: int, save_info: list) -> dict:
+    def _do_save(self, step: int, save_info: list, provisional: str = "") -> dict:
         self.repair_type, self.repair_step = "dump", step
+        self.dump_provisional = provisional
         func, ctx = self._callback("save_ckpt")
         func(step, save_info, self.step_args, ctx)
         return {}
 
-    def _do_rename(self, step: int) -> dict:
+    def _do_rename(self, step: int, provisional: str = "") -> dict:
+        """Make the dump of ``step`` the latest. A provisional dump (``provisional``: the subdirectory
+        it goes to) is not: a rename handler that can put it there (marked ``mindio_provisional``, as
+        :func:`mindio.adapter.register` marks the Megatron adapter's) completes it there; any other is not
+        run -- what the save handlers wrote stays as they left it, and the job's latest checkpoint too."""
+        self.dump_provisional = provisional
         func, ctx = self._callback("rename")
+        if provisional and not getattr(func, "mindio_provisional", False):
+            _log.warning("dump of step %d is provisional (a backup controller that cannot tell node 0's loss from a "
+                         "partition): the rename handler is not run, so it is not made the latest checkpoint",
+                         step)
+            return {"renamed": False}
         func(step, self.step_args, ctx)
-        return {}
+        return {"renamed": True}
 
     def _do_exit(self, code: int) -> dict:
         """Hand EXIT(code) to the main thread: parked, it takes it at once; at its fence, it leaves with

@@ -37,6 +37,7 @@ class _SM:
 class Ctl:
     """The controller state an upgrade reads, with ``_call`` answering from a script of stop replies."""
     action_limit, misses, interval, world_size = 30.0, 3, 1.0, 4
+    provisional_dump = ""  # Controller's: a dump as always (launch/backup.py sets it on provisional backups)
 
     def __init__(self, stops, failing=()):
         self.stops, self.calls, self.exits, self.failing = list(stops), [], [], set(failing)

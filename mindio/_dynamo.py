@@ -35,17 +35,15 @@ def wanted(path: str | None) -> bool:
         return False
 
 
-def import_early(path: str | None) -> bool:
+def import_early(path: str | None) -> None:
     """Import torch._dynamo now if the script at ``path`` wants it (:func:`wanted`), torch is imported and
-    no process group exists yet (too late otherwise: the exit says so). Whether it is imported now."""
+    no process group exists yet (too late otherwise: the exit says so)."""
     if "torch" not in sys.modules or "torch._dynamo" in sys.modules or not wanted(path):
-        return "torch._dynamo" in sys.modules
+        return
     try:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return False
-        import torch._dynamo  # noqa: F401
+        if not (dist.is_available() and dist.is_initialized()):
+            import torch._dynamo  # noqa: F401
     except Exception:  # a torch without it, or a broken install: the script meets the same error itself
-        return False
-    return True
+        pass

@@ -228,8 +228,8 @@ def main():
         except ValueError as exc:
             p.error(str(exc))
 
-    # torch._dynamo is imported above, before the default group exists: DDP's constructor and Adam's first
-    # step import it, and imported after init_process_group it keeps that group alive past
+    # torch._dynamo is imported above, before the default group exists: DDP's and Adam's constructors import
+    # it, and imported after init_process_group it keeps that group alive past
     # destroy_process_group (torch 2.13, measured: its 2 gloo worker threads still run at exit), which leaves
     # the interpreter's shutdown open to pytorch/pytorch#190489 (SIGABRT, "terminate called without an
     # active exception")

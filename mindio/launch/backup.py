@@ -3,8 +3,8 @@
 With ``mindio-run --high-availability`` on two nodes or more: one backup by default
 (``MINDIO_BACKUP_CONTROLLERS=N`` in the agents' environment: N backups, at most one per node but node 0;
 0: none; :func:`count`) -- on node 0's TCPStore a *provisional* one unless that knob is set
-(:func:`provisional`: its last-words checkpoint is never made the latest). Node 0's hosted controller (ha.py) accepts N backups,
-and the agents of nodes 1..N each host one passive backup (``Controller(backup=True)``) for the round:
+(:func:`provisional`: its last-words checkpoint is never made the latest). Node 0's hosted controller
+(ha.py) accepts N backups, and the agents of nodes 1..N each host one passive backup (``Controller(backup=True)``) for the round:
 it announces itself to the primary, which advertises it to every rank in its acks, so each rank's link
 knows where to fail over to (transport.Link).
 
@@ -79,13 +79,18 @@ def lead(agent) -> bool:
 PROVISIONAL_DIR = "mindio-provisional"  # where a provisional dump goes, under the job's checkpoint directory
 
 
+def _asked() -> bool:
+    """Whether the agents' environment sets MINDIO_BACKUP_CONTROLLERS (else the defaults below)."""
+    return bool(os.environ.get("MINDIO_BACKUP_CONTROLLERS", ""))
+
+
 def count(cfg) -> int:
     """How many backup controllers this job keeps (0: none), under high availability on 2+ nodes, at most
     one per node other than node 0: MINDIO_BACKUP_CONTROLLERS when set; else one (on node 0's TCPStore a
     provisional one: :func:`provisional`)."""
     if not cfg.high_availability or cfg.nnodes < 2:
         return 0
-    wanted = _knobs.get("MINDIO_BACKUP_CONTROLLERS") if os.environ.get("MINDIO_BACKUP_CONTROLLERS", "") else 1
+    wanted = _knobs.get("MINDIO_BACKUP_CONTROLLERS") if _asked() else 1
     return min(int(wanted), cfg.nnodes - 1)
 
 
@@ -102,7 +107,7 @@ def provisional(cfg) -> bool:
     on etcd the leader key settles which side acts, so its backups are full by default."""
     from . import stores
 
-    return not stores.on_etcd(cfg) and not os.environ.get("MINDIO_BACKUP_CONTROLLERS", "")
+    return not stores.on_etcd(cfg) and not _asked()
 
 
 def bind_addr(cfg) -> str:

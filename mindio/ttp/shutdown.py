@@ -24,9 +24,9 @@ exit, which ends the process before) and before the interpreter shuts down:
    (``device.release``; each destructor joins its group's threads), awaited within MINDIO_EXIT_TIMEOUT s;
 3. leftovers are reported: gloo worker threads still running belong to groups the training script still
    references (a global, a model wrapper), or to a default group that torch keeps because torch._dynamo
-   was first imported after ``init_process_group`` (torch 2.13; DistributedDataParallel's constructor and
-   a torch optimizer's first step import it: examples/pytorch/train_ddp.py imports it first); the log
-   says how many and what to do.
+   was first imported after ``init_process_group`` (torch 2.13; DistributedDataParallel's and a torch
+   optimizer's constructors import it: :func:`import_dynamo_early`, mindio/_dynamo.py); the log says how
+   many and what to do.
 
 The same steps suit NCCL and HCCL: ``destroy_process_group`` shuts their communicators down (torch asks
 every application to call it before exit). A process ended by ``os._exit`` (the decorator's fast exit
@@ -140,7 +140,7 @@ def _release_groups(deadline: float) -> None:
     if left:
         _log.warning("exit: %d gloo worker thread(s) still run: the training script still references process "
                      "groups (a global, a model or optimizer wrapper), or torch._dynamo was first imported after "
-                     "init_process_group (DistributedDataParallel's constructor and a torch optimizer's first step "
+                     "init_process_group (DistributedDataParallel's and a torch optimizer's constructors "
                      "import it; torch 2.13 then keeps the default group alive: import torch._dynamo before "
                      "init_process_group). Drop those references before the process ends (megatron: "
                      "parallel_state.destroy_model_parallel()), or its interpreter shutdown can abort with "

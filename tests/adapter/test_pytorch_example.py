@@ -59,7 +59,7 @@ def test_high_availability_on_same_digest(plain):
                    timeout=200)
     assert digests(out)[-1] == digests(plain)[-1]
     # mindio's exit teardown ended every rank's gloo threads: the example imports torch._dynamo before
-    # init_process_group. Imported later -- as DDP's constructor and Adam's first step do -- torch 2.13
+    # init_process_group. Imported later -- as DDP's and Adam's constructors do -- torch 2.13
     # keeps the default group alive into the interpreter shutdown, pytorch/pytorch#190489's SIGABRT window
     assert "gloo worker thread(s) still run" not in out, out[-3000:]
 

@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
 
 __all__ = ["REPO", "PRETRAIN", "free_port", "torchrun", "reference_run", "losses", "assert_steps_logged_once",
-           "grad_norms", "digests", "have_megatron", "assert_relaunch_reproduces", "SLOW_MEGATRON", "LAYOUTS", "LAYOUT_ITERS", "layout_args",
-           "layout_reference", "ha_reference"]
+           "grad_norms", "digests", "have_megatron", "assert_relaunch_reproduces", "SLOW_MEGATRON", "LAYOUTS",
+           "LAYOUT_ITERS", "layout_args", "layout_reference", "ha_reference"]
 
 
 def _kill_tree(proc) -> None:
@@ -96,13 +96,15 @@ def reference_run(script, args, nproc: int = 4, timeout: float = 400, env=None) 
     return torchrun(script, args, nproc=nproc, timeout=timeout, env=env, launcher=REFERENCE_LAUNCHER)
 
 
+LOSS_LINE = r"iteration\s+(\d+)/\d+ \| lm loss"  # rank 0's line of an iteration (the example's train())
+
+
 def losses(out: str) -> dict:
-    return {int(m.group(1)): float(m.group(2))
-            for m in re.finditer(r"iteration\s+(\d+)/\d+ \| lm loss ([0-9.eE+-]+)", out)}
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(LOSS_LINE + r" ([0-9.eE+-]+)", out)}
 
 
 def assert_steps_logged_once(out: str, iters: int, node_lost_at: int | None = None,
-                             line: str = r"iteration\s+(\d+)/\d+ \| lm loss") -> None:
+                             line: str = LOSS_LINE) -> None:
     """Rank 0 printed ``line`` (its group: the iteration) once for every iteration 1..``iters``: none
     repeated, none lost. One exception, for a node loss (``kill-node``) whose lock step is
     ``node_lost_at``: the firing rank kills its node's agent, and the node's other ranks die wherever

@@ -3,8 +3,8 @@
 ``save(step, save_info)`` on one usable rank per optimizer shard (policy.select_dump_ranks), then
 ``rename(step)`` on one of them -- only after every save succeeded, so the checkpoint becomes "latest"
 only when complete (a *provisional* dump, ordered by a backup controller that cannot rule out a
-partition, ``Controller.provisional_dump``, never does: the processor's rename) -- then ``exit(75)`` to every live rank (``exit(76)`` when the dump failed). A chosen
-rank that cannot write (its save answers an error: no trained state to write -- a replacement process or
+partition, ``Controller.provisional_dump``, never does: the processor's rename) -- then ``exit(75)`` to
+every live rank (``exit(76)`` when the dump failed). A chosen rank that cannot write (its save answers an error: no trained state to write -- a replacement process or
 a UCE rank (mindio.megatron.checkpoint.save_dump refuses) --, a failing disk; or it died meanwhile) is
 replaced by the next usable holder of its shards, a replica, and the save runs again by the new set of
 writers; only when some shard has no holder left that can write does the dump fail, with a line naming

@@ -220,6 +220,15 @@ _ALL = [
          "node), torch built for the CPU only (a CUDA/ROCm/XPU build "
          "or torch_npu: every worker is exec'd), and the server runs one thread and no CUDA after its imports; "
          "off: every worker is an exec'd warm spare (mindio/launch/forkserver.py).", choices=("auto", "off")),
+    Knob("MINDIO_FORK_SERVER_HOST", str, "",
+         "mindio-run: path of a fork-server host's socket (python -m mindio.launch._zygote_host PATH, in a private "
+         "directory): the agent's fork server is forked by that host, whose imports are done, instead of started "
+         "(~3 CPU-s less per launch; for a suite or CI job that launches many jobs in a row). Refused, and the agent "
+         "starts its own, when the host differs in user, interpreter, namespaces or import-time environment "
+         "(mindio/launch/_zygote_host.py)."),
+    Knob("PYTHONPATH", str, "",
+         "Python's module path (Python's, not mindio's); read by a fork-server host (MINDIO_FORK_SERVER_HOST) to build an "
+         "agent's sys.path: it forks for the agent only where that finds every module it imported in the same place."),
     Knob("MINDIO_FORK_SERVER_TIMEOUT", float, 300.0,
          "mindio-run: seconds an agent waits for its fork server to finish its imports, then for each fork.",
          min=1, max=3600),

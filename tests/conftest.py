@@ -14,9 +14,57 @@ os.environ.setdefault("MINDIO_ACP_IDLE_EXIT", "30")
 os.environ.setdefault("TTP_LOG_PATH", _SESSION_LOG_DIR)
 
 
+# One fork-server host per test process (mindio/launch/_zygote_host.py, MINDIO_FORK_SERVER_HOST): the
+# suite launches ~250 mindio-run agents, each of which would start a fork server that imports torch,
+# torch._dynamo and megatron-core again (~2.9 CPU-s each); the host forks them warm. A launch whose
+# environment differs from the host's in what imports read (PYTHONPATH, TORCH_*, ...), or that runs in
+# another network namespace, is refused and starts its own, as without the host. MINDIO_TEST_FORK_SERVER_HOST=0:
+# no host (every agent starts its own fork server, as a user's job does).
+_HOST = None
+
+
+def _start_fork_server_host() -> None:
+    global _HOST
+    import subprocess
+    import sys
+
+    if os.environ.get("MINDIO_TEST_FORK_SERVER_HOST", "1") == "0" or os.environ.get("MINDIO_FORK_SERVER_HOST"):
+        return
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    d = tempfile.mkdtemp(prefix="mindio-test-host-", dir="/tmp")  # 0700
+    path = os.path.join(d, "host.sock")
+    log_dir = os.environ.get("MINDIO_TEST_HOST_LOG_DIR", _SESSION_LOG_DIR)  # its lines: each fork, each refusal
+    log = open(os.path.join(log_dir, f"fork-server-host-{os.getpid()}.log"), "ab")
+    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
+    _HOST = subprocess.Popen([sys.executable, "-u", "-m", "mindio.launch._zygote_host", path], env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=repo)
+    log.close()
+    import select
+
+    ready = select.select([_HOST.stdout], [], [], 120)[0] and _HOST.stdout.readline().strip() == b"ready"
+    if not ready:  # the suite runs without it (each agent starts its own fork server)
+        _HOST.kill()
+        _HOST.wait()
+        _HOST = None
+        return
+    os.environ["MINDIO_FORK_SERVER_HOST"] = path
+    os.environ["_MINDIO_TEST_HOST_DIR"] = d
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the xdist controller runs no test
+    _start_fork_server_host()
+
+
 def pytest_sessionfinish(session, exitstatus):
     from tests.acp.conftest import stop_daemon
 
+    if _HOST is not None:
+        _HOST.kill()  # its branches and idle fork servers die with it (PR_SET_PDEATHSIG)
+        _HOST.wait()
+        shutil.rmtree(os.environ.pop("_MINDIO_TEST_HOST_DIR", ""), ignore_errors=True)
+        os.environ.pop("MINDIO_FORK_SERVER_HOST", None)
     stop_daemon(_SESSION_ACP_DIR)
     shutil.rmtree(_SESSION_ACP_DIR, ignore_errors=True)
     shutil.rmtree(_SESSION_LOG_DIR, ignore_errors=True)

@@ -116,6 +116,26 @@ def preloadable(names, extra=()) -> list[str]:
     return [n for n in names if any(n == s or n.startswith(s + ".") for s in safe)]
 
 
+def preload_plan(target: str, is_module: bool, env=None) -> tuple[bool, list[str]]:
+    """What :func:`_preload` imports for ``target`` beyond torch and torch.distributed: whether torch._dynamo
+    comes first (mindio/_dynamo.py), and the modules, in order (megatron-core's first when one of them is
+    of megatron). Reads the script, never runs it; ``env``: the environment whose ``MINDIO_PRELOAD`` counts."""
+    from .. import _dynamo
+
+    env = os.environ if env is None else env
+    extra = tuple(filter(None, (s.strip() for s in env.get("MINDIO_PRELOAD", "").split(","))))
+    names = [] if is_module else top_level_imports(target)
+    wanted = preloadable(names, extra) + [n for n in extra if n not in names]
+    # then the submodules a ``from X import Y`` names (a Y that is no module fails to import: skipped below)
+    wanted += [n for n in preloadable([] if is_module else submodule_imports(target), extra) if n not in wanted]
+    wanted += [] if is_module else first_call_imports(target)
+    return (not is_module and _dynamo.wanted(target)), wanted
+
+
+def wants_megatron(wanted: list[str]) -> bool:
+    return any(n == "megatron" or n.startswith("megatron.") for n in wanted)
+
+
 def _preload(target: str, is_module: bool) -> list[str]:
     import torch  # noqa: F401  (the dominant start-up cost)
     import torch.distributed  # noqa: F401
@@ -125,14 +145,9 @@ def _preload(target: str, is_module: bool) -> list[str]:
 
         _dynamo.import_early(target)
 
-    extra = tuple(filter(None, (s.strip() for s in os.environ.get("MINDIO_PRELOAD", "").split(","))))
-    names = [] if is_module else top_level_imports(target)
     done = []
-    wanted = preloadable(names, extra) + [n for n in extra if n not in names]
-    # then the submodules a ``from X import Y`` names (a Y that is no module fails to import: skipped below)
-    wanted += [n for n in preloadable([] if is_module else submodule_imports(target), extra) if n not in wanted]
-    wanted += [] if is_module else first_call_imports(target)
-    if any(n == "megatron" or n.startswith("megatron.") for n in wanted):
+    _, wanted = preload_plan(target, is_module)
+    if wants_megatron(wanted):
         try:  # first, with its torch.compile decorations deferred to their first call (mindio/_lazy_compile.py)
             from mindio._lazy_compile import import_megatron_core
 

@@ -33,7 +33,7 @@ from .. import _knobs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ForkServer", "ForkedWorker", "unusable"]
+__all__ = ["ForkServer", "ForkedWorker", "HostedServer", "unusable"]
 
 
 def unusable(env: dict) -> str:
@@ -105,7 +105,9 @@ class ForkServer:
     def __init__(self, target: list, env: dict):
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.args = [sys.executable, "-u", "-m", "mindio.launch._zygote", str(theirs.fileno()), *target]
-        self.proc = subprocess.Popen(self.args, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        self.proc = _hosted(target, env, theirs)  # MINDIO_FORK_SERVER_HOST
+        if self.proc is None:
+            self.proc = subprocess.Popen(self.args, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self.timeout = _knobs.get("MINDIO_FORK_SERVER_TIMEOUT", env)
         self.fork: bool | None = None  # None: still importing
@@ -200,3 +202,90 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class HostedServer:
+    """A fork server forked for this agent by a fork-server host (mindio/launch/_zygote_host.py): the part of
+    ``subprocess.Popen`` ForkServer uses. Signals go through its pidfd; its exit code comes from the host;
+    closing the connection (:meth:`wait` done, or this agent's death) makes the host SIGKILL it if it runs."""
+
+    def __init__(self, conn: socket.socket, pid: int, pidfd: int):
+        self._conn = conn
+        self.pid = pid
+        self._pidfd = pidfd
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # poll (the reader thread) and wait (close) may race
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._read()
+        return self.returncode
+
+    def _read(self) -> None:
+        with self._lock:
+            if self.returncode is None:
+                self._read_exit()
+
+    def _read_exit(self) -> None:
+        try:
+            msg = json.loads(self._conn.recv(4096) or b"{}")
+        except (OSError, ValueError):
+            msg = {}
+        # no message: the host is gone, and its fork servers with it (PR_SET_PDEATHSIG)
+        self.returncode = msg.get("code", -signal.SIGKILL)
+        self._conn.close()
+        os.close(self._pidfd)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(["fork server", str(self.pid)], timeout)
+            self._read()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    signal.pidfd_send_signal(self._pidfd, sig)
+                except ProcessLookupError:
+                    pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _hosted(target: list, env: dict, theirs: socket.socket) -> HostedServer | None:
+    """The fork server for ``target``, forked by the host at MINDIO_FORK_SERVER_HOST; None (the agent starts
+    its own) when none is set, or it cannot be used or refuses (the log says why)."""
+    path = _knobs.get("MINDIO_FORK_SERVER_HOST", env)
+    if not path:
+        return None
+    from . import _zygote_host as host
+
+    why = host.private_socket(path)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        if why:
+            raise OSError(why)
+        conn.settimeout(_knobs.get("MINDIO_FORK_SERVER_TIMEOUT", env))
+        conn.connect(path)
+        if host._peer_uid(conn) != os.geteuid():
+            raise OSError("its listener is another user's")
+        socket.send_fds(conn, [json.dumps(host.request(target, env)).encode()], [theirs.fileno(), 1, 2])
+        msg, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+        answer = json.loads(msg or b"{}")
+        if "pid" not in answer or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(answer.get("refused", "no answer"))
+    except Exception as exc:  # noqa: BLE001  (an optional shortcut: whatever fails, the agent starts its own)
+        conn.close()
+        log.info("fork-server host %s not used (%s): this agent starts its own fork server", path, exc)
+        return None
+    conn.settimeout(None)
+    log.debug("fork server %d forked by the fork-server host %s", answer["pid"], path)
+    return HostedServer(conn, answer["pid"], fds[0])

@@ -1,0 +1,158 @@
+"""The fork-server host (mindio/launch/_zygote_host.py, MINDIO_FORK_SERVER_HOST): a fork server it forks for
+an agent gives the workers exactly what the agent's own fork server gives them; the agent's death still
+takes them; whatever could make it differ (the import-time environment, the sys.path, another user's
+socket) is refused and the agent starts its own. Real hosts, agents and workers."""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mindio.launch import _zygote_host as host_mod
+from mindio.launch import forkserver
+from tests.launch.test_forkserver import REPO, WORKER, _alive, _run
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    forkserver.unusable(dict(os.environ, MINDIO_FORK_SERVER="auto", OMP_NUM_THREADS="1")) != "",
+    reason="no fork server here (an accelerator build of torch)")]
+
+
+@pytest.fixture
+def host(tmp_path_factory):
+    """A fresh host in a private directory: (socket path, its log)."""
+    d = tmp_path_factory.mktemp("host")
+    os.chmod(d, 0o700)
+    path, log = d / "h.sock", d / "host.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("MINDIO_FORK_SERVER_HOST", None)
+    with open(log, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-u", "-m", "mindio.launch._zygote_host", str(path)], env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=f, cwd=REPO)
+    try:
+        assert select.select([p.stdout], [], [], 120)[0] and p.stdout.readline().strip() == b"ready", log.read_text()
+        yield str(path), log
+    finally:
+        p.kill()
+        assert p.wait(10) == -signal.SIGKILL  # it was still serving: nothing made it exit
+
+
+def _forked_by(log) -> set:
+    return {int(m.group(1)) for m in re.finditer(r"fork server (\d+) for agent", log.read_text())}
+
+
+@pytest.mark.timeout(300)
+def test_a_hosted_fork_server_gives_the_workers_what_their_agents_own_gives(tmp_path, host):
+    """The first job on a fresh host also proves that the branch it forks holds none of the agent's fds
+    (_run reads the agent's output to its end: a branch holding the pipe would hang it)."""
+    path, log = host
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, out, hosted = _run(tmp_path / "a", "auto", MINDIO_FORK_SERVER_HOST=path)
+    _, _, own = _run(tmp_path / "b", "auto", MINDIO_FORK_SERVER_HOST="")
+    assert sorted(hosted) == sorted(own) == [0, 1], out[-3000:]
+    assert {hosted[0]["ppid"]} == {hosted[1]["ppid"]} and hosted[0]["ppid"] in _forked_by(log)
+    assert own[0]["ppid"] not in _forked_by(log)
+    for rank in (0, 1):
+        h, o = hosted[rank], own[rank]
+        assert h["fds"] == o["fds"], (h["fds"], o["fds"])  # the agent's stdout/stderr, no fd of the host
+        for key in ("argv", "threads", "tasks", "sigint", "sigterm", "error_file"):
+            assert h[key] == o[key], (key, h[key], o[key])
+        assert {k: v for k, v in h["env"].items() if k != "MINDIO_WORKER_WARMUP_S"} == \
+            {k: v for k, v in o["env"].items() if k != "MINDIO_WORKER_WARMUP_S"}
+        assert h["frozen"] > 10000 and h["fds"]["0"] == "/dev/null"
+    # fresh generators in every worker, also across two jobs of one host
+    _, _, again = _run(tmp_path / "a", "auto", MINDIO_FORK_SERVER_HOST=path)
+    draws = [s["np"] for s in (*hosted.values(), *again.values())]
+    assert len(set(draws)) == 4 and len({s["torch"] for s in (*hosted.values(), *again.values())}) == 4
+    assert again[0]["ppid"] in _forked_by(log) and again[0]["ppid"] != hosted[0]["ppid"]
+
+
+@pytest.mark.timeout(120)
+def test_the_workers_of_a_hosted_fork_server_die_with_their_agent(tmp_path, host):
+    path, log = host
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    e = dict(os.environ, OUT_DIR=str(out), MINDIO_FORK_SERVER="auto", PYTHONPATH=str(REPO), SLEEP_S="120",
+             MINDIO_FORK_SERVER_HOST=path)
+    p = subprocess.Popen([sys.executable, "-m", "mindio.launch.cli", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", "0", str(script)], env=e,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(out.glob("*.json"))) < 2 and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        import json
+
+        seen = [json.loads(f.read_text()) for f in out.glob("*.json")]
+        assert p.poll() is None and len(seen) == 2, f"agent {p.poll()}, workers {len(seen)}"
+        assert seen[0]["ppid"] in _forked_by(log)  # hosted: not the agent's child
+        p.kill()
+        assert p.wait(10) == -signal.SIGKILL
+        pids = [s["pid"] for s in seen] + [seen[0]["ppid"]]
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids), [pid for pid in pids if _alive(pid)]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.mark.timeout(200)
+def test_an_agent_whose_imports_could_differ_is_refused_and_starts_its_own(tmp_path, host):
+    path, log = host
+    rc, out, seen = _run(tmp_path, "auto", MINDIO_FORK_SERVER_HOST=path, TORCH_SHOW_CPP_STACKTRACES="1")
+    assert rc == 0 and sorted(seen) == [0, 1], out[-3000:]
+    assert seen[0]["ppid"] not in _forked_by(log) and seen[0]["ppid"] != seen[0]["agent"]  # its own fork server
+    assert "refused agent" in log.read_text() and "TORCH_SHOW_CPP_STACKTRACES" in log.read_text()
+
+
+def test_a_sys_path_that_finds_an_imported_module_elsewhere_is_refused(tmp_path):
+    (tmp_path / "numpy.py").write_text("raise ImportError('a shadow')\n")
+    (tmp_path / "empty").mkdir()
+
+    def moved(cwd, pythonpath: str | None) -> str:  # asked of an interpreter started as the host is
+        code = ("import sys, numpy, torch; from mindio.launch._zygote_host import _moved; "
+                "print(repr(_moved(sys.argv[1], {} if sys.argv[2] == '-' else {'PYTHONPATH': sys.argv[2]})))")
+        p = subprocess.run([sys.executable, "-c", code, str(cwd), pythonpath or "-"], cwd=REPO, text=True,
+                           capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert p.returncode == 0, p.stderr
+        return eval(p.stdout)
+
+    assert moved(REPO, str(tmp_path)) == "numpy"
+    assert moved(REPO, f"{tmp_path / 'empty'}:{REPO}") == ""
+    assert moved(REPO, None) == ""  # mindio found through its (editable) install instead: the same files
+    # the agent's own directory comes first on its sys.path, as for ``python -m``
+    assert moved(tmp_path, str(REPO)) == "numpy"
+
+
+def test_a_socket_nobody_else_could_have_placed_is_the_only_one_used(tmp_path):
+    import socket
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(str(shared / "h.sock"))
+    assert "not private" in host_mod.private_socket(str(shared / "h.sock"))
+    os.chmod(shared, 0o700)
+    assert host_mod.private_socket(str(shared / "h.sock")) == ""
+    (shared / "f").write_text("")
+    assert "not a socket" in host_mod.private_socket(str(shared / "f"))
+    a, b = socket.socketpair()
+    assert forkserver._hosted(["x.py"], {"MINDIO_FORK_SERVER_HOST": str(shared / "f")}, b) is None
+    s.close()
+    # the host itself does not start in a directory others may write
+    os.chmod(shared, 0o777)
+    p = subprocess.run([sys.executable, "-m", "mindio.launch._zygote_host", str(shared / "g.sock")],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 1 and "not a private directory" in p.stderr

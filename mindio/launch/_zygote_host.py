@@ -187,6 +187,7 @@ def _become_zygote(z: dict, zsock: int, out: int, err: int) -> None:
     for fd in (out, err, null):
         if fd > 2:
             os.close(fd)
+    os.setsid()  # its own session and process group (the host's are not the job's); its workers join the group
     os.umask(z["umask"])
     os.chdir(z["cwd"])
     if z.get("affinity"):

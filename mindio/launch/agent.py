@@ -469,6 +469,11 @@ class Agent:
         except Exception as exc:  # node 0's store is gone: this node's own summary still has them
             log.info("could not post this node's failures: %s", exc)
 
+    def add_failure(self, failure) -> None:
+        """(main loop) A failure of another node's rank that this agent found (ha.py: a node lost after the
+        training of its ranks finished): in this agent's summary."""
+        self._failures.append(failure)
+
     def round_failures(self, rnd: int) -> list:
         """Every node's posted failures of round ``rnd`` (this node's own when the store is gone), each
         marked ``late`` when node 0 found it came after its training had finished (ha.py)."""
@@ -694,7 +699,9 @@ class Agent:
                     stores.end_job(self._store, self.cfg, f"ended by node {self.cfg.node_rank}'s backup controller")
                 return
             deadline = time.monotonic() + self.cfg.leave_timeout
-            left = self.cfg.nnodes - 1 - self._vacant(self._round)  # a vacant node (elastic.py) has no agent
+            # a vacant node (elastic.py) has no agent; a node lost in the round and not taken over (ha.py) has one
+            # that will not come to leave (its loss ended the job, or came after its training: it is not awaited)
+            left = self.cfg.nnodes - 1 - self._vacant(self._round) - len(self.lost_now)
             while (n := self._store.add("job/left", 0)) < left:
                 if time.monotonic() >= deadline:
                     log.warning("left after waiting %g s for the other agents to leave (%d of %d did); the "

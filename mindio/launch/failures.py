@@ -113,6 +113,7 @@ class Failure:
     time: float = 0.0       # when it failed (the error file's time, else when its agent saw it)
     late: bool = False      # it ended after its training had finished (ha.py)
     consequence: bool = False  # its worker knew it was caused by another rank's failure (mindio.ttp)
+    lost: bool = False      # its node was lost (its agent stopped beating): how it ended is unknown
 
     @property
     def secondary(self) -> bool:
@@ -127,6 +128,8 @@ class Failure:
         where = f" (node {self.node}{', ' + self.host if self.host else ''})"
         why = f": {self.error.splitlines()[0][:300]}" if self.error else ""
         when = " after its training finished" if self.late else ""
+        if self.lost:
+            return f"rank {self.rank}{where} lost with its node (its agent stopped beating){when}{why}"
         return f"rank {self.rank}{where} exited with {describe(self.code)}{when}{why}"
 
     def to_json(self) -> str:

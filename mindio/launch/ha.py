@@ -50,6 +50,7 @@ from .. import _logging
 from .._secret import secret_key
 from ..vocab import EXIT_CODE_SWITCHED
 from . import backup, elastic, liveness, stores, switch
+from . import failures
 from .failures import describe
 from .view import WorkerView
 
@@ -307,6 +308,21 @@ class RoundWatch:
                             "for a while, not lost", node, ranks)
                 _logging.event("node_back", node=node)
 
+    def _lost_after_training(self, node: int, ranks: list) -> None:
+        """(node 0) Node ``node`` was lost after every one of its ranks had left the controller (their training
+        finished): nothing to recover, and its agent will never say that its workers are done -- say it for
+        it, so that the job ends now, failed (a late failure, as a rank's abnormal exit after its training),
+        instead of waiting for that agent forever."""
+        agent, rnd = self.agent, self.rnd
+        log.error("node %d lost (its agent stopped beating) after the training of its ranks %s had finished "
+                  "(they had left the controller): nothing to recover; the job ends, failed, once the other "
+                  "ranks are done", node, ranks)
+        _logging.event("late_node_loss", node=node, ranks=ranks)
+        for rank in ranks:
+            agent.store.set(f"round/{rnd}/late/{rank}", "node lost")
+            agent.add_failure(failures.Failure(rank=rank, code=-1, node=node, time=time.time(), late=True, lost=True))
+        agent.store.add(f"round/{rnd}/done", 1)  # on its behalf (an agent that comes back adds its own: >= is kept)
+
     def tick(self, bad: dict) -> str | None:
         """High availability: report deaths to the controller, carry out its replacement orders,
         declare lost nodes (node 0); return why the round failed, or None while it goes on."""
@@ -362,6 +378,11 @@ class RoundWatch:
                 # workers die with their agent (PR_SET_PDEATHSIG): a rank that still beats to the controller
                 # has a stalled agent, not a dead one; its own heartbeats decide (a stall is not a death)
                 ctl = hosted.ctl
+                with ctl._lock:  # ranks that had left the controller: their training finished
+                    left = [r for r in ranks if r in ctl.ranks and not ctl.ranks[r].registered]
+                if left and len(left) == len(ranks):
+                    self._lost_after_training(node, left)
+                    continue
                 beating = set(ctl.heard(ranks, 2 * ctl.interval))
                 dead = [r for r in ranks if r not in beating]
                 log.error("node %d lost (its agent stopped beating): its ranks %s are dead%s", node, dead,

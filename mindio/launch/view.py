@@ -69,6 +69,9 @@ class WorkerView(Protocol):
     def record_failures(self, rnd: int, codes: dict) -> None:
         ...
 
+    def add_failure(self, failure) -> None:  # a failure learned of for a lost node (ha.py), for the summary
+        ...
+
     def lost_nodes(self) -> list:  # other nodes whose agent stopped beating
         ...
 

@@ -7,8 +7,10 @@ node 0's agent hosts (MINDIO_CONTROLLER_EXTERNAL, TTP_PORT, MINDIO_SECRET). A re
 and iteration come from the replica (repair), its parameters from the all-gather (rollback).
 Faults fire once per job: a marker file in ``--out`` is created before firing. ``kill-node`` at
 rank R SIGKILLs rank R's launcher agent, then R itself (the node's other workers die with the agent);
-``stop-node`` SIGSTOPs the process group of rank R's agent (the agent and its workers: a frozen or
+``stop-node`` SIGSTOPs the process groups of rank R's agent and of R (the agent and its workers: a frozen or
 partitioned host, as seen from the others); ``hold`` waits for ``<out>/release``.
+``TOY_LOSE_NODE_AFTER=R``: rank R SIGKILLs its agent once every rank's training has finished (its node is
+lost after the job's work is done).
 
 The plan's ``enable_arf``: the processors register with ``enable_arf`` (worker reboot);
 ``declared_replicas``: how many copies of each shard they declare to mindio (1: none to repair from);
@@ -61,9 +63,13 @@ class Trainer(toy.Trainer):
             import signal
             os.kill(int(os.environ["MINDIO_AGENT_PID"]), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "stop-node":  # the node freezes (agent and workers: one process group); peers see silence
+        if kind == "stop-node":  # the node freezes (agent and workers); peers see silence
             import signal
+            # the agent's process group holds its workers, except where a fork-server host forked their fork
+            # server (MINDIO_FORK_SERVER_HOST): it leads a group of its own, with the workers
+            own = os.getpgrp()
             os.killpg(os.getpgid(int(os.environ["MINDIO_AGENT_PID"])), signal.SIGSTOP)
+            os.killpg(own, signal.SIGSTOP)
         super().inject(kind)
 
 
@@ -130,6 +136,11 @@ def main() -> int:
     dist.barrier(group=toy.STATE["dp"])
     ttp.tft_destroy_processor()
     toy.stop_groups(None, None)  # no group outlives main(): mindio/ttp/shutdown.py
+    if os.environ.get("TOY_LOSE_NODE_AFTER") == str(a.rank):  # its node is lost after every rank's training
+        import signal
+        print(f"[rank {a.rank}] SIGKILL of this node's agent at {time.time():.3f}", flush=True)
+        os.kill(int(os.environ["MINDIO_AGENT_PID"]), signal.SIGKILL)
+        time.sleep(30)  # dies with its agent
     return 0
 
 

@@ -195,3 +195,26 @@ def test_lost_node_recovers_across_a_stall_of_the_standby_agent(tmp_path, fault_
     assert "still beat to the controller: left to their heartbeats" in text0, text0[-6000:]  # node 1 was lost
     # and once the standby's agent beats again it is forgotten as lost (ha.RoundWatch._unlose)
     assert [e for e in events if e["kind"] == "node_back" and e["node"] == 1], text0[-6000:]
+
+
+@pytest.mark.timeout(200)
+def test_a_node_lost_after_every_ranks_training_finished_ends_the_job_failed_within_seconds(tmp_path):
+    """Training finished on every rank (each left the controller), then node 1's agent is SIGKILLed (rank 2
+    does it: TOY_LOSE_NODE_AFTER) and never says that its workers are done. Node 0 must not wait for it
+    forever: nothing is left to recover, so its agent ends the job within 10 s, failed (exit 1), naming
+    node 1's ranks as lost after their training finished -- a late failure, as a rank's abnormal exit
+    after its training is (issue 13: a finished job ends whatever happens after)."""
+    res, events = run_nodes(tmp_path / "run", FaultPlan(), "recover-in-place,recover,dump", standby=False,
+                            env={"TOY_LOSE_NODE_AFTER": "2"}, killed={"node1": "SIGKILL"})
+    code0, text0 = res["node0"]
+    killed_at = float(re.search(r"SIGKILL of this node's agent at ([0-9.]+)", res["node1"][1]).group(1))
+    assert code0 == 1, text0[-4000:]
+    assert re.search(r"rank 2 \(node 1[^)]*\) lost with its node \(its agent stopped beating\) after its "
+                     r"training finished", text0), text0[-4000:]
+    late = [e for e in events if e["kind"] == "late_node_loss"]
+    assert len(late) == 1 and late[0]["node"] == 1 and late[0]["ranks"] == [2, 3], late
+    ended = time.time()  # run_nodes waits for node 0 first: it had ended by now
+    print(f"\nnode 1 lost after training: found {late[0]['t'] - killed_at:.2f} s, node 0 ended <= "
+          f"{ended - killed_at:.2f} s after the kill")
+    assert ended - killed_at <= 10, text0[-3000:]
+    assert not [e for e in events if e["kind"] in ("recover_done", "dump_done", "decision")], events

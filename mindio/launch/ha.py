@@ -231,7 +231,7 @@ class HostedController:
             return None
         with self.ctl._lock:
             r = self.ctl.ranks.get(rank)
-            known, left = r is not None, r is not None and not r.registered
+            known, left = r is not None, r is not None and r.left  # BYE: its training finished
         where = f"rank {rank} (node {self.agent.cfg.node_rank if node is None else node}) {reason}"
         if left:
             log.error("rank %d %s after its training finished (it had left the controller): nothing to "
@@ -378,8 +378,8 @@ class RoundWatch:
                 # workers die with their agent (PR_SET_PDEATHSIG): a rank that still beats to the controller
                 # has a stalled agent, not a dead one; its own heartbeats decide (a stall is not a death)
                 ctl = hosted.ctl
-                with ctl._lock:  # ranks that had left the controller: their training finished
-                    left = [r for r in ranks if r in ctl.ranks and not ctl.ranks[r].registered]
+                with ctl._lock:  # ranks that had left the controller (BYE): their training finished
+                    left = [r for r in ranks if r in ctl.ranks and ctl.ranks[r].left]
                 if left and len(left) == len(ranks):
                     self._lost_after_training(node, left)
                     continue

@@ -3,7 +3,8 @@
 # Three pytest-xdist workers (MINDIO_TEST_WORKERS=N to change, 0: one process): one multi-process test at a
 # time leaves the 2 cores idle part of its time (paced steps, heartbeats, stalls, exits; e.g. 21 CPU-s in
 # a 39 s test). Measured on the 2-core CI machine, whole suite: 2 workers 1010 s (the cores 83% busy),
-# 3 workers 912 s. Tests of one module, and modules sharing a fault-free reference run, stay on one
+# 3 workers 912 s; with the fork-server host of tests/conftest.py, 781 s (the cores 91% busy: more workers
+# would not help). Tests of one module, and modules sharing a fault-free reference run, stay on one
 # worker (tests/conftest.py), heaviest groups first.
 set -euo pipefail
 cd "$(dirname "$0")/.."

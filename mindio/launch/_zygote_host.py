@@ -47,7 +47,8 @@ VERSION = 1
 # environment variables that can change what an import does: the host's must equal the agent's
 IMPORT_TIME_ENV = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "LD_", "MALLOC",
                    "CUDA", "HIP_", "ROCM", "NVTE_", "NVIDIA", "MEGATRON", "TRITON", "NCCL", "XLA", "ASCEND")
-# ... except these, read when used (torch's inductor writes its cache directory into os.environ at first use)
+# ... except these: read when used (torch's inductor writes its cache directory into os.environ at first use);
+# PYTHONPATH is compared through the sys.path it gives (_moved)
 USE_TIME_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHELASTIC_", "PYTHONPATH")
 MAX_MESSAGE = 1 << 20
 

@@ -110,7 +110,7 @@ def parse_server_info(server_info=None, environ=None) -> ServerConfig:
 def runtime_dir(environ=None) -> str:
     """Directory of the socket, lock, journal and logs: MINDIO_ACP_DIR, else $XDG_RUNTIME_DIR/mindio-acp
     (the per-user directory of a login session), else /tmp/mindio-acp-<uid>. It is created 0700 and
-    verified before use (mindio.acp._secure.private_dir)."""
+    verified before use (mindio._secure.private_dir)."""
     path = _knobs.get("MINDIO_ACP_DIR", environ)
     if not path:
         xdg = _knobs.get("XDG_RUNTIME_DIR", environ)

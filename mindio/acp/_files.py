@@ -14,7 +14,8 @@ import threading
 import time
 
 from ..errors import CheckpointError, ConfigError, ServerUnavailable
-from . import _secure, _storage, api
+from .. import _secure
+from . import _storage, api
 
 __all__ = ["open_file", "create_file", "register_checker", "async_save", "SaveHandle"]
 

@@ -34,7 +34,7 @@ import time
 from .. import _knobs, _logging
 from ..errors import CheckpointError
 from . import format as fmt
-from ._secure import open_private
+from .._secure import open_private
 from ._state import FAILED, PENDING, PERSISTED, PERSISTING, SUPERSEDED, Entry, Region
 from ._storage import (atomic_write_direct, current_key, is_target_error, marker_path, remove_marker, stat_key,
                        target_problem)

@@ -21,7 +21,7 @@ import socket
 import stat
 import threading
 
-from ._secure import open_private, umask
+from .._secure import open_private, umask
 
 __all__ = ["atomic_write", "atomic_write_direct", "atomic_torch_save", "stat_key", "current_key", "marker_path",
            "temp_path", "write_marker", "remove_marker", "Journal", "is_internal_name", "is_target_error",

@@ -4,7 +4,7 @@ One ``Client`` per process (re-created after fork). ``connect`` reaches the daem
 directory, starting it if absent (``mindio-acp-server --detach``: double fork + setsid, so it
 outlives the trainer; its lock file makes concurrent starts safe), maps the pool once and faults the
 mapping in, so that a save is a memcpy into warm pages. The runtime directory must be private
-(mindio.acp._secure), the daemon must run as our uid (SO_PEERCRED), and the pool comes as a file
+(mindio._secure), the daemon must run as our uid (SO_PEERCRED), and the pool comes as a file
 descriptor over the socket, so no other user can stand in for either.
 
 Accelerator tensors move between the device and this mapping directly (mindio.acp._device: the
@@ -30,9 +30,9 @@ import threading
 import time
 import weakref
 
-from .. import _knobs, _native
+from .. import _knobs, _native, _secure
 from ..errors import ServerUnavailable
-from . import _config, _secure, _wire
+from . import _config, _wire
 from ._device import DevicePool
 from ._loadview import LoadView
 

@@ -21,7 +21,7 @@ Call order of a save: alloc -> (client copies the image into the pool) -> commit
 to lookup or persisted before commit; a client killed before commit leaves no trace.
 
 Only processes of the daemon's own uid are served (SO_PEERCRED); the runtime and pool directories
-are private (mindio.acp._secure), and the pool is handed to clients as a descriptor, never by name.
+are private (mindio._secure), and the pool is handed to clients as a descriptor, never by name.
 
 Modules: this one holds the process (start-up, lock, socket, connections, idle exit, shutdown, CLI);
 mindio.acp._ops the request handlers; mindio.acp._poolfile the pool file; mindio.acp._persist the
@@ -40,8 +40,8 @@ import sys
 import threading
 import time
 
-from .. import _knobs
-from . import _config, _secure, _wire
+from .. import _knobs, _secure
+from . import _config, _wire
 from ._ops import Operations
 from ._persist import Persister
 from ._pool import BlockAllocator

@@ -387,7 +387,7 @@ def test_paths_resolve_like_the_os(acp_env):
 def test_pool_dir_accepts_a_kubernetes_style_dev_shm(tmp_path):
     """/dev/shm mounted 0777 without the sticky bit (Kubernetes emptyDir) still holds the pool dir;
     the runtime dir is not accepted there."""
-    from mindio.acp import _secure
+    from mindio import _secure
     from mindio.errors import InsecurePath
 
     shm = tmp_path / "shm"

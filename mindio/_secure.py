@@ -1,4 +1,5 @@
-"""Private directories and files of the checkpoint store, verified before use (docs/security.md).
+"""Private directories and files, verified before use (docs/security.md): the checkpoint store's, and the
+peer checks of mindio's other Unix sockets (the fork-server host).
 
 The threat is another user of the same machine. The runtime directory (socket, lock, journal, logs)
 and the pool directory (shared memory) hold a user's checkpoint bytes and the daemon's instructions,
@@ -16,7 +17,7 @@ import socket
 import stat
 import struct
 
-from ..errors import InsecurePath
+from .errors import InsecurePath
 
 __all__ = ["private_dir", "open_private", "check_private_fd", "peer_uid", "umask"]
 

@@ -25,9 +25,6 @@ _HOST = None
 
 def _start_fork_server_host() -> None:
     global _HOST
-    import subprocess
-    import sys
-
     if os.environ.get("MINDIO_TEST_FORK_SERVER_HOST", "1") == "0" or os.environ.get("MINDIO_FORK_SERVER_HOST"):
         return
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,17 +32,12 @@ def _start_fork_server_host() -> None:
     path = os.path.join(d, "host.sock")
     log_dir = os.environ.get("MINDIO_TEST_HOST_LOG_DIR", _SESSION_LOG_DIR)  # its lines: each fork, each refusal
     log = open(os.path.join(log_dir, f"fork-server-host-{os.getpid()}.log"), "ab")
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    _HOST = subprocess.Popen([sys.executable, "-u", "-m", "mindio.launch._zygote_host", path], env=env,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, cwd=repo)
-    log.close()
-    import select
+    from mindio.launch import _zygote_host
 
-    ready = select.select([_HOST.stdout], [], [], 120)[0] and _HOST.stdout.readline().strip() == b"ready"
-    if not ready:  # the suite runs without it (each agent starts its own fork server)
-        _HOST.kill()
-        _HOST.wait()
-        _HOST = None
+    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
+    _HOST = _zygote_host.spawn(path, log, env=env, cwd=repo)
+    log.close()
+    if _HOST is None:  # the suite runs without it (each agent starts its own fork server)
         return
     os.environ["MINDIO_FORK_SERVER_HOST"] = path
     os.environ["_MINDIO_TEST_HOST_DIR"] = d

@@ -34,13 +34,15 @@ from __future__ import annotations
 import gc
 import json
 import os
+import select
 import selectors
 import signal
 import socket
 import stat
-import struct
+import subprocess
 import sys
 
+from .. import _secure
 from . import _bootstrap
 
 VERSION = 1
@@ -115,14 +117,8 @@ def request(target: list, env: dict) -> dict:
     except (AttributeError, OSError):
         affinity = None
     return {"v": VERSION, "zygote": {"target": list(map(str, target)), "env": dict(env), "cwd": os.getcwd(),
-                                     "umask": _umask(), "affinity": affinity, "executable": sys.executable,
+                                     "umask": _secure.umask(), "affinity": affinity, "executable": sys.executable,
                                      "ns": namespaces()}}
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def private_socket(path: str) -> str:
@@ -139,16 +135,6 @@ def private_socket(path: str) -> str:
     if s.st_uid != uid or not stat.S_ISSOCK(s.st_mode):
         return "it is not a socket of this user"
     return ""
-
-
-def _peer(sock: socket.socket) -> tuple:
-    """(pid, uid) of the process at the other end of ``sock``."""
-    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid, uid
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    return _peer(sock)[1]
 
 
 def _refused(req: dict) -> str:
@@ -262,7 +248,7 @@ class _Branch:
         for fd in fds[1:]:
             os.close(fd)
         pidfd = os.pidfd_open(pid)  # before any reaping: it is this pid's process
-        print(f"mindio fork-server host: fork server {pid} for agent {_peer(conn)[0]} (branch {self.key})",
+        print(f"mindio fork-server host: fork server {pid} for agent {_secure.peer_uid(conn)[0]} (branch {self.key})",
               file=sys.stderr, flush=True)
         try:
             socket.send_fds(conn, [json.dumps({"v": VERSION, "pid": pid}).encode()], [pidfd])
@@ -322,7 +308,7 @@ class _Host:
             return None
         why = ""
         try:
-            if _peer_uid(conn) != os.geteuid():
+            if _secure.peer_uid(conn)[1] != os.geteuid():
                 why = "another user"
             elif len(fds) != 3 or not msg:
                 why = "the request must carry 3 fds (socket, stdout, stderr)"
@@ -335,7 +321,7 @@ class _Host:
             why = f"bad request: {exc}"
         for fd in fds:
             os.close(fd)
-        print(f"mindio fork-server host: refused agent {_peer(conn)[0]}: {why}", file=sys.stderr, flush=True)
+        print(f"mindio fork-server host: refused agent {_secure.peer_uid(conn)[0]}: {why}", file=sys.stderr, flush=True)
         try:
             conn.send(json.dumps({"v": VERSION, "refused": why}).encode())
         except OSError:
@@ -372,6 +358,19 @@ class _Host:
                 for fd in fds:
                     os.close(fd)
             conn.close()
+
+
+def spawn(path: str, stderr, env: dict | None = None, cwd: str | None = None, timeout: float = 120.0):
+    """Start a host listening at ``path`` (its directory private) and wait for its ``ready``: the process, or
+    None when it did not get ready within ``timeout`` (it is killed; its ``stderr`` says why). It lives until
+    it is killed or its parent -- the caller -- ends."""
+    p = subprocess.Popen([sys.executable, "-u", "-m", "mindio.launch._zygote_host", path], env=env, cwd=cwd,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr)
+    if select.select([p.stdout], [], [], timeout)[0] and p.stdout.readline().strip() == b"ready":
+        return p
+    p.kill()
+    p.wait()
+    return None
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from .. import _knobs
+from .. import _knobs, _secure
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ def _hosted(target: list, env: dict, theirs: socket.socket) -> HostedServer | No
             raise OSError(why)
         conn.settimeout(_knobs.get("MINDIO_FORK_SERVER_TIMEOUT", env))
         conn.connect(path)
-        if host._peer_uid(conn) != os.geteuid():
+        if _secure.peer_uid(conn)[1] != os.geteuid():
             raise OSError("its listener is another user's")
         socket.send_fds(conn, [json.dumps(host.request(target, env)).encode()], [theirs.fileno(), 1, 2])
         msg, fds, _, _ = socket.recv_fds(conn, 4096, 1)

@@ -107,11 +107,17 @@ def test_exit_codes_and_signal_deaths_reach_the_agent(tmp_path, mode):
 @pytest.mark.timeout(120)
 def test_workers_die_with_their_agent(tmp_path):
     """SIGKILL of the agent (a lost node): its fork server and every forked worker die with it."""
+    kill_agent_and_see_its_workers_die(tmp_path)
+
+
+def kill_agent_and_see_its_workers_die(tmp_path, **env) -> list:
+    """Start an agent of 2 sleeping workers (``env`` added), SIGKILL it once both run, assert that the workers
+    and their parents (the fork server) are gone within 10 s; returns what the workers reported."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    e = dict(os.environ, OUT_DIR=str(out), MINDIO_FORK_SERVER="auto", PYTHONPATH=str(REPO), SLEEP_S="120")
+    e = dict(os.environ, OUT_DIR=str(out), MINDIO_FORK_SERVER="auto", PYTHONPATH=str(REPO), SLEEP_S="120", **env)
     p = subprocess.Popen([sys.executable, "-m", "mindio.launch.cli", "--nproc-per-node", "2", "--master-addr",
                           "127.0.0.1", "--master-port", str(free_port()), str(script)], env=e,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -129,6 +135,7 @@ def test_workers_die_with_their_agent(tmp_path):
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(_alive(pid) for pid in pids), [pid for pid in pids if _alive(pid)]
+        return seen
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

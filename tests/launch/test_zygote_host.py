@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from mindio.launch import _zygote_host as host_mod
 from mindio.launch import forkserver
-from tests.launch.test_forkserver import REPO, WORKER, _alive, _run
+from tests.launch.test_forkserver import REPO, _run, kill_agent_and_see_its_workers_die
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     forkserver.unusable(dict(os.environ, MINDIO_FORK_SERVER="auto", OMP_NUM_THREADS="1")) != "",
@@ -32,10 +30,9 @@ def host(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("MINDIO_FORK_SERVER_HOST", None)
     with open(log, "wb") as f:
-        p = subprocess.Popen([sys.executable, "-u", "-m", "mindio.launch._zygote_host", str(path)], env=env,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=f, cwd=REPO)
+        p = host_mod.spawn(str(path), f, env=env, cwd=REPO)
+    assert p is not None, log.read_text()
     try:
-        assert select.select([p.stdout], [], [], 120)[0] and p.stdout.readline().strip() == b"ready", log.read_text()
         yield str(path), log
     finally:
         p.kill()
@@ -76,35 +73,8 @@ def test_a_hosted_fork_server_gives_the_workers_what_their_agents_own_gives(tmp_
 @pytest.mark.timeout(120)
 def test_the_workers_of_a_hosted_fork_server_die_with_their_agent(tmp_path, host):
     path, log = host
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    out = tmp_path / "out"
-    out.mkdir()
-    e = dict(os.environ, OUT_DIR=str(out), MINDIO_FORK_SERVER="auto", PYTHONPATH=str(REPO), SLEEP_S="120",
-             MINDIO_FORK_SERVER_HOST=path)
-    p = subprocess.Popen([sys.executable, "-m", "mindio.launch.cli", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", "0", str(script)], env=e,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while len(list(out.glob("*.json"))) < 2 and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        import json
-
-        seen = [json.loads(f.read_text()) for f in out.glob("*.json")]
-        assert p.poll() is None and len(seen) == 2, f"agent {p.poll()}, workers {len(seen)}"
-        assert seen[0]["ppid"] in _forked_by(log)  # hosted: not the agent's child
-        p.kill()
-        assert p.wait(10) == -signal.SIGKILL
-        pids = [s["pid"] for s in seen] + [seen[0]["ppid"]]
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(pid) for pid in pids), [pid for pid in pids if _alive(pid)]
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    seen = kill_agent_and_see_its_workers_die(tmp_path, MINDIO_FORK_SERVER_HOST=path)
+    assert seen[0]["ppid"] in _forked_by(log)  # hosted: not the agent's child
 
 
 @pytest.mark.timeout(200)

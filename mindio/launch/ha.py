@@ -50,8 +50,7 @@ from .. import _logging
 from .._secret import secret_key
 from ..vocab import EXIT_CODE_SWITCHED
 from . import backup, elastic, liveness, stores, switch
-from . import failures
-from .failures import describe
+from .failures import Failure, describe
 from .view import WorkerView
 
 log = logging.getLogger(__name__)
@@ -320,7 +319,7 @@ class RoundWatch:
         _logging.event("late_node_loss", node=node, ranks=ranks)
         for rank in ranks:
             agent.store.set(f"round/{rnd}/late/{rank}", "node lost")
-            agent.add_failure(failures.Failure(rank=rank, code=-1, node=node, time=time.time(), late=True, lost=True))
+            agent.add_failure(Failure(rank=rank, code=-1, node=node, time=time.time(), late=True, lost=True))
         agent.store.add(f"round/{rnd}/done", 1)  # on its behalf (an agent that comes back adds its own: >= is kept)
 
     def tick(self, bad: dict) -> str | None:
@@ -378,10 +377,10 @@ class RoundWatch:
                 # workers die with their agent (PR_SET_PDEATHSIG): a rank that still beats to the controller
                 # has a stalled agent, not a dead one; its own heartbeats decide (a stall is not a death)
                 ctl = hosted.ctl
-                with ctl._lock:  # ranks that had left the controller (BYE): their training finished
-                    left = [r for r in ranks if r in ctl.ranks and ctl.ranks[r].left]
-                if left and len(left) == len(ranks):
-                    self._lost_after_training(node, left)
+                with ctl._lock:  # every rank had left the controller (BYE): their training finished
+                    after_training = all(r in ctl.ranks and ctl.ranks[r].left for r in ranks)
+                if after_training:
+                    self._lost_after_training(node, ranks)
                     continue
                 beating = set(ctl.heard(ranks, 2 * ctl.interval))
                 dead = [r for r in ranks if r not in beating]

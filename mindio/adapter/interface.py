@@ -126,6 +126,17 @@ class FrameworkAdapter(abc.ABC):
     supports_provisional_dump = False
     #: (set by mindio before ``save`` / ``rename``) "" or the subdirectory of a provisional dump
     provisional = ""
+    #: (set by mindio before ``rebuild_groups``) True when every rank of the new world is the process that
+    #: was there before, with the same layout (a retry): what ``clean`` kept may be used again, with the
+    #: new groups in place of the old (every rank decides the same way: rebuilding is collective)
+    rebuild_same_world = False
+
+    def interrupt(self) -> None:
+        """(mindio's action thread, when an incident stops this rank while its main thread computes
+        outside the optimizer update) Make the main thread leave its step at its next check point with
+        ``RuntimeError("FORCE STOP")`` -- the CPU counterpart of stopping the device -- rather than compute
+        on to its next collective, which a faulty peer would fail anyway. Default: nothing (the step runs
+        on). Must only set state the main thread reads: it runs concurrently with training."""
 
     def stream_sync(self) -> None:
         """Wait for queued device work (nothing to do on CPU)."""
@@ -154,13 +165,16 @@ def register(adapter: FrameworkAdapter, step_args: Any = None) -> None:
         ttp.tft_set_step_args(step_args)
     ttp.tft_register_stop_handler(lambda args, ctx: adapter.stop(), adapter)
     ttp.tft_register_clean_handler(lambda is_uce, args, ctx: adapter.clean(is_uce), adapter)
-    ttp.tft_register_rebuild_group_handler(
-        lambda fault_ranks, args, ctx: adapter.rebuild_groups(fault_ranks), adapter)
+    from mindio.ttp._runtime import state
+
+    def rebuild_group(fault_ranks, args, ctx):
+        adapter.rebuild_same_world = bool(getattr(state.processor, "rebuild_same_world", False))
+        adapter.rebuild_groups(fault_ranks)
+    ttp.tft_register_rebuild_group_handler(rebuild_group, adapter)
     ttp.tft_register_repair_handler(
         lambda step, need_rebuild, error_ranks, repair_info, args, ctx: adapter.repair(
             step, need_rebuild, error_ranks, repair_info), adapter)
     ttp.tft_register_rollback_handler(lambda step, args, ctx: adapter.rollback(step), adapter)
-    from mindio.ttp._runtime import state
 
     def save(step, save_info, args, ctx):
         adapter.provisional = getattr(state.processor, "dump_provisional", "")
@@ -175,6 +189,7 @@ def register(adapter: FrameworkAdapter, step_args: Any = None) -> None:
     ttp.tft_register_rename_handler(rename, adapter)
     ttp.tft_register_exit_handler(lambda ctx: adapter.exit(), adapter)
     ttp.tft_register_stream_sync_handler(adapter.stream_sync)
+    state.callbacks["interrupt"] = (lambda args, ctx: adapter.interrupt(), adapter)  # not a reference callback
     from mindio.ttp import shutdown
 
     shutdown.on_exit(adapter.release)

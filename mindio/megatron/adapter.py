@@ -26,9 +26,9 @@ from mindio.adapter import FrameworkAdapter, RepairRole, recv_state, repair_pair
 from mindio.adapter.transfer import restore_rng
 from mindio.errors import ConfigError
 
-from . import checkpoint, replica
+from . import checkpoint, regroup, replica
 from .arguments import replica_count
-from .optimizer import distributed_optimizers
+from .optimizer import distributed_optimizers, params_from_main
 from .restore_build import build_for_restore, spare_buffers
 
 __all__ = ["TrainingContext", "MegatronAdapter"]
@@ -56,9 +56,14 @@ class TrainingContext:
     #: why the model's params are not the trained ones yet ("rebuild", "replacement process"): a
     #: recovery built the model again and the rollback (or a load) has not set them; None otherwise
     params_pending: Optional[str] = None
+    #: (model chunks, optimizer, scheduler, regroup.Unplugged) that clean() kept with their process groups
+    #: unplugged, for a rebuild of the same world (a retry) to plug the new groups into; None otherwise
+    _parked: Optional[tuple] = None
 
     def __post_init__(self):
         from mindio.ttp.processor import reboot
+
+        self.build = _with_stop_checks(self.build, self.stop_requested)
 
         if reboot.is_reboot():  # a replacement process: its first build's weights come from the replicas
             plain = self.build
@@ -200,6 +205,41 @@ class TrainingContext:
             self.load_rng_state(state["rng"])
 
 
+def _force_stop(event: threading.Event):
+    def check(*_args):
+        if event.is_set():
+            raise RuntimeError("FORCE STOP: the controller stopped training on this rank (interrupted in its step)")
+    return check
+
+
+def install_stop_checks(model_chunks, event: threading.Event) -> int:
+    """Check points where a step in flight leaves with FORCE STOP once ``event`` is set
+    (:meth:`MegatronAdapter.interrupt`): before the forward of every module that holds parameters, and
+    after each param's gradient is accumulated in the backward. Without them a stopped rank computes on
+    until its next collective (on CPU at 1 GiB of state per rank: 1.9 s of an incident, issue 18), since
+    no device can be stopped under it; each check is an Event test. Returns the checks installed."""
+    check, n = _force_stop(event), 0
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if module._parameters:
+                module.register_forward_pre_hook(check)
+                n += 1
+        for param in chunk.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(check)
+                n += 1
+    return n
+
+
+def _with_stop_checks(build: Callable[[], tuple], event: threading.Event) -> Callable[[], tuple]:
+    """``build`` whose model gets :func:`install_stop_checks`."""
+    def built() -> tuple:
+        model, optimizer, scheduler = build()
+        install_stop_checks(model, event)
+        return model, optimizer, scheduler
+    return built
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
@@ -319,6 +359,10 @@ class MegatronAdapter(FrameworkAdapter):
     def stop(self) -> None:
         self.ctx.stop_requested.set()
 
+    def interrupt(self) -> None:
+        """The step in flight leaves at its next check point (:func:`install_stop_checks`)."""
+        self.ctx.stop_requested.set()
+
     def release(self) -> None:
         """(process exit) Drop model, optimizer and megatron's groups: mindio then destroys the rest.
         The model's autograd graphs go first (:func:`_drop_autograd_graphs`: with MoE layers the model
@@ -327,7 +371,7 @@ class MegatronAdapter(FrameworkAdapter):
         ctx = self.ctx
         _drop_autograd_graphs(ctx.model)
         ctx.model = ctx.optimizer = ctx.scheduler = None
-        ctx._spares = []
+        ctx._spares, ctx._parked = [], None
         _drop_megatron_groups()  # also after dist.destroy_process_group(): its globals still hold the groups
 
     def clean(self, is_uce_error: bool) -> int:
@@ -363,9 +407,17 @@ class MegatronAdapter(FrameworkAdapter):
                         _log.warning("clean: no checkpoint state kept (%s): this rank cannot write a "
                                      "dump", _describe(exc))
             _drop_autograd_graphs(ctx.model)
-            ctx._spares = spare_buffers(ctx.model, ctx._kept)  # memory the rebuild's DDP takes again
+            ctx._parked = self._park() if ctx._kept is not None and ctx.params_pending is None else None
+            if ctx._parked is None:
+                ctx._spares = spare_buffers(ctx.model, ctx._kept)  # memory the rebuild's DDP takes again
             ctx.model = ctx.optimizer = ctx.scheduler = None
             dropped = _drop_megatron_groups()
+            if ctx._parked is not None:
+                held = regroup.held_elsewhere(ctx._parked[3].groups, ())
+                if held:
+                    _log.warning("clean: process groups %s are still referenced where the model's groups were "
+                                 "unplugged; dropping the model (a rebuild builds it again)", held[:4])
+                    self._unpark(build_again=True)
             # no gc here: the caller (mindio's processor teardown) collects once after all callbacks
             if _log.isEnabledFor(logging.DEBUG):  # a heap scan: only when asked for
                 gc.collect()
@@ -380,6 +432,51 @@ class MegatronAdapter(FrameworkAdapter):
             _log.exception("clean failed")
             return 1
 
+    def _park(self) -> Optional[tuple]:
+        """(clean) Keep model, optimizer and scheduler with their process groups unplugged
+        (regroup.py), for a retry's rebuild; None when some group cannot be named."""
+        from mindio.ttp.processor import device
+
+        ctx = self.ctx
+        groups = device.all_groups() + ([dist.group.WORLD] if dist.is_initialized() else [])
+        try:
+            unplugged = regroup.unplug([ctx.model, ctx.optimizer, ctx.scheduler], groups)
+        except Exception as exc:
+            _log.warning("clean: the model's process groups cannot be unplugged (%s); it is dropped and a "
+                         "rebuild builds it again", _describe(exc))
+            return None
+        return ctx.model, ctx.optimizer, ctx.scheduler, unplugged
+
+    def _unpark(self, build_again: bool) -> None:
+        """Drop what clean() parked; with ``build_again``, its grad buffers become the spares of the
+        build that follows (restore_build.py)."""
+        ctx = self.ctx
+        parked, ctx._parked = ctx._parked, None
+        if parked is not None and build_again:
+            ctx._spares = spare_buffers(parked[0], ctx._kept)
+
+    def _plug_possible(self) -> bool:
+        """Has every group the parked objects held a counterpart (same ranks and description) now?"""
+        from mindio.ttp.processor import device
+
+        missing = regroup.missing(self.ctx._parked[3], device.all_groups() + [dist.group.WORLD])
+        if missing:
+            _log.warning("rebuild: the kept model cannot take the new process groups (none for %s); "
+                         "building it again", missing[:4])
+        return not missing
+
+    def _plug(self) -> None:
+        """(rebuild_groups of the same world, :meth:`_plug_possible` on every rank) Put the new
+        generation's groups into the parked objects and take them back."""
+        from mindio.ttp.processor import device
+
+        ctx = self.ctx
+        model, optimizer, scheduler, unplugged = ctx._parked
+        places = regroup.plug(unplugged, device.all_groups() + [dist.group.WORLD])
+        ctx._parked = None
+        ctx.model, ctx.optimizer, ctx.scheduler = model, optimizer, scheduler
+        _log.info("rebuild: the kept model and optimizer took the new process groups (%d places)", places)
+
     def rebuild_groups(self, fault_ranks: Sequence[int]) -> None:
         """Megatron groups + model/optimizer/scheduler on the new world; put kept state back.
 
@@ -392,6 +489,15 @@ class MegatronAdapter(FrameworkAdapter):
         """
         ctx = self.ctx
         ctx.init_parallel()
+        if self.rebuild_same_world:  # every rank runs this with its kept objects (a retry): all plug, or none
+            plug = ctx._parked is not None and ctx._kept is not None and self._plug_possible()
+            if _all_ranks_agree(plug):
+                self._plug()
+                ctx._kept = None  # the shards, scalars and params are the live ones: nothing to put back
+                ctx.stop_requested.clear()
+                return
+        if ctx._parked is not None:
+            self._unpark(build_again=True)
         ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "rebuild", ctx._spares)
         ctx.params_pending = "rebuild"
         kept = ctx._kept
@@ -420,6 +526,7 @@ class MegatronAdapter(FrameworkAdapter):
             elif role in RepairRole.RECEIVERS and me in pair["dst"]:
                 _require_built(ctx, role)
                 src = pair["src"][pair["dst"].index(me)]
+                opts[pair["type"]].params_synced = False  # the params of this shard come from it again
                 scalars = recv_state(opts[pair["type"]].shard_state(), src)
                 ctx.load_scalar_state(scalars)
                 _log.info("repair: received shard state of step %s from rank %d",
@@ -443,6 +550,10 @@ class MegatronAdapter(FrameworkAdapter):
             _log.warning("rollback to step %d asked, but this rank loaded the checkpoint of "
                          "iteration %d: rolling back to %d", step, loaded, loaded)
             step = loaded
+        opts = distributed_optimizers(ctx.optimizer)
+        # the params are those of the step rolled back to, gathered, unless the model was built again, the
+        # rank is at another step, or its shard was received or loaded since (params_synced)
+        intact = ctx.params_pending is None and ctx.iteration == step and all(o.params_synced for o in opts)
         if ctx.iteration != step:
             _log.info("rollback: iteration %d -> %d", ctx.iteration, step)
         if not ctx.restore_step_rng(step):
@@ -455,9 +566,11 @@ class MegatronAdapter(FrameworkAdapter):
             ctx.scheduler.step(increment=0)
         for chunk in ctx.model:
             chunk.zero_grad_buffer()
-        for opt in distributed_optimizers(ctx.optimizer):
+        for opt in opts:
             opt.zero_grad()
-            opt.params_from_main()
+        gathered = params_from_main(opts, ctx.model, intact)
+        _log.info("rollback: params %s; %d bucket group(s) gathered", "intact" if intact else "from the main shards",
+                  gathered)
         ctx.params_pending, ctx._kept = None, None
         ctx.stop_requested.clear()
 
@@ -482,6 +595,16 @@ class MegatronAdapter(FrameworkAdapter):
     def stream_sync(self) -> None:
         if torch.cuda.is_available() and not _cpu_patched():
             torch.cuda.synchronize()
+
+
+def _all_ranks_agree(flag: bool) -> bool:
+    """True when ``flag`` is True on every rank of the default group (one small all-reduce)."""
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and torch.cuda.is_available() \
+        else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def _require_built(ctx: TrainingContext, role: str) -> None:

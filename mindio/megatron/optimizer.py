@@ -32,7 +32,9 @@ What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
 2. ``shard_state()`` / ``load_shard_state()``: this rank's shard (fp32 main params, exp_avg,
    exp_avg_sq, step, per param in bucket order) as a flat, ordered list of tensors, for
    repair (point-to-point send/recv), for dump checkpoints and for keeping state across a rebuild.
-3. ``params_from_main()``: model params from the fp32 main shard plus the all-gather (rollback).
+3. ``params_from_main()``: model params from the fp32 main shard plus the all-gather (rollback); the
+   module function :func:`params_from_main` gathers only in the instances where some rank's params are
+   not the gathered ones of the step rolled back to (``params_synced``).
 4. On CPU, torch's fused Adam/AdamW kernel. Without TE/Apex megatron-core builds a plain
    ``torch.optim.AdamW``, whose per-tensor loop is ~7x slower on CPU than ``fused=True`` (one
    vectorised pass per tensor, deterministic); with replicas every rank updates R/d of the params
@@ -54,7 +56,7 @@ import torch
 from megatron.core import optimizer as _mopt
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-__all__ = ["ReplicaDistributedOptimizer", "install", "distributed_optimizers", "STATE_KEYS"]
+__all__ = ["ReplicaDistributedOptimizer", "install", "distributed_optimizers", "params_from_main", "STATE_KEYS"]
 
 _log = logging.getLogger(__name__)
 
@@ -65,13 +67,26 @@ STATE_KEYS = ("param", "exp_avg", "exp_avg_sq", "step")
 class ReplicaDistributedOptimizer(DistributedOptimizer):
     """DistributedOptimizer with the two restore bugs fixed and a flat shard-state interface."""
 
+    #: the model params are the all-gather of the main shards of this optimizer's last update: set once
+    #: ``step_with_ready_grads`` gathered them (not with an overlapped param gather, which finishes in the
+    #: next forward), cleared when it starts and when a shard is loaded or received. A rollback to that
+    #: step need not gather them again (:func:`params_from_main`).
+    params_synced = False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _fuse_cpu_adam(self.optimizer)
 
+    def step_with_ready_grads(self) -> bool:
+        self.params_synced = False
+        ok = super().step_with_ready_grads()
+        self.params_synced = not (self.ddp_config.overlap_param_gather or self.ddp_config.use_megatron_fsdp)
+        return ok
+
     # -- upstream bug 1 ---------------------------------------------------------------------
     @torch.no_grad()
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        self.params_synced = False
         if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             return super()._set_main_param_and_optimizer_states(model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
@@ -93,6 +108,7 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
 
     # -- upstream bug 2 ---------------------------------------------------------------------
     def load_state_dict(self, state_dict):
+        self.params_synced = False
         super().load_state_dict(state_dict)
         _unshare_steps(self.optimizer)
 
@@ -142,6 +158,7 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
     def load_shard_state(self, tensors: List[torch.Tensor]) -> None:
         """Inverse of :meth:`shard_state`: copy a shard (from a replica or a file) into this rank."""
         mine = self.shard_state()
+        self.params_synced = False
         if len(tensors) != len(mine):
             raise ValueError(
                 f"shard has {len(tensors)} tensors, this optimizer expects {len(mine)}: "
@@ -161,6 +178,36 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
         self._copy_main_params_to_model_params()
         for model_chunk in self.model_chunks:
             model_chunk.start_param_sync(force_sync=True)
+
+
+@torch.no_grad()
+def params_from_main(optimizers: List[ReplicaDistributedOptimizer], model_chunks, intact: bool) -> int:
+    """Model params from the main shards of ``optimizers`` (a rollback, on every rank): each rank copies
+    its own shard into its params unless they are ``intact`` (the all-gather of the main shards of the
+    step rolled back to: :attr:`ReplicaDistributedOptimizer.params_synced`), then each DDP bucket group
+    is all-gathered in its optimizer instance unless every rank there is intact (one small all-reduce
+    per bucket group decides; a one-rank instance has nothing to gather). A retry keeps the model
+    (regroup.py): only the instances of the ranks that were repaired gather. Returns the bucket groups
+    gathered."""
+    if not intact:
+        for opt in optimizers:
+            opt._copy_main_params_to_model_params()
+    gathered = 0
+    for chunk in model_chunks:
+        if chunk.ddp_config.reuse_grad_buf_for_mxfp8_param_ag or chunk.ddp_config.use_megatron_fsdp:
+            chunk.start_param_sync(force_sync=True)  # megatron's own copies after the gather: all of it
+            gathered += 1
+            continue
+        for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            group = bucket_group.intra_distributed_optimizer_instance_group
+            if bucket_group.intra_distributed_optimizer_instance_size > 1:
+                flag = torch.tensor([0 if intact else 1], dtype=torch.int32,
+                                    device=bucket_group.buckets[0].param_data.device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+                if flag.item():
+                    bucket_group.start_param_sync(force_sync=True)
+                    gathered += 1
+    return gathered
 
 
 def _fuse_cpu_adam(opt: torch.optim.Optimizer) -> bool:

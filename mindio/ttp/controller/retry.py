@@ -10,6 +10,7 @@ each bounded by TTP_NORMAL_ACTION_TIME_LIMIT (processor side: inplace.py):
     ABNORMAL -RETRY-> ENV_CLEAR
       clean     every rank parked in the decorator, its groups destroyed and references dropped
       rebuild   generation g+1: new default group on store prefix mindio/gen<g+1>/, framework subgroups
+                (``same_world``: the same processes and layout, a framework may keep its objects)
     ENV_CLEAR -OK-> REPAIR
       repair    for each RS_UCE rank and optimizer type: replica source RT_SEND -> rank RT_UCE_LOWLEVEL,
                 or RT_UCE_HIGHLEVEL (need_rebuild) when the error may have hit its optimizer update
@@ -84,9 +85,11 @@ class StopRound:
         fence, the rank for the peer, until the stop's deadline (90 s by default; seen under load, in
         the dump flow and in retry). So:
 
-        1. ``stop`` to every live rank: each holds its fence and answers once its main thread is quiet,
-           at the latest after :data:`STOP_GRACE_S`, or already after :data:`STOP_LOOK_S` when it is
-           running inside a collective then (almost surely waiting for a fenced rank);
+        1. ``stop`` to every live rank: each holds its fence, asks a main thread computing outside its
+           update to leave its step (``interrupt``: the framework's hook, e.g. Megatron's layer check
+           points), and answers once its main thread is quiet, at the latest after :data:`STOP_GRACE_S`,
+           or already after :data:`STOP_LOOK_S` when it is running inside a collective then (almost
+           surely waiting for a fenced rank);
         2. ``advance`` to the ranks held before an update another rank made or started
            (policy.ranks_to_advance, the reference's prelock): they finish it, and a peer blocked in a
            collective of that update completes with them; the ranks that were running are looked at
@@ -102,8 +105,8 @@ class StopRound:
 
         {rank: Reply} (the latest reply of each rank)."""
         grace = min(params["timeout"], STOP_GRACE_S)
-        replies = self.ctl._call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace)), live,
-                             self.ctl.action_limit)
+        replies = self.ctl._call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace), interrupt=True),
+                                 live, self.ctl.action_limit)
         if not params.get("stop_clean"):  # torn down at the stop (TTP_STOP_CLEAN_BEFORE_DUMP): held as they are
             self._advance(replies, grace)
         return self._release_running(replies, params)
@@ -263,7 +266,7 @@ class Retry(Strategy):
         if not seq.step("clean", {"timeout": ctl.action_limit}, live):
             return False
         ctl.gen += 1
-        if not seq.step("rebuild", {"gen": ctl.gen, "fault_ranks": sorted(primary)}, live):
+        if not seq.step("rebuild", {"gen": ctl.gen, "fault_ranks": sorted(primary), "same_world": True}, live):
             return False
         ctl.sm.fire(Result.OK, gen=ctl.gen)
         kinds: dict = {}

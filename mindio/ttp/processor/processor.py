@@ -104,6 +104,7 @@ class Processor:
         self.first_step_pending = True  # set again when training resumes after a recovery (decorator)
         self.standby = False  # an elastic standby process until the upgrade repaired it (standby.py)
         self.gen = 0  # generation of this rank's default group (a rebuild or a replacement's start sets it)
+        self.rebuild_same_world = False  # the last rebuild kept every process and the layout (inplace.rebuild)
         self.world = inplace.World()  # the job's store, backend, timeout: what a rebuild needs
         self._force = False  # clean asked a fenced main thread to leave with FORCE STOP
         self.members: list | None = None  # the job ranks of the current torch world (None: all; elastic_rank.py)
@@ -338,17 +339,38 @@ class Processor:
             raise RuntimeError(f"no {name} callback registered (tft_register_{name}_handler)")
         return self.callbacks[name]
 
-    def _do_stop(self, timeout: float = 60.0, stop_clean: bool = False, look: float | None = None) -> dict:
+    def _do_stop(self, timeout: float = 60.0, stop_clean: bool = False, look: float | None = None,
+                 interrupt: bool = False) -> dict:
         """Hold the fence; reply once the main thread is quiet, or after ``timeout`` s, or -- with
         ``look`` -- as soon as it has been running that long and is inside a collective (blocked, most
-        likely waiting for a rank the fence holds: retry.StopRound)."""
+        likely waiting for a rank the fence holds: retry.StopRound). With ``interrupt`` (an incident's
+        stop), a main thread computing outside its optimizer update is asked to leave its step now
+        (:meth:`_interrupt`) rather than compute to its next collective, which a faulty peer fails."""
         with self._cond:
             self._hold = True
+            computing = self._main == "running" and self.data_status == OsStatus.UPDATED
             self._cond.notify_all()
+        if interrupt and computing:
+            self._interrupt()
         main = self._wait_quiet(timeout, look)
         if stop_clean and main == "fenced":  # TTP_STOP_CLEAN_BEFORE_DUMP: fenced ranks tear down too
             self.teardown(is_uce=False)
         return self._stop_reply(main)
+
+    def _interrupt(self) -> None:
+        """Call the framework's interrupt hook (``callbacks["interrupt"]``, set by
+        mindio.adapter.register: ``FrameworkAdapter.interrupt``), if any: the main thread then raises
+        FORCE STOP at its next check point (Megatron: the next layer of its forward or backward) and
+        parks. Without a hook the step runs on to its next fence or collective, as before."""
+        hook = self.callbacks.get("interrupt")
+        if hook is None:
+            return
+        func, ctx = hook
+        try:
+            func(self.step_args, ctx)
+            _logging.event("interrupted", step=self.step)
+        except Exception as exc:  # the stop goes on: the step then ends at its next collective
+            _log.error("interrupt hook failed: %s", exc)
 
     def _do_wait_quiet(self, timeout: float = 60.0) -> dict:
         """(after ``stop``, to a rank that was still running) Reply once the main thread is quiet, or

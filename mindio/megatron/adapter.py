@@ -566,6 +566,8 @@ class MegatronAdapter(FrameworkAdapter):
             ctx.scheduler.step(increment=0)
         for chunk in ctx.model:
             chunk.zero_grad_buffer()
+            for param in chunk.parameters():  # a backward the stop interrupted leaves .grad before DDP took it
+                param.grad = None
         for opt in opts:
             opt.zero_grad()
         gathered = params_from_main(opts, ctx.model, intact)

@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from mindio._ports import free_port
-from _mgt_launch import REPO
+from _mgt_launch import REPO, SLOW_MEGATRON
+
+pytestmark = SLOW_MEGATRON
 
 WORKER = REPO / "tests" / "megatron" / "_regroup_worker.py"
 

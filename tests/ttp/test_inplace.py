@@ -112,8 +112,8 @@ def test_registration_carries_the_enable_flags_and_the_controller_honours_them()
 
 
 def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_fenced_one():
-    """One ``stop`` to every rank (each answers once quiet, at the latest after the grace, or after the
-    look when it runs inside a collective); ranks held before an update another rank made: ``advance``;
+    """One ``stop`` to every rank (each interrupts a step in flight and answers once quiet, at the latest
+    after the grace, or after the look when it runs inside a collective); ranks held before an update another rank made: ``advance``;
     a rank still running while another waits at its fence: ``teardown`` to the fenced one (the blocked
     collective fails), then ``wait_quiet`` with the full timeout to the running one. Each action is sent
     once (before: a ``stop`` every STOP_LOOK_S)."""
@@ -145,7 +145,7 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
             return {r: P.Reply(ok=True, detail={"main": self.mains[r], "step": self.steps.get(r, 6),
                                                 "data_status": 0}) for r in ranks}
 
-    stop = ("stop", {"timeout": STOP_GRACE_S, "look": STOP_LOOK_S, "stop_clean": False})
+    stop = ("stop", {"timeout": STOP_GRACE_S, "look": STOP_LOOK_S, "stop_clean": False, "interrupt": True})
     ctl = Ctl({0: "fenced", 1: "parked", 2: "running", 3: "parked"})
     replies = StopRound(ctl).run([0, 1, 2, 3], {"timeout": 90.0, "stop_clean": False})
     assert ctl.calls == [stop + ([0, 1, 2, 3],), ("teardown", {}, [0]), ("wait_quiet", {"timeout": 90.0}, [2])]
@@ -191,6 +191,39 @@ def test_stop_answers_early_for_a_main_thread_blocked_in_a_collective():
         release.set()
         t.join(10)
         release.clear()
+
+
+def test_an_incidents_stop_interrupts_a_step_in_flight_but_never_an_update():
+    """``stop`` with ``interrupt`` (an incident's stop round, retry.StopRound) calls the framework's
+    interrupt hook when the main thread computes outside its optimizer update: the step leaves at its next
+    check point and parks, and the stop answers then, not after its timeout. Inside the update window
+    (between tft_start_updating_os and tft_end_updating_os), or without ``interrupt`` (elastic's stop), the
+    hook is not called and the step runs on."""
+    from mindio.ttp._enums import OsStatus
+
+    p = Processor(0, 1)
+    calls, left = [], threading.Event()
+    p.callbacks["interrupt"] = (lambda args, ctx: (calls.append(args), left.set()), None)
+
+    def step():  # computing until interrupted, then the decorator parks it
+        if left.wait(30):
+            with p._cond:
+                p._main = "parked"
+                p._cond.notify_all()
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    p._main_ident, p._main = t.ident, "running"
+    t0 = time.monotonic()
+    assert p._do_stop(timeout=20.0, look=0.2, interrupt=True)["main"] == "parked"
+    assert time.monotonic() - t0 < 10 and calls == [None]
+    t.join(10)
+    for status, interrupt in ((OsStatus.UPDATING, True), (OsStatus.UPDATED, False)):
+        p._main, p.data_status, p._hold = "running", status, False
+        left.clear()
+        t0 = time.monotonic()
+        assert p._do_stop(timeout=0.5, look=0.2, interrupt=interrupt)["main"] == "running"
+        assert time.monotonic() - t0 >= 0.5 and calls == [None] and not left.is_set()
 
 
 def test_unhold_lets_a_rank_held_at_its_fence_run_on():

@@ -59,7 +59,7 @@ from ... import _knobs, _logging
 
 __all__ = ["DeviceBackend", "GlooBackend", "NcclBackend", "HcclBackend", "backend_for",
            "teardown", "kill_hung", "all_groups", "destroy_all", "destroy_groups", "group_settings",
-           "freeze_startup_objects", "collect", "release", "forget_default_arguments"]
+           "freeze_startup_objects", "collect", "release", "forget_default_arguments", "flush_autograd"]
 
 _log = logging.getLogger("mindio.ttp.device")
 
@@ -225,6 +225,23 @@ def destroy_all() -> list:
     groups = all_groups()
     destroy_groups()
     return groups
+
+
+def flush_autograd() -> None:
+    """(on the thread whose backward raised) Let the autograd engine drop what an interrupted backward left.
+
+    A backward that raised -- a failed collective inside it, or a stop's interrupt at a gradient hook
+    (mindio/megatron/adapter.py) -- leaves the nodes it had queued in the CPU ready queue of the thread
+    that called it, until that thread's next backward: they keep what they saved (activations, and what
+    autograd functions keep for their backward, e.g. megatron's tensor-parallel group), so a group could
+    outlive its teardown and a peer blocked in a collective with this rank would never be released
+    (measured: TP=2, a backward interrupted on one rank, its peer blocked until the test's bound). An empty
+    backward on the same thread pops and discards them (their graph task is gone)."""
+    try:
+        leaf = torch.zeros((), requires_grad=True)
+        leaf.backward()
+    except Exception as exc:  # never let the teardown fail on this
+        _log.debug("autograd flush failed: %s", exc)
 
 
 def collect() -> float:

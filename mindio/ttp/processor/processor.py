@@ -242,6 +242,8 @@ class Processor:
         except Exception as exc:
             _log.error("device stop failed: %s", exc)
         ms["device_stop"] = round((time.monotonic() - t0) * 1000, 2)
+        if threading.get_ident() == self._main_ident:  # the decorator's teardown: the step's backward may have raised
+            device.flush_autograd()
         for name, call in (("stop", lambda f, c: f(self.step_args, c)),
                            ("clean", lambda f, c: f(is_uce, self.step_args, c))):
             if name in self.callbacks:

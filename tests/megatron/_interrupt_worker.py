@@ -1,0 +1,74 @@
+"""Worker for test_interrupt.py (2 gloo ranks, DP=2): the Megatron check points (adapter.install_stop_checks)
+make a step leave with FORCE STOP once the stop is requested -- here in the middle of its backward, after
+some gradients were accumulated -- and after the rollback the next steps are bitwise those of a run that
+was never interrupted.
+
+    _interrupt_worker.py plain|backward|forward
+
+Prints ``grad-norms [...]`` and ``params-digest <hex>`` after 3 completed steps.
+"""
+
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "megatron"))
+import pretrain_gpt as pg  # noqa: E402
+
+from mindio import megatron as mio  # noqa: E402
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")  # one write: the two ranks' lines never interleave in the pipe
+    sys.stdout.flush()
+
+
+def main():
+    where = sys.argv[1]
+    args = pg.parse_args(["--use-distributed-optimizer", "--replica-cnt", "1"])
+    pg.initialize(args)
+    dataset = pg.CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
+    args.padded_vocab_size = dataset.vocab_size
+    ctx = mio.TrainingContext(args, build=lambda: pg.setup_model_and_optimizer(args))
+    ctx.init_parallel()
+    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+    adapter = mio.MegatronAdapter(ctx)
+    norms = []
+
+    def step():
+        it = pg.batch_iterator(dataset, ctx.consumed_samples, args)
+        _, norm, _ = pg.train_step(pg.forward_step, it, ctx.model, ctx.optimizer, ctx.scheduler, ctx)
+        ctx.record_step_rng()
+        norms.append(norm)
+
+    step()
+    if where != "plain":
+        params = [p for p in ctx.model[0].parameters() if p.requires_grad]
+        trigger = params[len(params) // 2]
+        if where == "backward":  # the stop arrives once half the gradients were accumulated
+            handle = trigger.register_post_accumulate_grad_hook(lambda _p: adapter.interrupt())
+        else:  # during the forward, after the first layers ran
+            handle = ctx.model[0].module.decoder.layers[0].register_forward_hook(lambda *_a: adapter.interrupt())
+        try:
+            step()
+            raise AssertionError("the step was not interrupted")
+        except RuntimeError as exc:
+            assert "FORCE STOP" in str(exc), exc
+        say(f"interrupted in the {where}")
+        if where == "backward":
+            assert any(p.grad is not None for p in params), "no gradient was left to clean"
+        handle.remove()
+        adapter.rollback(ctx.iteration)  # what a retry ends with (the stop flag is cleared there too)
+    step()
+    step()
+    digest = hashlib.sha256()
+    for p in ctx.model[0].parameters():
+        digest.update(p.detach().contiguous().numpy().tobytes())
+    say(f"grad-norms {norms}")
+    say(f"params-digest {digest.hexdigest()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -126,10 +126,11 @@ class FrameworkAdapter(abc.ABC):
     supports_provisional_dump = False
     #: (set by mindio before ``save`` / ``rename``) "" or the subdirectory of a provisional dump
     provisional = ""
-    #: (set by mindio before ``rebuild_groups``) True when every rank of the new world is the process that
-    #: was there before, with the same layout (a retry): what ``clean`` kept may be used again, with the
-    #: new groups in place of the old (every rank decides the same way: rebuilding is collective)
-    rebuild_same_world = False
+    #: (set by mindio before ``rebuild_groups``) True when the new world has the same ranks and parallel
+    #: layout as the last one (retry, recover-in-place, recover, hot switch; some ranks may be replacement
+    #: processes building from scratch): what ``clean`` kept may be used again with the new groups in place
+    #: of the old, provided the collectives a build runs are still run (a replacement's build meets them)
+    rebuild_same_layout = False
 
     def interrupt(self) -> None:
         """(mindio's action thread, when an incident stops this rank while its main thread computes
@@ -168,7 +169,7 @@ def register(adapter: FrameworkAdapter, step_args: Any = None) -> None:
     from mindio.ttp._runtime import state
 
     def rebuild_group(fault_ranks, args, ctx):
-        adapter.rebuild_same_world = bool(getattr(state.processor, "rebuild_same_world", False))
+        adapter.rebuild_same_layout = bool(getattr(state.processor, "rebuild_same_layout", False))
         adapter.rebuild_groups(fault_ranks)
     ttp.tft_register_rebuild_group_handler(rebuild_group, adapter)
     ttp.tft_register_repair_handler(

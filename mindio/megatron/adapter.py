@@ -57,13 +57,16 @@ class TrainingContext:
     #: recovery built the model again and the rollback (or a load) has not set them; None otherwise
     params_pending: Optional[str] = None
     #: (model chunks, optimizer, scheduler, regroup.Unplugged) that clean() kept with their process groups
-    #: unplugged, for a rebuild of the same world (a retry) to plug the new groups into; None otherwise
+    #: unplugged, for a rebuild of the same layout (regroup.py) to plug the new groups into; None otherwise
     _parked: Optional[tuple] = None
+    #: the collectives the last build ran (regroup.recording): a rank that keeps its model runs them again
+    #: at a rebuild, so that a rank building from scratch (a replacement process) meets them
+    _build_calls: Optional[list] = None
 
     def __post_init__(self):
         from mindio.ttp.processor import reboot
 
-        self.build = _with_stop_checks(self.build, self.stop_requested)
+        self.build = _instrumented(self.build, self)
 
         if reboot.is_reboot():  # a replacement process: its first build's weights come from the replicas
             plain = self.build
@@ -231,11 +234,15 @@ def install_stop_checks(model_chunks, event: threading.Event) -> int:
     return n
 
 
-def _with_stop_checks(build: Callable[[], tuple], event: threading.Event) -> Callable[[], tuple]:
-    """``build`` whose model gets :func:`install_stop_checks`."""
+def _instrumented(build: Callable[[], tuple], ctx: "TrainingContext") -> Callable[[], tuple]:
+    """``build`` whose collectives are recorded (``ctx._build_calls``, regroup.recording) and whose model
+    gets :func:`install_stop_checks`."""
     def built() -> tuple:
-        model, optimizer, scheduler = build()
-        install_stop_checks(model, event)
+        calls: list = []
+        with regroup.recording(calls):
+            model, optimizer, scheduler = build()
+        ctx._build_calls = calls
+        install_stop_checks(model, ctx.stop_requested)
         return model, optimizer, scheduler
     return built
 
@@ -455,24 +462,32 @@ class MegatronAdapter(FrameworkAdapter):
         if parked is not None and build_again:
             ctx._spares = spare_buffers(parked[0], ctx._kept)
 
-    def _plug_possible(self) -> bool:
-        """Has every group the parked objects held a counterpart (same ranks and description) now?"""
+    @staticmethod
+    def _groups() -> list:
         from mindio.ttp.processor import device
 
-        missing = regroup.missing(self.ctx._parked[3], device.all_groups() + [dist.group.WORLD])
-        if missing:
-            _log.warning("rebuild: the kept model cannot take the new process groups (none for %s); "
-                         "building it again", missing[:4])
-        return not missing
+        return device.all_groups() + [dist.group.WORLD]
+
+    def _can_keep(self) -> bool:
+        """(rebuild of the same layout) Can this rank keep what clean() parked: is there a parked model
+        with its kept state, a counterpart (same ranks and description) of every group it held, and a
+        record of its build's collectives that can be run again (regroup.replayable)?"""
+        ctx = self.ctx
+        if ctx._parked is None or ctx._kept is None:
+            return False
+        why = regroup.replayable(ctx._build_calls, self._groups())
+        missing = regroup.missing(ctx._parked[3], self._groups())
+        if missing or why:
+            _log.warning("rebuild: the kept model is built again: %s", why or f"no new process group for {missing[:4]}")
+            return False
+        return True
 
     def _plug(self) -> None:
-        """(rebuild_groups of the same world, :meth:`_plug_possible` on every rank) Put the new
-        generation's groups into the parked objects and take them back."""
-        from mindio.ttp.processor import device
-
+        """(rebuild_groups of the same layout, :meth:`_can_keep`) Put the new generation's groups into the
+        parked objects and take them back."""
         ctx = self.ctx
         model, optimizer, scheduler, unplugged = ctx._parked
-        places = regroup.plug(unplugged, device.all_groups() + [dist.group.WORLD])
+        places = regroup.plug(unplugged, self._groups())
         ctx._parked = None
         ctx.model, ctx.optimizer, ctx.scheduler = model, optimizer, scheduler
         _log.info("rebuild: the kept model and optimizer took the new process groups (%d places)", places)
@@ -489,13 +504,14 @@ class MegatronAdapter(FrameworkAdapter):
         """
         ctx = self.ctx
         ctx.init_parallel()
-        if self.rebuild_same_world:  # every rank runs this with its kept objects (a retry): all plug, or none
-            plug = ctx._parked is not None and ctx._kept is not None and self._plug_possible()
-            if _all_ranks_agree(plug):
-                self._plug()
-                ctx._kept = None  # the shards, scalars and params are the live ones: nothing to put back
-                ctx.stop_requested.clear()
-                return
+        if self.rebuild_same_layout and self._can_keep():
+            # the collectives of the build this rank skips: a rank that builds (a replacement process, or a
+            # rank that could not keep its model) runs them in its build and meets these
+            regroup.replay(ctx._build_calls, self._groups())
+            self._plug()
+            ctx._kept = None  # the shards, scalars and params are the live ones: nothing to put back
+            ctx.stop_requested.clear()
+            return
         if ctx._parked is not None:
             self._unpark(build_again=True)
         ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "rebuild", ctx._spares)
@@ -597,16 +613,6 @@ class MegatronAdapter(FrameworkAdapter):
     def stream_sync(self) -> None:
         if torch.cuda.is_available() and not _cpu_patched():
             torch.cuda.synchronize()
-
-
-def _all_ranks_agree(flag: bool) -> bool:
-    """True when ``flag`` is True on every rank of the default group (one small all-reduce)."""
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and torch.cuda.is_available() \
-        else torch.device("cpu")
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 def _require_built(ctx: TrainingContext, role: str) -> None:

@@ -20,14 +20,23 @@ description. A group the walk cannot see (held by a closure or by C++ only) woul
 caught by :func:`unplug`'s check of what still refers to the groups it found, and the model is then
 dropped and built again, as before. Using a socket before it is plugged raises, naming the group.
 
-Only for a rebuild in which every rank of the new world is the process that was there before, with
-the same layout (a retry); the recoveries that start replacement processes, or change the world,
-build again, since a fresh process's build runs collectives the kept objects would not join.
+Only for a rebuild of the same ranks and parallel layout (retry, recover-in-place, recover, hot
+switch); an elastic change builds again. Some ranks of such a rebuild may build from scratch -- a
+replacement process, or a rank that could not keep its model -- and a build runs collectives (megatron-
+core 0.16: one ``all_gather_object`` of the param-group keys over the world, in
+``get_megatron_optimizer``). So every build records the collectives it calls through
+``torch.distributed`` (:func:`recording`), and a rank that keeps its model runs them again with the
+same arguments on the new groups (:func:`replay`): the builders meet them. A build that ran a collective
+that cannot be run again without its tensors (:data:`REPLAYABLE`) is not kept: the rank builds again.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import enum
+import functools
+import inspect
 import gc
 import logging
 import types
@@ -37,7 +46,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Socket", "unplug", "plug", "group_key", "Unplugged"]
+__all__ = ["Socket", "unplug", "plug", "missing", "held_elsewhere", "group_key", "Unplugged", "recording",
+           "replayable", "replay"]
 
 _log = logging.getLogger(__name__)
 
@@ -240,3 +250,89 @@ def plug(unplugged: Unplugged, groups: List[Any]) -> int:
         raise RuntimeError(f"no new process group for {gone[:4]}: the layout changed")
     by_id = {id(s): new[k] for k, s in unplugged.sockets.items()}
     return _walk(unplugged.roots, lambda v: by_id.get(id(v), v) if isinstance(v, Socket) else v)
+
+
+# ----------------------------------------------------------------------- the collectives of a build
+#: collectives a rank keeping its model can run again from what :func:`recording` kept
+REPLAYABLE = ("all_gather_object", "broadcast_object_list", "barrier")
+_WATCHED = REPLAYABLE + ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce",
+                         "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
+                         "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+                         "gather_object", "scatter_object_list", "monitored_barrier")
+
+
+def _recorder(name: str, fn, calls: list):
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def recorded(*args, **kwargs):
+        try:
+            bound = dict(signature.bind(*args, **kwargs).arguments)
+        except TypeError:
+            bound = {}
+        group = bound.pop("group", None)
+        key = None if group is None else group_key(group)
+        if group is not None and key is None:
+            kept = ("unregistered group",)
+        elif name == "all_gather_object":
+            kept = {"obj": copy.deepcopy(bound.get("obj"))}
+        elif name == "broadcast_object_list":
+            kept = {"object_list": copy.deepcopy(list(bound.get("object_list", ()))),
+                    **{k: bound[k] for k in ("src", "group_src") if bound.get(k) is not None}}
+        elif name == "barrier":
+            kept = {}
+        else:
+            kept = None  # a tensor collective: not replayable
+        calls.append((name, kept, key))
+        return fn(*args, **kwargs)
+
+    recorded.mindio_recorded = True
+    return recorded
+
+
+@contextlib.contextmanager
+def recording(calls: list):
+    """Record, into ``calls``, each collective called through ``torch.distributed`` inside the block:
+    ``(name, what to call it with again or None, group key or None for the default group)``."""
+    saved = {}
+    for name in _WATCHED:
+        fn = getattr(dist, name, None)
+        if fn is None or getattr(fn, "mindio_recorded", False):
+            continue  # absent in this torch, or already recorded by an enclosing block
+        saved[name] = fn
+        setattr(dist, name, _recorder(name, fn, calls))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def replayable(calls: Optional[list], groups: List[Any]) -> str:
+    """"" when :func:`replay` can run ``calls`` on ``groups`` (the registered groups now); else why not."""
+    if calls is None:
+        return "its build's collectives were not recorded"
+    new = _by_key(groups)
+    for name, kept, key in calls:
+        if name not in REPLAYABLE or not isinstance(kept, dict):
+            return f"its build ran {name}, which cannot be run again without the build"
+        if key is not None and key not in new:
+            return f"no new process group {key[0] or ''} of ranks {list(key[1])[:8]} for its build's {name}"
+    return ""
+
+
+def replay(calls: list, groups: List[Any]) -> int:
+    """Run the recorded collectives of a build again on the new groups (:func:`replayable` said yes);
+    what they return is dropped. Returns how many ran."""
+    new = _by_key(groups)
+    for name, kept, key in calls:
+        group = None if key is None else new[key]
+        if name == "all_gather_object":
+            out = [None] * dist.get_world_size(group)
+            dist.all_gather_object(out, kept["obj"], group=group)
+        elif name == "broadcast_object_list":
+            dist.broadcast_object_list(copy.deepcopy(kept["object_list"]), group=group,
+                                       **{k: v for k, v in kept.items() if k != "object_list"})
+        else:
+            dist.barrier(group=group)
+    return len(calls)

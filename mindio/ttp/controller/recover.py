@@ -13,8 +13,9 @@ when this starts. Sequence, each step bounded (MINDIO_RECOVER_TIMEOUT, TTP_NORMA
       clean       survivors: groups destroyed, references dropped (inplace.py)
       replace     generation g+1; the replacer starts the dead ranks with MINDIO_REBOOT_GEN=g+1
                   (reboot.py: the new process joins the world on store prefix mindio/gen<g+1>/)
-      rebuild     survivors: new default group + framework subgroups; completes together with the
-                  replacement's own init_process_group / subgroup creation
+      rebuild     survivors: new default group + framework subgroups (``same_layout``: a framework may
+                  keep its objects, inplace.rebuild); completes together with the replacement's own
+                  init_process_group / subgroup creation and its build
       register    the replacement registers carrying generation g+1 (older generations are refused)
       prerepair   the replacement built its model/optimizer and parked before train()
     ENV_CLEAR -OK-> REPAIR
@@ -184,7 +185,8 @@ class Replace(Strategy):
         seq.mark("replace")
         deadline = time.monotonic() + rep.timeout
         moved = getattr(rep.replacer, "store_moved", "")  # node 0 lost: the job's store moved (launch/takeover.py)
-        if not seq.step("rebuild", {"gen": gen, "fault_ranks": dead, **({"store": moved} if moved else {})},
+        if not seq.step("rebuild", {"gen": gen, "fault_ranks": dead, "same_layout": True,
+                                    **({"store": moved} if moved else {})},
                         survivors, timeout=rep.timeout,
                         watch=survivors, abandon=survivors):
             return False

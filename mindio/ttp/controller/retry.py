@@ -10,7 +10,7 @@ each bounded by TTP_NORMAL_ACTION_TIME_LIMIT (processor side: inplace.py):
     ABNORMAL -RETRY-> ENV_CLEAR
       clean     every rank parked in the decorator, its groups destroyed and references dropped
       rebuild   generation g+1: new default group on store prefix mindio/gen<g+1>/, framework subgroups
-                (``same_world``: the same processes and layout, a framework may keep its objects)
+                (``same_layout``: the same ranks and layout, a framework may keep its objects)
     ENV_CLEAR -OK-> REPAIR
       repair    for each RS_UCE rank and optimizer type: replica source RT_SEND -> rank RT_UCE_LOWLEVEL,
                 or RT_UCE_HIGHLEVEL (need_rebuild) when the error may have hit its optimizer update
@@ -266,7 +266,7 @@ class Retry(Strategy):
         if not seq.step("clean", {"timeout": ctl.action_limit}, live):
             return False
         ctl.gen += 1
-        if not seq.step("rebuild", {"gen": ctl.gen, "fault_ranks": sorted(primary), "same_world": True}, live):
+        if not seq.step("rebuild", {"gen": ctl.gen, "fault_ranks": sorted(primary), "same_layout": True}, live):
             return False
         ctl.sm.fire(Result.OK, gen=ctl.gen)
         kinds: dict = {}

@@ -13,9 +13,10 @@ in this order, one action in flight, each to every live rank unless said otherwi
    ``mindio/gen<gen>/`` (keys of an older generation can never meet this one), device re-init, then the
    framework's ``rebuild_group(fault_ranks, args, ctx)`` callback re-creates its subgroups. With
    ``store`` (host:port) the job's store moved (node 0 lost): the new group is made there (World.move).
-   ``same_world`` (a retry): every rank of the new world is the process that was there, with the same
-   layout, so a framework may keep its objects and plug the new groups in (``rebuild_same_world`` on the
-   processor; the Megatron adapter does, mindio/megatron/regroup.py).
+   ``same_layout`` (retry, recover-in-place, recover, hot switch): the new world has the same ranks and
+   parallel layout; a rank that is the process it was (not a replacement) may keep its framework objects
+   and plug the new groups in (``rebuild_same_layout`` on the processor; the Megatron adapter does,
+   mindio/megatron/regroup.py).
 3. ``repair(step, error_ranks, pairs)`` (only the ranks named in ``pairs``): for each pair
    ``{"type", "src", "dst"}`` in the given order, the source calls ``repair(step, False, error_ranks,
    {"type", "repair_type": "RT_SEND", "src", "dst", "rank_list"}, args, ctx)`` and the destination the
@@ -113,9 +114,9 @@ def clean(p, timeout: float = 60.0) -> dict:
     return {"main": main, "destroyed": destroyed}
 
 
-def rebuild(p, gen: int, fault_ranks: list, store: str = "", same_world: bool = False) -> dict:
+def rebuild(p, gen: int, fault_ranks: list, store: str = "", same_layout: bool = False) -> dict:
     p.world.require()
-    p.rebuild_same_world = bool(same_world)  # the framework adapter reads it (adapter/interface.py)
+    p.rebuild_same_layout = bool(same_layout)  # the framework adapter reads it (adapter/interface.py)
     if store:  # the job's store moved (node 0 lost): the controller names the new one
         p.world.move(store)
     t0 = time.monotonic()

@@ -104,7 +104,7 @@ class Processor:
         self.first_step_pending = True  # set again when training resumes after a recovery (decorator)
         self.standby = False  # an elastic standby process until the upgrade repaired it (standby.py)
         self.gen = 0  # generation of this rank's default group (a rebuild or a replacement's start sets it)
-        self.rebuild_same_world = False  # the last rebuild kept every process and the layout (inplace.rebuild)
+        self.rebuild_same_layout = False  # the last rebuild kept the ranks and the layout (inplace.rebuild)
         self.world = inplace.World()  # the job's store, backend, timeout: what a rebuild needs
         self._force = False  # clean asked a fenced main thread to leave with FORCE STOP
         self.members: list | None = None  # the job ranks of the current torch world (None: all; elastic_rank.py)

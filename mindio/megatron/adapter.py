@@ -509,7 +509,10 @@ class MegatronAdapter(FrameworkAdapter):
             # rank that could not keep its model) runs them in its build and meets these
             regroup.replay(ctx._build_calls, self._groups())
             self._plug()
-            ctx._kept = None  # the shards, scalars and params are the live ones: nothing to put back
+            # the shards, scalars and params are the live ones: nothing to put back; until the rollback a
+            # dump still writes the state dict clean() kept (the groups may be gone again by then)
+            kept = ctx._kept
+            ctx._kept = {"checkpoint": kept["checkpoint"]} if kept.get("checkpoint") is not None else None
             ctx.stop_requested.clear()
             return
         if ctx._parked is not None:

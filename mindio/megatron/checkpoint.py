@@ -309,12 +309,12 @@ def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bo
         return False
     if ctx.iteration != step:
         raise RuntimeError(f"dump for step {step} asked, but this rank's state is at iteration {ctx.iteration}")
-    if ctx.optimizer is not None and ctx.params_pending is None:
-        sd = snapshot(ctx)
-    elif ctx._kept is not None and ctx._kept.get("checkpoint") is not None:
-        # kept by clean(), which ran when this rank's training raised, or before a rebuild whose
-        # rollback has not run (the rebuilt model's params are not the trained ones)
+    if ctx._kept is not None and ctx._kept.get("checkpoint") is not None:
+        # kept by clean(), which ran when this rank's training raised, or before a rebuild whose rollback
+        # has not run (a rebuilt model's params are not the trained ones; a kept model's groups may be gone)
         sd = ctx._kept["checkpoint"]
+    elif ctx.optimizer is not None and ctx.params_pending is None:
+        sd = snapshot(ctx)
     elif ctx.params_pending is not None:
         raise RuntimeError(f"dump of step {step}: rank {rank}'s model was built again ({ctx.params_pending}) "
                            "and not rolled back, so its params are not the trained ones, and clean() kept "

@@ -270,7 +270,8 @@ _ITER = re.compile(r"^iteration\s+(\d+)/\d+ \|")
 _T = re.compile(r"\bt=([0-9.]+)")
 
 
-_DATA = re.compile(r"^bench-job: (save|load|dump|repair-send|repair-recv) rank=(\d+) bytes=(\d+) s=([0-9.]+)")
+# not anchored: another process's unterminated output (a rank's stderr) can precede the line in the pipe
+_DATA = re.compile(r"bench-job: (save|load|dump|repair-send|repair-recv) rank=(\d+) bytes=(\d+) s=([0-9.]+)")
 _STEP_MS = re.compile(r"^iteration\s+(\d+)/\d+ \|.*\| step ([0-9.]+) ms")
 _STATE = re.compile(r"optimizer-state-bytes: (\d+) on rank 0 \(P=(\d+), R=(\d+), d=(\d+)")
 
@@ -279,7 +280,7 @@ def transfers(lines) -> Dict[str, List[tuple]]:
     """``bench-job: <label> rank= bytes= s=`` lines (bench/_job.py) -> {label: [(rank, bytes, s)]}."""
     out: Dict[str, List[tuple]] = {}
     for _, s in lines:
-        m = _DATA.match(s)
+        m = _DATA.search(s)
         if m:
             out.setdefault(m.group(1), []).append((int(m.group(2)), int(m.group(3)), float(m.group(4))))
     return out
@@ -367,8 +368,8 @@ def analyse(run: Run, fault_step: int) -> dict:
     detect = first_event(("report_received", "rank_dead"))
     stop = first_event(("action",), action="stop")
     rename = first_event(("action",), action="rename")
-    _, start_line = first_line(r"^bench-job: start ")  # a relaunched (or resubmitted) rank 0
-    _, imports_line = first_line(r"^bench-job: imports ")
+    _, start_line = first_line(r"bench-job: start ")  # a relaunched (or resubmitted) rank 0
+    _, imports_line = first_line(r"bench-job: imports ")
     loaded_t, loaded = first_line(r"^loaded checkpoint iteration (\d+)")
     launcher_detect, _ = first_line(r"closing signal|round \d+ failed")
     failed_round = first_event(("round_failed",))  # mindio-run saw a worker exit non-zero

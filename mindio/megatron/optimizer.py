@@ -184,11 +184,12 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
 def params_from_main(optimizers: List[ReplicaDistributedOptimizer], model_chunks, intact: bool) -> int:
     """Model params from the main shards of ``optimizers`` (a rollback, on every rank): each rank copies
     its own shard into its params unless they are ``intact`` (the all-gather of the main shards of the
-    step rolled back to: :attr:`ReplicaDistributedOptimizer.params_synced`), then each DDP bucket group
-    is all-gathered in its optimizer instance unless every rank there is intact (one small all-reduce
-    per bucket group decides; a one-rank instance has nothing to gather). A retry keeps the model
-    (regroup.py): only the instances of the ranks that were repaired gather. Returns the bucket groups
-    gathered."""
+    step rolled back to: :attr:`ReplicaDistributedOptimizer.params_synced`); then, for each DDP bucket
+    group, in its optimizer instance (one small all-gather of the members' flags decides; a one-rank
+    instance has nothing to gather): nothing when every member is intact; when one is not, the others
+    send it their shards point to point (an intact rank needs nothing: half the bytes of an all-gather
+    in a 2-rank instance); else megatron's all-gather. A kept model (regroup.py) gathers only where a
+    rank was repaired or replaced. Returns the bucket groups that moved params."""
     if not intact:
         for opt in optimizers:
             opt._copy_main_params_to_model_params()
@@ -199,15 +200,40 @@ def params_from_main(optimizers: List[ReplicaDistributedOptimizer], model_chunks
             gathered += 1
             continue
         for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            size = bucket_group.intra_distributed_optimizer_instance_size
+            if size == 1:
+                continue
             group = bucket_group.intra_distributed_optimizer_instance_group
-            if bucket_group.intra_distributed_optimizer_instance_size > 1:
-                flag = torch.tensor([0 if intact else 1], dtype=torch.int32,
-                                    device=bucket_group.buckets[0].param_data.device)
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-                if flag.item():
-                    bucket_group.start_param_sync(force_sync=True)
-                    gathered += 1
+            device = bucket_group.buckets[0].param_data.device
+            flags = torch.zeros(size, dtype=torch.int32, device=device)
+            torch.distributed.all_gather_into_tensor(flags, torch.tensor([0 if intact else 1], dtype=torch.int32,
+                                                                         device=device), group=group)
+            stale = [i for i, f in enumerate(flags.tolist()) if f]
+            if len(stale) == 1:
+                _send_shards_to(bucket_group, stale[0])
+            elif stale:
+                bucket_group.start_param_sync(force_sync=True)
+            gathered += bool(stale)
     return gathered
+
+
+def _send_shards_to(bucket_group, dst: int) -> None:
+    """Every member of the bucket group's optimizer instance but ``dst`` (its group rank) sends its own
+    shard of each bucket's params to ``dst``, which receives them into place: ``dst`` ends with the
+    all-gathered params, the others already had them."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    group = bucket_group.intra_distributed_optimizer_instance_group
+    me, size = bucket_group.intra_distributed_optimizer_instance_rank, bucket_group.intra_distributed_optimizer_instance_size
+    works = []
+    for bucket in bucket_group.buckets:
+        shards = shard_buffer(bucket.param_data, size)
+        if me == dst:
+            works += [torch.distributed.irecv(shards[j], group=group, group_src=j) for j in range(size) if j != dst]
+        else:
+            works.append(torch.distributed.isend(shards[me], group=group, group_dst=dst))
+    for work in works:
+        work.wait()
 
 
 def _fuse_cpu_adam(opt: torch.optim.Optimizer) -> bool:

@@ -1,7 +1,7 @@
 """Worker for test_regroup.py: one gloo rank (its own process: a default group in pytest's process would
 outlive the test), groups held the ways megatron's objects hold them, unplugged, destroyed, plugged.
 
-    _regroup_worker.py plug|closure|layout
+    _regroup_worker.py plug|closure|layout|replay
 """
 import collections
 import dataclasses
@@ -56,9 +56,40 @@ def teardown() -> None:
     device.destroy_groups()
 
 
+def replay_case() -> None:
+    """A build's collectives are recorded; the object ones run again on the new groups, a tensor one is
+    named as the reason not to keep the model."""
+    tp, dp = world()
+    calls = []
+    with regroup.recording(calls):
+        out = [None]
+        dist.all_gather_object(out, ("keys", 1))  # what megatron's get_megatron_optimizer does
+        dist.barrier(group=dp)
+    assert dist.all_gather_object.__name__ == "all_gather_object" and not hasattr(dist.all_gather_object,
+                                                                                "mindio_recorded")
+    assert [(n, k) for n, _a, k in calls] == [("all_gather_object", None),
+                                              ("barrier", ("DATA_PARALLEL_GROUP", (0,)))], calls
+    store = dist.distributed_c10d._get_default_store()
+    del tp, dp
+    teardown()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.PrefixStore("gen1/", store))
+    groups = lambda: device.all_groups() + [dist.group.WORLD]  # noqa: E731
+    assert "DATA_PARALLEL_GROUP" in regroup.replayable(calls, groups())  # not created yet
+    world()
+    assert regroup.replayable(calls, groups()) == ""
+    assert regroup.replay(calls, groups()) == 2
+    with regroup.recording(calls):
+        dist.all_reduce(torch.ones(1))
+    assert "all_reduce" in regroup.replayable(calls, groups())
+    print("replay: ok", flush=True)
+    teardown()
+
+
 def main(case: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
     dist.init_process_group("gloo", rank=0, world_size=1)
+    if case == "replay":
+        return replay_case()
     tp, dp = world()
     model = Module(tp, dp)
     if case == "closure":

@@ -186,6 +186,7 @@ class Liveness:
                     r.alive, r.faulty = False, True
                     newly.append(rank)
             if newly:
+                self.ctl.actions.lost(newly)
                 self.ctl._cond.notify_all()
         if newly and self.ctl.sm.state in (State.EXIT, State.FINAL):
             # the controller ordered every rank to exit: a process ending now carries that order out (no

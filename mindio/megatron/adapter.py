@@ -390,9 +390,9 @@ class MegatronAdapter(FrameworkAdapter):
         sharded state dict (model weights too, detached from their grad buffers), for a dump that
         follows the fault -- the ranks whose training raised have always been cleaned by then."""
         ctx = self.ctx
-        # a second fault before the rollback: the rebuilt model's params are not the trained ones, so
-        # a dump can only come from the state kept at the first fault
-        earlier = ctx._kept.get("checkpoint") if ctx.params_pending and ctx._kept else None
+        # a second fault before the rollback: the rebuilt model's params are not the trained ones (and a
+        # kept model's groups may be gone), so a dump comes from the state kept at the first fault
+        earlier = ctx._kept.get("checkpoint") if ctx._kept else None
         try:
             if ctx.optimizer is not None:
                 try:
@@ -409,17 +409,20 @@ class MegatronAdapter(FrameworkAdapter):
                 if ctx._kept is not None and not is_uce_error:  # a UCE rank never dumps
                     try:
                         ctx._kept["checkpoint"] = (checkpoint.snapshot(ctx) if ctx.params_pending is None
-                                                   else earlier)
+                                                   and earlier is None else earlier)
                     except Exception as exc:
                         _log.warning("clean: no checkpoint state kept (%s): this rank cannot write a "
                                      "dump", _describe(exc))
             _drop_autograd_graphs(ctx.model)
-            ctx._parked = self._park() if ctx._kept is not None and ctx.params_pending is None else None
-            if ctx._parked is None:
-                ctx._spares = spare_buffers(ctx.model, ctx._kept)  # memory the rebuild's DDP takes again
+            parked_now = False
+            if ctx.model is not None:  # (a second clean -- a fenced rank torn down, then cleaned -- has none)
+                ctx._parked = self._park() if ctx._kept is not None and ctx.params_pending is None else None
+                parked_now = ctx._parked is not None
+                if not parked_now:
+                    ctx._spares = spare_buffers(ctx.model, ctx._kept)  # memory the rebuild's DDP takes again
             ctx.model = ctx.optimizer = ctx.scheduler = None
             dropped = _drop_megatron_groups()
-            if ctx._parked is not None:
+            if parked_now:
                 held = regroup.held_elsewhere(ctx._parked[3].groups, ())
                 if held:
                     _log.warning("clean: process groups %s are still referenced where the model's groups were "

@@ -3,7 +3,7 @@ make a step leave with FORCE STOP once the stop is requested -- here in the midd
 some gradients were accumulated -- and after the rollback the next steps are bitwise those of a run that
 was never interrupted.
 
-    _interrupt_worker.py plain|backward|forward
+    _interrupt_worker.py plain|backward|forward|cleaned-twice
 
 Prints ``grad-norms [...]`` and ``params-digest <hex>`` after 3 completed steps.
 """
@@ -44,7 +44,26 @@ def main():
         norms.append(norm)
 
     step()
-    if where != "plain":
+    if where == "cleaned-twice":  # a fenced rank torn down at the stop, then cleaned again (FORCE STOP)
+        from mindio.ttp.processor import inplace
+        from mindio.ttp.processor.processor import Processor
+
+        proc = Processor(torch.distributed.get_rank(), 2)
+
+        def rebuild(fault_ranks, _args, _ctx):
+            adapter.rebuild_same_layout = True  # what mindio.adapter.register's wrapper sets for a retry
+            adapter.rebuild_groups(fault_ranks)
+        proc.callbacks = {"stop": (lambda a, c: adapter.stop(), None),
+                          "clean": (lambda u, a, c: adapter.clean(u), None), "rebuild_group": (rebuild, None)}
+        model = ctx.model
+        proc.teardown(is_uce=False)
+        proc.teardown(is_uce=False)
+        assert ctx._parked is not None and ctx._parked[0] is model, "the second clean lost the kept model"
+        inplace.rebuild(proc, gen=1, fault_ranks=[], same_layout=True)
+        assert ctx.model is model and len(ctx.shard_groups()) == 1, "the kept model was not taken back"
+        say("kept across two cleans")
+        adapter.rollback(ctx.iteration)
+    elif where != "plain":
         params = [p for p in ctx.model[0].parameters() if p.requires_grad]
         trigger = params[len(params) // 2]
         if where == "backward":  # the stop arrives once half the gradients were accumulated

@@ -314,6 +314,8 @@ class Agent:
                 old = self._workers.get(rank)
                 if old is not None and reboot_type == "hot switch":
                     self._switched_out(rank, old)
+                elif old is not None and self._ha is not None:
+                    self._ha.replaced(rank, old)  # an exit the watch had not seen yet is accounted for
                 if old is not None and old.poll() is None:
                     old.kill()  # the controller declared it dead: it must not linger
                 backup = switch.take(self, rank, gen) if reboot_type == "hot switch" else None

@@ -291,6 +291,7 @@ class RoundWatch:
         self.reported: set = set()  # worker processes whose exit was reported
         self.dead_since: float | None = None  # a death waits for the controller's decision since then
         self.declared_lost: set = set()  # nodes declared lost to the controller
+        self.unrecorded: dict = {}  # {rank: code} reported by :meth:`replaced`, error files read at the next tick
         # a standby that took a node in this round must not replay orders its predecessor carried out
         self.replace_seen = agent.store.add(f"round/{rnd}/replace/{agent.cfg.node_rank}", 0)
 
@@ -322,6 +323,19 @@ class RoundWatch:
             agent.add_failure(Failure(rank=rank, code=-1, node=node, time=time.time(), late=True, lost=True))
         agent.store.add(f"round/{rnd}/done", 1)  # on its behalf (an agent that comes back adds its own: >= is kept)
 
+    def replaced(self, rank: int, proc) -> None:
+        """(agent.replace_local, under the agent's lock) ``proc``, the old process of ``rank``, is being
+        replaced. An exit this watch has not reported -- the controller learnt of the death first (its
+        same-host pid probe) and had the rank replaced before this agent's next tick saw it -- is reported
+        now: logged, its ``worker_exited`` event, its error file read at the next tick."""
+        code = proc.poll()
+        if code is None or proc in self.reported:
+            return
+        self.reported.add(proc)
+        log.error("rank %d exited with %s (replaced before this agent's watch saw it)", rank, describe(code))
+        _logging.event("worker_exited", round=self.rnd, dead_rank=rank, code=code)
+        self.unrecorded[rank] = code
+
     def tick(self, bad: dict) -> str | None:
         """High availability: report deaths to the controller, carry out its replacement orders,
         declare lost nodes (node 0); return why the round failed, or None while it goes on."""
@@ -333,10 +347,13 @@ class RoundWatch:
                if c != EXIT_CODE_SWITCHED and not (on and elastic.is_removed_exit(r, c, removed))}
         with agent.lock:
             procs = {r: agent.workers[r] for r in bad}
-        new = {r: c for r, c in bad.items() if procs[r] not in self.reported}
+            new = {r: c for r, c in bad.items() if procs[r] not in self.reported}
+            self.reported.update(procs[r] for r in new)
+            unrecorded, self.unrecorded = self.unrecorded, {}
+        if unrecorded:
+            agent.record_failures(rnd, unrecorded)
         failed = None
         for rank, code in new.items():
-            self.reported.add(procs[rank])
             self.dead_since = self.dead_since or time.monotonic()
             why = ("replacement " if procs[rank] in agent.replacements else "") + f"exited with {describe(code)}"
             log.error("rank %d %s; telling the controller", rank, why)

@@ -28,20 +28,25 @@ def result(where: str) -> tuple:
     return digests.pop(), norms.pop()
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """Digest and grad norms of the run that is never interrupted (one per module)."""
+    return result("plain")
+
+
 @pytest.mark.timeout(400)
-def test_a_step_interrupted_in_its_backward_or_forward_leaves_no_trace_after_the_rollback():
-    plain = result("plain")
+def test_a_step_interrupted_in_its_backward_or_forward_leaves_no_trace_after_the_rollback(plain):
     assert result("backward") == plain
     assert result("forward") == plain
 
 
 @pytest.mark.timeout(300)
-def test_a_model_kept_across_two_cleans_trains_on_bitwise():
+def test_a_model_kept_across_two_cleans_trains_on_bitwise(plain):
     """A rank held at its fence is torn down during the stop (retry.StopRound) and cleaned again when the
     clean action's FORCE STOP reaches its main thread: the second clean finds no model and must leave the
     kept one alone (it replaced it by an empty one: the retry's repair then failed on the sender, seen
     under load with TP2 x DP2); the rebuild takes it back and the next steps are bitwise."""
-    assert result("cleaned-twice") == result("plain")
+    assert result("cleaned-twice") == plain
 
 
 RELEASE = REPO / "tests" / "megatron" / "_park_release_worker.py"

@@ -10,14 +10,11 @@ Prints ``grad-norms [...]`` and ``params-digest <hex>`` after 3 completed steps.
 
 import hashlib
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "megatron"))
-import pretrain_gpt as pg  # noqa: E402
-
-from mindio import megatron as mio  # noqa: E402
+from _example_job import built, step as one_step  # tests/megatron/_example_job.py
+from mindio import megatron as mio
 
 
 def say(line: str) -> None:
@@ -27,21 +24,12 @@ def say(line: str) -> None:
 
 def main():
     where = sys.argv[1]
-    args = pg.parse_args(["--use-distributed-optimizer", "--replica-cnt", "1"])
-    pg.initialize(args)
-    dataset = pg.CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
-    args.padded_vocab_size = dataset.vocab_size
-    ctx = mio.TrainingContext(args, build=lambda: pg.setup_model_and_optimizer(args))
-    ctx.init_parallel()
-    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+    _args, dataset, ctx = built(["--use-distributed-optimizer", "--replica-cnt", "1"])
     adapter = mio.MegatronAdapter(ctx)
     norms = []
 
     def step():
-        it = pg.batch_iterator(dataset, ctx.consumed_samples, args)
-        _, norm, _ = pg.train_step(pg.forward_step, it, ctx.model, ctx.optimizer, ctx.scheduler, ctx)
-        ctx.record_step_rng()
-        norms.append(norm)
+        norms.append(one_step(ctx, dataset))
 
     step()
     if where == "cleaned-twice":  # a fenced rank torn down at the stop, then cleaned again (FORCE STOP)

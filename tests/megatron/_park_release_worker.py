@@ -14,13 +14,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "megatron"))
-import pretrain_gpt as pg  # noqa: E402
+import torch.distributed as dist
 
-import torch.distributed as dist  # noqa: E402
+from _example_job import built, step as one_step  # tests/megatron/_example_job.py
 
-from mindio import megatron as mio  # noqa: E402
-from mindio.ttp.processor.processor import Processor  # noqa: E402
+from mindio import megatron as mio
+from mindio.ttp.processor.processor import Processor
 
 BOUND_S = 20.0
 
@@ -31,19 +30,13 @@ def say(line: str) -> None:
 
 
 def main():
-    args = pg.parse_args(["--use-distributed-optimizer", "--replica-cnt", "1", "--tensor-model-parallel-size", "2"])
-    pg.initialize(args)
-    dataset = pg.CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
-    args.padded_vocab_size = dataset.vocab_size
-    ctx = mio.TrainingContext(args, build=lambda: pg.setup_model_and_optimizer(args))
-    ctx.init_parallel()
-    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+    _args, dataset, ctx = built(["--use-distributed-optimizer", "--replica-cnt", "1",
+                                 "--tensor-model-parallel-size", "2"])
     adapter = mio.MegatronAdapter(ctx)
     rank = dist.get_rank()
 
     def step():
-        it = pg.batch_iterator(dataset, ctx.consumed_samples, args)
-        pg.train_step(pg.forward_step, it, ctx.model, ctx.optimizer, ctx.scheduler, ctx)
+        one_step(ctx, dataset)
 
     step()
     where = sys.argv[1]

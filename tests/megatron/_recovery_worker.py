@@ -22,15 +22,12 @@ REPLICAS=1 in the environment runs ``none`` without replicas (the loadckpt refer
 import os
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "megatron"))
-import pretrain_gpt as pg  # noqa: E402
-
-from mindio import megatron as mio  # noqa: E402
+from _example_job import built, pg  # tests/megatron/_example_job.py
+from mindio import megatron as mio
 
 
 def new_world(generation: int) -> None:
@@ -50,14 +47,8 @@ def main():
     if scenario == "loadckpt":
         extra += ["--save-interval", "4"]
     replicas = "1" if scenario == "loadckpt" else os.environ.get("REPLICAS", "2")
-    args = pg.parse_args(["--use-distributed-optimizer", "--replica-cnt", replicas,
-                          "--train-iters", str(iters), "--exit-interval", str(step)] + extra)
-    pg.initialize(args)
-    dataset = pg.CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
-    args.padded_vocab_size = dataset.vocab_size
-    ctx = mio.TrainingContext(args, build=lambda: pg.setup_model_and_optimizer(args))
-    ctx.init_parallel()
-    ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+    args, dataset, ctx = built(["--use-distributed-optimizer", "--replica-cnt", replicas,
+                                "--train-iters", str(iters), "--exit-interval", str(step)] + extra)
     adapter = mio.MegatronAdapter(ctx)
     pg.train(pg.forward_step, ctx, dataset)
     rank = dist.get_rank()

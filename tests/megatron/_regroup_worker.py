@@ -118,7 +118,7 @@ def main(case: str) -> None:
     assert [r() for r in refs] == [None, None], "an unplugged group is still alive"
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.PrefixStore("gen1/", store))
     if case == "layout":  # the new world has no tensor-parallel group of these ranks
-        new = [dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")]
+        dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
         gone = regroup.missing(unplugged, device.all_groups() + [dist.group.WORLD])
         assert [s.desc for s in gone] == ["TENSOR_MODEL_PARALLEL_GROUP"], gone
         print("layout: missing named", flush=True)

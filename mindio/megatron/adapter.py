@@ -445,12 +445,9 @@ class MegatronAdapter(FrameworkAdapter):
     def _park(self) -> Optional[tuple]:
         """(clean) Keep model, optimizer and scheduler with their process groups unplugged
         (regroup.py), for a retry's rebuild; None when some group cannot be named."""
-        from mindio.ttp.processor import device
-
         ctx = self.ctx
-        groups = device.all_groups() + ([dist.group.WORLD] if dist.is_initialized() else [])
         try:
-            unplugged = regroup.unplug([ctx.model, ctx.optimizer, ctx.scheduler], groups)
+            unplugged = regroup.unplug([ctx.model, ctx.optimizer, ctx.scheduler], self._groups())
         except Exception as exc:
             _log.warning("clean: the model's process groups cannot be unplugged (%s); it is dropped and a "
                          "rebuild builds it again", _describe(exc))
@@ -467,9 +464,10 @@ class MegatronAdapter(FrameworkAdapter):
 
     @staticmethod
     def _groups() -> list:
+        """Every registered process group, the default one included."""
         from mindio.ttp.processor import device
 
-        return device.all_groups() + [dist.group.WORLD]
+        return device.all_groups() + ([dist.group.WORLD] if dist.is_initialized() else [])
 
     def _can_keep(self) -> bool:
         """(rebuild of the same layout) Can this rank keep what clean() parked: is there a parked model

@@ -63,18 +63,14 @@ class ActionEngine:
             self._pending.failed = True
 
     def lost(self, ranks) -> None:
-        """(any thread, under the engine's condition) ``ranks`` were declared dead: the action in flight no
-        longer waits for their replies, and its caller is woken once every other target answered (before, a
-        caller whose last live target had answered before the death slept out its look-again wait: the stop
-        of a recover-in-place incident took 0.55 s for replies that were all in after 0.1 s)."""
+        """(any thread, under the engine's condition, which the caller then notifies) ``ranks`` were declared
+        dead: the action in flight no longer counts their replies as outstanding, so the last live target's
+        reply wakes its caller (before, a caller that looked again after the death, with a live target still
+        to answer, slept out its look-again wait once that one answered: the stop of a recover-in-place
+        incident took 0.55 s for replies that were all in after 0.1 s)."""
         p = self._pending
-        if p is None:
-            return
-        for rank in ranks:
-            if rank in p.targets and rank not in p.replies:
-                p.outstanding -= 1
-        if p.outstanding <= 0:
-            self._cond.notify_all()
+        if p is not None:
+            p.outstanding -= sum(1 for rank in ranks if rank in p.targets and rank not in p.replies)
 
     def on_reply(self, rank: int, sn: int, body: P.Reply) -> None:
         """(I/O thread) Record one reply."""

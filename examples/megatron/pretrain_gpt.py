@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--save", default=None)
     a("--load", default=None)
     a("--save-interval", type=int, default=None)
+    a("--no-initialization", dest="perform_initialization", action="store_false",
+      help="do not initialise the weights (megatron's flag): only when a checkpoint is loaded; the example "
+           "also skips it by itself when --load holds one")
     a("--acp-pool-gb", type=int, default=1,
       help="memory pool of the mindio checkpoint store started at launch when --save is given")
     a("--log-interval", type=int, default=1)
@@ -169,6 +172,7 @@ def transformer_config(args):
         expert_model_parallel_size=args.expert_model_parallel_size,
         moe_router_topk=args.moe_router_topk, moe_token_dispatcher_type="allgather",
         use_cpu_initialization=True,  # TP=2 then initialises exactly like TP=1
+        perform_initialization=args.perform_initialization,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=args.bf16, params_dtype=dtype)
 
 
@@ -437,15 +441,26 @@ def pretrain(args) -> str:
     if STANDBY:
         return pretrain_standby(args, ctx, dataset)
     ctx.init_parallel()  # mindio: DP replica groups (num_distributed_optimizer_instances)
+    found = bool(args.load) and mio.checkpoint.read_tracker(Path(args.load)) is not None
+    replacement = args.enable_high_availability and ttp.tft_is_reboot_node()  # mindio: state from the replicas
+    initialise = args.perform_initialization
+    if not initialise and not (found or replacement):
+        raise SystemExit(f"--no-initialization needs a checkpoint to load (--load {args.load}: none there); "
+                         "without one the weights would be uninitialised memory")
+    # a checkpoint (load_state_dict, strict) or the replicas (repair + rollback) overwrite every weight:
+    # initialising them first is wasted (1.7 s of a build at 1 GiB per rank); later builds (recoveries)
+    # initialise as before
+    args.perform_initialization = initialise and not (found or replacement)
     ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
+    args.perform_initialization = initialise
     if args.save:  # mindio: start the checkpoint store now, not on the first (or a dump) save
         mio.checkpoint.initialize_store({"memfs.data_block_pool_capacity_in_gb": args.acp_pool_gb})
-    if args.load and mio.checkpoint.read_tracker(Path(args.load)) is None:
+    if args.load and not found:
         print_rank_0(f"no checkpoint in {args.load}: training from scratch")  # as Megatron does
-    elif args.load and args.enable_high_availability and ttp.tft_is_reboot_node():
+    elif args.load and replacement:
         print(f"rank {dist.get_rank()}: replacement process: state comes from the replicas, not {args.load}",
               flush=True)  # mindio: recover-in-place / recover
-    elif args.load:
+    elif found:
         it = mio.checkpoint.load_checkpoint(ctx)
         print_rank_0(f"loaded checkpoint iteration {it}: state-digest: {mio.state_digest(ctx)}")
     report_memory(ctx)

@@ -8,6 +8,7 @@ without a daemon, writes the file atomically; ``drop`` discards them and deletes
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import threading
@@ -17,7 +18,7 @@ from ..errors import CheckpointError, ConfigError, ServerUnavailable
 from .. import _secure
 from . import _storage, api
 
-__all__ = ["open_file", "create_file", "register_checker", "async_save", "SaveHandle"]
+__all__ = ["open_file", "open_stream", "create_file", "register_checker", "async_save", "SaveHandle"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,58 @@ class _ReadableFileWrapper:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _ViewStream(io.RawIOBase):
+    """A read-only, seekable binary stream over a buffer (the pooled bytes of a file): ``readinto`` is
+    one copy from the buffer into the caller's, nothing is read that is not asked for."""
+
+    def __init__(self, view, path: str):
+        super().__init__()
+        self._view = memoryview(view).cast("B")
+        self._pos = 0
+        self.name = path
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"seek to {base + offset} in {self.name}: negative position")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b) -> int:
+        if self.closed:
+            raise ValueError(f"{self.name} is closed")
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._view.release()  # the pool's lease goes with the last reference to the region
+        super().close()
+
+
+def open_stream(path) -> io.RawIOBase:
+    """A seekable binary stream of the newest version of ``path``: a view of its pooled bytes (read in
+    place, only the ranges asked for) when the pool holds it, else the file on storage. Close it (or use
+    it as a context manager)."""
+    path = api._resolve(path)
+    view = api._pooled(path)
+    if view is None:
+        return open(path, "rb", buffering=0)
+    return _ViewStream(view, path)
 
 
 class _WriteableFileWrapper:

@@ -26,7 +26,8 @@ are written to storage directly (another rank reads them at once).
 Reading (:func:`read_local`, one rank, no collectives) never unpickles: the DCP metadata is rebuilt
 from the JSON pieces, ``common.pt`` and the sharded objects are read with ``torch.load(weights_only=
 True)`` (plus argparse.Namespace and numpy's RNG state arrays, which Megatron's own files contain).
-Data is read through ``mindio.acp.open_file`` (the pool first, then storage).
+Data is read in place (``mindio.acp._files.open_stream``: a view of the pooled bytes, else the file), each
+item's range only; small files through ``mindio.acp.open_file`` (the pool first, then storage).
 """
 
 from __future__ import annotations
@@ -116,6 +117,17 @@ def _fetch(path: Path) -> bytes:
     return Path(path).read_bytes()
 
 
+def _open_read(path: Path):
+    """A seekable stream of the newest bytes of ``path`` (the store's pooled bytes read in place, else the
+    file): DCP reads each item's range from it, so a rank reads only what it loads, with one copy."""
+    acp = _acp()
+    if acp is not None:
+        from mindio.acp._files import open_stream
+
+        return open_stream(str(path))
+    return open(path, "rb", buffering=0)
+
+
 class _StoredBuffer(io.BytesIO):
     """A write stream whose bytes go to :func:`_store` when it is closed (DCP closes it itself)."""
 
@@ -138,7 +150,8 @@ class _StoreFileSystem(FileSystem):
             with _StoredBuffer(Path(path)) as buf:
                 yield buf
         elif mode == "rb":
-            yield io.BytesIO(_fetch(Path(path)))
+            with _open_read(Path(path)) as stream:
+                yield stream
         else:  # pragma: no cover - DCP uses only these two
             raise ValueError(f"unsupported mode {mode!r}")
 

@@ -136,3 +136,37 @@ def test_a_client_arriving_while_the_daemon_exits_gets_a_new_one(acp_env, monkey
     assert acp.initialize() == 0
     assert api._client.hello["pid"] != old and time.monotonic() - started < 30
     assert torch.equal(acp.load(path, open_way="fopen")["w"], torch.ones(3))
+
+
+
+def test_open_stream_reads_ranges_of_the_pooled_bytes_in_place_then_of_the_file(acp_env, monkeypatch):
+    """open_stream (the torch_dist reader's stream): seek/readinto over the pooled bytes without copying
+    the file first; the same bytes from storage once the pool no longer holds them."""
+    from mindio.acp._files import open_stream
+    path = os.path.join(acp_env["ck"], "data.distcp")
+    data = os.urandom(3 * 4096 + 123)
+    assert acp.initialize() == 0
+    with acp.create_file(path) as f:
+        f.write(data)
+    for pooled in (True, False):
+        with open_stream(path) as s:
+            assert s.seekable() and s.readable()
+            assert type(s).__name__ == ("_ViewStream" if pooled else "FileIO")
+            s.seek(4000)
+            buf = bytearray(200)
+            assert s.readinto(buf) == 200 and bytes(buf) == data[4000:4200] and s.tell() == 4200
+            assert s.read(5) == data[4200:4205]
+            assert s.seek(-10, os.SEEK_END) == len(data) - 10 and s.read() == data[-10:]
+            assert s.read(7) == b"" and s.readinto(bytearray(3)) == 0   # at the end: nothing, no error
+            s.seek(0)
+            assert s.read() == data
+            if pooled:
+                with pytest.raises(ValueError, match="negative"):
+                    s.seek(-1)
+        if pooled:
+            assert acp.flush() == 0
+            acp.shutdown_server()
+            api.reset()
+            monkeypatch.setenv("MINDIO_ACP_DISABLE", "1")   # no daemon: the file on storage
+    with pytest.raises(ValueError, match="closed"):
+        s.readinto(bytearray(1))

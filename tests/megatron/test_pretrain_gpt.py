@@ -5,7 +5,8 @@
 - replicas on vs off at DP=4 (high availability on vs off when mindio.ttp is available): the loss
   curves agree to a relative 1e-4 at each of 50 steps.
 - TP=2 x DP=2 with replicas: loss decreases, replicas identical.
-- --save/--exit-interval then --load continues to the same digest as an uninterrupted run.
+- --save/--exit-interval then --load continues to the same digest as an uninterrupted run (the resumed
+  build skips the weights' init); --no-initialization without a checkpoint is refused.
 - under mindio-run (2 ranks, high availability on) it ends with the torchrun run's digest.
 
 The replica run (high availability on, the example as a user launches it) runs under torchrun; the runs it
@@ -93,8 +94,11 @@ def test_save_load_continues_bitwise(replica_run, tmp_path):
                                             "--exit-interval", 20], timeout=240, launcher=LAUNCH)
     assert "saved checkpoint iteration 20" in first
     resumed = torchrun(PRETRAIN, BASE + HA + ["--load", ckpt], timeout=240, launcher=LAUNCH)
-    assert "loaded checkpoint iteration 20" in resumed
+    assert "loaded checkpoint iteration 20" in resumed  # its build skipped the weights' init (overwritten)
     assert digests(resumed)[-1] == digests(replica_run)[-1]
+    rc, out = torchrun(PRETRAIN, BASE + ["--no-initialization", "--load", tmp_path / "empty"], nproc=1,
+                       timeout=120, launcher=LAUNCH, check=False)
+    assert rc != 0 and "--no-initialization needs a checkpoint to load" in out, out[-3000:]
 
 
 @pytest.mark.timeout(300)

@@ -444,13 +444,13 @@ def pretrain(args) -> str:
     found = bool(args.load) and mio.checkpoint.read_tracker(Path(args.load)) is not None
     replacement = args.enable_high_availability and ttp.tft_is_reboot_node()  # mindio: state from the replicas
     initialise = args.perform_initialization
-    if not initialise and not (found or replacement):
+    if not initialise and not found:
         raise SystemExit(f"--no-initialization needs a checkpoint to load (--load {args.load}: none there); "
                          "without one the weights would be uninitialised memory")
-    # a checkpoint (load_state_dict, strict) or the replicas (repair + rollback) overwrite every weight:
-    # initialising them first is wasted (1.7 s of a build at 1 GiB per rank); later builds (recoveries)
-    # initialise as before
-    args.perform_initialization = initialise and not (found or replacement)
+    # the checkpoint overwrites every weight (load_state_dict, strict): initialising them first is wasted
+    # (1.7 s of a relaunch's build at 1 GiB per rank). mindio skips it by itself where the replicas
+    # overwrite them (a replacement process, the builds of a recovery: mindio/megatron/restore_build.py)
+    args.perform_initialization = initialise and not found
     ctx.model, ctx.optimizer, ctx.scheduler = ctx.build()
     args.perform_initialization = initialise
     if args.save:  # mindio: start the checkpoint store now, not on the first (or a dump) save

@@ -41,7 +41,7 @@ import os
 import pickle
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist

@@ -116,7 +116,11 @@ def test_workers_get_torchrun_environment_and_logs(job):
     start, results = job
     logs = {name: job[0].dir / f"logs-{name}" for name in ("mindio", "torchrun")}
     flags = ["--nproc-per-node", "2", "--role", "trainer", "--tee", "3", "--local-ranks-filter", "0"]
-    p = start(*flags, "--log-dir", str(logs["mindio"]), "--master-port", str(_free_port()))
+    # what the script writes is compared, not what importing torch says in this environment (with the
+    # `peers` extra installed, torch.cuda warns that pynvml is deprecated: in each torchrun worker's
+    # stderr, but once in mindio-run's warm interpreter before any worker exists)
+    quiet = {"PYTHONWARNINGS": "ignore"}
+    p = start(*flags, "--log-dir", str(logs["mindio"]), "--master-port", str(_free_port()), env=quiet)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out
     res = results()
@@ -137,7 +141,7 @@ def test_workers_get_torchrun_environment_and_logs(job):
     for f in res.values():
         os.remove(job[0].dir / "out" / f"r0-rank{f['env']['RANK']}.json")
     t = start(*flags, "--log-dir", str(logs["torchrun"]), "--master-port", str(_free_port()),
-              launcher="torch.distributed.run")
+              launcher="torch.distributed.run", env=quiet)
     tout, _ = t.communicate(timeout=120)
     assert t.returncode == 0, tout
     ours, theirs = _tree(logs["mindio"]), _tree(logs["torchrun"])

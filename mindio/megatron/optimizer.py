@@ -32,9 +32,9 @@ What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
 2. ``shard_state()`` / ``load_shard_state()``: this rank's shard (fp32 main params, exp_avg,
    exp_avg_sq, step, per param in bucket order) as a flat, ordered list of tensors, for
    repair (point-to-point send/recv), for dump checkpoints and for keeping state across a rebuild.
-3. ``params_from_main()``: model params from the fp32 main shard plus the all-gather (rollback); the
-   module function :func:`params_from_main` gathers only in the instances where some rank's params are
-   not the gathered ones of the step rolled back to (``params_synced``).
+3. :func:`params_from_main` (module function): model params from the fp32 main shards (rollback),
+   gathered only in the instances where some rank's params are not the gathered ones of the step
+   rolled back to (``params_synced``).
 4. On CPU, torch's fused Adam/AdamW kernel. Without TE/Apex megatron-core builds a plain
    ``torch.optim.AdamW``, whose per-tensor loop is ~7x slower on CPU than ``fused=True`` (one
    vectorised pass per tensor, deterministic); with replicas every rank updates R/d of the params
@@ -50,7 +50,7 @@ are the identity (:mod:`mindio.megatron._one_rank`).
 from __future__ import annotations
 
 import logging
-from typing import Dict, List
+from typing import List
 
 import torch
 from megatron.core import optimizer as _mopt
@@ -171,13 +171,6 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
                     f"{tuple(dst.shape)}/{dst.dtype}, got {tuple(src.shape)}/{src.dtype}"
                 )
             dst.copy_(src)
-
-    @torch.no_grad()
-    def params_from_main(self) -> None:
-        """Rebuild the model params from the fp32 main shard: copy, then all-gather (rollback)."""
-        self._copy_main_params_to_model_params()
-        for model_chunk in self.model_chunks:
-            model_chunk.start_param_sync(force_sync=True)
 
 
 @torch.no_grad()

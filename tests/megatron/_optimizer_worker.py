@@ -4,7 +4,6 @@ Prints one JSON line ``RESULT {...}``. Run as a script (megatron state is proces
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pretrain_gpt as pg  # noqa: E402
 from megatron.core import optimizer as mopt  # noqa: E402
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from mindio import megatron as mio  # noqa: E402
-from mindio.megatron.optimizer import ReplicaDistributedOptimizer  # noqa: E402
+from mindio.megatron.optimizer import ReplicaDistributedOptimizer, params_from_main  # noqa: E402
 
 
 def build(args, cls):
@@ -91,7 +90,7 @@ def run(args, cls):
     with torch.no_grad():
         for dst, srct in zip(live_state(opt), kept_shard):
             dst.copy_(srct)
-    ReplicaDistributedOptimizer.params_from_main(opt)
+    params_from_main([opt], ctx.model, intact=False)
     ctx.scheduler.load_state_dict(kept_sched)
     ctx.iteration, ctx.consumed_samples = kept_counters
     train(args, ctx, 3)

@@ -469,26 +469,27 @@ class MegatronAdapter(FrameworkAdapter):
 
         return device.all_groups() + ([dist.group.WORLD] if dist.is_initialized() else [])
 
-    def _can_keep(self) -> bool:
+    def _can_keep(self, groups: list) -> bool:
         """(rebuild of the same layout) Can this rank keep what clean() parked: is there a parked model
         with its kept state, a counterpart (same ranks and description) of every group it held, and a
-        record of its build's collectives that can be run again (regroup.replayable)?"""
+        record of its build's collectives that can be run again (regroup.replayable)? ``groups``: the
+        registered groups now (:meth:`_groups`)."""
         ctx = self.ctx
         if ctx._parked is None or ctx._kept is None:
             return False
-        why = regroup.replayable(ctx._build_calls, self._groups())
-        missing = regroup.missing(ctx._parked[3], self._groups())
+        why = regroup.replayable(ctx._build_calls, groups)
+        missing = regroup.missing(ctx._parked[3], groups)
         if missing or why:
             _log.warning("rebuild: the kept model is built again: %s", why or f"no new process group for {missing[:4]}")
             return False
         return True
 
-    def _plug(self) -> None:
+    def _plug(self, groups: list) -> None:
         """(rebuild_groups of the same layout, :meth:`_can_keep`) Put the new generation's groups into the
         parked objects and take them back."""
         ctx = self.ctx
         model, optimizer, scheduler, unplugged = ctx._parked
-        places = regroup.plug(unplugged, self._groups())
+        places = regroup.plug(unplugged, groups)
         ctx._parked = None
         ctx.model, ctx.optimizer, ctx.scheduler = model, optimizer, scheduler
         _log.info("rebuild: the kept model and optimizer took the new process groups (%d places)", places)
@@ -498,24 +499,26 @@ class MegatronAdapter(FrameworkAdapter):
 
         Collective over the new world (group creation, and get_megatron_optimizer all-gathers
         param-group keys), so every rank, including a replacement process at its start-up, must
-        run the same sequence: init_parallel, then build. Models are always rebuilt here, so a
-        repair with ``need_rebuild`` (RT_UCE_HIGHLEVEL, RT_LOAD_REBUILD) finds fresh objects. Their
-        weights are not initialised (restore_build.py): every flow that rebuilds rolls back before
-        training (``rollback``: params from the fp32 main shards restored here or repaired).
+        run the same sequence: init_parallel, then build (a rank that keeps its parked objects in a
+        rebuild of the same layout runs its build's collectives again instead, regroup.py). A rebuilt
+        model's weights are not initialised (restore_build.py): every flow that rebuilds rolls back
+        before training (``rollback``: params from the fp32 main shards restored here or repaired).
         """
         ctx = self.ctx
         ctx.init_parallel()
-        if self.rebuild_same_layout and self._can_keep():
-            # the collectives of the build this rank skips: a rank that builds (a replacement process, or a
-            # rank that could not keep its model) runs them in its build and meets these
-            regroup.replay(ctx._build_calls, self._groups())
-            self._plug()
-            # the shards, scalars and params are the live ones: nothing to put back; until the rollback a
-            # dump still writes the state dict clean() kept (the groups may be gone again by then)
-            kept = ctx._kept
-            ctx._kept = {"checkpoint": kept["checkpoint"]} if kept.get("checkpoint") is not None else None
-            ctx.stop_requested.clear()
-            return
+        if self.rebuild_same_layout:
+            groups = self._groups()
+            if self._can_keep(groups):
+                # the collectives of the build this rank skips: a rank that builds (a replacement process, or
+                # a rank that could not keep its model) runs them in its build and meets these
+                regroup.replay(ctx._build_calls, groups)
+                self._plug(groups)
+                # the shards, scalars and params are the live ones: nothing to put back; until the rollback
+                # a dump still writes the state dict clean() kept (the groups may be gone again by then)
+                kept = ctx._kept
+                ctx._kept = {"checkpoint": kept["checkpoint"]} if kept.get("checkpoint") is not None else None
+                ctx.stop_requested.clear()
+                return
         if ctx._parked is not None:
             self._unpark(build_again=True)
         ctx.model, ctx.optimizer, ctx.scheduler = build_for_restore(ctx.build, "rebuild", ctx._spares)

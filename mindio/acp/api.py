@@ -19,6 +19,8 @@ import errno
 import functools
 import logging
 import os
+import pickle
+import struct
 import threading
 import time
 
@@ -170,8 +172,26 @@ def _torch_save(obj, paths: list, mode: int) -> int:
         return -1
 
 
+def _is_stream(f) -> bool:
+    """A file-like object (what torch.save and torch.load take besides a path)."""
+    return not isinstance(f, (str, bytes, os.PathLike)) and (hasattr(f, "write") or hasattr(f, "read"))
+
+
 def save(obj, path, open_way: str = "memfs") -> int:
-    """Save ``obj`` to ``path``. Returns 1 (memory pool), 2 (direct write), 0 (torch.save), -1 (failed)."""
+    """Save ``obj`` to ``path``. Returns 1 (memory pool), 2 (direct write), 0 (torch.save), -1 (failed).
+
+    ``path`` may also be a file-like object: it is written by torch.save (a counted fallback)."""
+    if _is_stream(path):
+        _check_way(open_way)
+        _note_fallback("torch.save", "a file-like object, not a path: written by torch.save")
+        import torch
+
+        try:
+            torch.save(obj, path)
+        except Exception as exc:
+            log.error("saving to %r failed (torch.save): %s", path, exc)
+            return -1
+        return 0
     try:
         rc, _ = _save(obj, [_target(path)], open_way)
     except OSError as exc:        # a target torch.save could not write either
@@ -222,6 +242,8 @@ def _pooled_region(path: str):
 def load(path, open_way: str = "memfs", map_location=None, weights_only: bool = True):
     """Load what ``save`` or ``torch.save`` wrote to ``path``; newest pooled version first."""
     _check_way(open_way)
+    if _is_stream(path):
+        return _load_stream(path, map_location, weights_only)
     path = _resolve(path)
     if open_way == "memfs":
         found = _pooled_region(path)
@@ -230,16 +252,26 @@ def load(path, open_way: str = "memfs", map_location=None, weights_only: bool = 
             if fmt.is_container(mm[:8]):
                 return fmt.load_buffer(mm, path, weights_only=weights_only, map_location=map_location,
                                        to_device=to_device)
-            return _torch_load_bytes(bytes(mm), map_location, weights_only)
+            return _torch_load_bytes(bytes(mm), map_location, weights_only, path)
     return _load_storage(path, map_location, weights_only)
 
 
-def _torch_load_bytes(data: bytes, map_location, weights_only):
+def _torch_load_bytes(data: bytes, map_location, weights_only, name="<pooled bytes>"):
     import io
 
-    import torch
+    return _torch_load_checked(io.BytesIO(data), name, bytes(data[:_SNIFF]), map_location, weights_only)
 
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+
+def _load_stream(f, map_location, weights_only):
+    """Load from a file-like object: a mindio container or a torch.save stream."""
+    name = getattr(f, "name", None) or f"<{type(f).__name__}>"
+    start = f.tell() if hasattr(f, "tell") else 0
+    head = f.read(_SNIFF)
+    if not fmt.is_container(head):
+        f.seek(start)
+        return _torch_load_checked(f, name, head, map_location, weights_only)
+    buf = bytearray(head + f.read())        # the tensors view this buffer
+    return fmt.load_buffer(buf, name, weights_only=weights_only, map_location=map_location)
 
 
 def _read_container(f):
@@ -255,29 +287,55 @@ def _read_container(f):
 
 def _load_storage(path: str, map_location, weights_only):
     with open(path, "rb") as f:
-        head = f.read(8)
+        head = f.read(_SNIFF)
         if fmt.is_container(head):
             buf = _read_container(f)
     if fmt.is_container(head):
         return fmt.load_buffer(buf, path, weights_only=weights_only, map_location=map_location)
-    return _torch_load(path, map_location, weights_only, len(head))
+    return _torch_load(path, map_location, weights_only, head)
 
 
-def _torch_load(path: str, map_location, weights_only, head_len: int):
-    """torch.load of a non-container file; a file too short or too damaged to be one raises
-    CorruptCheckpoint naming it (torch's own errors do not name the file)."""
+_SNIFF = 512                 # a tar header's length: enough to recognise every torch.save layout
+_ZIP = b"PK\x03\x04"          # torch.save since 1.6 (and anything else torch.load reads as a zip)
+_LEGACY = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"   # torch's legacy magic number, pickled
+# what torch's readers raise for malformed bytes (struct.error, UnicodeDecodeError, MemoryError for a
+# crafted length, OSError for a bad seek, KeyError for a bad memo or record reference, ...)
+_MALFORMED = (RuntimeError, EOFError, OSError, KeyError, IndexError, ValueError, TypeError, MemoryError,
+              OverflowError, pickle.UnpicklingError, struct.error)
+
+
+def torch_layout(head: bytes) -> str | None:
+    """Which torch.save layout ``head`` (a file's first bytes) starts: 'zip', 'legacy', 'tar' or None."""
+    head = bytes(head)
+    if head.startswith(_ZIP):
+        return "zip"
+    if head.startswith(_LEGACY):
+        return "legacy"
+    if head[257:262] == b"ustar":
+        return "tar"
+    return None
+
+
+def _torch_load(path: str, map_location, weights_only, head: bytes):
+    """torch.load of a non-container file; a file that is no torch.save file, or too damaged to
+    load, raises CorruptCheckpoint naming it (torch's own errors do not name the file)."""
+    return _torch_load_checked(path, path, head, map_location, weights_only)
+
+
+def _torch_load_checked(source, name: str, head: bytes, map_location, weights_only):
     import torch
 
-    if head_len < 8:
-        raise CorruptCheckpoint(path, f"only {head_len} bytes: neither a mindio container nor a torch.save file")
+    if torch_layout(head) is None:
+        what = "empty" if not head else f"starts with {bytes(head[:8])!r}"
+        raise CorruptCheckpoint(name, f"neither a mindio container nor a torch.save file ({what})")
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except EOFError as exc:
-        raise CorruptCheckpoint(path, f"truncated torch.save file ({exc or 'ran out of input'})") from exc
-    except RuntimeError as exc:
-        if "zip archive" not in str(exc) and "PytorchStreamReader" not in str(exc):
-            raise
-        raise CorruptCheckpoint(path, f"damaged torch.save file: {exc}") from exc
+        return torch.load(source, map_location=map_location, weights_only=weights_only)
+    except _MALFORMED as exc:
+        msg = str(exc)
+        if weights_only and isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in msg:
+            raise        # a well-formed file holding objects weights_only refuses: torch says what to do
+        first = next((line.strip() for line in msg.splitlines() if line.strip()), "")
+        raise CorruptCheckpoint(name, f"damaged torch.save file ({type(exc).__name__}: {first[:200]})") from exc
 
 
 def preload(*paths, weights_only: bool = True) -> int:
@@ -296,14 +354,14 @@ def preload(*paths, weights_only: bool = True) -> int:
             path = _resolve(path)
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                head = f.read(8)
+                head = f.read(_SNIFF)
                 data = _read_container(f) if fmt.is_container(head) else None
             if data is not None:
                 fmt.verify(data, path)
                 write = lambda buf, copy, data=data: copy(buf, [(0, data)])   # noqa: E731
                 size = len(data)
             else:
-                plan = fmt.plan(_torch_load(path, None, weights_only, len(head)))
+                plan = fmt.plan(_torch_load(path, None, weights_only, head))
                 write, size = plan.write_into, plan.total_len
             client.save_image(size, write, [path], kind="cache", stat=_storage.stat_key(st))
     except Exception as exc:

@@ -122,7 +122,10 @@ class _Pickler(pickle.Pickler):
             return None
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(f"tensor subclass {type(obj).__name__} is not supported by the mindio format")
-        if obj.layout != torch.strided or obj.is_quantized:
+        if obj.is_quantized:    # strided, but its scale and zero point live outside the storage
+            raise TypeError(f"quantized tensors ({obj.dtype}, {obj.qscheme()}) are not supported by the mindio "
+                            "format")
+        if obj.layout != torch.strided:
             raise TypeError(f"{obj.layout} tensors are not supported by the mindio format")
         st = obj.untyped_storage()
         key = (st.device.type, st.device.index, st.data_ptr(), st.nbytes())

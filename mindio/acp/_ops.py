@@ -38,12 +38,14 @@ class Operations:
 
     # ---- operations -----------------------------------------------------------------------------
     def op_hello(self, req, state):
+        want = req.get("pool_bytes")
+        grow_error = self.grow_pool(want) if type(want) is int and want > self.cfg.pool_bytes else None
         with self.lock:     # regions holding checkpoints now: a new client faults these in first
             regions = sorted({(e.region.offset, e.region.size) for e in self.entries.values()
                               if e.region.file == self.pool_file})
         return {"ok": True, "pool": self.pool_file, "pool_bytes": self.cfg.pool_bytes, "pid": os.getpid(),
                 "config": self.cfg.to_wire(), "state": self.persist.health(), "prefaulted": self.prefaulted,
-                "regions": [list(r) for r in regions], "fd": bool(req.get("fd"))}
+                "regions": [list(r) for r in regions], "fd": bool(req.get("fd")), "grow_error": grow_error}
 
     def op_alloc(self, req, state):
         size = int(req["size"])
@@ -202,6 +204,7 @@ class Operations:
             for e in self.entries.values():
                 counts[e.state] = counts.get(e.state, 0) + 1
             return {"ok": True, "entries": counts, "free": self.alloc.free_bytes(), "conns": self.conns,
+                    "pool_bytes": self.cfg.pool_bytes,
                     "prefaulted": self.prefaulted, "state": self.persist.health(), **self.persist.counters()}
 
     def op_ping(self, req, state):

@@ -16,6 +16,11 @@ class BlockAllocator:
         self.nblocks = pool_bytes // block_bytes
         self._used = bytearray(self.nblocks)
 
+    def grow(self, pool_bytes: int) -> None:
+        """Extend the pool to ``pool_bytes`` (never shrinks): new blocks are free."""
+        self._used.extend(bytes(max(0, pool_bytes // self.block - self.nblocks)))
+        self.nblocks = len(self._used)
+
     def blocks_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.block))
 

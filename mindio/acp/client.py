@@ -95,7 +95,7 @@ class Client:
                     self._sock = self._dial()
                 except OSError:
                     self._start_daemon()
-                self.hello = self.request({"op": "hello", "fd": True})
+                self.hello = self.request({"op": "hello", "fd": True, "pool_bytes": self.cfg.pool_bytes})
                 if not self.hello.get("fd"):
                     raise ServerUnavailable(f"mindio-acp-server pid {self.hello.get('pid')} in {self.dir} predates "
                                             "the pool hand-over by descriptor: stop it (mindio.acp.shutdown_server() "
@@ -107,11 +107,14 @@ class Client:
                     raise
                 time.sleep(0.2 * (attempt + 1))
         theirs = self.hello["config"]
-        if theirs["pool_bytes"] != self.cfg.pool_bytes or theirs["block_bytes"] != self.cfg.block_bytes:
-            log.warning("mindio-acp-server in %s already runs with a %d MiB pool of %d MiB blocks; "
-                        "this process's server_info asked for %d MiB / %d MiB and is not applied",
-                        self.dir, theirs["pool_bytes"] >> 20, theirs["block_bytes"] >> 20,
-                        self.cfg.pool_bytes >> 20, self.cfg.block_bytes >> 20)
+        if self.hello["pool_bytes"] < self.cfg.pool_bytes:     # a daemon grows when asked: this one could not
+            log.warning("mindio-acp-server in %s keeps a %d MiB pool, less than the %d MiB asked for (%s); "
+                        "saves that do not fit it write storage directly", self.dir, self.hello["pool_bytes"] >> 20,
+                        self.cfg.pool_bytes >> 20, self.hello.get("grow_error") or
+                        "that daemon predates pool growth: stop it or wait for its idle exit")
+        if theirs["block_bytes"] != self.cfg.block_bytes:
+            log.info("mindio-acp-server in %s allocates in blocks of %d MiB; this process's %d MiB is not applied",
+                     self.dir, theirs["block_bytes"] >> 20, self.cfg.block_bytes >> 20)
         self._map_pool(self.hello["pool"], self.hello["pool_bytes"], self.hello.get("regions", []))
 
     def _start_daemon(self) -> None:
@@ -162,6 +165,14 @@ class Client:
             self.loadview = LoadView(self._pool_fd, size, first=regions)
         except OSError as exc:
             log.warning("no copy-on-write view of the pool (%s): each load maps its region afresh", exc)
+
+    def ensure_mapped(self, end: int) -> None:
+        """Map the pool anew when ``end`` lies past this process's mapping: the daemon grew its pool
+        (for a later client that asked for more) since this one connected."""
+        if self.pool is not None and end > len(self.pool):
+            size = os.fstat(self._pool_fd).st_size
+            log.info("the pool grew to %d MiB: mapping it again", size >> 20)
+            self._map_pool(self.hello["pool"], size, [])
 
     def close(self) -> None:
         with self._lock:
@@ -215,6 +226,8 @@ class Client:
         reply = self.request({"op": "alloc", "size": size})
         alloc, offset = reply["alloc"], reply["offset"]
         try:
+            with self._lock:
+                self.ensure_mapped(offset + size)
             write(self.view[offset: offset + size], self._copy_many)
         except BaseException:
             try:
@@ -245,6 +258,8 @@ class Client:
                 return None
             view = None
             try:
+                if reply["file"] == self.hello.get("pool"):
+                    self.ensure_mapped(reply["offset"] + reply["size"])
                 if self.loadview is not None and reply["file"] == self.hello.get("pool"):
                     view = self.loadview.acquire(reply["offset"], reply["size"])
                 if view is None:

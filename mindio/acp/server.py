@@ -30,9 +30,11 @@ persistence workers; mindio.acp._state the namespace objects.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import json
 import logging
+import mmap
 import os
 import signal
 import socket
@@ -67,6 +69,7 @@ class Daemon(Operations):
         self._ids = 0
         self._last_seq = 0
         self.prefaulted = 0
+        self._grow_lock = threading.Lock()
         self.persist = Persister(self)
 
     # ---- start-up -------------------------------------------------------------------------------
@@ -114,25 +117,52 @@ class Daemon(Operations):
         self.pool_view = memoryview(self.pool_map)
         self.alloc = BlockAllocator(self.cfg.pool_bytes, self.cfg.block_bytes)
 
-    def _prefault(self) -> None:
-        """Fault the whole pool in once, at low priority, so saves copy into warm pages. Through a
-        GIL-releasing madvise: with mmap.madvise each 64 MiB step held the GIL for ~25 ms, and a
-        trainer's first saves after start-up waited that long for their alloc/commit replies."""
+    def grow_pool(self, want: int) -> str | None:
+        """Grow the pool file in place to ``want`` bytes (a later client asked for more than the first).
+        The file only grows, so every offset handed out stays valid; clients map the new size when
+        they first meet an offset past their mapping (Client.ensure_mapped). None when the pool is at
+        least ``want`` bytes now, else why it cannot grow (the client says so at initialize)."""
+        want = want // self.cfg.block_bytes * self.cfg.block_bytes
+        with self._grow_lock:
+            old = self.cfg.pool_bytes
+            if want <= old:
+                return None
+            try:
+                check_pool_fits(self.pool_dir, want - old)
+                os.posix_fallocate(self.pool_fd, old, want - old)    # reserved now, not SIGBUS later
+            except OSError as exc:
+                os.ftruncate(self.pool_fd, old)
+                return f"cannot grow the pool to {want >> 20} MiB: {exc.strerror or exc}"
+            grown = mmap.mmap(self.pool_fd, want, flags=mmap.MAP_SHARED)
+            with self.lock:          # regions handed out keep their views of the old mapping
+                self.pool_map, self.pool_view = grown, memoryview(grown)
+                self.alloc.grow(want)
+                self.cfg = dataclasses.replace(self.cfg, pool_bytes=want)
+        log.info("grew the pool from %d MiB to %d MiB (a client asked for more)", old >> 20, want >> 20)
+        threading.Thread(target=self._prefault, args=(old, want), daemon=True, name="prefault-grown").start()
+        return None
+
+    def _prefault(self, begin: int = 0, end: int | None = None) -> None:
+        """Fault the pool (or its grown part, [begin, end)) in once, at low priority, so saves copy into
+        warm pages. Through a GIL-releasing madvise: with mmap.madvise each 64 MiB step held the GIL for
+        ~25 ms, and a trainer's first saves after start-up waited that long for their alloc/commit replies."""
         self.persist.lower_priority()
         step = 64 << 20
-        addr, _anchor = address(self.pool_map)
-        for start in range(0, self.cfg.pool_bytes, step):
+        end = self.cfg.pool_bytes if end is None else end
+        pool_map, view = self.pool_map, self.pool_view
+        addr, _anchor = address(pool_map)
+        for start in range(begin, end, step):
             if self.stopping.is_set():
                 return
-            length = min(step, self.cfg.pool_bytes - start)
+            length = min(step, end - start)
             try:
                 madvise(addr + start, length, MADV_POPULATE_WRITE)
             except OSError:
                 from .. import _native
                 with self.lock:   # write-touch only blocks nobody owns
                     if self.alloc.largest_free() == self.cfg.pool_bytes:
-                        _native.touch_pages(self.pool_view[start: start + length], write=True)
-            self.prefaulted = start + length
+                        _native.touch_pages(view[start: start + length], write=True)
+            self.prefaulted = max(self.prefaulted, start + length)
 
     # ---- connections ----------------------------------------------------------------------------
     def _accept_loop(self) -> None:

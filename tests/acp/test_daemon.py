@@ -1,7 +1,10 @@
 """Daemon-level behaviour: allocator invariants, protocol robustness, configuration hand-over."""
+import logging
 import os
 import socket
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,7 +65,8 @@ def test_malformed_frames_do_not_hurt_the_daemon(acp_env):
     assert acp.save({"w": torch.ones(3)}, path) == 1 and acp.flush() == 0
 
 
-def test_server_info_reaches_the_daemon_and_mismatch_warns(acp_env, monkeypatch, caplog):
+def test_server_info_reaches_the_daemon_and_mismatch_is_said(acp_env, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, "mindio.acp.client")
     monkeypatch.delenv("MINDIO_ACP_POOL_MB")
     assert acp.initialize({"memfs.data_block_pool_capacity_in_gb": "1", "memfs.data_block_size_in_mb": "4",
                            "background.backup.thread_num": "2"}) == 0
@@ -72,6 +76,45 @@ def test_server_info_reaches_the_daemon_and_mismatch_warns(acp_env, monkeypatch,
     assert acp.initialize({"memfs.data_block_size_in_mb": "8", "memfs.data_block_pool_capacity_in_gb": "1"}) == 0
     assert any("not applied" in r.message for r in caplog.records)
     assert api._client.hello["config"]["block_bytes"] == 4 << 20      # the running daemon's pool stays
+
+
+_LATER_JOB = """
+import logging, sys, torch
+from mindio import acp
+logging.basicConfig(level=logging.INFO)
+assert acp.initialize() == 0
+print("RC", acp.save({"w": torch.ones(96 << 18)}, sys.argv[1]), acp.server_stat()["pool_bytes"] >> 20, flush=True)
+assert acp.flush() == 0
+"""
+
+
+def test_pool_grows_when_a_later_client_asks_for_more(acp_env, monkeypatch, caplog):
+    """A daemon started for a 64 MiB job grows for a later job that asks for 160 MiB; a client that
+    connected before keeps working past its old mapping; a size the node cannot give is said at initialize."""
+    monkeypatch.setenv("MINDIO_ACP_POOL_MB", "64")
+    assert acp.initialize() == 0
+    first = os.path.join(acp_env["ck"], "first.pt")
+    assert acp.save({"w": torch.randn(1 << 20)}, first) == 1
+    later = os.path.join(acp_env["ck"], "later.pt")
+    job = subprocess.run([sys.executable, "-c", _LATER_JOB, later], capture_output=True, text=True, timeout=90,
+                         env=dict(os.environ, MINDIO_ACP_POOL_MB="160"))
+    assert job.returncode == 0, job.stderr
+    assert "RC 1 160" in job.stdout                     # its 96 MiB save went to the pool, not to storage
+    assert "WARNING" not in job.stderr and "grew" not in job.stderr
+    assert "grew the pool from 64 MiB to 160 MiB" in open(os.path.join(acp_env["run"], "server.log")).read()
+    assert torch.equal(acp.load(later)["w"], torch.ones(96 << 18))     # past this client's first mapping
+    big = {"w": torch.randn(96 << 18)}
+    mine = os.path.join(acp_env["ck"], "mine.pt")
+    assert acp.save(big, mine) == 1 and torch.equal(acp.load(mine)["w"], big["w"])
+    assert acp.flush() == 0 and torch.equal(acp.load(mine, open_way="fopen")["w"], big["w"])
+    assert acp.server_stat()["pool_bytes"] == 160 << 20 and api.fallback_counts() == {}
+    api.reset()
+    monkeypatch.setenv("MINDIO_ACP_POOL_MB", str(1 << 20))      # 1 TiB: more than this node's /dev/shm
+    caplog.clear()
+    assert acp.initialize() == 0
+    said = [r.getMessage() for r in caplog.records if "less than the" in r.getMessage()]
+    assert len(said) == 1 and "160 MiB pool" in said[0] and "cannot grow the pool" in said[0], said
+    assert acp.save({"w": torch.ones(3)}, first) == 1 and acp.server_stat()["pool_bytes"] == 160 << 20
 
 
 def test_disk_file_and_pool_image_load_identically(acp_env):

@@ -249,7 +249,7 @@ def load(path, open_way: str = "memfs", map_location=None, weights_only: bool = 
         found = _pooled_region(path)
         if found is not None:
             mm, to_device = found
-            if fmt.is_container(mm[:8]):
+            if fmt.is_container(mm[:fmt.SNIFF]):
                 return fmt.load_buffer(mm, path, weights_only=weights_only, map_location=map_location,
                                        to_device=to_device)
             return _torch_load_bytes(bytes(mm), map_location, weights_only, path)

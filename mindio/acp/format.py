@@ -35,19 +35,20 @@ import msgpack
 
 from .. import _native
 from ..errors import CheckpointError, CorruptCheckpoint
-from . import _device
+from . import _device, _zip
 
-__all__ = ["MAGIC", "VERSION", "FLAG_CHECKSUMS", "HEADER_SIZE", "Plan", "plan", "is_container",
+__all__ = ["MAGIC", "VERSION", "FLAG_CHECKSUMS", "HEADER_SIZE", "SNIFF", "Plan", "plan", "is_container",
            "checksummed_header", "load_buffer", "verify", "header_info"]
 
 MAGIC = b"MINDIOCK"
-VERSION = 1
+VERSION = 2          # torch's zip layout (mindio.acp._zip); version 1 (the bare container) still loads
 FLAG_CHECKSUMS = 1
 _PRE = struct.Struct("<8sHHIQQQQIII")  # 60 bytes, then preamble_crc u32
 HEADER_SIZE = 64
 _ENTRY = struct.Struct("<QQII")
 _PAGE = 4096
 _ALIGN = 64
+SNIFF = _zip.BASE + len(MAGIC)      # the first bytes is_container needs
 
 
 def _round(n: int, a: int) -> int:
@@ -62,6 +63,7 @@ class Plan:
     storages: list = field(default_factory=list)  # [(uint8 tensor on the storage's device, offset from data_off)]
     data_off: int = 0
     total_len: int = 0
+    extras: list = field(default_factory=list)     # [(offset, bytes)] past data_off: zip headers, directory
 
     def write_into(self, buf, copy_many=None, to_host=None) -> None:
         """Write the whole file image into ``buf`` (len >= total_len).
@@ -79,6 +81,8 @@ class Plan:
         for src, off in self.storages:
             if src.numel():
                 (host if src.is_cpu else dev).append((self.data_off + off, src))
+        for off, raw in self.extras:
+            view[off: off + len(raw)] = raw
         wait = (to_host or _device.to_host)(view, dev) if dev else None
         try:
             copy_many(view, [(off, src.numpy()) for off, src in host])
@@ -89,25 +93,23 @@ class Plan:
 
     def file_chunks(self):
         """The checksummed file image as a list of byte chunks (for writing storage directly)."""
-        view = memoryview(self.header)
-        fields = _PRE.unpack_from(view, 0)
-        n, meta_len, table_off = fields[3], fields[4], fields[5]
-        entries, chunks, pos = [], [], 0
+        h = _parse(memoryview(self.header), "<plan>", complete=False)
+        pieces, entries = list(self.extras), []
         for src, off in self.storages:
             data = src.cpu().numpy() if src.numel() else b""
             entries.append(_ENTRY.pack(off, len(data), _native.crc32(data), 0))
+            pieces.append((self.data_off + off, data))
+        header = bytearray(self.header)
+        _fill_crcs(header, h, b"".join(entries))
+        chunks, pos = [bytes(header)], self.data_off
+        for off, data in sorted((p for p in pieces if len(p[1])), key=lambda p: p[0]):
             if off > pos:
                 chunks.append(b"\0" * (off - pos))
             chunks.append(data)
             pos = off + len(data)
-        if self.data_off + pos < self.total_len:
-            chunks.append(b"\0" * (self.total_len - self.data_off - pos))
-        table = b"".join(entries)
-        meta = bytes(view[HEADER_SIZE: HEADER_SIZE + meta_len])
-        header = bytearray(self.header)
-        header[:HEADER_SIZE] = _preamble(FLAG_CHECKSUMS, n, meta, table_off, self.data_off, self.total_len, table)
-        header[table_off: table_off + len(table)] = table
-        return [bytes(header)] + chunks
+        if pos < self.total_len:
+            chunks.append(b"\0" * (self.total_len - pos))
+        return chunks
 
 
 class _Pickler(pickle.Pickler):
@@ -139,21 +141,38 @@ class _Pickler(pickle.Pickler):
         return ("t", len(self._tensors) - 1)
 
 
-def plan(obj) -> Plan:
-    """Serialize ``obj``'s skeleton and lay out its storages; raises TypeError for unsupported objects."""
-    import torch
+def plan(obj, torch_zip: bool = True) -> Plan:
+    """Serialize ``obj``'s skeleton and lay out its storages; raises TypeError for unsupported objects.
 
+    The layout is torch's zip (version 2, a file torch.load reads); an object torch.save refuses but
+    the mindio format holds (one storage viewed as two dtypes), or ``torch_zip=False``, gets the bare
+    container (version 1)."""
     tensors: list = []
     storages: dict = {}
     skel = io.BytesIO()
     _Pickler(skel, tensors, storages).dump(obj)
-    ordered = sorted(storages.values(), key=lambda item: item[0])
+    ordered = [st for _, st in sorted(storages.values(), key=lambda item: item[0])]
     meta = msgpack.packb({"skeleton": skel.getvalue(), "tensors": tensors, "storages": len(ordered)},
                          use_bin_type=True)
-    table_off = HEADER_SIZE + len(meta)
-    data_off = _round(table_off + _ENTRY.size * len(ordered), _PAGE)
-    entries, srcs, off = [], [], 0
-    for _, st in ordered:
+    try:
+        if not torch_zip:
+            raise TypeError("the bare container was asked for")
+        records, empty = _zip.torch_records(obj, lambda st: storages[_storage_key(st)][0])
+    except Exception:   # noqa: BLE001 -- whatever torch's pickling refuses, the bare container holds
+        return _layout(meta, ordered, 0, None, [])
+    return _layout(meta, ordered, _zip.BASE, records, empty)
+
+
+def _storage_key(st) -> tuple:
+    return (st.device.type, st.device.index, st.data_ptr(), st.nbytes())
+
+
+def _sources(ordered: list) -> list:
+    """Per storage: a uint8 tensor over its bytes (on its device; other devices' copied to the CPU)."""
+    import torch
+
+    srcs = []
+    for st in ordered:
         src = torch.empty(0, dtype=torch.uint8)
         if st.nbytes():
             # CPU and accelerator storages are viewed where they are (an accelerator's are copied
@@ -163,25 +182,57 @@ def plan(obj) -> Plan:
                     st = st.cpu()
                 src = torch.empty(0, dtype=torch.uint8, device=st.device)
             src = src.set_(st, 0, (st.nbytes(),), (1,))
+        srcs.append(src)
+    return srcs
+
+
+def _layout(meta: bytes, ordered: list, base: int, records, empty: list) -> Plan:
+    """Lay out a container: bare (base 0, version 1), or torch's zip (base _zip.BASE, version 2: the
+    archive/.mindio record, torch's small records, one record per storage, the central directory)."""
+    slot = _zip.SLOT if base else 0
+    table_off = base + HEADER_SIZE + len(meta)
+    pos = table_off + _ENTRY.size * len(ordered)
+    pieces, entries = [], []          # [(offset, bytes)]; zip records [(name, size, header offset)]
+    if base:
+        entries.append((".mindio", pos - base, 0))
+        pieces.append((0, _zip.local_header(".mindio", pos - base)))
+        for name, raw in list(records) + [(f"data/{key}", b"") for key in empty]:
+            at = _round(pos, _ALIGN)
+            entries.append((name, len(raw), at))
+            pieces += [(at, _zip.local_header(name, len(raw))), (at + slot, raw)]
+            pos = at + slot + len(raw)
+    data_off = _round(pos + slot, _PAGE)
+    srcs, table, off = [], [], 0
+    for i, src in enumerate(_sources(ordered)):
+        if base:
+            entries.append((f"data/{i}", src.numel(), data_off + off - slot))
+            pieces.append((data_off + off - slot, _zip.local_header(f"data/{i}", src.numel())))
         srcs.append((src, off))
-        entries.append(_ENTRY.pack(off, st.nbytes(), 0, 0))
-        off = _round(off + st.nbytes(), _ALIGN)
-    total = data_off + off
-    table = b"".join(entries)
-    header = _preamble(0, len(ordered), meta, table_off, data_off, total, table) + meta + table
-    header += b"\0" * (data_off - len(header))
-    return Plan(header=header, storages=srcs, data_off=data_off, total_len=total)
+        table.append(_ENTRY.pack(off, src.numel(), 0, 0))
+        off = _round(off + src.numel(), _ALIGN) + slot
+    total = data_off + off - slot if ordered else data_off
+    if base:
+        pieces.append((total, _zip.directory(entries, total)))
+        total += len(pieces[-1][1])
+    table = b"".join(table)
+    header = bytearray(data_off)
+    for at, raw in [(base, _preamble(0, len(ordered), meta, table_off, data_off, total, table, base)),
+                    (base + HEADER_SIZE, meta), (table_off, table)] + [p for p in pieces if p[0] < data_off]:
+        header[at: at + len(raw)] = raw
+    return Plan(header=bytes(header), storages=srcs, data_off=data_off, total_len=total,
+                extras=[p for p in pieces if p[0] >= data_off])
 
 
-def _preamble(flags, n, meta, table_off, data_off, total, table) -> bytes:
-    body = _PRE.pack(MAGIC, VERSION, flags, n, len(meta), table_off, data_off, total,
+def _preamble(flags, n, meta, table_off, data_off, total, table, base=0) -> bytes:
+    body = _PRE.pack(MAGIC, VERSION if base else 1, flags, n, len(meta), table_off, data_off, total,
                      _native.crc32(meta), _native.crc32(table), 0)
     return body + struct.pack("<I", _native.crc32(body))
 
 
 def is_container(head: bytes) -> bool:
-    """True when ``head`` (the first bytes of a file) starts with the mindio magic."""
-    return bytes(head[:8]) == MAGIC
+    """True when ``head`` (the first SNIFF bytes of a file) starts a mindio container (either version)."""
+    head = bytes(head[:SNIFF])
+    return head[:8] == MAGIC or (head[:4] == _zip.ZIP_MAGIC and head[_zip.BASE:] == MAGIC)
 
 
 @dataclass
@@ -192,30 +243,37 @@ class _Header:
     table: list
     data_off: int
     total_len: int
+    base: int = 0
+    table_off: int = 0
+    meta_len: int = 0
 
 
-def _parse(view: memoryview, name) -> _Header:
-    if len(view) < HEADER_SIZE:
+def _parse(view: memoryview, name, complete: bool = True) -> _Header:
+    """Verify and decode the header; ``complete=False``: ``view`` holds only the first data_off bytes."""
+    base = _zip.BASE if bytes(view[:4]) == _zip.ZIP_MAGIC and bytes(view[_zip.BASE: SNIFF]) == MAGIC else 0
+    if len(view) < base + HEADER_SIZE:
         raise CorruptCheckpoint(name, f"truncated: {len(view)} bytes, shorter than the {HEADER_SIZE}-byte preamble")
-    fields = _PRE.unpack_from(view, 0)
+    fields = _PRE.unpack_from(view, base)
     magic, version, flags, n, meta_len, table_off, data_off, total, meta_crc, table_crc, _ = fields
     if magic != MAGIC:
         raise CorruptCheckpoint(name, "not a mindio checkpoint (bad magic)")
-    (pre_crc,) = struct.unpack_from("<I", view, _PRE.size)
-    if _native.crc32(view[: _PRE.size]) != pre_crc:
+    (pre_crc,) = struct.unpack_from("<I", view, base + _PRE.size)
+    if _native.crc32(view[base: base + _PRE.size]) != pre_crc:
         raise CorruptCheckpoint(name, "preamble checksum mismatch")
-    if version != VERSION:
-        raise CorruptCheckpoint(name, f"format version {version} is not supported (this mindio reads {VERSION})")
-    if total > len(view):
+    if version != (2 if base else 1):
+        raise CorruptCheckpoint(name, f"format version {version} is not supported here (this mindio reads "
+                                f"version 1 and the zip layout of version 2)")
+    size = len(view) if complete else total
+    if total > size:
         raise CorruptCheckpoint(name, f"truncated: {len(view)} bytes, header says {total}")
-    if total < len(view):
+    if total < size:
         raise CorruptCheckpoint(name, f"{len(view) - total} bytes after the end the header records ({total}): "
                                 "data appended to the file, or a damaged header")
-    if not (HEADER_SIZE + meta_len <= table_off and table_off + _ENTRY.size * n <= data_off <= total
-            and data_off % _PAGE == 0):
+    if not (base + HEADER_SIZE + meta_len <= table_off and table_off + _ENTRY.size * n <= data_off <= total
+            and data_off % _PAGE == 0 and data_off <= len(view)):
         raise CorruptCheckpoint(name, f"inconsistent layout: {meta_len} bytes of metadata, a table of {n} storages "
                                 f"at {table_off}, data at {data_off}, {total} bytes in all")
-    meta = view[HEADER_SIZE: HEADER_SIZE + meta_len]
+    meta = view[base + HEADER_SIZE: base + HEADER_SIZE + meta_len]
     table = view[table_off: table_off + _ENTRY.size * n]
     if _native.crc32(meta) != meta_crc:
         raise CorruptCheckpoint(name, "metadata checksum mismatch")
@@ -232,7 +290,7 @@ def _parse(view: memoryview, name) -> _Header:
     if not (isinstance(meta, dict) and isinstance(meta.get("skeleton"), bytes)
             and isinstance(meta.get("tensors"), list) and meta.get("storages") == n):
         raise CorruptCheckpoint(name, "metadata lacks the skeleton, tensor list or storage count it must have")
-    return _Header(flags, n, meta, entries, data_off, total)
+    return _Header(flags, n, meta, entries, data_off, total, base, table_off, meta_len)
 
 
 def header_info(buf, name="<buffer>") -> dict:
@@ -250,13 +308,17 @@ def checksummed_header(buf, name="<pool>") -> bytes:
     for off, nbytes, _ in h.table:
         start = h.data_off + off
         entries.append(_ENTRY.pack(off, nbytes, _native.crc32(view[start: start + nbytes]), 0))
-    table = b"".join(entries)
-    meta = bytes(view[HEADER_SIZE: HEADER_SIZE + _PRE.unpack_from(view, 0)[4]])
-    table_off = _PRE.unpack_from(view, 0)[5]
     out = bytearray(view[: h.data_off])
-    out[:HEADER_SIZE] = _preamble(h.flags | FLAG_CHECKSUMS, h.n, meta, table_off, h.data_off, h.total_len, table)
-    out[table_off: table_off + len(table)] = table
+    _fill_crcs(out, h, b"".join(entries))
     return bytes(out)
+
+
+def _fill_crcs(header: bytearray, h: _Header, table: bytes) -> None:
+    """Write ``table`` (with CRCs) and a preamble flagged FLAG_CHECKSUMS into ``header`` (parsed as ``h``)."""
+    meta = bytes(header[h.base + HEADER_SIZE: h.base + HEADER_SIZE + h.meta_len])
+    header[h.base: h.base + HEADER_SIZE] = _preamble(h.flags | FLAG_CHECKSUMS, h.n, meta, h.table_off, h.data_off,
+                                                     h.total_len, table, h.base)
+    header[h.table_off: h.table_off + len(table)] = table
 
 
 def _chunks(view: memoryview, h: _Header, name, verify: bool) -> list:

@@ -25,7 +25,8 @@ def main(ckpt_dir: str) -> None:
     dist_checkpointing.save(sd, ckpt_dir)
     assert acp.flush() == 0
     with open(os.path.join(ckpt_dir, "common.pt"), "rb") as f:
-        print("COMMON_MAGIC", f.read(8))
+        from mindio.acp import format as fmt
+        print("COMMON_MINDIO", fmt.is_container(f.read(fmt.SNIFF)))
     print("PATCHED", acp._megatron.is_patched(common))
     out = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6), replica_id=0)},
                                   ckpt_dir)

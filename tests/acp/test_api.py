@@ -1,4 +1,5 @@
 """The ACP API against a real daemon: return codes, memory hits, persistence, fallbacks, file access."""
+import io
 import os
 import threading
 import time
@@ -10,7 +11,7 @@ import mindio
 from mindio import acp
 from mindio.acp import _storage, api
 from mindio.acp import format as fmt
-from mindio.errors import ConfigError
+from mindio.errors import ConfigError, CorruptCheckpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -268,3 +269,65 @@ def test_daemon_exits_when_idle(acp_env, monkeypatch):
         time.sleep(0.2)
     assert not os.path.exists(sock)
     assert os.path.exists(os.path.join(acp_env["ck"], "x.pt"))   # persisted before exiting
+
+
+def test_saved_files_are_torch_load_files(acp_env):
+    """What mindio.save persists (daemon or direct write) is a file torch.load reads as it is, mmap too;
+    mindio.load reads it from memory and from storage; a file of the old layout (version 1) still loads."""
+    sd = {**_sd(), "p": torch.nn.Parameter(torch.randn(3)), "empty": torch.empty(0, 2), "half": torch.ones(5).half()}
+    sd["row"] = sd["w"][3]
+    pooled, direct, old = (os.path.join(acp_env["ck"], n) for n in ("pooled.pt", "direct.pt", "v1.pt"))
+    assert acp.save(sd, pooled) == 1 and acp.save(sd, direct, open_way="fopen") == 2 and acp.flush() == 0
+    for path in (pooled, direct):
+        for loaded in (torch.load(path, weights_only=True), torch.load(path, weights_only=True, mmap=True),
+                       acp.load(path), acp.load(path, open_way="fopen")):
+            assert _same(loaded, sd) and torch.equal(loaded["row"], sd["row"]) and torch.equal(loaded["p"], sd["p"])
+            assert isinstance(loaded["p"], torch.nn.Parameter) and loaded["half"].dtype == torch.float16
+            assert loaded["row"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
+    plan = fmt.plan(sd, torch_zip=False)
+    _storage.atomic_write(old, plan.file_chunks())
+    assert _same(acp.load(old), sd)
+    with open(pooled, "r+b") as f:                  # one tensor byte changed on disk: mindio.load says so
+        f.seek(fmt.header_info(f.read(), pooled)["data_off"] + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch in tensor storage"):
+        acp.load(pooled, open_way="fopen")
+
+
+def test_damaged_and_foreign_files_name_the_path(acp_env):
+    """mindio.load of garbage or of a cut torch.save file: CorruptCheckpoint with the path and the reason."""
+    good = os.path.join(acp_env["ck"], "good.pt")
+    torch.save({"w": torch.randn(1000), "l": [torch.ones(3), 5]}, good)
+    whole = open(good, "rb").read()
+    cases = {"garbage": os.urandom(5000), "zeros": bytes(300), "text": b"hello world\n" * 20,
+             **{f"cut-{n}": whole[:n] for n in (30, 200, len(whole) // 2, len(whole) - 30)}}
+    for name, data in cases.items():
+        path = os.path.join(acp_env["ck"], f"{name}.pt")
+        with open(path, "wb") as f:
+            f.write(data)
+        for weights_only in (True, False):
+            with pytest.raises(CorruptCheckpoint) as err:
+                acp.load(path, weights_only=weights_only)
+            assert err.value.path == path and err.value.reason and "\n" not in str(err.value), (name, err.value)
+
+
+def test_file_objects_go_through_torch_save(acp_env, caplog):
+    buf = io.BytesIO()
+    sd = _sd()
+    assert acp.save(sd, buf) == 0 and api.fallback_counts() == {"torch.save": 1}
+    assert sum("file-like object" in r.message for r in caplog.records) == 1
+    buf.seek(0)
+    assert _same(torch.load(buf, weights_only=True), sd)
+    buf.seek(0)
+    assert _same(acp.load(buf), sd)
+
+
+def test_quantized_fallback_names_quantization(acp_env, caplog):
+    path = os.path.join(acp_env["ck"], "q.pt")
+    q = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)
+    assert acp.save({"q": q}, path) == 0 and api.fallback_counts() == {"torch.save": 1}
+    said = [r.message for r in caplog.records if "fallback to torch.save" in r.message]
+    assert len(said) == 1 and "quantized tensors (torch.qint8" in said[0] and "strided" not in said[0], said
+    assert torch.equal(acp.load(path, weights_only=False)["q"].int_repr(), q.int_repr())

@@ -12,8 +12,8 @@ from mindio.acp import format as fmt
 from mindio.errors import CheckpointError, ConfigError, CorruptCheckpoint
 
 
-def _image(obj, checksummed=True) -> bytearray:
-    plan = fmt.plan(obj)
+def _image(obj, checksummed=True, torch_zip=True) -> bytearray:
+    plan = fmt.plan(obj, torch_zip=torch_zip)
     buf = bytearray(plan.total_len)
     plan.write_into(buf)
     if checksummed:
@@ -68,22 +68,26 @@ def _flip(buf, pos):
     return buf
 
 
+@pytest.mark.parametrize("torch_zip", [True, False], ids=["v2-zip", "v1"])
 @pytest.mark.parametrize("where", ["magic", "version", "preamble", "meta", "table", "data"])
-def test_any_flipped_bit_is_detected(where):
+def test_any_flipped_bit_is_detected(where, torch_zip):
+    """Every byte mindio reads is verified (version 2: its own record; the zip bytes are torch's)."""
     obj = {"a": torch.randn(100), "b": torch.randn(50)}
-    buf = _image(obj)
+    buf = _image(obj, torch_zip=torch_zip)
     info = fmt.header_info(buf)
-    table_off = struct.unpack_from("<Q", buf, 24)[0]
-    pos = {"magic": 1, "version": 8, "preamble": 20, "meta": 70, "table": table_off + 17,
+    base = 128 if torch_zip else 0
+    table_off = struct.unpack_from("<Q", buf, base + 24)[0]
+    pos = {"magic": base + 1, "version": base + 8, "preamble": base + 20, "meta": base + 70, "table": table_off + 17,
            "data": info["data_off"] + 250}[where]
     with pytest.raises(CorruptCheckpoint) as err:
         fmt.load_buffer(_flip(buf, pos), "/ckpt/model.pt")
     assert "/ckpt/model.pt" in str(err.value) and err.value.path == "/ckpt/model.pt"
 
 
-@pytest.mark.parametrize("keep", [0, 10, 64, 4096, -1])
-def test_truncation_is_detected(keep):
-    buf = _image({"a": torch.randn(2000)})
+@pytest.mark.parametrize("torch_zip", [True, False], ids=["v2-zip", "v1"])
+@pytest.mark.parametrize("keep", [0, 10, 64, 136, 4096, -1])
+def test_truncation_is_detected(keep, torch_zip):
+    buf = _image({"a": torch.randn(2000)}, torch_zip=torch_zip)
     cut = buf[:keep] if keep >= 0 else buf[:-1]
     with pytest.raises(CorruptCheckpoint, match="truncated|bad magic"):
         fmt.load_buffer(cut, "short.pt")
@@ -170,7 +174,7 @@ def _set_tensor(field, value):
 def test_crafted_containers_raise_corrupt_checkpoint(case):
     """Files whose checksums all match but whose structure lies: never a struct/msgpack/torch error,
     never a resized storage, always CorruptCheckpoint naming the file."""
-    buf = _image({"a": torch.randn(100), "b": torch.arange(10)})
+    buf = _image({"a": torch.randn(100), "b": torch.arange(10)}, torch_zip=False)     # the structure checks
     edits = {
         "storages-field": lambda m: m.update(storages=99),
         "skeleton-garbage": lambda m: m.update(skeleton=b"\x80\x04\x95garbage"),

@@ -4,6 +4,8 @@
   every rank's lane, faults, decisions and each recovery phase with its duration (mindio/timeline.py).
 * ``mindio status [--json]`` -- ask a running job's controller what it sees (mindio/ttp/controller/status.py; the
   job runs with MINDIO_STATUS_PORT, the request is signed with MINDIO_SECRET).
+* ``mindio convert SRC DST [--trust]`` -- write a checkpoint mindio.load reads (e.g. a mindio container of
+  format version 1, which torch.load cannot read) as a plain torch.save file (mindio/acp/api.py).
 """
 from __future__ import annotations
 
@@ -97,6 +99,19 @@ def _status(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    from .acp import api
+    from .errors import CheckpointError
+
+    try:
+        api.convert_or_raise(args.src, args.dst, weights_only=not args.trust, open_way="fopen")
+    except (CheckpointError, OSError) as exc:
+        print(f"mindio convert: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.dst} (a torch.save file)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mindio", description="Look at what mindio did in a training job.")
     p.add_argument("--version", action="version", version=f"mindio {__version__}")
@@ -120,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer (default: %(default)s)")
     st.set_defaults(func=_status)
+    cv = sub.add_parser("convert", help="write a checkpoint mindio.load reads as a plain torch.save file",
+                        description="Write SRC (a mindio container of either format version, or a torch.save "
+                                    "file) to DST as a plain torch.save file. SRC is loaded weights-only: "
+                                    "tensors and plain containers, nothing that runs code.")
+    cv.add_argument("src", help="the checkpoint to read")
+    cv.add_argument("dst", help="the torch.save file to write")
+    cv.add_argument("--trust", action="store_true", help="load SRC with weights_only=False (any pickled "
+                                                         "object; runs code from the file: trusted files only)")
+    cv.set_defaults(func=_convert)
     return p
 
 

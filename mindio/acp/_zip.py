@@ -60,39 +60,80 @@ def directory(records: list, at: int) -> bytes:
     return bytes(cd)
 
 
-def torch_records(obj, storage_index) -> tuple:
+class _Ref:
+    """A storage's persistent id in torch's data.pkl (what torch.save's persistent_id returns)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple):
+        self.pid = pid
+
+
+class _Data:
+    """A Parameter's data inside its ``_rebuild_parameter`` call (reduced as the tensor it is)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+
+def torch_records(obj, storage_of) -> tuple:
     """torch.save's ``data.pkl`` for ``obj`` and its small records.
 
-    ``storage_index(untyped_storage)`` gives the mindio storage index of a non-empty storage: its
-    ``archive/data/<index>`` record is that storage's bytes. Returns (records, empty): records is
-    [(name, bytes)] of data.pkl and the small records torch writes; ``empty`` the keys of empty
-    storages (each a 0-byte record of its own, as torch gives them). Raises TypeError for what
-    torch.save refuses (one storage viewed as two dtypes)."""
-    import torch
-    from torch.serialization import location_tag
+    ``storage_of(tensor)`` gives (mindio storage index, its nbytes, torch's location tag) of a tensor
+    of ``obj``; a non-empty storage's ``archive/data/<index>`` record is that storage's bytes. Returns
+    (records, empty): records is [(name, bytes)] of data.pkl and the small records torch writes;
+    ``empty`` the keys of empty storages (each a 0-byte record of its own, as torch gives them).
+    Raises TypeError for what torch.save refuses (one storage viewed as two dtypes).
 
+    Tensors are reduced as torch's ``Tensor._reduce_ex_internal`` reduces a plain strided tensor
+    (``_rebuild_tensor_v2`` with a typed storage's persistent id, ``_rebuild_tensor_v3`` for the dtypes
+    typed storages lack, ``_rebuild_parameter`` around a Parameter's data), through a dispatch table
+    and the storage facts mindio's own pickling pass found: no TypedStorage objects are made
+    (mindio.acp.format.plan has already refused every other kind of tensor).
+    """
+    import collections
+    import copyreg
+
+    import torch
+    from torch._utils import _rebuild_parameter, _rebuild_tensor_v2, _rebuild_tensor_v3
+
+    get_tensor_metadata = torch._C._get_tensor_metadata     # the conj/neg bits, as torch.save records them
+
+    names = torch.storage._dtype_to_storage_type_map()
+    v3 = set(torch.storage._new_dtypes())
     dtypes: dict = {}
     empty: list = []
+    no_hooks = collections.OrderedDict()
 
-    def persistent_id(o):
-        if not isinstance(o, torch.storage.TypedStorage):
-            return None
-        st = o._untyped_storage
-        if st.nbytes() == 0:
+    def reduce_tensor(t):
+        index, nbytes, location = storage_of(t)
+        dtype = t.dtype
+        if nbytes == 0:
             key = f"e{len(empty)}"
             empty.append(key)
         else:
-            key = str(storage_index(st))
-            if dtypes.setdefault(key, o.dtype) != o.dtype:
+            key = str(index)
+            if dtypes.setdefault(key, dtype) != dtype:
                 raise TypeError("one storage viewed as two dtypes (torch.save refuses it)")
-        return ("storage", getattr(torch, o._pickle_storage_type()), key, location_tag(st), o._size())
-
-    class Pickler(pickle.Pickler):
-        pass
+        if dtype in v3:
+            pid = ("storage", torch.UntypedStorage, key, location, nbytes)
+            args = (_Ref(pid), t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, no_hooks, dtype)
+        else:
+            pid = ("storage", getattr(torch, names[dtype]), key, location, nbytes // t.element_size())
+            args = (_Ref(pid), t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, no_hooks)
+        metadata = get_tensor_metadata(t)
+        if metadata:
+            args += (metadata,)
+        return (_rebuild_tensor_v3 if dtype in v3 else _rebuild_tensor_v2), args
 
     buf = io.BytesIO()
-    pickler = Pickler(buf, protocol=2)
-    pickler.persistent_id = persistent_id
+    pickler = pickle.Pickler(buf, protocol=2)
+    pickler.dispatch_table = {
+        **copyreg.dispatch_table, torch.Tensor: reduce_tensor, _Data: lambda d: reduce_tensor(d.t),
+        torch.nn.Parameter: lambda p: (_rebuild_parameter, (_Data(p), p.requires_grad, no_hooks))}
+    pickler.persistent_id = lambda o: o.pid if type(o) is _Ref else None
     pickler.dump(obj)
     records = [("data.pkl", buf.getvalue()), (".format_version", b"1"), (".storage_alignment", b"64"),
                ("byteorder", sys.byteorder.encode()), ("version", b"3\n")]

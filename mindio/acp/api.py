@@ -240,7 +240,10 @@ def _pooled_region(path: str):
 
 
 def load(path, open_way: str = "memfs", map_location=None, weights_only: bool = True):
-    """Load what ``save`` or ``torch.save`` wrote to ``path``; newest pooled version first."""
+    """Load what ``save`` or ``torch.save`` wrote to ``path``; newest pooled version first.
+
+    ``path`` may be a file-like object. A file that is damaged, or neither a mindio container nor a
+    torch.save file, raises CorruptCheckpoint naming it."""
     _check_way(open_way)
     if _is_stream(path):
         return _load_stream(path, map_location, weights_only)
@@ -387,18 +390,26 @@ def flush(timeout: float = 3600.0) -> int:
     return 0
 
 
-def convert(src, dst) -> int:
-    """Write ``src`` (any checkpoint load() reads) to ``dst`` as a plain torch.save file. 0 ok, -1 failure."""
+def convert(src, dst, *, weights_only: bool = False) -> int:
+    """Write ``src`` (any checkpoint load() reads) to ``dst`` as a plain torch.save file. 0 ok, -1 failure.
+
+    Loads ``src`` with ``weights_only=False`` by default, as the reference does: convert only files you
+    trust (``mindio convert`` loads weights-only unless told ``--trust``)."""
     try:
-        for p in (src, dst):
-            if os.path.islink(p):
-                raise CheckpointError(f"{p} is a symbolic link; convert refuses links")
-        obj = load(src, weights_only=False)
-        _storage.atomic_torch_save(obj, _resolve(dst), _storage.file_mode())
+        convert_or_raise(src, dst, weights_only=weights_only)
         return 0
     except Exception as exc:
         log.error("convert %s -> %s failed: %s", src, dst, exc)
         return -1
+
+
+def convert_or_raise(src, dst, *, weights_only: bool = True, open_way: str = "memfs") -> None:
+    """convert(), raising what failed (``mindio convert`` reads storage only: open_way='fopen')."""
+    for p in (src, dst):
+        if os.path.islink(p):
+            raise CheckpointError(f"{p} is a symbolic link; convert refuses links")
+    obj = load(src, open_way=open_way, weights_only=weights_only)
+    _storage.atomic_torch_save(obj, _target(dst), _storage.file_mode())
 
 
 def server_stat() -> dict:

@@ -113,9 +113,10 @@ class Plan:
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, f, tensors, storages):
+    def __init__(self, f, tensors, storages, ids=None):
         super().__init__(f, protocol=4)
         self._tensors, self._storages = tensors, storages
+        self._ids = {} if ids is None else ids      # id(tensor) -> its index in tensors
 
     def persistent_id(self, obj):
         import torch
@@ -138,6 +139,7 @@ class _Pickler(pickle.Pickler):
                 str(obj.dtype).removeprefix("torch."), bool(obj.requires_grad),
                 isinstance(obj, torch.nn.Parameter), str(obj.device)]
         self._tensors.append(desc)
+        self._ids[id(obj)] = len(self._tensors) - 1
         return ("t", len(self._tensors) - 1)
 
 
@@ -149,22 +151,34 @@ def plan(obj, torch_zip: bool = True) -> Plan:
     container (version 1)."""
     tensors: list = []
     storages: dict = {}
+    ids: dict = {}
     skel = io.BytesIO()
-    _Pickler(skel, tensors, storages).dump(obj)
+    _Pickler(skel, tensors, storages, ids).dump(obj)
     ordered = [st for _, st in sorted(storages.values(), key=lambda item: item[0])]
     meta = msgpack.packb({"skeleton": skel.getvalue(), "tensors": tensors, "storages": len(ordered)},
                          use_bin_type=True)
     try:
         if not torch_zip:
             raise TypeError("the bare container was asked for")
-        records, empty = _zip.torch_records(obj, lambda st: storages[_storage_key(st)][0])
+        records, empty = _zip.torch_records(obj, _storage_facts(tensors, ordered, ids))
     except Exception:   # noqa: BLE001 -- whatever torch's pickling refuses, the bare container holds
         return _layout(meta, ordered, 0, None, [])
     return _layout(meta, ordered, _zip.BASE, records, empty)
 
 
-def _storage_key(st) -> tuple:
-    return (st.device.type, st.device.index, st.data_ptr(), st.nbytes())
+def _storage_facts(tensors: list, ordered: list, ids: dict):
+    """tensor -> (storage index, its nbytes, torch's location tag), from what _Pickler recorded."""
+    from torch.serialization import location_tag
+
+    nbytes = [st.nbytes() for st in ordered]
+    tags: dict = {}
+
+    def facts(t):
+        index = tensors[ids[id(t)]][0]
+        if index not in tags:
+            tags[index] = location_tag(ordered[index])
+        return index, nbytes[index], tags[index]
+    return facts
 
 
 def _sources(ordered: list) -> list:
@@ -216,16 +230,29 @@ def _layout(meta: bytes, ordered: list, base: int, records, empty: list) -> Plan
         total += len(pieces[-1][1])
     table = b"".join(table)
     header = bytearray(data_off)
-    for at, raw in [(base, _preamble(0, len(ordered), meta, table_off, data_off, total, table, base)),
-                    (base + HEADER_SIZE, meta), (table_off, table)] + [p for p in pieces if p[0] < data_off]:
+    for at, raw in [(base + HEADER_SIZE, meta), (table_off, table)] + [p for p in pieces if p[0] < data_off]:
         header[at: at + len(raw)] = raw
-    return Plan(header=bytes(header), storages=srcs, data_off=data_off, total_len=total,
-                extras=[p for p in pieces if p[0] >= data_off])
+    extras = [p for p in pieces if p[0] >= data_off]
+    zip_crc = _zip_crc(header, table_off + len(table), [raw for _, raw in extras]) if base else 0
+    header[base: base + HEADER_SIZE] = _preamble(0, len(ordered), meta, table_off, data_off, total, table, base,
+                                                 zip_crc)
+    return Plan(header=bytes(header), storages=srcs, data_off=data_off, total_len=total, extras=extras)
 
 
-def _preamble(flags, n, meta, table_off, data_off, total, table, base=0) -> bytes:
+def _zip_crc(header, table_end: int, tail: list) -> int:
+    """Version 2: CRC-32 of the zip bytes (what torch.load reads besides the storages): the first
+    record's header, everything between the table and data_off, each later storage's record header and
+    the central directory. Kept in the preamble's reserved field: mindio.load checks them too."""
+    crc = _native.crc32(memoryview(header)[: _zip.BASE])
+    crc = _native.crc32(memoryview(header)[table_end: len(header)], crc)
+    for raw in tail:
+        crc = _native.crc32(raw, crc)
+    return crc
+
+
+def _preamble(flags, n, meta, table_off, data_off, total, table, base=0, zip_crc=0) -> bytes:
     body = _PRE.pack(MAGIC, VERSION if base else 1, flags, n, len(meta), table_off, data_off, total,
-                     _native.crc32(meta), _native.crc32(table), 0)
+                     _native.crc32(meta), _native.crc32(table), zip_crc)
     return body + struct.pack("<I", _native.crc32(body))
 
 
@@ -246,6 +273,7 @@ class _Header:
     base: int = 0
     table_off: int = 0
     meta_len: int = 0
+    zip_crc: int = 0
 
 
 def _parse(view: memoryview, name, complete: bool = True) -> _Header:
@@ -254,7 +282,7 @@ def _parse(view: memoryview, name, complete: bool = True) -> _Header:
     if len(view) < base + HEADER_SIZE:
         raise CorruptCheckpoint(name, f"truncated: {len(view)} bytes, shorter than the {HEADER_SIZE}-byte preamble")
     fields = _PRE.unpack_from(view, base)
-    magic, version, flags, n, meta_len, table_off, data_off, total, meta_crc, table_crc, _ = fields
+    magic, version, flags, n, meta_len, table_off, data_off, total, meta_crc, table_crc, zip_crc = fields
     if magic != MAGIC:
         raise CorruptCheckpoint(name, "not a mindio checkpoint (bad magic)")
     (pre_crc,) = struct.unpack_from("<I", view, base + _PRE.size)
@@ -290,7 +318,14 @@ def _parse(view: memoryview, name, complete: bool = True) -> _Header:
     if not (isinstance(meta, dict) and isinstance(meta.get("skeleton"), bytes)
             and isinstance(meta.get("tensors"), list) and meta.get("storages") == n):
         raise CorruptCheckpoint(name, "metadata lacks the skeleton, tensor list or storage count it must have")
-    return _Header(flags, n, meta, entries, data_off, total, base, table_off, meta_len)
+    if base and complete:
+        ends = [off + nbytes for off, nbytes, _ in entries]
+        tail = [view[data_off + off - _zip.SLOT: data_off + off] for off, _, _ in entries[1:]]
+        tail.append(view[data_off + _round(ends[-1], _ALIGN) if entries else data_off: total])
+        if _zip_crc(view[:data_off], table_off + _ENTRY.size * n, tail) != zip_crc:
+            raise CorruptCheckpoint(name, "zip structure checksum mismatch (the bytes torch.load reads besides "
+                                    "the tensors)")
+    return _Header(flags, n, meta, entries, data_off, total, base, table_off, meta_len, zip_crc)
 
 
 def header_info(buf, name="<buffer>") -> dict:
@@ -317,7 +352,7 @@ def _fill_crcs(header: bytearray, h: _Header, table: bytes) -> None:
     """Write ``table`` (with CRCs) and a preamble flagged FLAG_CHECKSUMS into ``header`` (parsed as ``h``)."""
     meta = bytes(header[h.base + HEADER_SIZE: h.base + HEADER_SIZE + h.meta_len])
     header[h.base: h.base + HEADER_SIZE] = _preamble(h.flags | FLAG_CHECKSUMS, h.n, meta, h.table_off, h.data_off,
-                                                     h.total_len, table, h.base)
+                                                     h.total_len, table, h.base, h.zip_crc)
     header[h.table_off: h.table_off + len(table)] = table
 
 

@@ -331,3 +331,25 @@ def test_quantized_fallback_names_quantization(acp_env, caplog):
     said = [r.message for r in caplog.records if "fallback to torch.save" in r.message]
     assert len(said) == 1 and "quantized tensors (torch.qint8" in said[0] and "strided" not in said[0], said
     assert torch.equal(acp.load(path, weights_only=False)["q"].int_repr(), q.int_repr())
+
+
+def test_mindio_convert_command(acp_env):
+    """`mindio convert SRC DST`: a version-1 container (which torch.load cannot read) becomes a torch.save
+    file; a damaged source is one line on stderr and exit 1."""
+    import subprocess
+    import sys
+
+    sd = _sd()
+    old, dst, bad = (os.path.join(acp_env["ck"], n) for n in ("v1.pt", "plain.pt", "bad.pt"))
+    _storage.atomic_write(old, fmt.plan(sd, torch_zip=False).file_chunks())
+    with pytest.raises(Exception):
+        torch.load(old, weights_only=True)
+    run = subprocess.run([sys.executable, "-m", "mindio.cli", "convert", old, dst], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert _same(torch.load(dst, weights_only=True), sd)
+    with open(bad, "wb") as f:
+        f.write(b"\0" * 100)
+    run = subprocess.run([sys.executable, "-m", "mindio.cli", "convert", bad, dst], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1 and bad in run.stderr and "corrupt" in run.stderr

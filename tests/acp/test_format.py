@@ -230,3 +230,16 @@ def test_damaged_files_raise_corrupt_checkpoint(tmp_path, content):
     with pytest.raises(CorruptCheckpoint) as err:
         acp.load(path, open_way="fopen")
     assert err.value.path == path and path in str(err.value)
+
+
+@pytest.mark.parametrize("where", ["first-header", "data.pkl", "storage-header", "directory", "end-record"])
+def test_flipped_zip_bytes_are_detected(where):
+    """Version 2: the zip bytes torch.load reads (headers, torch's data.pkl, the central directory) are
+    checked by mindio.load as well, so a file mindio.load accepts is one torch.load can read."""
+    buf = _image({"a": torch.randn(100), "b": torch.randn(50)})
+    info = fmt.header_info(buf)
+    pkl = bytes(buf).index(b"archive/data.pkl") + 100
+    pos = {"first-header": 10, "data.pkl": pkl, "storage-header": info["data_off"] + 448 + 10,
+           "directory": len(buf) - 200, "end-record": len(buf) - 5}[where]
+    with pytest.raises(CorruptCheckpoint, match="zip structure"):
+        fmt.load_buffer(_flip(buf, pos), "/ckpt/model.pt")

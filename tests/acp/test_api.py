@@ -333,6 +333,7 @@ def test_quantized_fallback_names_quantization(acp_env, caplog):
     assert torch.equal(acp.load(path, weights_only=False)["q"].int_repr(), q.int_repr())
 
 
+@pytest.mark.slow
 def test_mindio_convert_command(acp_env):
     """`mindio convert SRC DST`: a version-1 container (which torch.load cannot read) becomes a torch.save
     file; a damaged source is one line on stderr and exit 1."""

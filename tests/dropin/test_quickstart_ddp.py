@@ -34,14 +34,14 @@ class Job:
     """One 4-rank run of the quickstart's loop in ``cwd`` (its ckpt/ goes there): exit code, output."""
 
     def __init__(self, cwd: Path, launcher: str = "torchrun", launcher_args=(), args=(), env=None,
-                 timeout: float = 120, during=None):
+                 timeout: float = 120, during=None, script: Path = SCRIPT):
         cwd.mkdir(parents=True, exist_ok=True)
         self.cwd, self.events_path = cwd, cwd / "events.jsonl"
         full = {k: v for k, v in os.environ.items() if k not in ("HIGH_AVAILABILITY", "MINDIO_SECRET")}
         full.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_PORT=str(free_port()),
                     MINDIO_EVENT_LOG=str(self.events_path), **(env or {}))
         cmd = [sys.executable, "-m", LAUNCHERS[launcher], "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), *launcher_args, str(SCRIPT), "--steps", str(STEPS), *args]
+               "--master-port", str(free_port()), *launcher_args, str(script), "--steps", str(STEPS), *args]
         p = subprocess.Popen(cmd, cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
         lines: list = []
@@ -71,7 +71,7 @@ class Job:
 
     def digests(self) -> dict:
         """{rank: digest} of the final state each rank printed (at step STEPS)."""
-        found = re.findall(rf"^rank (\d) step {STEPS} digest (\w+)$", self.text, re.M)
+        found = re.findall(rf"rank (\d) step {STEPS} digest ([0-9a-f]{{64}})", self.text)
         return {int(r): d for r, d in found}
 
 
@@ -138,8 +138,7 @@ def test_raise_under_mindio_run_ends_in_a_last_words_checkpoint(tmp_path):
     job = Job(tmp_path, "mindio-run", args=["--inject", "raise:rank=1,step=6"])
     assert job.code != 0 and (tmp_path / "ckpt" / "latest").read_text() == "5", job.tail()
     assert (tmp_path / "ckpt" / "step_5_r0.pt").exists() or (tmp_path / "ckpt" / "step_5_r2.pt").exists()
-    codes = re.findall(r"rank (\d+): exit code (-?\d+)", job.text)
-    assert sorted(int(r) for r, _ in codes) == [0, 1, 2, 3] and {c for _, c in codes} == {"75"}, job.tail()
+    assert job.text.count("exiting with code 75") == 4 and "workers exited 75" in job.text, job.tail()
     warnings = [line for line in job.text.splitlines() if " WARNING " in line]
     assert not [w for w in warnings if "GLHF" in w or "reporting RS_NORMAL" in w], warnings
     assert sum("a secondary error" in w for w in warnings) <= 1, warnings
@@ -186,3 +185,18 @@ def test_hung_rank_is_replaced_under_mindio_run_bitwise(tmp_path, fault_free):
     assert job.code == 0, job.tail()
     assert [d["replaced"] for d in job.events("recover_done")] == [[1]], job.tail()
     assert job.digests() == fault_free.digests(), job.tail()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_ddp_wrapper_held_at_exit_is_released_without_a_warning(tmp_path):
+    """The quickstart's loop without its last ``model = None`` (the DDP wrapper, holding the default group,
+    still referenced at exit): mindio's exit teardown makes the wrapper let go of the group, so no gloo
+    thread is left running and nothing warns (issue 30 item 9)."""
+    script = tmp_path / "keeps_ddp.py"
+    source = SCRIPT.read_text()
+    assert "\nmodel = None " in source
+    script.write_text(source.replace("\nmodel = None ", "\npass  # "))
+    job = Job(tmp_path / "run", script=script, args=["--steps", "3"])
+    assert job.code == 0 and "rank 3 step 3 digest" in job.text, job.tail()
+    assert not [line for line in job.text.splitlines() if "WARNING" in line], job.tail()

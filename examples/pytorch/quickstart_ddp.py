@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from mindio.adapter import wrap_ddp
 from mindio.drill import inject
-from mindio.ttp import (RepairType, tft_destroy_controller, tft_destroy_processor, tft_end_updating_os, tft_exception_handler,
-                        tft_init_controller, tft_init_processor, tft_register_clean_handler,
+from mindio.ttp import (RepairType, tft_destroy_controller, tft_destroy_processor, tft_end_updating_os,
+                        tft_exception_handler, tft_init_controller, tft_init_processor, tft_register_clean_handler,
                         tft_register_rebuild_group_handler, tft_register_rename_handler,
                         tft_register_repair_handler, tft_register_rollback_handler, tft_register_save_ckpt_handler,
                         tft_set_optimizer_replica, tft_start_controller, tft_start_processor, tft_start_updating_os)

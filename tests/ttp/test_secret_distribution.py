@@ -2,8 +2,9 @@
 stranger can read when the launcher or the user can do better. An attacker process (_attacker.py dump)
 reads every key of every store port of a real job -- mindio-run's agent store and worker stores, torchrun's
 store -- and must not find the secret, with mindio-run (one node: nothing to configure; several nodes: a
-secret file) and with torchrun on one node (a private file's path in the store; given MINDIO_SECRET_FILE,
-nothing). Without it torchrun on several nodes falls back to the store and says so in one line. Plus the checks of a secret file and who may register as a backup or a relay."""
+secret file) and with torchrun on one node (a private file's path in the store; given
+MINDIO_SECRET_FILE, nothing). Without it torchrun on several nodes falls back to the store and says so
+in one line. Plus the checks of a secret file and who may register as a backup or a relay."""
 import datetime
 import json
 import logging

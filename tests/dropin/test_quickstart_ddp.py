@@ -148,13 +148,17 @@ def test_raise_under_mindio_run_ends_in_a_last_words_checkpoint(tmp_path):
 @pytest.mark.timeout(150)
 def test_kill_under_torchrun_is_named_a_death_not_a_preemption(tmp_path):
     """``kill -9`` of rank 3 (from outside) under torchrun: torchrun SIGTERMs the survivors, which is not
-    a preemption. The first line about it names the dead rank; the job ends in a last-words checkpoint."""
-    job = Job(tmp_path, args=[], during=kill_rank(3, 4))
+    a preemption. The first line about it names the dead rank; the job ends in a last-words checkpoint.
+    The controller's same-host pid probe is off (MINDIO_PID_PROBE=0), as for a rank on another node: what
+    names the death is the survivors' finding that their launcher's SIGTERM follows a sibling's end."""
+    job = Job(tmp_path, during=kill_rank(3, 4), env={"MINDIO_PID_PROBE": "0"})
     assert job.code != 0, job.tail()
     about = r" (WARNING|ERROR) mindio.*(declared dead|checkpoint requested|reporting RS_|incident decision)"
     first = next((line for line in job.text.splitlines() if re.search(about, line)), "")
     assert re.search(r"rank\(s\) \[3\] declared dead", first) and "SIGTERM" not in first, job.tail()
     assert not re.search(r"last-words checkpoint requested \(rank \d: SIGTERM\)", job.text), job.tail()
+    dead = job.events("rank_dead")
+    assert [(d["dead_rank"], "launcher stops" in d["cause"]) for d in dead] == [(3, True)], dead
     latest = tmp_path / "ckpt" / "latest"
     assert latest.exists() and int(latest.read_text()) >= 4, job.tail()
 

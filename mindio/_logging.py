@@ -12,7 +12,8 @@ controller, the launcher and the acp daemon when they start) configures the ``mi
   stderr, no file.
 
 The node is ``MINDIO_NODE_RANK`` (mindio-run) or ``GROUP_RANK`` (torchrun); the rank and step come from
-:func:`set_context`, which the processor updates as the step advances.
+:func:`set_context`, which the processor updates as the step advances. A console line says
+``(after step N)``: N is the last step the rank completed.
 
 ``event(kind, **fields)`` appends one JSON line to the structured event log (MINDIO_EVENT_LOG) so that
 ``mindio timeline`` can draw a recovery (mindio/timeline.py); it is a no-op when the variable is unset.
@@ -50,7 +51,8 @@ class _ContextFilter(logging.Filter):
         record.mindio_node = _context["node"]
         record.mindio_rank = _context["rank"]
         record.mindio_step = _context["step"]
-        record.mindio_at = "" if _context["step"] == "-" else f" (step {_context['step']})"
+        # the step is the last one this rank completed (tft_end_updating_os), not the one it is in
+        record.mindio_at = "" if _context["step"] == "-" else f" (after step {_context['step']})"
         return True
 
 

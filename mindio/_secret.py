@@ -3,14 +3,20 @@ launcher's agents import this too). How the secret travels otherwise: mindio/ttp
 and mindio/launch/secret.py."""
 from __future__ import annotations
 
+import atexit
 import hashlib
+import logging
 import os
 import stat
+import tempfile
 
 from . import _knobs
 from .errors import ConfigError
 
-__all__ = ["read_secret_file", "user_secret", "secret_key"]
+__all__ = ["read_secret_file", "user_secret", "secret_key", "one_node", "share", "shared"]
+
+_log = logging.getLogger("mindio.secret")
+_FILE = "file:"  # a store value naming a private file that holds the secret (one node), not the secret
 
 _MIN_SECRET = 16
 
@@ -55,3 +61,43 @@ def user_secret() -> str:
 def secret_key(text: str) -> bytes:
     """The 32-byte HMAC key of the control plane made from the secret text."""
     return hashlib.sha256(text.encode()).digest()
+
+
+def one_node(environ=None) -> bool:
+    """Whether every rank of the job runs on this node: torchrun's (and mindio-run's) LOCAL_WORLD_SIZE
+    equals WORLD_SIZE. False when the launcher does not say."""
+    env = os.environ if environ is None else environ
+    local, world = env.get("LOCAL_WORLD_SIZE", ""), env.get("WORLD_SIZE", "")
+    return local.isdigit() and local == world
+
+
+def share(store, key: str, text: str, where: str) -> None:
+    """(the controller's rank, zero configuration) Hand the job secret ``text`` to the job's other ranks
+    through ``store`` under ``key``. On one node (:func:`one_node`) the ranks share a user and a
+    filesystem: the secret goes into a new private file (mode 0600, removed when this process ends) and
+    only ``file:PATH`` into the store, which anyone who reaches its port can read. On several nodes the
+    secret itself goes into the store, said in one line (``where``: the store's address)."""
+    if one_node():
+        fd, path = tempfile.mkstemp(prefix="mindio-secret-")  # O_EXCL, mode 0600 whatever the umask
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        atexit.register(_remove, path)
+        store.set(key, _FILE + path)
+        return
+    store.set(key, text)
+    _log.warning("the job secret is published in the torch.distributed store at %s (anyone who reaches it can "
+                 "read it): give every node the same MINDIO_SECRET_FILE (mode 0600) to keep it private", where)
+
+
+def shared(value: str) -> str:
+    """The secret from what :func:`share` put in the store: the private file's content, or the text."""
+    return read_secret_file(value[len(_FILE):]) if value.startswith(_FILE) else value
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -4,6 +4,7 @@ See :mod:`mindio.adapter.interface` for the protocol and docs/adapter.md for a w
 Imports torch, never megatron.
 """
 
+from .ddp import wrap as wrap_ddp
 from .digest import global_digest, local_digest
 from .interface import FrameworkAdapter, RepairRole, register, repair_pairs
 from .transfer import StateMismatch, capture_rng, recv_state, restore_rng, send_state
@@ -20,4 +21,5 @@ __all__ = [
     "StateMismatch",
     "local_digest",
     "global_digest",
+    "wrap_ddp",
 ]

@@ -60,7 +60,7 @@ def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED,
     state = policy.classify(message, patterns, uce_repairable=repairable, during_incident=during_incident)
     if during_incident and state is ReportState.RS_NORMAL and \
             policy.classify(message, patterns, uce_repairable=repairable) is not state:
-        _log.warning("secondary error (the controller had stopped this rank already): %s", message[:300])
+        _log.info("secondary error (the controller had stopped this rank already): %s", message[:300])
         _logging.event("secondary_error", message=message[:300])
     for pattern, _s, handle in _rt.user_patterns:
         if pattern in message and handle is not None:

@@ -22,11 +22,12 @@ exit, which ends the process before) and before the interpreter shuts down:
 2. torch.distributed: the frameworks drop their references (:func:`on_exit`, e.g. ``FrameworkAdapter.release``),
    ``destroy_process_group()`` (every group), torch's references released in parallel
    (``device.release``; each destructor joins its group's threads), awaited within MINDIO_EXIT_TIMEOUT s;
-3. leftovers are reported: gloo worker threads still running belong to groups the training script still
-   references (a global, a model wrapper), or to a default group that torch keeps because torch._dynamo
+3. a DistributedDataParallel wrapper the script still holds lets go of its group (:func:`_drop_ddp_groups`:
+   its reducer, logger and group reference are dropped; the process ends next);
+4. leftovers are reported in one line: gloo worker threads still running belong to groups the training
+   script still references (a global, a model wrapper), or to a default group that torch keeps because torch._dynamo
    was first imported after ``init_process_group`` (torch 2.13; DistributedDataParallel's and a torch
-   optimizer's constructors import it: :func:`import_dynamo_early`, mindio/_dynamo.py); the log says how
-   many and what to do.
+   optimizer's constructors import it: :func:`import_dynamo_early`, mindio/_dynamo.py).
 
 The same steps suit NCCL and HCCL: ``destroy_process_group`` shuts their communicators down (torch asks
 every application to call it before exit). A process ended by ``os._exit`` (the decorator's fast exit
@@ -136,15 +137,29 @@ def _release_groups(deadline: float) -> None:
         return
     if collective_threads():  # groups referenced from garbage cycles go with one collection
         device.collect()
+    if collective_threads() and _drop_ddp_groups():  # a DistributedDataParallel the script still holds
+        device.collect()
     left = collective_threads()
     if left:
-        _log.warning("exit: %d gloo worker thread(s) still run: the training script still references process "
-                     "groups (a global, a model or optimizer wrapper), or torch._dynamo was first imported after "
-                     "init_process_group (DistributedDataParallel's and a torch optimizer's constructors "
-                     "import it; torch 2.13 then keeps the default group alive: import torch._dynamo before "
-                     "init_process_group). Drop those references before the process ends (megatron: "
-                     "parallel_state.destroy_model_parallel()), or its interpreter shutdown can abort with "
-                     "SIGABRT (pytorch/pytorch#190489)", left)
+        _log.warning("exit: %d gloo worker thread(s) still run: drop the script's references to process groups "
+                     "before destroy_process_group, or the exit may abort (docs/quickstart.md)", left)
+
+
+def _drop_ddp_groups() -> int:
+    """Make every live DistributedDataParallel module let go of its process group (its reducer, logger and
+    ``process_group``): the script may still hold the wrapper at exit, and the wrapper holds the group
+    open. The process ends next, so the wrappers are not used again. Returns how many were found."""
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    if ddp is None:
+        return 0
+    import gc
+
+    cls = ddp.DistributedDataParallel  # by type(): isinstance reads __class__, which some objects warn about
+    found = [o for o in gc.get_objects() if cls in type(o).__mro__]
+    for module in found:
+        for name in ("reducer", "logger", "process_group", "_default_comm_hook_state"):
+            module.__dict__.pop(name, None)
+    return len(found)
 
 
 def _freeze_for_shutdown() -> None:

@@ -2,20 +2,23 @@
 stranger can read when the launcher or the user can do better. An attacker process (_attacker.py dump)
 reads every key of every store port of a real job -- mindio-run's agent store and worker stores, torchrun's
 store -- and must not find the secret, with mindio-run (one node: nothing to configure; several nodes: a
-secret file) and with torchrun given MINDIO_SECRET_FILE. Without it torchrun falls back to the store and
-says so, once. Plus the checks of a secret file and who may register as a backup or a relay."""
+secret file) and with torchrun on one node (a private file's path in the store; given
+MINDIO_SECRET_FILE, nothing). Without it torchrun on several nodes falls back to the store and says so
+in one line. Plus the checks of a secret file and who may register as a backup or a relay."""
 import datetime
 import json
 import logging
 import os
 import secrets
+import stat
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from mindio._secret import read_secret_file, user_secret
+from mindio._secret import read_secret_file, share, shared, user_secret
 from mindio.errors import ConfigError
 
 from ._harness import ROOT, free_port, until
@@ -54,6 +57,31 @@ def test_a_secret_file_must_be_private_and_ours(tmp_path, monkeypatch):
     monkeypatch.setenv("MINDIO_SECRET_FILE", str(short))
     with pytest.raises(ConfigError, match="MINDIO_SECRET_FILE"):
         user_secret()
+
+
+def test_zero_config_secret_is_a_private_file_on_one_node_and_one_line_on_several(monkeypatch, caplog):
+    """The controller's rank shares a secret it drew (nothing given) through the job's store: on one node
+    (LOCAL_WORLD_SIZE == WORLD_SIZE, as torchrun sets them) the store gets only ``file:PATH`` of a private
+    file the other ranks read; on several nodes the secret itself, and one warning line that names the fix."""
+    import torch.distributed as dist
+
+    store, text = dist.HashStore(), secrets.token_hex(32)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with caplog.at_level(logging.INFO, logger="mindio"):
+        share(store, "k", text, "127.0.0.1:1")
+    value = store.get("k").decode()
+    path = Path(value.removeprefix("file:"))
+    assert value.startswith("file:") and text not in value and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert shared(value) == text and not caplog.records
+    path.unlink()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level(logging.INFO, logger="mindio"):
+        share(store, "k", text, "10.0.0.1:29500")
+    assert shared(store.get("k").decode()) == text
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "MINDIO_SECRET_FILE" in lines[0] and "10.0.0.1:29500" in lines[0], lines
+    assert len(lines[0]) < 200, lines
 
 
 def test_launcher_secret_stays_off_the_store_unless_several_nodes_have_none(tmp_path, monkeypatch, caplog):
@@ -222,9 +250,10 @@ def test_mindio_run_secret_is_in_no_store(tmp_path, nodes):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("given", [True, False], ids=["secret-file", "nothing-given"])
 def test_torchrun_secret_is_in_no_store_when_given(tmp_path, given):
-    """torchrun, rank 0 hosting the controller. With MINDIO_SECRET_FILE the attacker finds the secret in no
-    key of torchrun's store. With nothing given the controller's rank publishes it there (the zero-config
-    path) and logs once what that exposes -- and the same attacker does find it: the check can fail."""
+    """torchrun on one node, rank 0 hosting the controller. With MINDIO_SECRET_FILE the attacker finds the
+    secret in no key of torchrun's store. With nothing given (issue 30) the controller's rank draws one and
+    hands it to the other ranks as a private file of its own (mode 0600): the store holds only the file's
+    path, the attacker finds no secret there either, and nothing warns."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     port = free_port()
@@ -240,12 +269,16 @@ def test_torchrun_secret_is_in_no_store_when_given(tmp_path, given):
         stores = _dump(tmp_path, port)
         secret = workers[0]["secret"]
         assert workers[1]["secret"] == secret and any("default_pg" in k for kv in stores.values() for k in kv), stores
-        # given: in no key or value; else published, readable by anyone who reaches the port
-        assert (secret in json.dumps(stores)) is not given, stores
+        assert secret not in json.dumps(stores), stores
+        if not given:  # the path of a private file of ours is all the store holds
+            value = next(v for kv in stores.values() for k, v in kv.items() if k.endswith("mindio/ttp/secret"))
+            path = Path(value.removeprefix("file:"))
+            assert value.startswith("file:") and stat.S_IMODE(path.stat().st_mode) == 0o600, value
         (tmp_path / "go").touch()
         out = job.communicate(timeout=120)[0]
         assert job.returncode == 0, out[-4000:]
-        assert out.count("is published in its torch.distributed store") == (0 if given else 1), out[-4000:]
+        assert "published in the torch.distributed store" not in out, out[-4000:]
+        assert given or not path.exists()  # removed when rank 0 ended
     finally:
         (tmp_path / "go").touch()
         if job.poll() is None:

@@ -31,7 +31,7 @@ def test_by_default_warnings_go_to_stderr_with_node_and_rank_and_no_file_is_writ
     out = _run(LOG_SOME, tmp_path)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("[1/3] ") and "WARNING mindio.ttp.incident (step 12): dump at step 12" in lines[0]
+    assert lines[0].startswith("[1/3] ") and "WARNING mindio.ttp.incident (after step 12): dump at step 12" in lines[0]
     assert list(tmp_path.iterdir()) == []  # no ./logs
 
 

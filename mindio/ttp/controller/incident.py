@@ -55,6 +55,7 @@ class Incident:
     primary: dict = field(default_factory=dict)   # rank -> ReportState of its primary report (or a death)
     seen: dict = field(default_factory=dict)      # rank -> time.monotonic() its fault was first seen
     messages: dict = field(default_factory=dict)  # rank -> the message of its report
+    secondaries: set = field(default_factory=set)  # ranks that reported a secondary error (named at the decision)
 
     def add(self, rank: int, state: ReportState | None, message: str = "") -> None:
         """(under the controller's lock) ``rank`` failed with ``state`` (None: it died)."""
@@ -119,6 +120,8 @@ class IncidentFlow:
                 opened = True
             if rank is not None and (state is None or policy.is_primary(state)):
                 inc.add(rank, state, message)
+            elif rank is not None and state is ReportState.RS_NORMAL and message:
+                inc.secondaries.add(rank)  # (the rank found it secondary itself: decorator, policy)
         return opened
 
     def secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
@@ -129,11 +132,15 @@ class IncidentFlow:
         rank stays healthy: its state is usable for the dump and repair, as the reference treats a
         FORCE STOP."""
         inc = self.current
+        if state is ReportState.RS_NORMAL and message:  # the rank found it secondary itself (decorator); counted
+            _log.info("rank %d: secondary error: %s", rank, message[:200])  # by open(), which comes next
+            return state
         if inc is None or state is not ReportState.RS_UNKNOWN or rank in inc.primary \
                 or not policy.secondary_in_incident(message):
             return state
-        _log.warning("rank %d: %s -- after the incident of rank %s began: secondary, not a new fault", rank,
-                     message[:200], inc.first)
+        inc.secondaries.add(rank)
+        _log.info("rank %d: %s -- after the incident of rank %s began: secondary, not a new fault", rank,
+                  message[:200], inc.first)
         _logging.event("secondary_error", from_rank=rank, message=message[:300], first=inc.first)
         return ReportState.RS_NORMAL
 
@@ -239,6 +246,9 @@ class IncidentFlow:
                                   "latency_s": latency}
         _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, level %s, order %s, "
                      "feasible %s)", latency, strategy, lock, faulty[:16], verdict.level, order, feasible)
+        if inc.secondaries:
+            _log.warning("ranks %s saw secondary errors (the fault of %s reaching them, e.g. gloo's 'Connection "
+                         "closed by peer'): expected, logged at INFO", sorted(inc.secondaries)[:16], faulty[:16])
         _logging.event("decision", **self.ctl.last_decision)
         retryable = bool(primary) and set(primary.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
         if "retry" in enabled and retryable and not graceful and "retry" not in feasible and not lacking:

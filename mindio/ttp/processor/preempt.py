@@ -22,6 +22,13 @@ The same holds for a launcher's stop signal after a failure (torchrun SIGTERMs t
 crashed rank, mindio-run those of a failed round): a worker whose controller is dumping after the
 fault finishes that checkpoint within the launcher's grace, where it used to die mid-dump.
 
+A launcher's stop signal after a worker *died* is no preemption either: torchrun SIGTERMs the other
+workers of its node within ~0.1 s of a ``kill -9``, often before the controller noticed the death. The
+handler tells the two apart on the spot (:func:`gone_siblings`): when a worker of the same launcher
+process (same parent, torchrun's ``RANK`` / ``LOCAL_RANK`` in its environment) has ended, the request
+sent is ``gone`` naming that rank -- the controller declares it dead, and the line that says so is the
+first one of the incident -- instead of a last-words checkpoint request; the bound above applies the same.
+
 A process that leaves already with the controller's exit code (the decorator's ``exit_process``: 75
 after a dump, 76) ignores the signal: torchrun SIGTERMs the other workers once the first one exited,
 and they would die by it in their last second instead of exiting with that code.
@@ -99,7 +106,49 @@ def _on_signal(signum, frame) -> None:
         _default(signum)  # nothing to checkpoint (yet, or any more)
         return
     _first = (signum, time.monotonic())
+    gone = gone_siblings()
+    if gone:  # the launcher stops its workers because one of them ended: that one is the fault
+        _first = (signum, _first[1], gone)
+        link.send(P.Envelope(P.MsgType.REQUEST, P.Request("gone", reason=",".join(map(str, gone)))))
+        return
     link.send(P.Envelope(P.MsgType.REQUEST, P.Request("dump", reason=signal.Signals(signum).name)))
+
+
+def _stat(pid: str) -> tuple[int, str] | None:
+    """(parent pid, state letter) of process ``pid``; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), fields[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def gone_siblings(environ=None) -> list[int]:
+    """The global ranks of this launcher's other workers on this node whose process ended (torchrun: they
+    share this process's parent and carry ``LOCAL_RANK`` in their environment; global rank = ``RANK -
+    LOCAL_RANK + local rank``). Empty when the launcher does not say (no LOCAL_WORLD_SIZE), or its workers
+    hold no such environment (mindio-run's warm interpreters)."""
+    env = os.environ if environ is None else environ
+    try:
+        local, rank, size = int(env["LOCAL_RANK"]), int(env["RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return []
+    parent, alive = os.getppid(), {local}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        st = _stat(pid)
+        if st is None or st[0] != parent or st[1] in "ZX":
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                found = [e[11:] for e in f.read().split(b"\0") if e.startswith(b"LOCAL_RANK=")]
+        except OSError:
+            continue
+        if found and found[0].isdigit():
+            alive.add(int(found[0]))
+    if len(alive) == 1:  # no sibling found at all (another launcher): nothing to tell
+        return []
+    return [rank - local + r for r in range(size) if r not in alive]
 
 
 def _default(signum) -> None:
@@ -123,6 +172,11 @@ def check(link=None) -> None:
         return
     name = signal.Signals(first[0]).name
     timeout = _knobs.get("MINDIO_PREEMPT_TIMEOUT")
+    if not _told and len(first) > 2:
+        _told = True
+        _log.info("%s from the launcher after rank(s) %s ended: no preemption; told the controller (this process "
+                  "ends with the incident's exit code; bound: MINDIO_PREEMPT_TIMEOUT=%g s)", name, first[2], timeout)
+        _logging.event("launcher_stop", signal=name, gone=first[2])
     if not _told:
         _told = True
         _log.info("%s: preemption; asked the controller for a last-words checkpoint at the current step "

@@ -218,7 +218,10 @@ class Processor:
     # ---------------------------------------------------------------- decorator side
     def report(self, state: ReportState, message: str) -> None:
         self.last_report = P.Report(state=int(state), message=message[:4000], step=self.step)
-        _log.warning("reporting %s: %s", ReportState(state).name, message[:300])
+        # RS_NORMAL: a secondary error (a peer's fault reaching this rank), expected: the controller names the
+        # first one of an incident at WARNING (incident.py)
+        _log.log(logging.INFO if state == ReportState.RS_NORMAL else logging.WARNING, "reporting %s: %s",
+                 ReportState(state).name, message[:300])
         _logging.event("fault_seen", state=ReportState(state).name, message=message[:300], step=self.step)
         if self.link is not None:  # handed to zmq before the teardown takes the GIL (its gc pass)
             self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report), wait=0.1)

@@ -52,6 +52,15 @@ def test_without_sequence_evidence_the_stack_rule_holds_but_never_blames_a_rank_
     assert [h.rank for h in hangs.find_culprits(garbage, 3.0)] == [1]
 
 
+def test_under_the_job_derived_bound_ranks_all_stalled_outside_a_collective_are_no_hang():
+    """Every rank writing a checkpoint for longer than a bound of seconds: nobody waits, nobody is hung."""
+    saving = [_view(0, 4.0, {"0": 9}), _view(1, 4.0, {"0": 9})]
+    assert hangs.find_culprits(saving, 3.0, need_waiter=True) == []
+    assert [h.rank for h in hangs.find_culprits(saving, 3.0)] == [0, 1]  # a bound given: the rule as before
+    waiting = [_view(0, 4.0, {"0": 9}, coll=True), _view(1, 4.0, {"0": 9})]
+    assert [h.rank for h in hangs.find_culprits(waiting, 3.0, need_waiter=True)] == [1]
+
+
 def test_the_bound_comes_from_the_job_once_every_rank_timed_its_steps(monkeypatch, caplog):
     monkeypatch.setenv("MINDIO_HANG_K", "5")
     monkeypatch.setenv("MINDIO_HANG_FLOOR", "1.0")

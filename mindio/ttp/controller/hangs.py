@@ -15,6 +15,8 @@ only). Without such evidence (every member at the same number, or no numbers: a 
 counters) the older rule holds (policy.find_hung_ranks: a stalled rank whose main thread is outside
 ``torch.distributed``), never blaming a rank that is inside a collective by its number -- DDP's
 all-reduce runs from autograd, so the stack of a rank waiting in it shows no ``torch/distributed``.
+Under a bound derived from the job's steps that rule also needs a stalled rank inside a collective:
+every rank stalled outside one at once (a checkpoint all ranks write) is no hang.
 """
 from __future__ import annotations
 
@@ -81,9 +83,11 @@ def _seqs(raw) -> dict:
     return {g: s for g, s in raw.items() if g.__class__ is str and s.__class__ is int}
 
 
-def find_culprits(views, timeout: float) -> list[Hung]:
+def find_culprits(views, timeout: float, need_waiter: bool = False) -> list[Hung]:
     """Ranks to kill as hung (module docstring). ``views``: (rank, progress_age_s, in_collective, step,
-    {group: seq}) of live ranks; a negative age: not armed yet."""
+    {group: seq}) of live ranks; a negative age: not armed yet. ``need_waiter`` (a bound derived from
+    the job's steps, seconds not minutes): the stack rule blames nobody unless a stalled rank is inside
+    a collective -- every rank stalled outside one (a checkpoint saved by all) is no hang."""
     if timeout <= 0:
         return []
     stalled = {r for r, age, *_ in views if age >= timeout}
@@ -109,4 +113,6 @@ def find_culprits(views, timeout: float) -> list[Hung]:
     if blamed:
         return [Hung(r, *behind[r]) for r in blamed]
     rest = [(r, age, c, s) for r, age, c, s, _ in views if r not in inside]
+    if need_waiter and not any(c for r, age, c, _ in rest if r in stalled):
+        return []
     return [Hung(r) for r in policy.find_hung_ranks(rest, timeout)]

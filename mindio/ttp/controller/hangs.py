@@ -41,6 +41,11 @@ class HangBound:
         self.derived: float | None = None  # the job's bound, once known
         self.logged = False
 
+    @property
+    def value(self) -> float:
+        """The bound in force (for ``mindio status``): the job's once known, else the one given."""
+        return self.derived if self.derived is not None and not self.fixed and self.base > 0 else self.base
+
     def current(self, p99s) -> float:
         """The bound now, from the live ranks' p99 step times ``p99s`` (-1: not known yet)."""
         if self.fixed or self.base <= 0:

@@ -34,7 +34,7 @@ def test_a_hung_rank_is_named_within_3_s_and_only_it_is_killed(tmp_path, ddp, cu
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_PORT=str(free_port()), TTP_LOG_STDOUT="1",
                MINDIO_EVENT_LOG=str(out / "events.jsonl"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(HERE / "_hang_loop.py"), "--out", str(out), "--steps", "45",
+           "--master-port", str(free_port()), str(HERE / "_hang_loop.py"), "--out", str(out), "--steps", "40",
            "--hang", f"{culprit}:{HANG_STEP}", *(["--ddp"] if ddp else [])]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)

@@ -3,7 +3,6 @@ wait in, from torch's per-group sequence numbers) and how long a stall may last 
 times). Units here; tests/ttp/test_hang_e2e.py runs a user's DDP loop and a plain all_reduce loop."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 

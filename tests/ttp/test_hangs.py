@@ -3,8 +3,10 @@ wait in, from torch's per-group sequence numbers) and how long a stall may last 
 times). Units here; tests/ttp/test_hang_e2e.py runs a user's DDP loop and a plain all_reduce loop."""
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -39,6 +41,13 @@ def test_no_culprit_while_the_rank_behind_still_makes_progress_or_before_the_bou
     assert hangs.find_culprits(views, 3.0) == []
     assert hangs.find_culprits([_view(0, 2.0, {"0": 9}), _view(1, 2.0, {"0": 8})], 3.0) == []
     assert hangs.find_culprits([_view(0, 9.0, {"0": 9}), _view(1, 9.0, {"0": 8})], 0) == []
+
+
+def test_a_rank_not_armed_yet_is_no_evidence():
+    """A standby (its own world, progress not armed) at a higher number does not make the job's ranks
+    look behind."""
+    views = [_view(0, 4.0, {"0": 9}, coll=True), _view(1, 4.0, {"0": 9}), _view(9, -1.0, {"0": 50})]
+    assert [(h.rank, h.group) for h in hangs.find_culprits(views, 3.0)] == [(1, "")]
 
 
 def test_without_sequence_evidence_the_stack_rule_holds_but_never_blames_a_rank_inside_by_number():
@@ -100,6 +109,10 @@ def test_snapshot_reads_the_sequence_numbers_from_another_thread_while_a_collect
         th.start()
         th.join(5)
         assert len(before) == 1 and seen[0] == {k: v + 2 for k, v in before.items()}
+        assert list(before)[0].startswith(f"{dist.group.WORLD.group_name}#")
+        ref = weakref.ref(dist.group.WORLD)
     finally:
         dist.destroy_process_group()
     assert collectives.snapshot() == {}
+    gc.collect()
+    assert ref() is None  # the snapshot's cache keeps no destroyed group alive (its connections would stay open)

@@ -99,7 +99,9 @@ def find_culprits(views, timeout: float, need_waiter: bool = False) -> list[Hung
     if not stalled:
         return []
     groups: dict[str, list] = {}
-    for r, _age, _c, _s, seqs in views:
+    for r, age, _c, _s, seqs in views:
+        if age < 0:  # not armed (a standby, a replacement before its first step): no evidence either way
+            continue
         for g, s in _seqs(seqs).items():
             groups.setdefault(g, []).append((r, s))
     behind: dict[int, tuple] = {}  # rank -> (group, seq it never entered, ranks waiting there)

@@ -16,14 +16,31 @@ from __future__ import annotations
 
 import collections
 import time
+import weakref
+import zlib
 
 import torch.distributed as dist
 
 __all__ = ["snapshot", "StepTimes"]
 
 
+# group name -> (weak reference to the group, its key): members listed once per group object; never a
+# strong reference, which would keep a destroyed group's connections open (device.release)
+_keys: dict = {}
+
+
+def _key(pg, name: str) -> str:
+    """``name#<crc32 of the group's global ranks>``: the same on every member; a group of the same
+    name but other members (a standby's own world, a group of a rebuilt generation) differs."""
+    got = _keys.get(name)
+    if got is None or got[0]() is not pg:
+        members = ",".join(map(str, dist.get_process_group_ranks(pg)))
+        got = _keys[name] = (weakref.ref(pg), f"{name}#{zlib.crc32(members.encode()):08x}")
+    return got[1]
+
+
 def snapshot() -> dict:
-    """{group name: sequence number of the last collective entered} of this process's groups; empty
+    """{group key: sequence number of the last collective entered} of this process's groups; empty
     before ``init_process_group``, after the groups were destroyed, or for a backend without counters.
     Safe from any thread while the main thread is blocked in a collective (a plain counter read)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -35,8 +52,8 @@ def snapshot() -> dict:
         return {}
     for pg, name in items:
         try:
-            out[str(name)] = int(pg._get_sequence_number_for_group())
-        except (AttributeError, RuntimeError, ValueError):  # no counter (a backend without one), or being destroyed
+            out[_key(pg, str(name))] = int(pg._get_sequence_number_for_group())
+        except (AttributeError, KeyError, RuntimeError, ValueError):  # no counter, or being destroyed
             continue
     return out
 

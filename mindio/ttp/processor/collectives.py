@@ -31,7 +31,7 @@ _keys: dict = {}
 
 def _key(pg, name: str) -> str:
     """``name#<crc32 of the group's global ranks>``: the same on every member; a group of the same
-    name but other members (a standby's own world, a group of a rebuilt generation) differs."""
+    name but other members (a standby's own world) differs."""
     got = _keys.get(name)
     if got is None or got[0]() is not pg:
         members = ",".join(map(str, dist.get_process_group_ranks(pg)))

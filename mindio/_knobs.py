@@ -140,8 +140,21 @@ _ALL = [
          "it was sent, so a single outage up to the largest of those below (MISSES - 1) x INTERVAL is always "
          "ridden out: 1.4 s with the defaults; docs/recovery.md, Outage tolerance.", min=1, max=100),
     Knob("MINDIO_HANG_TIMEOUT", float, 300.0,
-         "Seconds without step progress after which a rank whose main thread is outside a collective "
-         "(while its peers wait inside one) is declared hung and SIGKILLed; 0: off.", min=0, max=86400),
+         "Seconds without step progress after which a rank that never entered the collective its peers wait "
+         "in (or, without that evidence, whose main thread is outside a collective) is declared hung and "
+         "SIGKILLed; 0: off. Set, it is the bound; unset, the bound comes from the job itself after "
+         "MINDIO_HANG_MIN_STEPS steps: max(MINDIO_HANG_FLOOR, MINDIO_HANG_K x p99 step time), this value "
+         "before.", min=0, max=86400),
+    Knob("MINDIO_HANG_MIN_STEPS", int, 20,
+         "Steps each rank must have timed before the hang bound comes from the job's step times "
+         "(MINDIO_HANG_TIMEOUT unset).", min=2, max=100000),
+    Knob("MINDIO_HANG_K", float, 5.0,
+         "The job's hang bound is this many times its p99 step time (at least MINDIO_HANG_FLOOR; "
+         "MINDIO_HANG_TIMEOUT unset).", min=1.5, max=1000),
+    Knob("MINDIO_HANG_FLOOR", float, 1.0,
+         "Seconds: the least hang bound derived from the job's step times (MINDIO_HANG_TIMEOUT unset); raise "
+         "it above the longest irregular step the job has (a checkpoint save between steps), or set "
+         "MINDIO_HANG_TIMEOUT.", min=0.2, max=86400),
     Knob("MINDIO_STOP_STUCK_S", float, 10.0,
          "With recover-in-place enabled: seconds ranks may keep running after every other rank stopped and "
          "tore its groups down; then the ones outside a collective (else all) are SIGKILLed and replaced like "
@@ -326,6 +339,12 @@ _ALL = [
 ]
 
 KNOBS: dict[str, Knob] = {k.name: k for k in _ALL}
+
+
+def is_set(name: str, environ=None) -> bool:
+    """Is the variable ``name`` (a declared knob) set to a non-empty value?"""
+    _ = KNOBS[name]
+    return bool((os.environ if environ is None else environ).get(name))
 
 
 def get(name: str, environ=None) -> Any:

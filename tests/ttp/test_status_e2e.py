@@ -83,8 +83,13 @@ def test_status_and_metrics_of_a_running_four_rank_job(tmp_path):
         assert re.search(r'mindio_recovery_phase_seconds_sum\{strategy="retry",phase="repair"\} [0-9.]+', metrics)
         assert 'mindio_recovery_seconds_count{strategy="retry"} 1' in metrics
         assert "mindio_ranks_alive 4" in metrics and "# TYPE mindio_faults_total counter" in metrics
+        # no MINDIO_HANG_TIMEOUT: 300 s until every rank timed 20 steps (since the retry too), then the job's
+        bound = float(re.search(r"^mindio_hang_bound_seconds ([0-9.]+)$", metrics, re.M).group(1))
+        assert bound == 300.0 or 1.0 <= bound < 300, metrics
 
-        last = json.loads(_cli(["--json"], env).stdout)["incidents"][-1]
+        info = json.loads(_cli(["--json"], env).stdout)
+        assert info["hang_bound_from_job"] and all(r["step_p99_s"] is None or r["step_p99_s"] > 0 for r in info["ranks"])
+        last = info["incidents"][-1]
         assert last["strategy"] == "retry" and last["faulty"] == [1] and last["result"] == "training again"
         assert {"clean", "rebuild", "repair", "rollback"} <= set(last["phases"])
     finally:

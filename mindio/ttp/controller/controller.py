@@ -89,6 +89,8 @@ class Controller:
         self.interval = interval or _knobs.get("MINDIO_HEARTBEAT_INTERVAL")
         self.misses = misses or _knobs.get("MINDIO_HEARTBEAT_MISSES")
         self.hang_timeout = _knobs.get("MINDIO_HANG_TIMEOUT") if hang_timeout is None else hang_timeout
+        # given (here or MINDIO_HANG_TIMEOUT): the bound; else the job's step times set it (hangs.py)
+        self.hang_fixed = hang_timeout is not None or _knobs.is_set("MINDIO_HANG_TIMEOUT")
         self.action_limit = _knobs.get("TTP_NORMAL_ACTION_TIME_LIMIT")
         self.sm = StateMachine()
         self.backup, self.active = backup, not backup
@@ -391,6 +393,7 @@ class Controller:
                 if r.alive:
                     self.liveness.touch(env.rank)
                 r.in_collective, r.progress_age = body.in_collective, body.progress_age
+                r.coll_seq, r.step_p99 = body.coll_seq, body.step_p99  # hangs.py
             state = "UNKNOWN" if (r is None or not r.registered or r.ident != ident) and env.rank >= 0 \
                 else self.sm.state.value
             if r is not None and r.left:  # a beat sent after its BYE: it must not register again (then die)

@@ -13,6 +13,7 @@ controller's address with two read-only endpoints.
   ``controller_state{state}``                         gauge      1 for the controller's current state
   ``step_max``, ``step_min``                          gauge      completed steps over the live ranks
   ``heartbeat_lag_max_seconds``                       gauge      the oldest live rank's time since a frame
+  ``hang_bound_seconds``                              gauge      the hang bound in force (controller/hangs.py)
   ``faults_total{kind}``                              counter    RS_UCE, RS_UNKNOWN, ... (reports), DEAD, HUNG
   ``incidents_total{strategy}``                       counter    decisions, by the strategy chosen
   ``recoveries_total{strategy}``                      counter    recoveries that got every rank training again
@@ -24,8 +25,8 @@ controller's address with two read-only endpoints.
   ==================================================  =========  ==========================================
 
 * ``GET /status`` -- JSON: the controller's state, its strategies, every rank (alive, faulty, step,
-  optimizer-state status, seconds since its last frame, host, pid) and the last incidents with their
-  phase times. Authenticated: header ``X-Mindio-Auth: <unix time>:<hex HMAC-SHA256(job key, "<time>:<path>")>``
+  optimizer-state status, seconds since its last frame, host, pid, p99 step time) and the last incidents
+  with their phase times, the hang bound in force (``hang_bound_s``, ``hang_bound_from_job``). Authenticated: header ``X-Mindio-Auth: <unix time>:<hex HMAC-SHA256(job key, "<time>:<path>")>``
   (the job key is the one that signs control frames, from ``MINDIO_SECRET``); a time more than 60 s
   off is refused. :func:`mindio._status_auth.query` does this for ``mindio status``.
 
@@ -112,11 +113,12 @@ class Observer:
                           "step": r.step, "data_status": ["UPDATED", "UPDATING", "COPYING"][r.data_status]
                           if 0 <= r.data_status <= 2 else r.data_status,
                           "last_beat_s": round(now - r.last_seen, 3) if r.last_seen else None,
-                          "host": r.host, "pid": r.pid})
+                          "host": r.host, "pid": r.pid, "step_p99_s": r.step_p99 if r.step_p99 >= 0 else None})
         with self._lock:
             incidents = [dict(i) for i in self.last]
         return {"state": ctl.sm.state.value, "world_size": ctl.world_size, "address": ctl.address,
-                "strategies": sorted(ctl.enabled), "ranks": ranks, "incidents": incidents}
+                "strategies": sorted(ctl.enabled), "ranks": ranks, "incidents": incidents,
+                "hang_bound_s": ctl.liveness.hang.value, "hang_bound_from_job": not ctl.liveness.hang.fixed}
 
     def metrics(self) -> str:
         ctl, now = self.ctl, time.monotonic()
@@ -146,6 +148,9 @@ class Observer:
         lags = [now - r.last_seen for r in live if r.last_seen]
         metric("heartbeat_lag_max_seconds", "gauge", "Seconds since the oldest live rank's last frame.",
                [({}, round(max(lags, default=0.0), 3))])
+        metric("hang_bound_seconds", "gauge", "Seconds of no progress after which a rank the job waits for is hung "
+               "(MINDIO_HANG_TIMEOUT, or derived from the job's step times; 0: off).",
+               [({}, round(ctl.liveness.hang.value, 3))])
         with self._lock:
             metric("faults_total", "counter", "Faults seen, by kind (report state, DEAD, HUNG).",
                    [({"kind": k}, v) for k, v in sorted(self.faults.items())])

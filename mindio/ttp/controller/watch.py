@@ -8,7 +8,8 @@ the launcher agent, a lost node). A silent rank whose process runs on this host 
 stopped (a rank in the controller's own process always is) is starved of CPU, not dead: it gets up to
 ``MINDIO_HANG_TIMEOUT`` s (``_starved``), then is SIGKILLed through its pidfd and declared dead. A rank making no progress outside a collective for
 ``MINDIO_HANG_TIMEOUT`` s is ordered SIGKILLed; progress is counted from the moment the controller last
-entered NORMAL at the earliest (a rank parked by a recovery is not hung). ``heard`` tells whether ranks still beat (ha.py uses it
+entered NORMAL at the earliest (a rank parked by a recovery is not hung); the bound and the culprit
+(the rank that never entered the collective its peers wait in) come from hangs.py. ``heard`` tells whether ranks still beat (ha.py uses it
 before it declares a lost node's ranks dead).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import time
 
 from ... import _logging
-from . import policy
+from . import hangs
 from ..wire import protocol as P
 from .pidprobe import PidProbe
 from .states import State
@@ -44,6 +45,7 @@ class Liveness:
         # the stalls compensated (stalled), latest last: (when the I/O thread resumed, stall in s); a reader
         # comparing wall time with a rank's window subtracts those that fall inside it
         self.stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
+        self.hang = hangs.HangBound(ctl.hang_timeout, ctl.hang_fixed)  # the bound of a stall (hangs.py)
 
     def touch(self, rank: int) -> None:
         """(I/O thread) A frame of live ``rank`` arrived: it goes to the end of the order."""
@@ -108,20 +110,28 @@ class Liveness:
             self.declare_dead([r.rank for r in dead], "heartbeat", log=False,
                               silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
         if check_hang and self.ctl.hang_timeout > 0 and self.ctl.sm.state is State.NORMAL:
-            # the progress clock restarts when the state (re)enters NORMAL: a rank paused by a recovery,
-            # or whose last beat still carries the age from before it, is not hung
-            normal_for = now - self.ctl.sm.since
-            views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
-                      r.in_collective, r.step) for r in self.ctl.ranks.values() if r.alive]
-            for rank in policy.find_hung_ranks(views, self.ctl.hang_timeout):
-                _log.error("rank %d hung (no progress for %.0f s outside a collective): ordering SIGKILL",
-                           rank, self.ctl.hang_timeout)
-                _logging.event("rank_hung", hung_rank=rank)
-                self.ctl._send(rank, P.Action("kill", {"reason": "hung"}))
-                with self.ctl._cond:
-                    self.ctl.ranks[rank].alive = False
-                    self.ctl.ranks[rank].faulty = True
-                self.ctl.incidents.open(rank, None)
+            self._check_hangs(now)
+
+    def _check_hangs(self, now: float) -> None:
+        """(I/O thread, NORMAL) Kill the ranks stalled past the hang bound that the job waits for
+        (hangs.py). The progress clock restarts when the state (re)enters NORMAL: a rank paused by a
+        recovery, or whose last beat still carries the age from before it, is not hung."""
+        normal_for = now - self.ctl.sm.since
+        live = [r for r in self.ctl.ranks.values() if r.alive]
+        bound = self.hang.current(r.step_p99 for r in live)
+        views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
+                  r.in_collective, r.step, r.coll_seq) for r in live]
+        for hung in hangs.find_culprits(views, bound, need_waiter=not self.hang.fixed):
+            rank = hung.rank
+            _log.error("rank %d hung: no step progress for %.1f s (hang bound%s) and %s: ordering SIGKILL",
+                       rank, bound, "" if self.hang.fixed else " from the job's step times", hung.why())
+            _logging.event("rank_hung", hung_rank=rank, bound_s=round(bound, 3), group=hung.group, seq=hung.seq,
+                           waiting=hung.waiting[:64])
+            self.ctl._send(rank, P.Action("kill", {"reason": "hung"}))
+            with self.ctl._cond:
+                self.ctl.ranks[rank].alive = False
+                self.ctl.ranks[rank].faulty = True
+            self.ctl.incidents.open(rank, None)
 
     def _forget_gone(self, now: float) -> None:
         """(I/O thread, a passive backup) Ranks registered here -- their links failed over to us -- that

@@ -7,7 +7,9 @@ heartbeats.
 
 Status: ``tft_start_updating_os`` -> UPDATING, ``tft_start_copy_os`` -> COPYING, ``tft_end_updating_os(s)``
 -> (s, UPDATED). Heartbeats carry (step, status, is the main thread inside torch.distributed, seconds
-since the last step progress); the controller uses the last two to find hung ranks.
+since the last step progress, the sequence number of the last collective each process group entered
+(collectives.py), the p99 of the recent step times); the controller uses them to find hung ranks and
+the one that never entered the collective its peers wait in (controller/hangs.py).
 
 Actions (ACTION name -> what this rank does; every reply is cached by sn, a repeated sn replays it):
 
@@ -45,7 +47,7 @@ from ..controller.pidprobe import host_token
 from .._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
 from .._runtime import state as _rt
 from .. import shutdown
-from . import device, elastic_rank, inplace, preempt, reboot
+from . import collectives, device, elastic_rank, inplace, preempt, reboot
 from .reboot import adopt as _adopt_reboot
 from ..wire.transport import Link
 
@@ -97,6 +99,8 @@ class Processor:
         self._main = "running"
         self._main_ident = threading.main_thread().ident
         self._progress_t: float | None = None
+        self.step_times = collectives.StepTimes()  # for the controller's hang bound (controller/hangs.py)
+        self._hang_min_steps = _knobs.get("MINDIO_HANG_MIN_STEPS")
         self._replies: collections.OrderedDict = collections.OrderedDict()
         self._busy: set[int] = set()
         self.link: Link | None = None
@@ -158,26 +162,29 @@ class Processor:
         preempt.check(self.link)  # a preemption signal's request: logged here, bounded (preempt.py)
         age = -1.0 if self._progress_t is None else time.monotonic() - self._progress_t
         return P.Heartbeat(step=self.step, data_status=int(self.data_status),
-                           in_collective=self._main_in_collective(), progress_age=age)
+                           in_collective=self._main_in_collective(), progress_age=age,
+                           coll_seq=collectives.snapshot(), step_p99=self.step_times.p99(self._hang_min_steps))
 
     def send_info(self) -> None:
         if self.link is not None:
             self.link.send(P.Envelope(P.MsgType.INFO, P.Info(replica=list(self.replica), dp_group=list(self.dp_group))))
 
     # ---------------------------------------------------------------- main-thread status calls
-    def _fence(self, next_step: int) -> None:
-        """Block while the controller holds the fence or ``next_step`` is beyond the limit step."""
+    def _fence(self, next_step: int) -> bool:
+        """Block while the controller holds the fence or ``next_step`` is beyond the limit step; did it block?"""
+        blocked = False
         with self._cond:
             while self._next is None and not self._force and (
                     (self._hold and (self._allow is None or next_step > self._allow))
                     or (self._limit is not None and next_step > self._limit)):
-                self._main = "fenced"
+                self._main, blocked = "fenced", True
                 self._cond.notify_all()
                 self._cond.wait(0.5)
             self._main = "running"
             self._check_force_stop()
             if self._next is not None:
                 raise RuntimeError("FORCE STOP: the controller stopped training on this rank")
+        return blocked
 
     def _check_force_stop(self) -> None:
         """(main thread, under ``_cond``) Raise FORCE STOP when the clean action asked for it."""
@@ -197,13 +204,17 @@ class Processor:
         self.step, self.data_status = step, OsStatus.UPDATED
         self._progress_t = time.monotonic()
         _logging.set_context(step=step)
+        if self.first_step_pending:  # a step spanning a recovery is no measure of the job's steps
+            self.step_times.restart()
+        self.step_times.done()
         if self.first_step_pending:  # the first step of this process, or after a recovery (mindio timeline)
             self.first_step_pending = False
             _logging.event("step_done", step=step)
 
     def pause_train(self, cur_step: int) -> None:
         self._progress_t = time.monotonic()
-        self._fence(cur_step + 1)
+        if self._fence(cur_step + 1):
+            self.step_times.restart()  # the time paused is no step time
 
     def reset_limit_step(self) -> None:
         with self._cond:

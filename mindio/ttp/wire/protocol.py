@@ -91,6 +91,8 @@ class Heartbeat:
     data_status: int
     in_collective: bool = False   # main thread is inside torch.distributed right now
     progress_age: float = 0.0     # seconds since this rank last made step progress
+    coll_seq: dict = field(default_factory=dict)  # {process group name: sequence number of the last collective entered}
+    step_p99: float = -1.0        # p99 of this rank's recent step times (s); -1 until enough steps (processor/collectives.py)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,125 @@
+"""Controller side of hangs: how long a stall may last (:class:`HangBound`) and whom to blame
+(:func:`find_culprits`).
+
+The bound: ``MINDIO_HANG_TIMEOUT`` when it is set (or the controller was given one); else, once every
+live rank has timed ``MINDIO_HANG_MIN_STEPS`` steps (the p99 its heartbeat carries), the job's own:
+``max(MINDIO_HANG_FLOOR, MINDIO_HANG_K x p99 step time)`` -- the slowest rank's p99 -- logged once;
+``MINDIO_HANG_TIMEOUT``'s default before.
+
+The culprit: every heartbeat carries, per process group, the sequence number of the last collective
+the rank entered (processor/collectives.py). Members of a group enter its collectives in order, so in
+a stall a member below its peers' number never entered the collective they wait in; the members at
+the highest number are inside it. A rank that is behind in some group and inside none is the culprit
+(a chain -- rank 2 waits in a group with rank 3, rank 0 waits for rank 2 in another -- blames rank 3
+only). Without such evidence (every member at the same number, or no numbers: a backend without
+counters) the older rule holds (policy.find_hung_ranks: a stalled rank whose main thread is outside
+``torch.distributed``), never blaming a rank that is inside a collective by its number -- DDP's
+all-reduce runs from autograd, so the stack of a rank waiting in it shows no ``torch/distributed``.
+Under a bound derived from the job's steps that rule also needs a stalled rank inside a collective:
+every rank stalled outside one at once (a checkpoint all ranks write) is no hang.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ... import _knobs, _logging
+from . import policy
+
+__all__ = ["HangBound", "Hung", "find_culprits"]
+
+_log = logging.getLogger("mindio.ttp.controller")
+
+
+class HangBound:
+    """The hang bound of one controller (module docstring). ``fixed``: the bound given (the
+    controller's ``hang_timeout`` argument or a set MINDIO_HANG_TIMEOUT); ``base``: that value."""
+
+    def __init__(self, base: float, fixed: bool):
+        self.base, self.fixed = base, fixed
+        self.k, self.floor = _knobs.get("MINDIO_HANG_K"), _knobs.get("MINDIO_HANG_FLOOR")
+        self.derived: float | None = None  # the job's bound, once known
+        self.logged = False
+
+    @property
+    def value(self) -> float:
+        """The bound in force (for ``mindio status``): the job's once known, else the one given."""
+        return self.derived if self.derived is not None and not self.fixed and self.base > 0 else self.base
+
+    def current(self, p99s) -> float:
+        """The bound now, from the live ranks' p99 step times ``p99s`` (-1: not known yet)."""
+        if self.fixed or self.base <= 0:
+            return self.base
+        p99s = list(p99s)
+        if not p99s or min(p99s) < 0:
+            return self.derived if self.derived is not None else self.base
+        p99 = max(p99s)
+        self.derived = max(self.floor, self.k * p99)
+        if not self.logged:
+            self.logged = True
+            _log.warning("hang bound from the job's step times: %.2f s = max(MINDIO_HANG_FLOOR %.2f s, "
+                         "MINDIO_HANG_K %.1f x p99 step time %.3f s) (set MINDIO_HANG_TIMEOUT to fix it)",
+                         self.derived, self.floor, self.k, p99)
+            _logging.event("hang_bound", bound_s=round(self.derived, 3), p99_s=round(p99, 6), k=self.k,
+                           floor_s=self.floor)
+        return self.derived
+
+
+@dataclass
+class Hung:
+    """A rank to kill as hung, and why: ``group``/``seq`` the collective it never entered (``waiting``
+    the ranks inside it), or no group when the stack rule blamed it."""
+    rank: int
+    group: str = ""
+    seq: int = -1
+    waiting: list = field(default_factory=list)
+
+    def why(self) -> str:
+        if self.group:
+            return (f"it never entered collective #{self.seq} of process group {self.group!r}, which rank(s) "
+                    f"{self.waiting[:8]}{' ...' if len(self.waiting) > 8 else ''} wait in")
+        return "its main thread is outside a collective while its peers wait"
+
+
+def _seqs(raw) -> dict:
+    """A beat's {group: seq}, its well-formed entries only (a frame is authentic, not necessarily sane)."""
+    if raw.__class__ is not dict:
+        return {}
+    return {g: s for g, s in raw.items() if g.__class__ is str and s.__class__ is int}
+
+
+def find_culprits(views, timeout: float, need_waiter: bool = False) -> list[Hung]:
+    """Ranks to kill as hung (module docstring). ``views``: (rank, progress_age_s, in_collective, step,
+    {group: seq}) of live ranks; a negative age: not armed yet. ``need_waiter`` (a bound derived from
+    the job's steps, seconds not minutes): the stack rule blames nobody unless a stalled rank is inside
+    a collective -- every rank stalled outside one (a checkpoint saved by all) is no hang."""
+    if timeout <= 0:
+        return []
+    stalled = {r for r, age, *_ in views if age >= timeout}
+    if not stalled:
+        return []
+    groups: dict[str, list] = {}
+    for r, age, _c, _s, seqs in views:
+        if age < 0:  # not armed (a standby, a replacement before its first step): no evidence either way
+            continue
+        for g, s in _seqs(seqs).items():
+            groups.setdefault(g, []).append((r, s))
+    behind: dict[int, tuple] = {}  # rank -> (group, seq it never entered, ranks waiting there)
+    inside: set[int] = set()
+    for g, members in sorted(groups.items()):
+        top = max(s for _, s in members)
+        waiting = sorted(r for r, s in members if s == top)
+        if len(waiting) == len(members):
+            continue
+        inside.update(waiting)
+        for r, s in members:
+            if s < top:
+                behind.setdefault(r, (g, s + 1, waiting))
+    blamed = sorted(r for r in behind if r in stalled and r not in inside) \
+        or sorted(r for r in behind if r in stalled)  # a cycle: every one behind is blamed
+    if blamed:
+        return [Hung(r, *behind[r]) for r in blamed]
+    rest = [(r, age, c, s) for r, age, c, s, _ in views if r not in inside]
+    if need_waiter and not any(c for r, age, c, _ in rest if r in stalled):
+        return []
+    return [Hung(r) for r in policy.find_hung_ranks(rest, timeout)]

@@ -1,0 +1,91 @@
+"""Which collective each process group of this rank entered last: torch's own sequence numbers.
+
+Every c10d process group (gloo, nccl) counts the collectives issued on it
+(``ProcessGroup._get_sequence_number_for_group``): the counter moves when a collective is *entered*,
+whoever issues it -- a plain ``dist.all_reduce``, DDP's bucket all-reduces from inside autograd, FSDP,
+Megatron's groups -- and torch keeps it anyway, so reading it costs this rank nothing on its main
+thread: the link thread reads it when it builds a heartbeat (:func:`snapshot`, a few microseconds per
+group). Members of one group enter its collectives in the same order, so when the job stalls the
+controller compares the numbers of each group's members (policy.collective_culprits): a member whose
+number is below its peers' never entered the collective they wait in (the culprit), the members at the
+highest number are inside it, waiting. That works where a look at the main thread's Python stack
+cannot: DDP's all-reduce is issued from autograd, so a peer waiting for it shows ``backward()``, not
+``torch/distributed``.
+"""
+from __future__ import annotations
+
+import collections
+import time
+import weakref
+import zlib
+
+import torch.distributed as dist
+
+__all__ = ["snapshot", "StepTimes"]
+
+
+# group name -> (weak reference to the group, its key): members listed once per group object; never a
+# strong reference, which would keep a destroyed group's connections open (device.release)
+_keys: dict = {}
+
+
+def _key(pg, name: str) -> str:
+    """``name#<crc32 of the group's global ranks>``: the same on every member; a group of the same
+    name but other members (a standby's own world) differs."""
+    got = _keys.get(name)
+    if got is None or got[0]() is not pg:
+        members = ",".join(map(str, dist.get_process_group_ranks(pg)))
+        got = _keys[name] = (weakref.ref(pg), f"{name}#{zlib.crc32(members.encode()):08x}")
+    return got[1]
+
+
+def snapshot() -> dict:
+    """{group key: sequence number of the last collective entered} of this process's groups; empty
+    before ``init_process_group``, after the groups were destroyed, or for a backend without counters.
+    Safe from any thread while the main thread is blocked in a collective (a plain counter read)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return {}
+    out = {}
+    try:
+        items = list(dist.distributed_c10d._world.pg_names.items())
+    except (AttributeError, RuntimeError):  # torch without the registry, or destroyed meanwhile
+        return {}
+    for pg, name in items:
+        try:
+            out[_key(pg, str(name))] = int(pg._get_sequence_number_for_group())
+        except (AttributeError, KeyError, RuntimeError, ValueError):  # no counter, or being destroyed
+            continue
+    return out
+
+
+class StepTimes:
+    """This rank's recent step times (the time between two ``tft_end_updating_os``), for the
+    controller's hang bound (controller/hangs.py): :meth:`p99` once ``min_steps`` were seen. A step
+    that spans a recovery or a pause (:meth:`restart`) is not one."""
+
+    def __init__(self, window: int = 200):
+        self.times: collections.deque[float] = collections.deque(maxlen=window)
+        self.last: float | None = None
+        self._p99, self._dirty = -1.0, False
+
+    def restart(self) -> None:
+        """(main thread) The next step end starts a new measurement (after a recovery or a pause)."""
+        self.last = None
+
+    def done(self) -> None:
+        """(main thread) A step ended now."""
+        now = time.monotonic()
+        if self.last is not None:
+            self.times.append(now - self.last)
+            self._dirty = True
+        self.last = now
+
+    def p99(self, min_steps: int) -> float:
+        """(link thread) The 99th percentile of the recent step times, -1 with fewer than ``min_steps``."""
+        if len(self.times) < max(1, min_steps):
+            return -1.0
+        if self._dirty:
+            self._dirty = False
+            xs = sorted(self.times)
+            self._p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+        return self._p99

@@ -1,0 +1,118 @@
+"""Issue #30.1 / #31: whom a stall is blamed on (the rank that never entered the collective its peers
+wait in, from torch's per-group sequence numbers) and how long a stall may last (the job's own step
+times). Units here; tests/ttp/test_hang_e2e.py runs a user's DDP loop and a plain all_reduce loop."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mindio._ports import free_port
+from mindio.ttp.controller import hangs
+from mindio.ttp.processor import collectives
+
+
+def _view(rank, age, seqs, coll=False, step=5):
+    return (rank, age, coll, step, seqs)
+
+
+def test_the_rank_behind_in_a_group_is_the_culprit_not_the_ones_waiting_outside_torch_distributed():
+    """DDP: the waiting ranks' stacks show backward(), not torch/distributed (in_collective False);
+    their sequence numbers say they entered collective #9 that rank 1 never did."""
+    views = [_view(0, 4.0, {"0": 9}), _view(1, 4.5, {"0": 8}), _view(2, 4.0, {"0": 9})]
+    got = hangs.find_culprits(views, 3.0)
+    assert [(h.rank, h.group, h.seq, h.waiting) for h in got] == [(1, "0", 9, [0, 2])]
+    assert "never entered collective #9" in got[0].why()
+
+
+def test_a_chain_blames_only_the_rank_inside_no_collective():
+    """Rank 2 waits for rank 3 in group "b"; ranks 0 and 1 wait for rank 2 in group "a"."""
+    views = [_view(0, 5, {"a": 4}), _view(1, 5, {"a": 4}), _view(2, 5, {"a": 3, "b": 7}), _view(3, 5, {"b": 6})]
+    assert [h.rank for h in hangs.find_culprits(views, 3.0)] == [3]
+
+
+def test_no_culprit_while_the_rank_behind_still_makes_progress_or_before_the_bound():
+    views = [_view(0, 4.0, {"0": 9}), _view(1, 0.2, {"0": 8})]  # rank 1 slow, not hung
+    assert hangs.find_culprits(views, 3.0) == []
+    assert hangs.find_culprits([_view(0, 2.0, {"0": 9}), _view(1, 2.0, {"0": 8})], 3.0) == []
+    assert hangs.find_culprits([_view(0, 9.0, {"0": 9}), _view(1, 9.0, {"0": 8})], 0) == []
+
+
+def test_a_rank_not_armed_yet_is_no_evidence():
+    """A standby (its own world, progress not armed) at a higher number does not make the job's ranks
+    look behind."""
+    views = [_view(0, 4.0, {"0": 9}, coll=True), _view(1, 4.0, {"0": 9}), _view(9, -1.0, {"0": 50})]
+    assert [(h.rank, h.group) for h in hangs.find_culprits(views, 3.0)] == [(1, "")]
+
+
+def test_without_sequence_evidence_the_stack_rule_holds_but_never_blames_a_rank_inside_by_number():
+    same = [_view(0, 4.0, {"0": 9}, coll=True), _view(1, 4.0, {"0": 9}, coll=False)]
+    assert [h.rank for h in hangs.find_culprits(same, 3.0)] == [1]
+    assert hangs.find_culprits(same, 3.0)[0].group == ""
+    none = [_view(0, 4.0, {}, coll=True), _view(1, 4.0, {}, coll=False)]  # relayed beats: no numbers
+    assert [h.rank for h in hangs.find_culprits(none, 3.0)] == [1]
+    garbage = [_view(0, 4.0, {"0": "x", 1: 2}, coll=True), _view(1, 4.0, [], coll=False)]
+    assert [h.rank for h in hangs.find_culprits(garbage, 3.0)] == [1]
+
+
+def test_under_the_job_derived_bound_ranks_all_stalled_outside_a_collective_are_no_hang():
+    """Every rank writing a checkpoint for longer than a bound of seconds: nobody waits, nobody is hung."""
+    saving = [_view(0, 4.0, {"0": 9}), _view(1, 4.0, {"0": 9})]
+    assert hangs.find_culprits(saving, 3.0, need_waiter=True) == []
+    assert [h.rank for h in hangs.find_culprits(saving, 3.0)] == [0, 1]  # a bound given: the rule as before
+    waiting = [_view(0, 4.0, {"0": 9}, coll=True), _view(1, 4.0, {"0": 9})]
+    assert [h.rank for h in hangs.find_culprits(waiting, 3.0, need_waiter=True)] == [1]
+
+
+def test_the_bound_comes_from_the_job_once_every_rank_timed_its_steps(monkeypatch, caplog):
+    monkeypatch.setenv("MINDIO_HANG_K", "5")
+    monkeypatch.setenv("MINDIO_HANG_FLOOR", "1.0")
+    b = hangs.HangBound(300.0, fixed=False)
+    assert b.current([0.1, -1.0]) == 300.0  # a rank has not timed enough steps yet
+    with caplog.at_level("WARNING", logger="mindio.ttp.controller"):
+        assert b.current([0.1, 0.12]) == 1.0  # the floor
+        assert b.current([0.1, 0.4]) == pytest.approx(2.0)  # 5 x the slowest rank's p99
+    assert len([r for r in caplog.records if "hang bound from the job" in r.getMessage()]) == 1
+    assert b.current([-1.0, 0.4]) == pytest.approx(2.0)  # a replacement not timed yet: the last one holds
+    assert hangs.HangBound(7.0, fixed=True).current([0.1, 0.1]) == 7.0
+    assert hangs.HangBound(0.0, fixed=False).current([0.1]) == 0.0  # off stays off
+
+
+def test_step_times_p99_needs_min_steps_and_skips_restarts():
+    st = collectives.StepTimes(window=200)
+    for _ in range(5):
+        st.done()
+    assert st.p99(10) == -1.0 and st.p99(4) >= 0
+    st.restart()
+    time.sleep(0.2)
+    st.done()  # after a restart: no sample spanning the pause
+    assert len(st.times) == 4 and max(st.times) < 0.1
+
+
+def test_snapshot_reads_the_sequence_numbers_from_another_thread_while_a_collective_blocks():
+    """Real gloo, two ranks in two threads of this process is not possible (one default group per
+    process): one rank here, the counter moving per collective and readable from another thread."""
+    assert collectives.snapshot() == {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        before = collectives.snapshot()
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+        seen = []
+        th = threading.Thread(target=lambda: seen.append(collectives.snapshot()))
+        th.start()
+        th.join(5)
+        assert len(before) == 1 and seen[0] == {k: v + 2 for k, v in before.items()}
+        assert list(before)[0].startswith(f"{dist.group.WORLD.group_name}#")
+        ref = weakref.ref(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert collectives.snapshot() == {}
+    gc.collect()
+    assert ref() is None  # the snapshot's cache keeps no destroyed group alive (its connections would stay open)

@@ -391,4 +391,6 @@ def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] =
     _load_rng_state(loaded["rng_state"][0])
     ctx.record_step_rng()
     _log.info("loaded checkpoint iteration %d from %s", iteration, root)
+    from .. import ttp  # an exception before the first update after a relaunch is at iteration + 1 (repeats.py)
+    ttp.tft_report_load_ckpt_step(iteration)
     return iteration

@@ -276,9 +276,10 @@ def _assign(sd: Dict[str, Any], writers: Writers) -> None:
     _set_replica(sd["rng_state"], writers.slice[0], keep_model_parts=False)
 
 
-def _write(sd: Dict[str, Any], writers: Writers, directory: Path, rank: int, world: Optional[int] = None) -> None:
+def _write(sd: Dict[str, Any], writers: Writers, directory: Path, rank: int, world: Optional[int] = None,
+           last_words: bool = False) -> None:
     _assign(sd, writers)
-    common = torch_dist.write_local(sd, directory, rank, writers.save_id, writers.ranks, world)
+    common = torch_dist.write_local(sd, directory, rank, writers.save_id, writers.ranks, world, last_words)
     if writers.common:
         torch_dist.write_common(common, directory)
 
@@ -323,8 +324,10 @@ def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bo
     else:
         raise RuntimeError(f"dump of step {step}: rank {rank} has neither its model and optimizer "
                            "nor the state clean() keeps (clean could not read it; see its warning)")
-    _write(sd, writers, checkpoint_dir(Path(root or ctx.args.save), step), rank, ctx.layout.get("world"))
-    _log.info("dump checkpoint of step %d written by rank %d", step, rank)
+    t0 = time.perf_counter()
+    _write(sd, writers, checkpoint_dir(Path(root or ctx.args.save), step), rank, ctx.layout.get("world"),
+           last_words=True)
+    _log.warning("dump checkpoint of step %d written by rank %d in %.3f s", step, rank, time.perf_counter() - t0)
     return True
 
 

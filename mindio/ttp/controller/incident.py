@@ -126,13 +126,14 @@ class IncidentFlow:
 
     def secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
         """(I/O thread, under the lock) ``state`` of a report, or RS_NORMAL when it is secondary: an
-        RS_UNKNOWN from a rank not already faulty, while an incident is open, whose message is what the
+        RS_UNKNOWN or RS_RETRY (a generic exception: the rank had not heard of the incident yet) from a rank
+        not already faulty, while an incident is open, whose message is what the
         incident itself causes on its peers -- a collective timed out waiting for a stopped or torn-down
         rank, a closed connection, an aborted or destroyed group (policy.secondary_in_incident). Such a
         rank stays healthy: its state is usable for the dump and repair, as the reference treats a
         FORCE STOP."""
         inc = self.current
-        if inc is None or state is not ReportState.RS_UNKNOWN or rank in inc.primary \
+        if inc is None or state not in (ReportState.RS_UNKNOWN, ReportState.RS_RETRY) or rank in inc.primary \
                 or not policy.secondary_in_incident(message):
             return state
         _log.warning("rank %d: %s -- after the incident of rank %s began: secondary, not a new fault", rank,

@@ -13,7 +13,7 @@ __all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "
            "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_CODE_REPEATED",
            "EXIT_MEANINGS",
            "Strategy", "HA_STRATEGIES", "STRATEGY_ORDER", "MINDX_STRATEGIES", "REPLACING", "HOT_SWITCH_ACTIONS",
-           "MsgType", "State", "Result", "Outcome"]
+           "MsgType", "State", "Result", "Outcome", "MainState"]
 
 
 # ----------------------------------------------------------------------------- exit codes
@@ -87,6 +87,23 @@ REPLACING = (S.RECOVER_IN_PLACE.value, S.RECOVER.value)
 # tft_notify_controller_prepare_action's hot-switch actions
 HOT_SWITCH_ACTIONS = (S.HOT_SWITCH.value, "stop switch")
 del S
+
+
+# ----------------------------------------------------------------------------- a rank's main thread
+class MainState(str, enum.Enum):
+    """Where a rank's training main thread is (the processor's ``_main``; the stop round's replies carry it
+    as ``main``). A member *is* its string, as :class:`Strategy`'s are: frames and logs are unchanged."""
+    RUNNING = "running"  # training (computing, or blocked in a collective)
+    FENCED = "fenced"    # held at its fence (tft_start_updating_os / tft_pause_train) by a stop or a pause
+    PARKED = "parked"    # after a fault, in the decorator's wait_next_action: groups torn down
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 # ----------------------------------------------------------------------------- the reference enums

@@ -88,3 +88,18 @@ def test_one_rebuild_and_one_rollback_in_the_processor():
                 rollbacks.append((path.name, fn.name))
     assert rebuilds == [("inplace.py", "new_world", "init_default_group"), ("inplace.py", "new_world", "reinit")]
     assert rollbacks == [("inplace.py", "roll_back")]
+
+
+def test_main_thread_states_are_named_by_the_enum():
+    """Issue 33: a rank's main-thread states are vocab.MainState, written nowhere as string literals."""
+    import ast
+    from pathlib import Path
+
+    from mindio.vocab import MainState
+
+    root = Path(__file__).resolve().parents[2] / "mindio"
+    values = {m.value for m in MainState}
+    found = [(str(path.relative_to(root)), node.lineno) for path in sorted(root.rglob("*.py")) if path.name != "vocab.py"
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Constant) and node.value in values]
+    assert not found, found

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ... import _logging
 from . import device
-from .._enums import Action, OsStatus, RepairType
+from .._enums import Action, MainState, OsStatus, RepairType
 
 __all__ = ["World", "ACTIONS", "clean", "new_world", "rebuild", "repair", "repair_pairs", "roll_back", "rollback",
            "retry"]
@@ -103,13 +103,13 @@ class World:
 def clean(p, timeout: float = 60.0) -> dict:
     end = time.monotonic() + timeout
     with p._cond:
-        if p._main == "fenced":
+        if p._main == MainState.FENCED:
             p._force = True
             p._cond.notify_all()
-        while p._main != "parked" and time.monotonic() < end:
+        while p._main != MainState.PARKED and time.monotonic() < end:
             p._cond.wait(0.01)
         main = p._main
-    if main != "parked":
+    if main != MainState.PARKED:
         raise TimeoutError(f"main thread still {main} after {timeout:.0f} s; cannot clean this rank")
     destroyed = device.backend_for().clean() if dist.is_initialized() else 0
     return {"main": main, "destroyed": destroyed}
@@ -193,7 +193,7 @@ def rollback(p, step: int) -> dict:
 
 def retry(p) -> dict:
     with p._cond:
-        if p._main != "parked":
+        if p._main != MainState.PARKED:
             raise RuntimeError(f"main thread is {p._main}, not parked: cannot re-enter train()")
         p._hold, p._allow, p._limit = False, None, None
         if p._progress_t is not None:  # training resumes: the time parked by the recovery is no hang

@@ -7,7 +7,6 @@ Tensors: a contiguous fp32 view of a bigger buffer (a distributed optimizer's sh
 a bf16 view, a 2-D tensor of 4 MiB (written by the store's parallel copy), and a non-sharded common part.
 Prints ``POOLED <bool>`` (the data went into the pool), ``ROUNDTRIP <bool>`` and ``RATE <GB/s>``."""
 import logging
-import os
 import sys
 import warnings
 
@@ -18,15 +17,12 @@ def main(ckpt_dir: str) -> None:
     import torch.distributed as dist
 
     from mindio import acp
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from mindio.megatron import _cpu_compat
+    from mindio.megatron import _cpu_compat, torch_dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port
     _cpu_compat.apply()
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
-
-    from mindio.megatron import torch_dist
 
     lines = []
     handler = logging.Handler()

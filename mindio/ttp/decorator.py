@@ -204,6 +204,7 @@ def tft_exception_handler(func):
                 exc.__traceback__ = None
             else:
                 if proc is not None:  # as the reference: train() is done, this rank leaves (BYE, no fault)
+                    _repeats(proc).forget()  # a record of an exception a relaunch met again is done with
                     proc.destroy(reason="train() returned")
                     if _rt.processor is proc:
                         _rt.processor = None

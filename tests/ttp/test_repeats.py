@@ -40,6 +40,11 @@ def test_one_retry_then_the_dump_then_no_loop(tmp_path):
     Repeats(1, _env(tmp_path, 0))                            # a new job with the same run id
     assert not os.path.exists(path)
 
+    Repeats(1, _env(tmp_path, 0)).judge(UNKNOWN, 8, MSG)     # recorded again, then the relaunch trains on
+    done = Repeats(1, _env(tmp_path, 1))
+    done.forget()                                            # (its train() returned)
+    assert not os.path.exists(path) and done.judge(UNKNOWN, 8, MSG)[0] is UNKNOWN
+
 
 def test_exceptions_not_retried_are_remembered_and_without_a_run_id_nothing_is_written(tmp_path):
     Repeats(0, _env(tmp_path, 0)).judge(UNKNOWN, 3, MSG)     # inside the update window: dumped at once

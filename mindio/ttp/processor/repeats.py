@@ -19,7 +19,8 @@ at the same step, so :meth:`Repeats.judge` keeps what it let through:
 The step is the one being computed: the rank's last completed step + 1; before its first update after a
 relaunch, the step of the checkpoint it loaded (``tft_report_load_ckpt_step``; mindio.megatron reports
 it) + 1. A first launch (restart count 0) removes this rank's record of an earlier job with the same run
-id. Without a run id (a process not started by torchrun or mindio-run) nothing is written.
+id, and a rank whose ``train()`` returns removes its record. Without a run id (a process not started by
+torchrun or mindio-run) nothing is written.
 """
 from __future__ import annotations
 
@@ -82,6 +83,15 @@ class Repeats:
         except Exception as exc:  # unreadable: this launch goes on without it
             _log.warning("the record of this rank's last exception (%s) could not be read: %s", self.path, exc)
         return None
+
+    def forget(self) -> None:
+        """(train() returned) This rank's training finished: its record, if any, is no longer needed."""
+        self.before = None
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
 
     def _remember(self, step: int, message: str) -> None:
         if self.path is None:

@@ -7,6 +7,7 @@ tests/recovery/_recover_toy.py (4 ranks, DP=4, ZeRO-1 Adam over 2 replica halves
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def test_a_deterministic_exception_is_retried_once_dumped_once_and_not_relaunche
     rank 1: one line names the step, the rank and the exception, every worker exits 79 and mindio-run does
     not relaunch again although restarts remain."""
     code, text, events = run(tmp_path / "run", FaultPlan.of(("raise-always", 1, 5)), strategies="dump",
-                             extra=["--max-restarts", "2"])
+                             extra=["--max-restarts", "2"], env={"XDG_RUNTIME_DIR": str(tmp_path)})
     assert code == 1, text[-6000:]
     assert text.count("[rank 1] injecting raise-always at step 5") == 3, text[-6000:]  # twice, then once relaunched
     decisions = [(e["strategy"], e["lock_step"]) for e in events if e["kind"] == "decision"]
@@ -71,3 +72,6 @@ def test_a_deterministic_exception_is_retried_once_dumped_once_and_not_relaunche
         "injected deterministic error (rank 1, iteration 5) -- rank 1 raised it again at step 6" in last, last
     assert last.endswith("(restarts used: 1 of 2; not restarted: workers exited 79, a deterministic fault)"), last
     assert "round 1 failed" not in text and "restart 2 of 2" not in text
+    # rank 1's record stays (a relaunch by hand meets the same answer), private, in its runtime directory
+    records = list((tmp_path / f"mindio-faults-{os.geteuid()}").iterdir())
+    assert [r.name.endswith(".rank1.json") for r in records] == [True], records

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,6 +395,7 @@ def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] =
     _load_rng_state(loaded["rng_state"][0])
     ctx.record_step_rng()
     _log.info("loaded checkpoint iteration %d from %s", iteration, root)
-    from .. import ttp  # an exception before the first update after a relaunch is at iteration + 1 (repeats.py)
-    ttp.tft_report_load_ckpt_step(iteration)
+    ttp = sys.modules.get("mindio.ttp")  # a job that uses mindio.ttp: an exception before its first update
+    if ttp is not None:                   # after a relaunch is at iteration + 1 (ttp/processor/repeats.py)
+        ttp.tft_report_load_ckpt_step(iteration)
     return iteration

@@ -333,6 +333,11 @@ _ALL = [
     Knob("LOCAL_RANK", int, 0, "Rank of the worker on its node (torchrun's contract).", internal=True),
     Knob("GROUP_RANK", int, 0, "Node rank of the worker (torchrun's contract).", internal=True),
     Knob("TORCHELASTIC_RESTART_COUNT", int, 0, "How many times the launcher restarted the job.", internal=True),
+    Knob("TORCHELASTIC_RUN_ID", str, "", "The job's run id (torchrun's contract); with MINDIO_AGENT_STORE or "
+         "MASTER_ADDR:MASTER_PORT it names a rank's record of the exception its job dumped after "
+         "(mindio/ttp/processor/repeats.py).", internal=True),
+    Knob("MASTER_ADDR", str, "", "Host of the job's store (torchrun's contract).", internal=True),
+    Knob("MASTER_PORT", str, "", "Port of the job's store (torchrun's contract).", internal=True),
     Knob("TORCHELASTIC_ERROR_FILE", str, "",
          "Where a worker records the exception (or the fault) that ended it, in torchrun's error-file format; "
          "the launcher's failure summary reads it (torchrun's contract).", internal=True),

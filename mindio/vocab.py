@@ -10,9 +10,10 @@ from __future__ import annotations
 import enum
 
 __all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode", "ExitCode",
-           "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_MEANINGS",
+           "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_CODE_REPEATED",
+           "EXIT_MEANINGS",
            "Strategy", "HA_STRATEGIES", "STRATEGY_ORDER", "MINDX_STRATEGIES", "REPLACING", "HOT_SWITCH_ACTIONS",
-           "MsgType", "State", "Result", "Outcome"]
+           "MsgType", "State", "Result", "Outcome", "MainState"]
 
 
 # ----------------------------------------------------------------------------- exit codes
@@ -22,6 +23,7 @@ class ExitCode(enum.IntEnum):
     FAULT = 76     # the job stopped on a fault without a new checkpoint (no strategy possible)
     REMOVED = 77   # this rank's DP slice was removed by an elastic downgrade; its process is no longer needed
     SWITCHED = 78  # this process was switched out by a hot switch; a backup serves its rank now
+    REPEATED = 79  # a rank met the exception it met before the relaunch, at the same step: not relaunched again
 
     @property
     def meaning(self) -> str:
@@ -34,12 +36,15 @@ EXIT_CODE_DUMPED = int(ExitCode.DUMPED)
 EXIT_CODE_FAULT = int(ExitCode.FAULT)
 EXIT_CODE_REMOVED = int(ExitCode.REMOVED)
 EXIT_CODE_SWITCHED = int(ExitCode.SWITCHED)
+EXIT_CODE_REPEATED = int(ExitCode.REPEATED)
 EXIT_MEANINGS = {
     EXIT_CODE_DUMPED: "a last-words checkpoint was written: relaunch the job to resume from it",
     EXIT_CODE_FAULT: "stopped on a fault; no new checkpoint could be written (resume from the last one)",
     EXIT_CODE_REMOVED: "this rank's data-parallel slice was removed by an elastic downgrade; the job goes on "
                        "without it",
     EXIT_CODE_SWITCHED: "switched out by a hot switch; a backup process serves this rank now",
+    EXIT_CODE_REPEATED: "a rank raised the same exception at the same step as before the relaunch from the "
+                        "last-words checkpoint: a deterministic fault; fix it, then resume from that checkpoint",
 }
 
 
@@ -84,11 +89,28 @@ HOT_SWITCH_ACTIONS = (S.HOT_SWITCH.value, "stop switch")
 del S
 
 
+# ----------------------------------------------------------------------------- a rank's main thread
+class MainState(str, enum.Enum):
+    """Where a rank's training main thread is (the processor's ``_main``; the stop round's replies carry it
+    as ``main``). A member *is* its string, as :class:`Strategy`'s are: frames and logs are unchanged."""
+    RUNNING = "running"  # training (computing, or blocked in a collective)
+    FENCED = "fenced"    # held at its fence (tft_start_updating_os / tft_pause_train) by a stop or a pause
+    PARKED = "parked"    # after a fault, in the decorator's wait_next_action: groups torn down
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 # ----------------------------------------------------------------------------- the reference enums
 class ReportState(enum.IntEnum):
     """What the exception decorator reports for the training state of its rank."""
     RS_NORMAL = 0            # this rank is fine; it was stopped (FORCE STOP) or failed only because a peer did
-    RS_RETRY = 1
+    RS_RETRY = 1             # (mindio) a generic exception outside the optimizer update window: state intact, retry
     RS_UCE = 2               # UCE ERROR: a memory error whose data can be repaired from a replica
     RS_UCE_CORRUPTED = 3     # HBM MULTI BIT ECC inside the optimizer update window: this rank's state is lost
     RS_HCCL_FAILED = 4       # network fault; no repair needed
@@ -96,6 +118,7 @@ class ReportState(enum.IntEnum):
     RS_PREREPAIR_FINISH = 6  # ARF FINISH
     RS_STEP_FINISH = 7       # STEP FINISH
     RS_UNKNOWN = 8           # anything else
+    RS_REPEATED = 9          # (mindio) the exception met before the relaunch, at the same step, on this rank again
 
 
 class RepairType(enum.IntEnum):

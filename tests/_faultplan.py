@@ -8,7 +8,9 @@ toys. Under mindio-run the argument reaches every worker, a replacement or a bac
 * ``faults``: :class:`Fault` (kind, rank, step) -- fired once per process (the recover toy: once per
   job) on that rank at the start of that iteration, or inside its optimizer update window for
   ``raise-uce-update`` / ``kill-update``. Kinds: ``raise-uce`` (the shard is overwritten with NaN
-  first), ``raise-uce-update`` (half written), ``raise-net``, ``raise-unknown``, ``kill``,
+  first), ``raise-uce-update`` (half written), ``raise-net``, ``raise-unknown`` (a generic exception
+  outside the update window: retried when retry is on), ``raise-unknown-update`` (one inside the window),
+  ``raise-always`` (a generic exception every time its step runs, in every process: a bug), ``kill``,
   ``kill-update`` (SIGKILL), ``hang``, ``stop`` (SIGSTOP), ``freeze`` (SIGSTOP, SIGCONT ``freeze_s``
   s later); the recover toy adds ``hold`` (wait for ``<out>/release``), ``kill-node`` and
   ``stop-node`` (rank R's launcher agent with its workers).

@@ -177,6 +177,24 @@ def create_file(path, mode: int = 0o600) -> _WriteableFileWrapper:
     return _WriteableFileWrapper(api._target(path), mode & ~_secure.umask())
 
 
+def write_region(path, size: int, write, mode: int = 0o600) -> bool:
+    """Commit ``size`` bytes under ``path``, written in place into a region of the memory pool (no
+    intermediate buffer): ``write(buf, copy_many)`` fills ``buf``, a writable memoryview of exactly
+    ``size`` bytes; ``copy_many(buf, [(offset, src), ...])`` copies big sources with the store's parallel
+    copy. True once committed (persisted in the background); False when there is no pool to write into
+    (no daemon, pool full, unserviceable: logged once) -- the caller writes the file another way. An
+    exception of ``write`` aborts the region and propagates. ``mode`` less the umask is the file's mode."""
+    client = api._get_client()
+    if client is None or size <= 0:
+        return False
+    try:
+        client.save_image(size, write, [api._target(path)], kind="raw", mode=mode & ~_secure.umask())
+        return True
+    except (api.PoolFull, ServerUnavailable) as exc:
+        api._note_fallback("direct write", str(exc))
+        return False
+
+
 def _count_files(directory: str) -> int:
     try:
         return sum(1 for e in os.scandir(directory)

@@ -22,7 +22,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 
-from ..vocab import EXIT_CODE_DUMPED
+from ..vocab import EXIT_CODE_DUMPED, EXIT_CODE_REPEATED
 
 __all__ = ["Failure", "describe", "first", "read", "record", "summary", "outcome", "trim"]
 
@@ -203,7 +203,8 @@ def outcome(fails, reason: str, rnd: int, max_restarts: int, stopping: bool = Fa
 
     A round whose workers exited 75 (or whose controller said so: ``dumped``) ended with a last-words
     checkpoint: that is said, and relaunched while restarts remain (the script resumes from it); with
-    none left the agent exits 75 too. Otherwise the round failed: the root cause of ``fails`` (any node's)
+    none left the agent exits 75 too. A round where a worker exited 79 (a rank met the exception the
+    previous launch dumped after, at the same step) is not restarted. Otherwise the round failed: the root cause of ``fails`` (any node's)
     is named, else ``reason``; a root cause from another node than ``node`` comes with its traceback."""
     fails = list(fails)
     dumped = dumped or any(f.code == EXIT_CODE_DUMPED for f in fails)
@@ -212,7 +213,9 @@ def outcome(fails, reason: str, rnd: int, max_restarts: int, stopping: bool = Fa
     cause = summary(causes) or reason
     if causes and "controller" in reason:
         cause += f" ({reason.partition(': ')[2] or reason})"
-    restart = not stopping and rnd < max_restarts
+    # a rank met the fault the previous launch dumped after, at the same step (79): a relaunch meets it again
+    repeated = any(f.code == EXIT_CODE_REPEATED for f in fails)
+    restart = not stopping and rnd < max_restarts and not repeated
     more = f"restart {rnd + 1} of {max_restarts}"
     if dumped:
         what = f"a last-words checkpoint was written (workers exited {EXIT_CODE_DUMPED}) after: {cause}"
@@ -222,7 +225,8 @@ def outcome(fails, reason: str, rnd: int, max_restarts: int, stopping: bool = Fa
                 EXIT_CODE_DUMPED)
     if restart:
         return f"mindio-run: round {rnd} failed: {cause}; restarting every worker ({more})", None
-    text = f"mindio-run: job failed: {cause} (restarts used: {rnd} of {max_restarts})"
+    text = f"mindio-run: job failed: {cause} (restarts used: {rnd} of {max_restarts}" + \
+        (f"; not restarted: workers exited {EXIT_CODE_REPEATED}, a deterministic fault)" if repeated else ")")
     root = first(causes)
     if root is not None and root.node != node and root.trace:
         text += f"\nmindio-run: root cause, from node {root.node} ({root.host}):\n{root_trace(root)}"

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,9 +277,10 @@ def _assign(sd: Dict[str, Any], writers: Writers) -> None:
     _set_replica(sd["rng_state"], writers.slice[0], keep_model_parts=False)
 
 
-def _write(sd: Dict[str, Any], writers: Writers, directory: Path, rank: int, world: Optional[int] = None) -> None:
+def _write(sd: Dict[str, Any], writers: Writers, directory: Path, rank: int, world: Optional[int] = None,
+           last_words: bool = False) -> None:
     _assign(sd, writers)
-    common = torch_dist.write_local(sd, directory, rank, writers.save_id, writers.ranks, world)
+    common = torch_dist.write_local(sd, directory, rank, writers.save_id, writers.ranks, world, last_words)
     if writers.common:
         torch_dist.write_common(common, directory)
 
@@ -323,8 +325,10 @@ def save_dump(ctx, step: int, save_info: Any, root: Optional[Path] = None) -> bo
     else:
         raise RuntimeError(f"dump of step {step}: rank {rank} has neither its model and optimizer "
                            "nor the state clean() keeps (clean could not read it; see its warning)")
-    _write(sd, writers, checkpoint_dir(Path(root or ctx.args.save), step), rank, ctx.layout.get("world"))
-    _log.info("dump checkpoint of step %d written by rank %d", step, rank)
+    t0 = time.perf_counter()
+    _write(sd, writers, checkpoint_dir(Path(root or ctx.args.save), step), rank, ctx.layout.get("world"),
+           last_words=True)
+    _log.warning("dump checkpoint of step %d written by rank %d in %.3f s", step, rank, time.perf_counter() - t0)
     return True
 
 
@@ -391,4 +395,7 @@ def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] =
     _load_rng_state(loaded["rng_state"][0])
     ctx.record_step_rng()
     _log.info("loaded checkpoint iteration %d from %s", iteration, root)
+    ttp = sys.modules.get("mindio.ttp")  # a job that uses mindio.ttp: an exception before its first update
+    if ttp is not None:                   # after a relaunch is at iteration + 1 (ttp/processor/repeats.py)
+        ttp.tft_report_load_ckpt_step(iteration)
     return iteration

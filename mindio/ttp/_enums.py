@@ -2,8 +2,12 @@
 definitions are in :mod:`mindio.vocab`, mindio's one vocabulary module."""
 from __future__ import annotations
 
-from ..vocab import (EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REMOVED, EXIT_CODE_SWITCHED, EXIT_MEANINGS,
-                     Action, ExitCode, OptimizerType, OsStatus, RepairType, ReportState, ResultCode, Strategy)
+from ..vocab import (EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REMOVED, EXIT_CODE_SWITCHED, EXIT_CODE_REPEATED,
+                     EXIT_MEANINGS,
+                     Action, ExitCode, MainState, OptimizerType, OsStatus, RepairType, ReportState, ResultCode,
+                     Strategy)
 
 __all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode", "ExitCode", "Strategy",
-           "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_MEANINGS"]
+           "MainState",
+           "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_CODE_REPEATED",
+           "EXIT_MEANINGS"]

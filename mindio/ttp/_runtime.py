@@ -14,6 +14,7 @@ class _State:
         self.user_patterns: list = []   # [(pattern, ReportState, fault_handle)]
         self.update_window = [None, None]
         self.load_ckpt_step = None
+        self.repeats = None             # processor/repeats.Repeats: this rank's generic exceptions (decorator)
         self.leaving = None             # the exit code the controller ordered, once this process leaves (decorator)
 
 

@@ -4,7 +4,10 @@ Protocol (main thread of every rank):
 
 1. ``train()`` raises. The message ``"<Type>: <text>"`` is classified (policy.classify: user patterns
    of ``tft_register_exception_handler`` first, then the reference table, then peer-failure patterns;
-   first match wins). A matching user pattern's ``fault_handle(str(exc))`` runs first, if given.
+   first match wins). A matching user pattern's ``fault_handle(str(exc))`` runs first, if given. Any
+   other exception raised while the optimizer update window is closed is RS_RETRY: the step is retried
+   once; the same exception at the same step again is RS_UNKNOWN (the dump), and after a relaunch from
+   that dump RS_REPEATED (the job ends, exit 79; processor/repeats.py).
 2. Report it to the controller at once (this wakes the controller: < 100 ms).
 3. Tear down this rank's collectives: the registered stop and clean callbacks destroy the process groups
    and drop every reference to them; the traceback's frames are cleared and garbage is collected, so
@@ -39,7 +42,7 @@ from ..errors import describe
 from ..launch import failures as _launcher
 from . import compat as _compat, shutdown
 from .controller import policy
-from .processor import reboot as _reboot
+from .processor import reboot as _reboot, repeats as _repeats_mod
 from ._enums import EXIT_MEANINGS, Action, OsStatus, ReportState
 from ._runtime import state as _rt
 
@@ -49,15 +52,18 @@ _log = logging.getLogger(__name__)
 
 
 def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED,
-                       during_incident: bool = False) -> ReportState:
+                       during_incident: bool = False, outside_update: bool = False) -> ReportState:
     """ReportState of ``exc`` (policy.classify); ``during_incident``: the controller has already
-    stopped this rank, so a collective timeout or a destroyed group is a peer's failure reaching it."""
+    stopped this rank, so a collective timeout or a destroyed group is a peer's failure reaching it;
+    ``outside_update``: raised while the optimizer update window was known to be closed (a generic
+    exception is then RS_RETRY)."""
     message = f"{type(exc).__name__}: {exc}"
     start, end = _rt.update_window
     repairable = policy.can_do_uce_repair(time.time_ns(), start, end) if start is not None \
         else data_status == OsStatus.UPDATED
     patterns = [(p, s) for p, s, _h in _rt.user_patterns]
-    state = policy.classify(message, patterns, uce_repairable=repairable, during_incident=during_incident)
+    state = policy.classify(message, patterns, uce_repairable=repairable, during_incident=during_incident,
+                            outside_update=outside_update)
     if during_incident and state is ReportState.RS_NORMAL and \
             policy.classify(message, patterns, uce_repairable=repairable) is not state:
         _log.info("secondary error (the controller had stopped this rank already): %s", message[:300])
@@ -70,6 +76,26 @@ def classify_exception(exc: BaseException, data_status: int = OsStatus.UPDATED,
                 _log.exception("fault handle for pattern %r failed", pattern)
             break
     return state
+
+
+def _update_closed(proc) -> bool:
+    """Is the optimizer update window known to be closed on this rank? It is once the rank finished an
+    update in this process (``tft_end_updating_os``, or a rollback) and has not opened the next one
+    (``tft_start_updating_os``); before its first update nothing says the framework brackets them."""
+    return proc.step > 0 and proc.data_status == OsStatus.UPDATED
+
+
+def _step_in_progress(proc) -> int:
+    """The step this rank was computing: its last completed one + 1; before its first update in this
+    process, the step of the checkpoint it loaded (tft_report_load_ckpt_step) + 1."""
+    return (proc.step or _rt.load_ckpt_step or 0) + 1
+
+
+def _repeats(proc) -> _repeats_mod.Repeats:
+    """This process's memory of its generic exceptions (processor/repeats.py)."""
+    if _rt.repeats is None or _rt.repeats.rank != proc.rank:
+        _rt.repeats = _repeats_mod.Repeats(proc.rank)
+    return _rt.repeats
 
 
 _ordered_exit: int | None = None
@@ -166,7 +192,10 @@ def tft_exception_handler(func):
                 if proc is None:
                     raise
                 message = describe(exc, where=not str(exc))  # never a bare "AssertionError: "
-                state = classify_exception(exc, proc.data_status, during_incident=proc.stopped)
+                state = classify_exception(exc, proc.data_status, during_incident=proc.stopped,
+                                           outside_update=_update_closed(proc))
+                if state in (ReportState.RS_RETRY, ReportState.RS_UNKNOWN) and not proc.stopped:
+                    state, message = _repeats(proc).judge(state, _step_in_progress(proc), message)
                 # for the launcher (TORCHELASTIC_ERROR_FILE), if this fault ends the process
                 # (strings only: the exception must not outlive its cleared frames)
                 fault = dict(message=message, trace=_launcher.format_exception(exc), when=time.time(),
@@ -175,6 +204,7 @@ def tft_exception_handler(func):
                 exc.__traceback__ = None
             else:
                 if proc is not None:  # as the reference: train() is done, this rank leaves (BYE, no fault)
+                    _repeats(proc).forget()  # a record of an exception a relaunch met again is done with
                     proc.destroy(reason="train() returned")
                     if _rt.processor is proc:
                         _rt.processor = None

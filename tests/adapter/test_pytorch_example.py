@@ -103,11 +103,15 @@ def test_ddp_peers_of_a_raising_rank_are_released_and_dump(tmp_path):
     timeout, 90 s, decision after 91 s); then rank 0 writes the dump from the state its own teardown
     kept."""
     events = tmp_path / "events.jsonl"
+    # the ranks register enable_uce (the default) and the adapter's rollback handler: this generic exception,
+    # raised outside the update window, would be retried (issue 33); the fault table opts its class out
+    table = tmp_path / "table.json"
+    table.write_text('{"patterns": [{"pattern": "RuntimeError:", "level": "RestartBusiness"}]}')
     code, out = torchrun(SCRIPT, ["--train-iters", 12, "--enable-high-availability", "--inject",
                                   "raise:rank=1,step=7", "--save", tmp_path],
                          nproc=4, timeout=300, check=False,
                          env={"HIGH_AVAILABILITY": "dump", "MINDIO_EVENT_LOG": str(events),
-                              "TTP_LOG_PATH": str(tmp_path / "logs")})
+                              "MINDIO_FAULT_TABLE": str(table), "TTP_LOG_PATH": str(tmp_path / "logs")})
     assert code != 0  # the job ends after a dump (exit 75 on every rank); torchrun has no restart left
     decision = [e for e in _events(events) if e["kind"] == "decision"]
     assert len(decision) == 1 and decision[0]["strategy"] == "dump" and decision[0]["lock_step"] == 6, out[-6000:]

@@ -238,3 +238,10 @@ def test_root_cause_and_round_outcome_wording(tmp_path):
         "from it (restart 1 of 1)" in text, text  # ranks that only exited 75 after the dump are no failures
     text, code = failures.outcome(dumped, "x", rnd=1, max_restarts=1)
     assert code == 75 and text.startswith("mindio-run: job stopped: a last-words checkpoint was written")
+    # a rank met the exception the last launch dumped after, at the same step (79): no restart, restarts left or not
+    again = [failures.Failure(rank=1, code=79, error="ValueError: bug -- rank 1 raised it again at step 6"),
+             failures.Failure(rank=0, code=79, error="RuntimeError: [gloo] Connection closed by peer", consequence=True)]
+    text, code = failures.outcome(again, "node 0: the controller ended the job (exit code 79)", rnd=1, max_restarts=3)
+    assert code == 1 and text.startswith("mindio-run: job failed: rank 1 (node 0) exited with exit code 79: "), text
+    assert "raised it again at step 6" in text and text.endswith(
+        "(restarts used: 1 of 3; not restarted: workers exited 79, a deterministic fault)"), text

@@ -76,3 +76,23 @@ def test_index_never_points_outside_its_directory():
             td._result_from_json({"index": ["w", [0], 0], "size": 4, "file": name, "offset": 0, "length": 4})
     with pytest.raises(ValueError, match="unknown dtype"):
         td._dtype("torch.Tensor")
+
+
+@pytest.mark.timeout(120)
+def test_a_dump_written_into_the_pool_is_what_megatron_reads(tmp_path):
+    """Issue 33: the last-words checkpoint's data file goes straight into a region of the checkpoint store's
+    pool (sized first, each tensor's bytes in place; views of bigger buffers and bf16 included) and megatron-
+    core's own dist_checkpointing.load reads every tensor back equal."""
+    import os
+    import subprocess
+    import sys
+
+    from _mgt_launch import REPO
+
+    env = dict(os.environ, MINDIO_ACP_DIR=str(tmp_path / "run"), MINDIO_ACP_POOL_MB="64", MINDIO_ACP_IDLE_EXIT="30",
+               PYTHONPATH=str(REPO))
+    env.pop("MINDIO_ACP_DISABLE", None)
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "megatron" / "_pooled_dump_child.py"),
+                          str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "POOLED True" in out.stdout and "ROUNDTRIP True" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -42,10 +42,11 @@ pytestmark = SLOW_MEGATRON
 LAUNCH = "mindio.launch.cli"
 WORKER = REPO / "tests" / "megatron" / "_mcore_load_worker.py"
 FAULTS = "uce:rank=1,step=3; kill:rank=2,step=5; raise:rank=3,step=8"
-# unknown errors -> dump (the default table recovers them in place, as it does a dead rank)
+# unknown errors -> dump (the default table recovers them in place, as it does a dead rank); a generic
+# exception outside the update window too (the default retries it: RS_RETRY), the table opts it out
 DUMP_UNKNOWN = {"levels": {"DumpOnly": {"severity": 2, "strategies": ["dump", "exit"]}},
                 "faults": {"RS_UCE": "RestartRequest", "RS_HCCL_FAILED": "RestartRequest",
-                           "RS_UCE_CORRUPTED": "RestartBusiness", "RS_RETRY": "RestartBusiness",
+                           "RS_UCE_CORRUPTED": "RestartBusiness", "RS_RETRY": "DumpOnly",
                            "RS_UNKNOWN": "DumpOnly", "DEAD": "RestartBusiness"}}
 
 

@@ -6,7 +6,8 @@ under mindio-run alike) for retry. ``--inject uce:rank=1,step=7``: rank 1's opti
 destroyed (NaN) and it raises "UCE ERROR"; the controller cleans, rebuilds the groups in the same
 processes (generation 1), repairs rank 1 from its replica (rank 3), rolls every rank back to step 6 and
 re-enters train(). The job exits 0 with the digest of the uninterrupted run: no process restarted, no
-step lost. ``net:`` (a network-class error) retries without a repair, same check; under mindio-run a
+step lost. ``raise:`` (a generic exception in forward, outside the optimizer update window) retries
+without a repair (the step's gradients, grad buffers and data position are rolled back), same check; under mindio-run a
 second UCE is retried too; TP=2 x DP=2 with replicas repairs rank 1 from its DP replica, same check.
 ``--enable-worker-reboot`` under mindio-run without ``--high-availability`` fails at start, naming it.
 """
@@ -33,7 +34,7 @@ def reference(fault_free_run):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("launcher,inject,retries", [
     ("torch.distributed.run", "uce:rank=1,step=7", [([1], 6)]),
-    ("torch.distributed.run", "net:rank=1,step=7", [([], 6)]),
+    ("torch.distributed.run", "raise:rank=1,step=7", [([], 6)]),  # a generic exception in forward: no repair
     ("mindio.launch.cli", "uce:rank=1,step=4; uce:rank=2,step=7", [([1], 3), ([2], 6)]),
 ])
 def test_retry_in_place_is_bitwise(reference, tmp_path, launcher, inject, retries):

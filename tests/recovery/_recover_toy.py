@@ -5,7 +5,8 @@ world size and the worker store come from the torchrun environment, and the cont
 node 0's agent hosts (MINDIO_CONTROLLER_EXTERNAL, TTP_PORT, MINDIO_SECRET). A replacement process
 (``tft_is_reboot_node()``) builds the same objects and parks before ``train()``; its shard, moments
 and iteration come from the replica (repair), its parameters from the all-gather (rollback).
-Faults fire once per job: a marker file in ``--out`` is created before firing. ``kill-node`` at
+Faults fire once per job: a marker file in ``--out`` is created before firing (``raise-always``: every
+time its step runs, a deterministic bug). A relaunch resumes from ``--out``/ckpt when a dump wrote it. ``kill-node`` at
 rank R SIGKILLs rank R's launcher agent, then R itself (the node's other workers die with the agent);
 ``stop-node`` SIGSTOPs the process groups of rank R's agent and of R (the agent and its workers: a frozen or
 partitioned host, as seen from the others); ``hold`` waits for ``<out>/release``.
@@ -45,6 +46,9 @@ class Trainer(toy.Trainer):
         return os.path.exists(self._marker(kind))
 
     def inject(self, kind: str) -> None:
+        if kind == "raise-always":  # a deterministic bug: every time, in every process (no marker)
+            print(f"[rank {self.rank}] injecting {kind} at step {self.it}", flush=True)
+            return super().inject(kind)
         marker = self._marker(kind)
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -82,7 +86,9 @@ def main() -> int:
     p.add_argument("--step-sleep-from", type=int, default=0, help="only steps from this one on sleep")
     a = p.parse_args()
     a.rank, a.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    a.resume = ""
+    # a relaunch (mindio-run --max-restarts) resumes from the last checkpoint the job wrote, if any
+    relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
+    a.resume = os.path.join(a.out, "ckpt") if relaunched and os.path.exists(os.path.join(a.out, "ckpt", "latest")) else ""
     a.faults = a.plan.tuples()
     torch.manual_seed(0)
     fails = a.plan.replacement_fails if ttp.tft_is_reboot_node() else ""
@@ -96,7 +102,8 @@ def main() -> int:
     toy.build_groups(a.rank, a.world)
     a.store = _JobStore(dist.distributed_c10d._get_default_store())  # toy.Trainer.maybe_inject: faults of one step together
     # enable_arf: the ranks register for worker reboot (the launcher then enables recover-in-place)
-    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False, enable_arf=a.plan.enable_arf)
+    ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False, enable_arf=a.plan.enable_arf,
+                           enable_uce=a.plan.enable_uce)
     trainer = Trainer(a)
     ttp.tft_register_save_ckpt_handler(trainer.save)
     ttp.tft_register_rename_handler(trainer.rename)

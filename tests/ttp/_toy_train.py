@@ -94,6 +94,7 @@ class Trainer:
         mine = shards[self.k]
         self.master, self.m, self.v, self.it = mine["master"].clone(), mine["m"].clone(), mine["v"].clone(), mine["it"]
         assert all(s["it"] == step for s in shards)
+        ttp.tft_report_load_ckpt_step(step)  # a generic exception before the first update names step + 1
 
     def step(self) -> None:
         it, rank, a = self.it, self.rank, self.args
@@ -119,7 +120,7 @@ class Trainer:
                 self.injected = True
                 late = {r for r, i in self.stop_before_fence if i == it}
                 _wait_until(lambda: a.store.add(key, 0) >= self.world - len(late))
-                self.inject("kill" if window[rank] == "kill-update" else "raise-uce-update")
+                self.inject({"kill-update": "kill"}.get(window[rank], window[rank]))
         lo, g = self.k * SHARD, grad[self.k * SHARD:(self.k + 1) * SHARD]
         t = it + 1
         self.m.mul_(0.9).add_(g, alpha=0.1)
@@ -144,10 +145,10 @@ class Trainer:
         test is about. The same wait lets faults of several ranks in one iteration fire together."""
         mine = [k for k, frank, fit in self.args.faults if frank == self.rank and fit == self.it
                 and not _in_update_window(k)]
-        if not mine or self.injected:
+        if not mine or (self.injected and mine[0] != "raise-always"):  # raise-always: every time (a bug)
             return
         self.injected = True
-        if self.fired(mine[0]):  # a replacement of the faulty rank: its fault fired in the process it replaces
+        if mine[0] != "raise-always" and self.fired(mine[0]):  # a replacement of the faulty rank: its fault fired in the process it replaces
             return  # (the count it would wait for is not seen by this process again: it waited its 30 s bound)
         late = {r for r, i in self.stop_before_fence if i == self.it - 1}
         key = f"toy/reached/{self.it}"
@@ -175,6 +176,10 @@ class Trainer:
             raise RuntimeError("HCCL OP RETRY FAILED: injected network error")
         if kind == "raise-unknown":
             raise ValueError("injected unknown error")
+        if kind == "raise-always":  # a deterministic bug: the same exception whenever this step runs
+            raise ValueError(f"injected deterministic error (rank {self.rank}, iteration {self.it})")
+        if kind == "raise-unknown-update":  # a generic exception inside the optimizer update window
+            raise ValueError("injected unknown error during the optimizer update")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "hang":
@@ -243,7 +248,7 @@ class Trainer:
 
 def _in_update_window(kind: str) -> bool:
     """Faults that fire inside the optimizer update window (Trainer.step), not at the iteration's start."""
-    return kind in ("raise-uce-update", "kill-update")
+    return kind in ("raise-uce-update", "kill-update", "raise-unknown-update")
 
 
 def _wait_until(done, timeout: float = 30.0) -> None:

@@ -70,8 +70,12 @@ def test_reference_signature(name):
 
 
 def test_enums_have_reference_values():
+    # the reference's members with their values, then mindio's one addition (issue 33: a fault met again after
+    # the relaunch from its dump)
     assert [m.name for m in ttp.ReportState] == ["RS_NORMAL", "RS_RETRY", "RS_UCE", "RS_UCE_CORRUPTED", "RS_HCCL_FAILED",
-                                                "RS_INIT_FINISH", "RS_PREREPAIR_FINISH", "RS_STEP_FINISH", "RS_UNKNOWN"]
+                                                "RS_INIT_FINISH", "RS_PREREPAIR_FINISH", "RS_STEP_FINISH", "RS_UNKNOWN",
+                                                "RS_REPEATED"]
+    assert [int(m) for m in ttp.ReportState] == list(range(10))
     assert [m.name for m in ttp.RepairType] == ["RT_SEND", "RT_UCE_HIGHLEVEL", "RT_UCE_LOWLEVEL", "RT_RECV_REPAIR",
                                                "RT_ROLLBACK", "RT_LOAD_CKPT", "RT_LOAD_REBUILD"]
     assert (ttp.Action.RETRY, ttp.Action.EXIT) == (0, 1)

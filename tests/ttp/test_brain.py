@@ -21,7 +21,7 @@ ALL = ("retry", "recover-in-place", "recover", "downgrade", "dump", "exit")
     ("RS_UCE_CORRUPTED", "HBM MULTI BIT ECC", "RestartBusiness"),
     ("RS_UNKNOWN", "ValueError: x", "RestartBusiness"),
     ("DEAD", "", "RestartBusiness"),
-    ("RS_RETRY", "", "RestartBusiness"),
+    ("RS_RETRY", "", "RestartRequest"),
 ])
 def test_default_classification(key, message, level):
     assert Brain().judge([RankFault(3, key, message)], now=0.0).level == level

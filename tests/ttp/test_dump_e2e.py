@@ -32,8 +32,9 @@ def _by_kind(events, kind):
 def test_fault_dumps_and_relaunch_is_bitwise(baseline, tmp_path, kind, rank):
     out = str(tmp_path / "run")
     env = {"MINDIO_HANG_TIMEOUT": "3"} if kind == "hang" else {}
-    # the toy registers repair handlers: with enable_uce (the default) a UCE is retried
-    plan = FaultPlan.of((kind, rank, FAULT_IT), enable_uce=kind != "raise-uce")
+    # the toy registers repair handlers: with enable_uce (the default) a UCE is retried, and so is a generic
+    # exception outside the optimizer update window (test_an_exception_inside_the_update_window_is_never_retried)
+    plan = FaultPlan.of((kind, rank, FAULT_IT), enable_uce=kind not in ("raise-uce", "raise-unknown"))
     job = Job(out, args=["--steps", str(STEPS)], plan=plan, env=env)
     codes = job.wait(120)
     expect = [EXIT_CODE_DUMPED] * 4
@@ -82,7 +83,8 @@ def test_a_writer_that_cannot_write_is_replaced_by_its_replica(baseline, tmp_pat
     that shard, its replica, and the save runs again by the new writers; the dump is complete and a
     relaunch from it is bitwise equal to the uninterrupted run (issue 16: never abandon the last copy)."""
     out = str(tmp_path / "run")
-    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of(("raise-unknown", 1, FAULT_IT), fail_save=(0,)))
+    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of(("raise-unknown", 1, FAULT_IT), fail_save=(0,),
+                                                                  enable_uce=False))
     assert job.wait(120) == [EXIT_CODE_DUMPED] * 4, job.tail()
     events = job.events()
     assert _by_kind(events, "decision")[0]["save_info"] == [{"type": 0, "ranks": [0, 3]}]
@@ -105,7 +107,7 @@ def test_no_holder_that_can_write_exits_76_naming_the_shard(tmp_path):
     76 and the controller's log names the shard and why each holder could not write it."""
     out = str(tmp_path / "run")
     job = Job(out, args=["--steps", str(STEPS)],
-              plan=FaultPlan.of(("raise-unknown", 1, FAULT_IT), fail_save=(0, 2)))
+              plan=FaultPlan.of(("raise-unknown", 1, FAULT_IT), fail_save=(0, 2), enable_uce=False))
     assert job.wait(120) == [EXIT_CODE_FAULT] * 4, job.tail()
     assert not os.path.exists(os.path.join(out, "ckpt", "latest"))
     with open(os.path.join(out, "rank0.log")) as f:  # the toy's controller runs in rank 0
@@ -116,3 +118,27 @@ def test_no_holder_that_can_write_exits_76_naming_the_shard(tmp_path):
     assert "fail_save: rank 0 cannot write" in line and "fail_save: rank 2 cannot write" in line, line
     assert [e["shards"] for e in _by_kind(job.events(), "dump_impossible")] == [
         ["shard 0 of optimizer 0 (DP group [0, 1, 2, 3])"]]
+
+
+@pytest.mark.timeout(200)
+def test_an_exception_inside_the_update_window_is_never_retried(baseline, tmp_path):
+    """Issue 33: a generic exception raised between tft_start_updating_os and tft_end_updating_os may have
+    left the optimizer state half written: with retry enabled (the toy registers enable_uce) it is still
+    not retried -- the job dumps at the lock step (the highest with a usable copy of every shard, here
+    the step the other ranks completed) and a relaunch from the dump ends bitwise equal to the fault-free run."""
+    out = str(tmp_path / "run")
+    job = Job(out, args=["--steps", str(STEPS)], plan=FaultPlan.of(("raise-unknown-update", 2, FAULT_IT)))
+    assert job.wait(120) == [EXIT_CODE_DUMPED] * 4, job.tail()
+    events = job.events()
+    seen = [e for e in _by_kind(events, "fault_seen") if e["rank"] == 2 and "optimizer update" in e["message"]]
+    assert [e["state"] for e in seen] == ["RS_UNKNOWN"], seen
+    decision = _by_kind(events, "decision")
+    assert len(decision) == 1 and decision[0]["strategy"] == "dump" and "retry" not in decision[0]["feasible"]
+    assert not _by_kind(events, "retry_done")
+    ckpt = os.path.join(out, "ckpt")
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert int(f.read()) == decision[0]["lock_step"] in (FAULT_IT, FAULT_IT + 1)
+    out2 = str(tmp_path / "resumed")
+    job2 = Job(out2, args=["--steps", str(STEPS), "--resume", ckpt])
+    assert job2.wait(120) == [0, 0, 0, 0], job2.tail()
+    assert_bitwise_equal(final_state(out2, 4), baseline)

@@ -21,6 +21,24 @@ def test_reference_patterns_first_match():
     assert policy.classify("division by zero") is ReportState.RS_UNKNOWN
 
 
+def test_a_generic_exception_outside_the_update_window_is_retryable():
+    """Issue 33: anything no pattern names, raised with the optimizer update window known closed and no
+    incident under way, is RS_RETRY; inside the window (or unknown) RS_UNKNOWN, as before; a pattern
+    still wins; and retry needs no replica for it (no state was lost)."""
+    assert policy.classify("ValueError: bad batch", outside_update=True) is ReportState.RS_RETRY
+    assert policy.classify("ValueError: bad batch", outside_update=False) is ReportState.RS_UNKNOWN
+    assert policy.classify("ValueError: bad batch", outside_update=True, during_incident=True) \
+        is ReportState.RS_UNKNOWN
+    assert policy.classify("RuntimeError: UCE ERROR", outside_update=True) is ReportState.RS_UCE
+    assert policy.classify("x", [("x", ReportState.RS_UNKNOWN)], outside_update=True) is ReportState.RS_UNKNOWN
+    inc = Incident(states={1: ReportState.RS_RETRY}, repair_possible=False, dump_possible=True)
+    assert policy.feasible_strategies({"retry", "dump"}, inc) == ["retry", "dump", "exit"]
+    inc = Incident(states={1: ReportState.RS_UNKNOWN}, repair_possible=True, dump_possible=True)
+    assert policy.feasible_strategies({"retry", "dump"}, inc) == ["dump", "exit"]
+    inc = Incident(states={1: ReportState.RS_RETRY}, dead=frozenset({2}), repair_possible=True, dump_possible=True)
+    assert "retry" not in policy.feasible_strategies({"retry", "dump"}, inc)
+
+
 def test_user_patterns_come_first():
     pats = [("UCE ERROR", ReportState.RS_HCCL_FAILED), ("my disk died", ReportState.RS_UCE)]
     assert policy.classify("UCE ERROR", pats) is ReportState.RS_HCCL_FAILED
@@ -232,7 +250,7 @@ def test_bad_layout_rejected():
 
 _ENABLED = st.sets(st.sampled_from(["retry", "recover-in-place", "recover", "elastic-training", "dump"]))
 _STATE = st.sampled_from([ReportState.RS_UCE, ReportState.RS_HCCL_FAILED, ReportState.RS_UNKNOWN,
-                          ReportState.RS_UCE_CORRUPTED])
+                          ReportState.RS_UCE_CORRUPTED, ReportState.RS_RETRY])
 
 
 @given(_ENABLED, st.dictionaries(st.integers(0, 7), _STATE, max_size=3), st.frozensets(st.integers(0, 7)),
@@ -249,7 +267,9 @@ def test_strategies_follow_fallback_order(enabled, states, dead, repair, dump, s
     if "dump" in out:
         assert dump
     if "retry" in out:
-        assert not dead and set(states.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
+        assert not dead and set(states.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED,
+                                                     ReportState.RS_RETRY}
+        assert repair or set(states.values()) <= policy.INTACT  # a UCE needs a replica to repair from
     if "recover" in out:
         assert spare and repair
 

@@ -60,3 +60,46 @@ def test_every_enum_is_defined_in_the_vocabulary_module():
                 if any(b.split(".")[-1] in ("Enum", "IntEnum", "StrEnum", "Flag", "IntFlag") for b in bases):
                     found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}({', '.join(bases)})")
     assert not found, found
+
+
+def test_one_rebuild_and_one_rollback_in_the_processor():
+    """Issue 33: the rank side rebuilds its world in one place (inplace.new_world: retry, recover, hot switch
+    and the elastic zit_rebuild call it) and rolls back in one place (inplace.roll_back: the rollback and
+    zit_upgrade_rollback handlers); no twin comes back in mindio/ttp/processor/."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "mindio" / "ttp" / "processor"
+    rebuilds, rollbacks = [], []
+    for path in sorted(root.glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            calls_handler = sets_step = False
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    if node.func.attr in ("init_default_group", "reinit"):
+                        rebuilds.append((path.name, fn.name, node.func.attr))
+                    calls_handler |= node.func.attr == "_callback"
+                if isinstance(node, ast.Assign):  # a rollback: a handler, then the rank's step set back
+                    attrs = {t.attr for target in node.targets for t in ast.walk(target) if isinstance(t, ast.Attribute)}
+                    sets_step |= {"step", "data_status"} <= attrs
+            if calls_handler and sets_step:
+                rollbacks.append((path.name, fn.name))
+    assert rebuilds == [("inplace.py", "new_world", "init_default_group"), ("inplace.py", "new_world", "reinit")]
+    assert rollbacks == [("inplace.py", "roll_back")]
+
+
+def test_main_thread_states_are_named_by_the_enum():
+    """Issue 33: a rank's main-thread states are vocab.MainState, written nowhere as string literals."""
+    import ast
+    from pathlib import Path
+
+    from mindio.vocab import MainState
+
+    root = Path(__file__).resolve().parents[2] / "mindio"
+    values = {m.value for m in MainState}
+    found = [(str(path.relative_to(root)), node.lineno) for path in sorted(root.rglob("*.py")) if path.name != "vocab.py"
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Constant) and node.value in values]
+    assert not found, found

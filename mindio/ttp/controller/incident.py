@@ -17,7 +17,10 @@ An incident (the dump flow; the retry strategy is in retry.py; recover/elastic b
    No dump at lock step 0: nothing to save (policy.plan_dump).
 
 When "retry" is enabled and possible it is tried first (retry.py); if it succeeds the driver waits for
-the next incident, if any step of it fails the flow falls back to dump (then exit) as above.
+the next incident, if any step of it fails the flow falls back to dump (then exit) as above. A rank that
+reports RS_REPEATED (after a relaunch, the exception the previous launch dumped after, at the same step:
+processor/repeats.py) ends the job at once with EXIT_CODE_REPEATED, one line naming the step, the rank
+and the exception (:meth:`IncidentFlow.end_repeated`).
 
 The cluster brain (tft_notify_controller_* / tft_register_mindx_callback) enters here too.
 :class:`IncidentFlow` is a part of :class:`mindio.ttp.controller.controller.Controller` (``ctl.incidents``): it owns
@@ -35,7 +38,7 @@ from ... import _knobs, _logging
 from . import dump, policy, sequence
 from ..wire import protocol as P
 from .brain import RankFault, fault_key, result_code
-from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ReportState, ResultCode
+from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, ReportState, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome
 
@@ -126,7 +129,8 @@ class IncidentFlow:
 
     def secondary(self, rank: int, state: ReportState, message: str) -> ReportState:
         """(I/O thread, under the lock) ``state`` of a report, or RS_NORMAL when it is secondary: an
-        RS_UNKNOWN from a rank not already faulty, while an incident is open, whose message is what the
+        RS_UNKNOWN or RS_RETRY (a generic exception: the rank had not heard of the incident yet) from a rank
+        not already faulty, while an incident is open, whose message is what the
         incident itself causes on its peers -- a collective timed out waiting for a stopped or torn-down
         rank, a closed connection, an aborted or destroyed group (policy.secondary_in_incident). Such a
         rank stays healthy: its state is usable for the dump and repair, as the reference treats a
@@ -135,7 +139,7 @@ class IncidentFlow:
         if state is ReportState.RS_NORMAL and message:  # the rank found it secondary itself (decorator); counted
             _log.info("rank %d: secondary error: %s", rank, message[:200])  # by open(), which comes next
             return state
-        if inc is None or state is not ReportState.RS_UNKNOWN or rank in inc.primary \
+        if inc is None or state not in (ReportState.RS_UNKNOWN, ReportState.RS_RETRY) or rank in inc.primary \
                 or not policy.secondary_in_incident(message):
             return state
         inc.secondaries.add(rank)
@@ -212,6 +216,9 @@ class IncidentFlow:
             repairable = False
         with self.ctl._lock:
             primary, seen, messages = dict(inc.primary), dict(inc.seen), dict(inc.messages)
+        repeated = sorted(r for r, s in primary.items() if s is ReportState.RS_REPEATED)
+        if repeated and not graceful:
+            return self.end_repeated(repeated, messages)
         dead = frozenset(v.rank for v in views if not v.alive)
         lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
@@ -250,7 +257,8 @@ class IncidentFlow:
             _log.warning("ranks %s saw secondary errors (the fault of %s reaching them, e.g. gloo's 'Connection "
                          "closed by peer'): expected, logged at INFO", sorted(inc.secondaries)[:16], faulty[:16])
         _logging.event("decision", **self.ctl.last_decision)
-        retryable = bool(primary) and set(primary.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
+        retryable = bool(primary) and set(primary.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED,
+                                                                ReportState.RS_RETRY}
         if "retry" in enabled and retryable and not graceful and "retry" not in feasible and not lacking:
             _log.warning("retry is enabled but not possible for this incident (reports %s, dead %s, every "
                          "shard of a UCE rank has a usable replica: %s); using %s",
@@ -277,6 +285,20 @@ class IncidentFlow:
                          reason="nothing to save at step 0" if lock <= 0 and "dump" in enabled else
                          "no dump possible" if ctx.plan.missing else "exit chosen")
         self.exit(EXIT_CODE_FAULT)
+        return False
+
+    def end_repeated(self, ranks: list, messages: dict) -> bool:
+        """Ranks met, at the same step, the exception the job's previous launch dumped after
+        (processor/repeats.py): a relaunch would meet it again, and a dump would save the state it
+        started from. One line per rank (its message names the step, the rank and the exception), then
+        EXIT_CODE_REPEATED to every rank: the launcher does not relaunch on it."""
+        for rank in ranks:
+            _log.error("rank %d: %s", rank, messages.get(rank, "the same exception at the same step again"))
+        _logging.event("deterministic_fault", ranks=ranks[:64],
+                       messages={str(r): messages.get(r, "")[:300] for r in ranks[:8]})
+        self.mindx_call("report_result", int(ResultCode.EXIT_ONLY), "the same fault at the same step after "
+                        "the relaunch", self.error_ranks(), "exit")
+        self.exit(EXIT_CODE_REPEATED)
         return False
 
     def spare_available(self, dead: frozenset) -> bool:

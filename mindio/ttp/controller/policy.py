@@ -1,6 +1,8 @@
 """Pure decisions of the controller: no I/O, no clocks, no globals; property-tested with hypothesis.
 
-* :func:`classify` -- an exception message -> :class:`ReportState` (first match wins).
+* :func:`classify` -- an exception message -> :class:`ReportState` (first match wins; a generic
+  exception raised outside the optimizer update window is RS_RETRY: retried once, rank side
+  mindio/ttp/processor/repeats.py).
 * :func:`shard_key`, :func:`select_dump_ranks` -- one usable rank per optimizer shard saves the dump
   (not one of the ranks that already failed to write it: the next holder); :func:`describe_shard`.
 * :func:`select_repair_sources` -- a usable replica for every rank to repair (used by retry/recover).
@@ -29,7 +31,7 @@ __all__ = [
     "secondary_in_incident", "is_primary", "can_do_uce_repair", "RankView",
     "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "plan_dump", "describe_shard",
     "select_repair_sources", "choose_lock_step", "stale_ranks", "ranks_to_advance",
-    "STRATEGY_ORDER", "strategies_of", "Incident", "feasible_strategies", "find_hung_ranks",
+    "STRATEGY_ORDER", "strategies_of", "Incident", "INTACT", "feasible_strategies", "find_hung_ranks",
 ]
 
 # The reference table (SPEC §2); first match wins. HBM MULTI BIT ECC is resolved by timing in classify().
@@ -61,12 +63,15 @@ INCIDENT_SECONDARY_PATTERNS: tuple[str, ...] = (
 
 
 def classify(message: str, user_patterns: Sequence[tuple[str, ReportState]] = (),
-             uce_repairable: bool = True, during_incident: bool = False) -> ReportState:
+             uce_repairable: bool = True, during_incident: bool = False, outside_update: bool = False) -> ReportState:
     """ReportState for an exception message. User patterns (tft_register_exception_handler) are tried
     first, so a user can override the reference table; then the reference table, then the secondary
     (peer-failure) patterns -- with ``during_incident`` (a recovery has begun) also
-    :data:`INCIDENT_SECONDARY_PATTERNS`; anything else is RS_UNKNOWN. ``uce_repairable`` False turns an
-    ``HBM MULTI BIT ECC`` into RS_UCE_CORRUPTED (the error hit inside the optimizer update window)."""
+    :data:`INCIDENT_SECONDARY_PATTERNS`; anything else is RS_RETRY when ``outside_update`` (raised while
+    the optimizer update window was known to be closed, before any incident: forward, backward, data
+    loading, the loss -- the model state is intact, the step can run again), else RS_UNKNOWN.
+    ``uce_repairable`` False turns an ``HBM MULTI BIT ECC`` into RS_UCE_CORRUPTED (the error hit inside
+    the optimizer update window)."""
     for pattern, state in user_patterns:
         if pattern in message:
             return ReportState(state)
@@ -80,7 +85,7 @@ def classify(message: str, user_patterns: Sequence[tuple[str, ReportState]] = ()
             return ReportState.RS_NORMAL
     if during_incident and secondary_in_incident(message):
         return ReportState.RS_NORMAL
-    return ReportState.RS_UNKNOWN
+    return ReportState.RS_RETRY if outside_update and not during_incident else ReportState.RS_UNKNOWN
 
 
 def secondary_in_incident(message: str) -> bool:
@@ -302,7 +307,9 @@ class Incident:
     in_place_possible: bool = True       # every live rank registered the repair and rollback handlers
 
 
-_RETRYABLE = {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED}
+_RETRYABLE = {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED, ReportState.RS_RETRY}
+# reports after which no state was lost: a retry rebuilds and rolls back, it repairs nothing
+INTACT = frozenset({ReportState.RS_HCCL_FAILED, ReportState.RS_RETRY})
 
 
 def feasible_strategies(enabled: Iterable[str], incident: Incident) -> list[str]:
@@ -310,9 +317,9 @@ def feasible_strategies(enabled: Iterable[str], incident: Incident) -> list[str]
     on = set(enabled)
     states = set(incident.states.values())
     out = []
-    only_network = bool(states) and states == {ReportState.RS_HCCL_FAILED} and not incident.dead
+    intact = bool(states) and states <= INTACT and not incident.dead
     if "retry" in on and not incident.dead and states and states <= _RETRYABLE and (
-            incident.repair_possible or only_network) and incident.in_place_possible:
+            incident.repair_possible or intact) and incident.in_place_possible:
         out.append("retry")
     if incident.repair_possible and (incident.dead or states):
         if "recover-in-place" in on and incident.in_place_possible:

@@ -34,7 +34,7 @@ import time
 from ... import _knobs, _logging, vocab
 from . import policy, sequence
 from ..wire import protocol as P
-from .._enums import OsStatus, RepairType, ReportState
+from .._enums import MainState, OsStatus, RepairType, ReportState
 from .sequence import Sequence
 from .states import Result
 from .strategy import Context, Outcome, Strategy
@@ -66,8 +66,8 @@ def _mains(replies: dict) -> dict:
 def _split(replies: dict) -> tuple[list, list]:
     """(running, fenced) ranks of a stop round's replies."""
     mains = _mains(replies)
-    return (sorted(r for r, m in mains.items() if m == "running"),
-            sorted(r for r, m in mains.items() if m == "fenced"))
+    return (sorted(r for r, m in mains.items() if m == MainState.RUNNING),
+            sorted(r for r, m in mains.items() if m == MainState.FENCED))
 
 
 class StopRound:
@@ -114,10 +114,10 @@ class StopRound:
     def _advance(self, replies: dict, grace: float) -> None:
         """Step 2 of :meth:`run`; ``replies`` is updated."""
         views = self.ctl.incidents.views(replies)
-        step, behind = policy.ranks_to_advance(views, [r for r, m in _mains(replies).items() if m == "fenced"])
+        step, behind = policy.ranks_to_advance(views, [r for r, m in _mains(replies).items() if m == MainState.FENCED])
         if not behind:
             return
-        running = sorted(r for r, m in _mains(replies).items() if m == "running")
+        running = sorted(r for r, m in _mains(replies).items() if m == MainState.RUNNING)
         _log.warning("stop: ranks %s were held at their fence before the update of step %d, which another rank "
                      "made or started; letting them finish it%s", behind[:16], step,
                      f" (ranks {running[:16]} were running)" if running else "")
@@ -161,7 +161,7 @@ class StopRound:
         t0 = time.monotonic()
         more = self.ctl._call("unblock", {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.ctl.action_limit)
         replies.update(more)
-        still = sorted(r for r in running if replies[r].ok and replies[r].detail.get("main") == "running")
+        still = sorted(r for r in running if replies[r].ok and replies[r].detail.get("main") == MainState.RUNNING)
         _logging.event("stop_unblocked", ranks=inside[:64], dead=dead[:64], still=still[:64],
                        took_s=round(time.monotonic() - t0, 6))
         return still
@@ -186,7 +186,7 @@ class StopRound:
         for _ in range(len(running)):
             more = self.ctl._call("wait_quiet", {"timeout": window}, running, self.ctl.action_limit)
             replies.update(more)
-            still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == "running")
+            still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == MainState.RUNNING)
             outside = [r for r in still if not more[r].detail.get("in_collective")]
             victims = outside or still
             with self.ctl._lock:

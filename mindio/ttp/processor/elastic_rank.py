@@ -8,9 +8,8 @@ from __future__ import annotations
 import logging
 import time
 
-from ... import _logging
-from . import device, inplace
-from .._enums import OsStatus, RepairType
+from . import inplace
+from .._enums import RepairType
 
 __all__ = ["ACTIONS", "is_standby", "job_rank"]
 
@@ -26,27 +25,18 @@ def torch_rank(p, job_rank: int | None = None) -> int:
 
 def zit_rebuild(p, gen: int, members: list, kind: str, dp_groups: list | None = None,
                 rank_list: list | None = None) -> dict:
-    import torch.distributed as dist
-
-    if p.world.base_store is None:
-        raise RuntimeError("no job store remembered: cannot rebuild the process groups")
-    t0 = time.monotonic()
-    if dist.is_initialized():
-        device.backend_for().clean()
+    if kind not in ("downgrade", "upgrade"):
+        raise ValueError(f"zit_rebuild kind {kind!r}: 'downgrade' or 'upgrade'")
     members = sorted(int(r) for r in members)
     p.members = None if members == list(range(p.world_size)) else members
-    p.world.init_default_group(gen, torch_rank(p), len(members))
-    device.backend_for().reinit()
-    p.gen = gen
+    t0 = inplace.new_world(p, gen, torch_rank(p), len(members))
     if kind == "downgrade":
         func, ctx = p._callback("zit_downgrade_rebuild")
         dp = next((g for g in dp_groups or () if p.rank in g), [])
         func(list(dp), members, p.step_args, ctx)
-    elif kind == "upgrade":
+    else:
         func, ctx = p._callback("zit_upgrade_rebuild")
         func(list(rank_list or ()), p.step_args, ctx)
-    else:
-        raise ValueError(f"zit_rebuild kind {kind!r}: 'downgrade' or 'upgrade'")
     ms = (time.monotonic() - t0) * 1000
     _log.info("%s: world of %d ranks rebuilt (generation %d, torch rank %d) in %.1f ms", kind, len(members),
               gen, torch_rank(p), ms)
@@ -59,13 +49,9 @@ def zit_repair(p, step: int, error_ranks: list, pairs: list) -> dict:
 
 
 def zit_rollback(p, step: int) -> dict:
-    func, ctx = p._callback("zit_upgrade_rollback")
-    func(step, p.step_args, ctx)
-    p.step, p.data_status = step, OsStatus.UPDATED
-    p.repair_type, p.repair_step = ("recover" if p.standby else "retry"), step
+    out = inplace.roll_back(p, step, "zit_upgrade_rollback", "recover" if p.standby else "retry")
     p.standby = False
-    _logging.set_context(step=step)
-    return {"step": step}
+    return out
 
 
 # the processor's handlers for the zit actions (Processor.ACTIONS takes them in)

@@ -37,9 +37,10 @@ import torch.distributed as dist
 
 from ... import _logging
 from . import device
-from .._enums import Action, OsStatus, RepairType
+from .._enums import Action, MainState, OsStatus, RepairType
 
-__all__ = ["World", "ACTIONS", "clean", "rebuild", "repair", "repair_pairs", "rollback", "retry"]
+__all__ = ["World", "ACTIONS", "clean", "new_world", "rebuild", "repair", "repair_pairs", "roll_back", "rollback",
+           "retry"]
 
 _log = logging.getLogger("mindio.ttp.inplace")
 _PG_TIMEOUT = timedelta(seconds=120)  # a rebuilt default group whose first one's timeout is unknown
@@ -102,16 +103,32 @@ class World:
 def clean(p, timeout: float = 60.0) -> dict:
     end = time.monotonic() + timeout
     with p._cond:
-        if p._main == "fenced":
+        if p._main == MainState.FENCED:
             p._force = True
             p._cond.notify_all()
-        while p._main != "parked" and time.monotonic() < end:
+        while p._main != MainState.PARKED and time.monotonic() < end:
             p._cond.wait(0.01)
         main = p._main
-    if main != "parked":
+    if main != MainState.PARKED:
         raise TimeoutError(f"main thread still {main} after {timeout:.0f} s; cannot clean this rank")
     destroyed = device.backend_for().clean() if dist.is_initialized() else 0
     return {"main": main, "destroyed": destroyed}
+
+
+def new_world(p, gen: int, rank: int, world_size: int) -> float:
+    """The one rebuild of a rank's torch world (retry, recover, hot switch: :func:`rebuild`; elastic
+    downgrade and upgrade: elastic_rank.zit_rebuild): any group still left is destroyed, the default
+    group of generation ``gen`` is made on the job's store as torch rank ``rank`` of ``world_size``, the
+    device is re-initialised. The framework's callback re-creates its subgroups next. Returns when it
+    began (time.monotonic())."""
+    p.world.require()
+    t0 = time.monotonic()
+    if dist.is_initialized():  # a rank that never tore down (should not happen after clean)
+        device.backend_for().clean()
+    p.world.init_default_group(gen, rank, world_size)
+    device.backend_for().reinit()
+    p.gen = gen
+    return t0
 
 
 def rebuild(p, gen: int, fault_ranks: list, store: str = "", same_layout: bool = False) -> dict:
@@ -119,12 +136,7 @@ def rebuild(p, gen: int, fault_ranks: list, store: str = "", same_layout: bool =
     p.rebuild_same_layout = bool(same_layout)  # the framework adapter reads it (adapter/interface.py)
     if store:  # the job's store moved (node 0 lost): the controller names the new one
         p.world.move(store)
-    t0 = time.monotonic()
-    if dist.is_initialized():  # a rank that never tore down (should not happen after clean)
-        device.backend_for().clean()
-    p.world.init_default_group(gen, p.rank, p.world_size)
-    device.backend_for().reinit()
-    p.gen = gen
+    t0 = new_world(p, gen, p.rank, p.world_size)
     if "rebuild_group" in p.callbacks:
         func, ctx = p.callbacks["rebuild_group"]
         func(list(fault_ranks), p.step_args, ctx)
@@ -162,18 +174,26 @@ def repair_pairs(p, callback: str, step: int, error_ranks: list, pairs: list, re
     return {"done": done}
 
 
-def rollback(p, step: int) -> dict:
-    func, ctx = p._callback("rollback")
+def roll_back(p, step: int, callback: str = "rollback", repair_type: str = "retry") -> dict:
+    """The one rollback of a rank (retry, recover: the ``rollback`` handler; elastic upgrade:
+    ``zit_upgrade_rollback``, elastic_rank.zit_rollback): the framework's handler puts iteration,
+    scheduler, data position and params back to ``step``; this rank's step becomes ``step``, its optimizer
+    state UPDATED, and ``tft_get_repair_type`` answers ``repair_type``."""
+    func, ctx = p._callback(callback)
     func(step, p.step_args, ctx)
     p.step, p.data_status = step, OsStatus.UPDATED
-    p.repair_type, p.repair_step = "retry", step
+    p.repair_type, p.repair_step = repair_type, step
     _logging.set_context(step=step)
     return {"step": step}
 
 
+def rollback(p, step: int) -> dict:
+    return roll_back(p, step)
+
+
 def retry(p) -> dict:
     with p._cond:
-        if p._main != "parked":
+        if p._main != MainState.PARKED:
             raise RuntimeError(f"main thread is {p._main}, not parked: cannot re-enter train()")
         p._hold, p._allow, p._limit = False, None, None
         if p._progress_t is not None:  # training resumes: the time parked by the recovery is no hang

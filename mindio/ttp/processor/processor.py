@@ -44,7 +44,7 @@ from ... import _knobs, _logging
 from ...errors import ConfigError, NoController, describe
 from ..wire import protocol as P
 from ..controller.pidprobe import host_token
-from .._enums import EXIT_CODE_FAULT, Action, OsStatus, ReportState
+from .._enums import EXIT_CODE_FAULT, Action, MainState, OsStatus, ReportState
 from .._runtime import state as _rt
 from .. import shutdown
 from . import collectives, device, elastic_rank, inplace, preempt, reboot
@@ -96,7 +96,7 @@ class Processor:
         self._allow: int | None = None  # while held: an update up to this step may still start (advance)
         self._limit: int | None = None
         self._next: tuple[Action, int] | None = None
-        self._main = "running"
+        self._main = MainState.RUNNING
         self._main_ident = threading.main_thread().ident
         self._progress_t: float | None = None
         self.step_times = collectives.StepTimes()  # for the controller's hang bound (controller/hangs.py)
@@ -151,7 +151,7 @@ class Processor:
     def _on_registered(self) -> None:
         """(link thread) After a (re)registration -- e.g. failover to a backup controller -- a rank that
         is parked re-sends its report, which the lost controller may never have acted on."""
-        if self._main == "parked" and self.last_report is not None and self.link is not None:
+        if self._main == MainState.PARKED and self.last_report is not None and self.link is not None:
             self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report))
 
     def _main_in_collective(self) -> bool:
@@ -177,10 +177,10 @@ class Processor:
             while self._next is None and not self._force and (
                     (self._hold and (self._allow is None or next_step > self._allow))
                     or (self._limit is not None and next_step > self._limit)):
-                self._main, blocked = "fenced", True
+                self._main, blocked = MainState.FENCED, True
                 self._cond.notify_all()
                 self._cond.wait(0.5)
-            self._main = "running"
+            self._main = MainState.RUNNING
             self._check_force_stop()
             if self._next is not None:
                 raise RuntimeError("FORCE STOP: the controller stopped training on this rank")
@@ -288,7 +288,7 @@ class Processor:
         lost_since = None
         limit = _knobs.get("MINDIO_CONTROLLER_LOST_EXIT")
         with self._cond:
-            self._main = "parked"
+            self._main = MainState.PARKED
             self._cond.notify_all()
             while self._next is None:
                 self._cond.wait(0.2)
@@ -300,7 +300,7 @@ class Processor:
                                self.link.address if self.link is not None else "none", limit)
                     self._next = (Action.EXIT, EXIT_CODE_FAULT)
             action, self._next = self._next, None
-            self._main = "running"
+            self._main = MainState.RUNNING
             return action
 
     def decision_pending(self) -> bool:
@@ -364,12 +364,12 @@ class Processor:
         (:meth:`_interrupt`) rather than compute to its next collective, which a faulty peer fails."""
         with self._cond:
             self._hold = True
-            computing = self._main == "running" and self.data_status == OsStatus.UPDATED
+            computing = self._main == MainState.RUNNING and self.data_status == OsStatus.UPDATED
             self._cond.notify_all()
         if interrupt and computing:
             self._interrupt()
         main = self._wait_quiet(timeout, look)
-        if stop_clean and main == "fenced":  # TTP_STOP_CLEAN_BEFORE_DUMP: fenced ranks tear down too
+        if stop_clean and main == MainState.FENCED:  # TTP_STOP_CLEAN_BEFORE_DUMP: fenced ranks tear down too
             self.teardown(is_uce=False)
         return self._stop_reply(main)
 
@@ -397,7 +397,7 @@ class Processor:
         """(after ``stop``) A rank held at its fence releases its collectives (stop + clean callbacks,
         every group destroyed), its main thread staying at the fence: a peer that passed its own fence
         and waits for this rank in a collective fails at once (retry.StopRound)."""
-        if self._main == "fenced":
+        if self._main == MainState.FENCED:
             self.teardown(is_uce=False)
         return self._stop_reply(self._main)
 
@@ -411,7 +411,7 @@ class Processor:
         from . import unblock
 
         n, before = 0, self.last_report
-        if self._main == "running" and self._main_in_collective():
+        if self._main == MainState.RUNNING and self._main_in_collective():
             link = self.link
             n = unblock.shutdown_connections(unblock.protected_ports(link.addrs if link is not None else ()))
             _log.warning("unblock: main thread blocked in a collective during an incident; shut down %d "
@@ -419,7 +419,7 @@ class Processor:
             _logging.event("unblocked", connections=n)
         t0 = time.monotonic()
         with self._cond:  # released: the decorator reports (a new last_report), tears down and parks
-            while self._main == "running":
+            while self._main == MainState.RUNNING:
                 now = time.monotonic()
                 if now - t0 >= timeout or (now - t0 >= look and self.last_report is before
                                            and self._main_in_collective()):
@@ -437,12 +437,12 @@ class Processor:
         it is quiet again, at most after ``timeout`` s."""
         t0 = time.monotonic()
         with self._cond:
-            if self._main != "fenced" or self.step != step - 1:
+            if self._main != MainState.FENCED or self.step != step - 1:
                 return self._stop_reply(self._main)  # not held before that update (any more)
             self._allow = step
             self._cond.notify_all()
             while time.monotonic() - t0 < timeout and not (
-                    self._main == "parked" or (self._main == "fenced" and self.step >= step)):
+                    self._main == MainState.PARKED or (self._main == MainState.FENCED and self.step >= step)):
                 self._cond.wait(0.05)
             main = self._main
         _log.info("advanced to step %d at the controller's request (main thread %s)", self.step, main)
@@ -453,7 +453,7 @@ class Processor:
         ``look``); returns where it is."""
         t0 = time.monotonic()
         with self._cond:
-            while self._main == "running":
+            while self._main == MainState.RUNNING:
                 now = time.monotonic()
                 if now - t0 >= timeout or (look is not None and now - t0 >= look and self._main_in_collective()):
                     break
@@ -464,7 +464,7 @@ class Processor:
         """What the controller decides from: step, optimizer-state status, where the main thread is
         (and, running, whether inside a collective), and the recovery handlers this rank lacks."""
         reply = {"step": self.step, "data_status": int(self.data_status), "main": main}
-        if main == "running":  # where it runs: retry.StopRound._kill_stuck blames ranks outside a collective
+        if main == MainState.RUNNING:  # where it runs: retry.StopRound._kill_stuck blames ranks outside a collective
             reply["in_collective"] = self._main_in_collective()
         missing = [name for name in IN_PLACE_CALLBACKS if name not in self.callbacks]
         if missing:  # retry / recover need them on every rank (policy.Incident.in_place_possible)
@@ -552,9 +552,9 @@ class Processor:
             self._limit = step
             self._cond.notify_all()
             end = time.monotonic() + timeout
-            while not (self._main == "fenced" and self.step == step):
+            while not (self._main == MainState.FENCED and self.step == step):
                 left = end - time.monotonic()
-                if self._main == "parked" or self.step > step or left <= 0:
+                if self._main == MainState.PARKED or self.step > step or left <= 0:
                     raise TimeoutError(f"rank {self.rank} did not pause at step {step} within {timeout:.0f} s "
                                        f"(step {self.step}, main thread {self._main})")
                 self._cond.wait(min(0.05, left))

@@ -36,6 +36,7 @@ import os
 import time
 
 from ... import _knobs
+from .._enums import MainState
 
 __all__ = ["install", "is_reboot", "reboot_type", "reboot_gen", "await_switch", "adopt", "should_park",
            "ACTIONS", "prerepair"]
@@ -176,10 +177,10 @@ def prerepair(p, timeout: float = 60.0) -> dict:
     built, groups made): the action only a replacement process receives."""
     end = time.monotonic() + timeout
     with p._cond:
-        while p._main != "parked" and time.monotonic() < end:
+        while p._main != MainState.PARKED and time.monotonic() < end:
             p._cond.wait(0.01)
         main = p._main
-    if main != "parked":
+    if main != MainState.PARKED:
         raise TimeoutError(f"replacement rank {p.rank} did not reach train() within {timeout:.0f} s "
                            f"(main thread {main})")
     p.repair_type = "recover"

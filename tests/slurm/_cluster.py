@@ -35,7 +35,7 @@ SlurmctldPort={ctld_port}
 SlurmdPort=6818
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={work}/munge.sock
+AuthInfo=socket={work}/munge.sock,cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={work}/state

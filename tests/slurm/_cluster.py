@@ -51,6 +51,7 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=5
 SelectType=select/linear
 MpiDefault=none
 ReturnToService=2

@@ -67,13 +67,15 @@ def base_env(out: Path) -> dict:
             "MINDIO_EVENT_LOG": str(out / "events.jsonl"), "MINDIO_DRILL_DIR": str(out / "drill")}
 
 
-def reference(out: Path, iters: int, timeout: float) -> str | None:
-    """The digest of the same command under plain mindio-run on this host (no Slurm)."""
+def reference(out: Path, iters: int, timeout: float, command: list | None = None) -> str | None:
+    """The digest of the same command (``command``: another training command) under plain mindio-run on
+    this host (no Slurm)."""
     out.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MINDIO_FORK"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "mindio.launch.cli", "--standalone", "--nproc-per-node", "4",
-                        "--high-availability", "dump,recover-in-place,recover"] + train_args(out / "ckpt", iters),
+                        "--high-availability", "dump,recover-in-place,recover"]
+                       + (command or train_args(out / "ckpt", iters)),
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     (out / "ref.log").write_text(r.stdout + r.stderr)
     found = DIGEST.findall(r.stdout + r.stderr)
@@ -82,9 +84,10 @@ def reference(out: Path, iters: int, timeout: float) -> str | None:
 
 class Drill:
     def __init__(self, cluster: Cluster, row: Row, out: Path, iters: int, fault_step: int, timeout: float,
-                 time_signal: int):
+                 time_signal: int, command: list | None = None):
         self.c, self.row, self.out = cluster, row, out
         self.iters, self.fault_step, self.timeout, self.time_signal = iters, fault_step, timeout, time_signal
+        self.command = command
         self.fault_t: float | None = None
         self.again_t: float | None = None
 
@@ -96,7 +99,7 @@ class Drill:
 
     def submit(self) -> str:
         (self.out / "drill").mkdir(parents=True)
-        args = train_args(self.out / "ckpt", self.iters)
+        args = self.command or train_args(self.out / "ckpt", self.iters)
         if self.row.inject:
             args += ["--inject", self.row.inject.format(step=self.fault_step)]
         nodes = 2 + self.row.spares

@@ -151,13 +151,7 @@ def _not_given(parser) -> None:
 
 def parse_args(parser, argv=None):
     """``parser.parse_args(argv)`` with the flags a Slurm step implies filled in (see the module doc)."""
-    if "--standalone" in (argv if argv is not None else sys.argv[1:]):
-        return parser.parse_args(argv)
-    try:
-        alloc = allocation()
-    except ValueError as exc:
-        parser.error(f"slurm: {exc}")
-    if alloc is None:
+    if os.environ.get("SLURM_STEP_ID") is None or "--standalone" in (argv if argv is not None else sys.argv[1:]):
         return parser.parse_args(argv)
     defaults = {a.dest: a.default for a in parser._actions if a.dest in _FILLED}
     _not_given(parser)
@@ -168,6 +162,19 @@ def parse_args(parser, argv=None):
             if action.dest in defaults:
                 action.default = defaults[action.dest]
     if a.standalone:
+        return parser.parse_args(argv)
+    missing = a.nnodes is None or (a.node_rank is None and not a.standby) or \
+        (a.master_addr is None if a.rdzv_backend in ("etcd", "etcd-v2") else not a.rdzv_endpoint and a.master_addr is None)
+    if not missing:  # every flag given: the step's shape is the user's business
+        for dest, value in defaults.items():
+            if getattr(a, dest) is None:
+                setattr(a, dest, value)
+        return a
+    try:
+        alloc = allocation()
+    except ValueError as exc:
+        parser.error(f"slurm: {exc}")
+    if alloc is None:
         return parser.parse_args(argv)
     filled = []
     if a.nnodes is None:

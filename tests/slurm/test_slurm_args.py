@@ -107,6 +107,9 @@ def test_a_step_with_several_tasks_per_node_is_one_line(step, script, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "run one mindio-run per node (srun --ntasks-per-node=1)" in err, err
+    # every flag given: the step's shape is left to the user
+    cfg = parse_args(["--nnodes", "6", "--node-rank", "5", "--master-addr", "h0", "--master-port", "9", script])
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (6, 5, "h0", 9)
 
 
 def test_node_index_falls_back_to_slurm_nodeid():

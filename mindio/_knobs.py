@@ -332,6 +332,17 @@ _ALL = [
     Knob("RANK", int, 0, "Global rank of the worker (torchrun's contract).", internal=True),
     Knob("LOCAL_RANK", int, 0, "Rank of the worker on its node (torchrun's contract).", internal=True),
     Knob("GROUP_RANK", int, 0, "Node rank of the worker (torchrun's contract).", internal=True),
+    # set by Slurm in a job step; mindio-run reads them to fill --nnodes/--node-rank/--rdzv-endpoint
+    # (mindio/launch/slurm.py, docs/slurm.md)
+    Knob("SLURM_JOB_ID", str, "", "Slurm's job id (its port: 29400 + id mod 1000).", internal=True),
+    Knob("SLURM_STEP_ID", str, "", "Slurm's step id: set inside an srun step.", internal=True),
+    Knob("SLURM_JOB_NODELIST", str, "", "The job's nodes (Slurm's compressed host list).", internal=True),
+    Knob("SLURM_STEP_NODELIST", str, "", "The step's nodes (Slurm's compressed host list).", internal=True),
+    Knob("SLURM_NNODES", str, "", "Number of nodes of the job.", internal=True),
+    Knob("SLURM_STEP_NUM_NODES", str, "", "Number of nodes of the step.", internal=True),
+    Knob("SLURM_STEP_NUM_TASKS", str, "", "Number of tasks of the step (one mindio-run per node).", internal=True),
+    Knob("SLURM_NODEID", str, "", "This node's index in the job.", internal=True),
+    Knob("SLURMD_NODENAME", str, "", "This node's Slurm name.", internal=True),
     Knob("TORCHELASTIC_RESTART_COUNT", int, 0, "How many times the launcher restarted the job.", internal=True),
     Knob("TORCHELASTIC_RUN_ID", str, "", "The job's run id (torchrun's contract); with MINDIO_AGENT_STORE or "
          "MASTER_ADDR:MASTER_PORT it names a rank's record of the exception its job dumped after "

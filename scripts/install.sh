@@ -19,4 +19,15 @@ if ! command -v etcd >/dev/null 2>&1; then
     echo "install.sh: no etcd binary (not root, or no apt): the etcd tests will be skipped"
   fi
 fi
+# Slurm and munge for the real-Slurm tests and drills (tests/slurm/_cluster.py, scripts/slurm_drills.sh; skipped
+# without them): Debian's slurmctld, slurmd, slurm-client and munge, where this runs as root with apt. The
+# tests start their own daemons, with their own key and configuration, in network namespaces
+if ! command -v slurmd >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null 2>&1 \
+      || echo "install.sh: apt-get install slurmctld slurmd slurm-client munge failed: the Slurm tests will be skipped"
+  else
+    echo "install.sh: no slurmd/munged (not root, or no apt): the Slurm tests will be skipped"
+  fi
+fi
 .venv/bin/python -c "import mindio, mindio._native as n; print('mindio', mindio.__version__, 'installed; native core:', n.BACKEND)"

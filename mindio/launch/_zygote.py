@@ -148,6 +148,7 @@ class _Server:
             os.close(fd)
         self.sock.close()
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _preempt_signals(signal.SIG_DFL)
         _bootstrap._die_with_parent(server)
         # a fresh process seeds these generators from the OS; a fork child would share the server's stream
         torch = sys.modules.get("torch")
@@ -156,6 +157,18 @@ class _Server:
         np = sys.modules.get("numpy.random")
         if np is not None:
             np.seed()
+
+
+def _preempt_signals(action) -> None:
+    """The preemption signals (MINDIO_PREEMPT_SIGNAL) set to ``action``. The server ignores them: a scheduler
+    that signals every process of a job (Slurm's ``scancel --signal``, ``--signal``) must not end it, and its
+    forked workers with it, before their last-words checkpoint; the agent and the workers act on them."""
+    try:
+        names = _knobs.get("MINDIO_PREEMPT_SIGNAL")
+    except Exception:  # noqa: BLE001  (the agent refused a bad value already)
+        names = ("SIGTERM",)
+    for name in names:
+        signal.signal(getattr(signal, name), action)
 
 
 def main() -> None:
@@ -174,6 +187,7 @@ def main() -> None:
         gc.freeze()
     warm_s = time.monotonic() - t0
     server = _Server(sock)
+    _preempt_signals(signal.SIG_IGN)  # from here on the agent stops it by closing its socket, or SIGKILL
     server.send(ready=True, fork=not why, why=why, warm_s=round(warm_s, 3))
     if why:
         sys.exit(0)

@@ -131,8 +131,10 @@ def parse_args(argv=None):
     from .._knobs import _ha_list
     from .config import LaunchConfig
 
+    from . import slurm
+
     p = build_parser()
-    a = p.parse_args(argv)
+    a = slurm.parse_args(p, argv)  # inside an srun step: --nnodes, --node-rank, --rdzv-endpoint from SLURM_*
     _check_refused(p, a)
     try:
         lo, hi = parse_min_max_nnodes(a.nnodes)

@@ -461,7 +461,7 @@ def pretrain(args) -> str:
         print(f"rank {dist.get_rank()}: replacement process: state comes from the replicas, not {args.load}",
               flush=True)  # mindio: recover-in-place / recover
     elif found:
-        it = mio.checkpoint.load_checkpoint(ctx)
+        it = mio.checkpoint.load_checkpoint(ctx, fallback=True)  # mindio: a corrupt one -> the previous
         print_rank_0(f"loaded checkpoint iteration {it}: state-digest: {mio.state_digest(ctx)}")
     report_memory(ctx)
     train_fn = train

@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--data-path", default=str(HERE / "data" / "corpus.txt"))
     a("--tokenizer-file", default=str(HERE / "data" / "tokenizer.json"))
     a("--inject", default=None, metavar="KIND:rank=R,step=S",
-      help="fault injection for drills (mindio.drill): raise|uce|net|hang|kill on rank R, or "
+      help="fault injection for drills (mindio.drill): raise|uce|net|hang|kill|flip on rank R, or "
            "kill-node:node=N, while computing step S; once per job; ';' separates faults")
     a("--check-replicas", action="store_true",
       help="after every step, check that all replicas of every optimizer shard are bit-identical")
@@ -247,7 +247,8 @@ def forward_step(ctx, data_iterator, model):
         raise RuntimeError("FORCE STOP")
     if ctx.args.inject:  # mindio: drills; each fault fires once per job
         drill.inject(ctx.args.inject, ctx.iteration + 1, dist.get_rank(),
-                     corrupt=lambda: poison_shard(ctx))
+                     corrupt=lambda: poison_shard(ctx),
+                     flip=lambda state, bit: mio.distributed_optimizers(ctx.optimizer)[0].flip_bit(state, bit))
     batch = next(data_iterator)
     tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     position_ids = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)

@@ -39,6 +39,7 @@ from mindio import drill  # mindio: fault injection for drills (--inject, docs/r
 from mindio import megatron as mio  # mindio: the Megatron adapter (imports megatron-core)
 from mindio.adapter import local_digest
 from mindio.megatron.elastic import register_elastic  # mindio: elastic training (zit handlers)
+from mindio.megatron.verified import VerifiedState  # mindio: undo of silent corruption
 
 try:  # mindio: the fault-tolerance API (tft_*); only needed with --enable-high-availability
     from mindio import ttp
@@ -312,6 +313,9 @@ def check_replicas(ctx) -> None:
                                    f"differs between DP positions {pos % shards} and {pos}")
 
 
+VERIFIED = VerifiedState()  # mindio: the replica cross-check's undo (MINDIO_CROSSCHECK_STEPS; 0: a no-op)
+
+
 def train(forward_step_func, ctx, dataset):
     """The loop. Re-entered after an in-process recovery: everything is read from ``ctx``."""
     args = ctx.args
@@ -323,6 +327,10 @@ def train(forward_step_func, ctx, dataset):
         loss, grad_norm, ok = train_step(forward_step_func, data_iterator, ctx.model,
                                          ctx.optimizer, ctx.scheduler, ctx)
         step_ms = (time.perf_counter() - t0) * 1000
+        if VERIFIED.after_step(ctx):  # mindio: a replica mismatch rolled the job back to verified state
+            chunks = [batch_iterator(dataset, ctx.consumed_samples, args) for _ in ctx.model]
+            data_iterator = chunks if len(chunks) > 1 else chunks[0]
+            continue
         if args.check_replicas and ctx.replica_cnt > 1:
             check_replicas(ctx)
             print_rank_0(f"replicas-identical: iteration {ctx.iteration}")

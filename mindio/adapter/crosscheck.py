@@ -5,10 +5,11 @@ corrupts one: a flipped bit in memory or a wrong result of a defective unit rais
 through the next steps. At step ``s`` each holder hashes bytes ``[lo, hi)`` of its shard (the shard's
 tensors as one byte string, in their fixed order), slice ``s mod N`` of ``N`` contiguous slices
 (:func:`slice_bounds`), so every byte of the shard is hashed once every ``N`` steps
-(``MINDIO_CROSSCHECK_STEPS``), and the holders all-gather ``(step, lo, hi, crc)`` over their own group
-(4 int64 each). The hash is mindio's native CRC-32 (zlib's polynomial, PCLMULQDQ folding on x86-64:
-~16 GB/s on one core here), which catches every single-bit flip. Any difference is a mismatch:
-:func:`compare` returns the incident (``kind: "replica_mismatch"``, both holders, the slice, the hashes).
+(``MINDIO_CROSSCHECK_STEPS``), and every rank all-gathers ``(step, lo, hi, crc, holders)`` (5 int64 each)
+over the world, so that every rank knows of a mismatch anywhere at the same step (an undo is job-wide).
+The hash is mindio's native CRC-32 (zlib's polynomial, PCLMULQDQ folding on x86-64:
+~16 GB/s on one core here), which catches every single-bit flip. Any difference between holders is a
+mismatch: :func:`compare` returns the incidents (``kind: "replica_mismatch"``, both holders, the slice, the hashes).
 
 Framework-neutral: the caller supplies the tensors (``step`` must be the same on every holder: the
 optimizer's own step count, part of the replicated state) and the group; mindio.megatron.optimizer
@@ -78,19 +79,25 @@ def range_crc(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> int:
     return crc
 
 
-def compare(tensors: Sequence[torch.Tensor], step: int, every: int, group, shard: str,
-            device: Optional[torch.device] = None) -> Optional[Dict]:
-    """Hash this step's slice and all-gather it with the other holders (``group``: exactly the holders of
-    this shard; collective on it). Returns the incident when any holder differs, else None."""
+def compare(tensors: Sequence[torch.Tensor], step: int, every: int, key: int, shard: int,
+            device: Optional[torch.device] = None, group=None) -> List[Dict]:
+    """Hash this step's slice and all-gather ``(step, lo, hi, crc, key, shard)`` over ``group`` (default the
+    world; collective on it). ``key`` names this rank's holders (e.g. the lowest rank among them): rows with
+    the same key must be equal; ``shard``: which shard they hold (for the message). Returns the incidents
+    (the same list on every rank of ``group``)."""
     lo, hi = slice_bounds(shard_bytes(tensors), every, step)
-    mine = torch.tensor([step, lo, hi, range_crc(tensors, lo, hi)], dtype=torch.int64, device=device)
-    size = dist.get_world_size(group)
-    parts = [torch.empty_like(mine) for _ in range(size)]
+    mine = torch.tensor([step, lo, hi, range_crc(tensors, lo, hi), key, shard], dtype=torch.int64, device=device)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    parts = [torch.empty_like(mine) for _ in ranks]
     dist.all_gather(parts, mine, group=group)
-    rows: List[List[int]] = [p.tolist() for p in parts]
-    if all(r == rows[0] for r in rows):
-        return None
-    holders = dist.get_process_group_ranks(group)
-    return {"kind": "replica_mismatch", "step": step, "shard": shard, "holders": holders,
-            "slice": [lo, hi], "every": every, "hashes": {r: row[3] for r, row in zip(holders, rows)},
-            "slices": {r: row[1:3] for r, row in zip(holders, rows)}}
+    holders: Dict[Tuple[int, int], List[Tuple[int, List[int]]]] = {}
+    for r, p in zip(ranks, parts):
+        row = p.tolist()
+        holders.setdefault((row[4], row[5]), []).append((r, row[:4]))
+    out = []
+    for (_, shard_index), rows in holders.items():
+        if any(row != rows[0][1] for _, row in rows):
+            out.append({"kind": "replica_mismatch", "step": rows[0][1][0], "shard": shard_index,
+                        "holders": [r for r, _ in rows], "slice": rows[0][1][1:3], "every": every,
+                        "hashes": {r: row[3] for r, row in rows}})
+    return out

@@ -111,21 +111,34 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
                 return int(state["step"])
         return 0
 
+    #: mismatches found by :meth:`cross_check` and not yet taken (:meth:`take_mismatches`); with
+    #: ``defer_mismatch`` False (no :class:`mindio.megatron.verified.VerifiedState`) the first one is raised
+    mismatches: list = []
+    defer_mismatch = False
+
     def cross_check(self, every: int) -> None:
-        """Compare this step's slice of the shard with the other holders (collective on their group)."""
+        """Compare this step's slice of the shard with the other holders (collective over the world)."""
         group = self._holders_group()
         if group is None:  # one optimizer instance: no replica to compare with
             return
         from mindio.adapter.crosscheck import ReplicaMismatch, compare
 
         tensors = self.shard_state()
-        incident = compare(tensors, self.adam_step(), every, group, str(self.data_parallel_group.rank()),
-                           tensors[0].device if tensors else None)
-        if incident is not None:
-            err = ReplicaMismatch(incident)
-            _log.error("%s", err)
-            _logging.event("replica_mismatch", **{k: v for k, v in incident.items() if k != "kind"})
-            raise err
+        key = min(torch.distributed.get_process_group_ranks(group))
+        found = compare(tensors, self.adam_step(), every, key, self.data_parallel_group.rank(),
+                        tensors[0].device if tensors else None)
+        me = torch.distributed.get_rank()
+        for incident in found:
+            if me in incident["holders"]:
+                _log.error("%s", ReplicaMismatch(incident))
+                _logging.event("replica_mismatch", **{k: v for k, v in incident.items() if k != "kind"})
+        if found and not self.defer_mismatch:
+            raise ReplicaMismatch(found[0])
+        self.mismatches = self.mismatches + found
+
+    def take_mismatches(self) -> list:
+        found, self.mismatches = self.mismatches, []
+        return found
 
     @torch.no_grad()
     def flip_bit(self, which: str = "param", bit: int = 0) -> str:

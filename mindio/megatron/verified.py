@@ -1,0 +1,120 @@
+"""Undo silent corruption: roll the job back to the last verified state when the replica cross-check
+finds two holders of a shard that differ (mindio.adapter.crosscheck, ``MINDIO_CROSSCHECK_STEPS=N``).
+
+At every full-coverage boundary (``iteration % N == 0``) :meth:`VerifiedState.after_step` keeps a copy of
+this rank's optimizer shard(s) (fp32 main params, Adam moments and step) and of the scalar state (iteration,
+consumed samples, scheduler, loss scale, RNG), and verifies the copy in full: every holder hashes all of
+it and all compare (one all-gather over the world). A mismatch found later by the per-step check (every
+rank learns of it at the same step) makes every rank load that copy back, take the model params from the
+main shards again (``params_from_main``) and recompute from there: the training loop restarts its data at
+``ctx.consumed_samples`` (``after_step`` returns True). The end state is bit for bit that of a fault-free
+run. A rank in two mismatches within ``MINDIO_CROSSCHECK_WINDOW`` steps is sub-healthy: it raises
+:class:`SubHealthyRank` (the others go on into the next collective, where mindio's recovery finds them).
+
+Memory: one copy of the shard state per rank (12 bytes per param held), in host memory on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from mindio import _knobs, _logging
+from mindio.adapter.crosscheck import ReplicaMismatch, compare
+
+from .optimizer import distributed_optimizers, params_from_main
+
+__all__ = ["VerifiedState", "SubHealthyRank"]
+
+_log = logging.getLogger(__name__)
+
+
+class SubHealthyRank(RuntimeError):
+    """This rank was a holder in two replica mismatches within the window: replace it."""
+
+
+@dataclass
+class _Snapshot:
+    iteration: int
+    shards: List[List[torch.Tensor]]  # per distributed optimizer, cloned
+    scalars: Dict
+    owners: List[int]  # id() of the optimizers it was taken from
+
+
+class VerifiedState:
+    """Keeps the last verified state of this rank and rolls back to it; call :meth:`after_step` after
+    every completed step, on every rank."""
+
+    def __init__(self, every: Optional[int] = None, window: Optional[int] = None):
+        self.every = every if every is not None else _knobs.get("MINDIO_CROSSCHECK_STEPS")
+        self.window = window if window is not None else _knobs.get("MINDIO_CROSSCHECK_WINDOW")
+        self.snapshot: Optional[_Snapshot] = None
+        self.incidents: List[Dict] = []  # (step, holders) of every mismatch, for the sub-health rule
+
+    def after_step(self, ctx) -> bool:
+        """After step ``ctx.iteration`` completed (counters, scheduler): roll back if the cross-check found
+        a mismatch (returns True: restart the data at ``ctx.consumed_samples``), else keep a verified
+        snapshot at a coverage boundary. Collective over the world when it acts."""
+        if not self.every:
+            return False
+        opts = distributed_optimizers(ctx.optimizer)
+        if self.snapshot is not None and self.snapshot.owners != [id(o) for o in opts]:
+            self.snapshot = None  # the optimizers were built again (a recovery, a new layout): keep a new one
+        found = []
+        for o in opts:
+            o.defer_mismatch = True  # a rebuilt optimizer too
+            found += o.take_mismatches()
+        if not found and ctx.iteration % self.every == 0:
+            found = self._capture(ctx, opts)
+        if not found:
+            return False
+        self._check_health(found, ctx.iteration)
+        if self.snapshot is None:
+            raise ReplicaMismatch(found[0])  # nothing verified to go back to
+        self._restore(ctx, opts, found[0])
+        return True
+
+    def _capture(self, ctx, opts) -> List[Dict]:
+        """Copy this rank's shards and scalars, then verify the copy in full across the holders."""
+        shards = [[t.detach().clone() for t in o.shard_state()] for o in opts]
+        found = []
+        for o, tensors in zip(opts, shards):
+            group = o._holders_group()
+            if group is None:
+                continue
+            key = min(dist.get_process_group_ranks(group))
+            found += compare(tensors, ctx.iteration, 1, key, o.data_parallel_group.rank(),
+                             tensors[0].device if tensors else None)
+        if not found:
+            self.snapshot = _Snapshot(ctx.iteration, shards, ctx.scalar_state(), [id(o) for o in opts])
+        return found
+
+    def _restore(self, ctx, opts, incident: Dict) -> None:
+        snap = self.snapshot
+        found_at = ctx.iteration
+        for o, saved in zip(opts, snap.shards):
+            o.load_shard_state(saved)
+        if ctx.scheduler is not None:
+            ctx.scheduler.num_steps = 0  # megatron's load_state_dict adds the saved steps to its count
+        ctx.load_scalar_state(snap.scalars)
+        params_from_main(opts, ctx.model, intact=False)
+        ctx.params_pending = None
+        if dist.get_rank() == 0:
+            _log.warning("replica mismatch found at step %d (shard %s, holders %s, bytes %d..%d): rolled back to "
+                         "the verified state of step %d; recomputing steps %d..%d", found_at, incident["shard"],
+                         incident["holders"], *incident["slice"], snap.iteration, snap.iteration + 1, found_at)
+        _logging.event("replica_undo", found_at=found_at, to_step=snap.iteration, holders=incident["holders"])
+
+    def _check_health(self, found: List[Dict], step: int) -> None:
+        self.incidents = [i for i in self.incidents if step - i["at"] < self.window]
+        self.incidents += [{"at": step, "holders": i["holders"]} for i in found]
+        me = dist.get_rank()
+        mine = [i for i in self.incidents if me in i["holders"]]
+        if len(mine) >= 2:
+            raise SubHealthyRank(f"rank {me} is sub-healthy: a holder in {len(mine)} replica mismatches within "
+                                 f"{self.window} steps (MINDIO_CROSSCHECK_WINDOW), at steps "
+                                 f"{', '.join(str(i['at']) for i in mine)}: replace it")

@@ -41,3 +41,21 @@ def test_a_flipped_low_bit_is_found_and_undone(fault_free, state):
     assert undo == [(str(at), str(at))], out[-3000:]
     assert losses(out) == losses(fault_free)
     assert digests(out)[-1] == digests(fault_free)[-1]
+
+
+FAILED = re.compile(r"job failed: rank (\d+) \(node 0, vm\) exited with exit code 1: SubHealthyRank: rank \1 is "
+                    r"sub-healthy: a holder in 2 replica mismatches within 1000 steps \(MINDIO_CROSSCHECK_WINDOW\), "
+                    r"at steps 8, 12: replace it; also failed: rank (\d+); then ranks 0, 2 failed as a consequence")
+
+
+@pytest.mark.timeout(200)
+def test_a_holder_in_two_mismatches_is_sub_healthy():
+    """Two flips on rank 1 (steps 6 and 10): the first is undone, the second makes both holders of the
+    shard sub-healthy (with two replicas nothing tells which of them is bad): each says so and exits 1."""
+    rc, out = torchrun(PRETRAIN, ["--use-distributed-optimizer", "--replica-cnt", 2, "--train-iters", 16,
+                                  "--inject", "flip:rank=1,step=6; flip:rank=1,step=10"], timeout=150,
+                       launcher=REFERENCE_LAUNCHER, env={"MINDIO_CROSSCHECK_STEPS": str(EVERY)}, check=False)
+    assert rc != 0
+    assert "rolled back to the verified state of step 4; recomputing steps 5..8" in out, out[-3000:]
+    m = FAILED.search(out)
+    assert m and {m.group(1), m.group(2)} == {"1", "3"}, out[-3000:]

@@ -326,11 +326,11 @@ def train(forward_step_func, ctx, dataset):
         t0 = time.perf_counter()
         loss, grad_norm, ok = train_step(forward_step_func, data_iterator, ctx.model,
                                          ctx.optimizer, ctx.scheduler, ctx)
-        step_ms = (time.perf_counter() - t0) * 1000
         if VERIFIED.after_step(ctx):  # mindio: a replica mismatch rolled the job back to verified state
             chunks = [batch_iterator(dataset, ctx.consumed_samples, args) for _ in ctx.model]
             data_iterator = chunks if len(chunks) > 1 else chunks[0]
             continue
+        step_ms = (time.perf_counter() - t0) * 1000
         if args.check_replicas and ctx.replica_cnt > 1:
             check_replicas(ctx)
             print_rank_0(f"replicas-identical: iteration {ctx.iteration}")

@@ -73,10 +73,21 @@ class VerifiedState:
         if not found:
             return False
         self._check_health(found, ctx.iteration)
-        if self.snapshot is None:
-            raise ReplicaMismatch(found[0])  # nothing verified to go back to
+        if not self._same_snapshot_everywhere(opts):
+            raise ReplicaMismatch(found[0])  # nothing verified to go back to on every rank
         self._restore(ctx, opts, found[0])
         return True
+
+    def _same_snapshot_everywhere(self, opts) -> bool:
+        """Collective over the world: does every rank hold a verified copy of the same step? (A replacement
+        process, or a rank whose optimizer was built again since, holds none.)"""
+        mine = self.snapshot.iteration if self.snapshot is not None else -1
+        tensors = opts[0].shard_state() if opts else []
+        device = tensors[0].device if tensors else None
+        both = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN)
+        low, high = int(both[0]), -int(both[1])
+        return low == high >= 0
 
     def _capture(self, ctx, opts) -> List[Dict]:
         """Copy this rank's shards and scalars, then verify the copy in full across the holders."""

@@ -1,10 +1,11 @@
 """Undo silent corruption: roll the job back to the last verified state when the replica cross-check
 finds two holders of a shard that differ (mindio.adapter.crosscheck, ``MINDIO_CROSSCHECK_STEPS=N``).
 
-At every full-coverage boundary (``iteration % N == 0``) :meth:`VerifiedState.after_step` keeps a copy of
-this rank's optimizer shard(s) (fp32 main params, Adam moments and step) and of the scalar state (iteration,
-consumed samples, scheduler, loss scale, RNG), and verifies the copy in full: every holder hashes all of
-it and all compare (one all-gather over the world). A mismatch found later by the per-step check (every
+At every full-coverage boundary (``iteration % N == 0``) :meth:`VerifiedState.after_step` verifies this
+rank's optimizer shard(s) (fp32 main params, Adam moments and step) in full -- every holder hashes all of
+it and all compare (one all-gather over the world) -- and then keeps a copy of them (in the previous
+copy's memory) and of the scalar state (iteration, consumed samples, scheduler, loss scale, RNG), with the
+copy's CRC-32, checked again before the copy is ever restored. A mismatch found later by the per-step check (every
 rank learns of it at the same step) makes every rank load that copy back, take the model params from the
 main shards again (``params_from_main``) and recompute from there: the training loop restarts its data at
 ``ctx.consumed_samples`` (``after_step`` returns True). The end state is bit for bit that of a fault-free
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mindio import _knobs, _logging
-from mindio.adapter.crosscheck import ReplicaMismatch, compare
+from mindio.adapter.crosscheck import ReplicaMismatch, compare, range_crc, shard_bytes
 
 from .optimizer import distributed_optimizers, params_from_main
 
@@ -43,6 +44,7 @@ class _Snapshot:
     shards: List[List[torch.Tensor]]  # per distributed optimizer, cloned
     scalars: Dict
     owners: List[int]  # id() of the optimizers it was taken from
+    sums: List[int]  # CRC-32 of each optimizer's copy, checked before it is restored
 
 
 class VerifiedState:
@@ -90,23 +92,37 @@ class VerifiedState:
         return low == high >= 0
 
     def _capture(self, ctx, opts) -> List[Dict]:
-        """Copy this rank's shards and scalars, then verify the copy in full across the holders."""
-        shards = [[t.detach().clone() for t in o.shard_state()] for o in opts]
-        found = []
-        for o, tensors in zip(opts, shards):
+        """Verify this rank's shards in full across the holders, then copy them (into the previous copy's
+        memory when the layout is the same: no new pages) and the scalars, with each copy's CRC-32."""
+        live = [o.shard_state() for o in opts]
+        found, sums = [], []
+        for o, tensors in zip(opts, live):
             group = o._holders_group()
+            sums.append(range_crc(tensors, 0, shard_bytes(tensors)))
             if group is None:
                 continue
             key = min(dist.get_process_group_ranks(group))
             found += compare(tensors, ctx.iteration, 1, key, o.data_parallel_group.rank(),
                              tensors[0].device if tensors else None)
-        if not found:
-            self.snapshot = _Snapshot(ctx.iteration, shards, ctx.scalar_state(), [id(o) for o in opts])
-        return found
-
+        if found:
+            return found
+        old = self.snapshot
+        reuse = old is not None and [[(t.shape, t.dtype) for t in g] for g in old.shards] == \
+            [[(t.shape, t.dtype) for t in g] for g in live]
+        with torch.no_grad():
+            shards = ([[dst.copy_(src) for dst, src in zip(d, g)] for d, g in zip(old.shards, live)] if reuse
+                      else [[t.detach().clone() for t in g] for g in live])
+        self.snapshot = _Snapshot(ctx.iteration, shards, ctx.scalar_state(), [id(o) for o in opts], sums)
+        return []
     def _restore(self, ctx, opts, incident: Dict) -> None:
         snap = self.snapshot
         found_at = ctx.iteration
+        for saved, want in zip(snap.shards, snap.sums):
+            got = range_crc(saved, 0, shard_bytes(saved))
+            if got != want:  # the copy itself changed since it was verified: never restore it
+                raise ReplicaMismatch(incident) from RuntimeError(
+                    f"the verified copy of step {snap.iteration} changed in memory (CRC-32 {got:08x}, kept "
+                    f"{want:08x}): nothing verified to roll back to")
         for o, saved in zip(opts, snap.shards):
             o.load_shard_state(saved)
         if ctx.scheduler is not None:

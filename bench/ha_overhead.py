@@ -22,6 +22,7 @@ pipeline parallelism its stage --, d = DP size, R = replica count), so the repli
     python bench/ha_overhead.py --pp 2           # TP1 x PP2 x DP2 (2 micro-batches per step)
     python bench/ha_overhead.py --size 1g        # >= 1 GiB of state per rank (bench/_sizes.py); 12 steps
     python bench/ha_overhead.py --crosscheck 8   # + the replica cross-check row (issue 32: <= 1 % of a step)
+    python bench/ha_overhead.py --crosscheck 8 --crosscheck-cost 1   # its CPU work alone, 1 GiB shard, no job
 
 Where the extra time goes, as CPU time per piece of a step (wall clock on a shared machine varies as much
 as the effect): ``python bench/ha_cpu.py --pp 2`` (the same configurations).
@@ -174,6 +175,36 @@ def report(res: dict) -> str:
     return "\n".join(rows)
 
 
+def crosscheck_cost(gib: float, every: int, reps: int = 2) -> dict:
+    """The cross-check's work on one rank holding a ``gib`` GiB shard, in this process, no job: the CRC of
+    one slice per step, and every ``every`` steps the full CRC plus the copy into the kept snapshot's
+    memory (mindio.megatron.verified). Returns ms per step (amortized) and its parts; best of ``reps``."""
+    import time
+
+    import torch
+
+    from mindio.adapter.crosscheck import range_crc, shard_bytes, slice_bounds
+
+    n = int(gib * 2**30) // 4 // 3
+    shard = [torch.randn(n) for _ in range(3)]  # fp32 main params, exp_avg, exp_avg_sq
+    kept = [t.clone() for t in shard]
+    total = shard_bytes(shard)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1000
+
+    slice_ms = statistics.mean(best(lambda s=s: range_crc(shard, *slice_bounds(total, every, s))) for s in range(every))
+    full_ms = best(lambda: range_crc(shard, 0, total))
+    copy_ms = best(lambda: [d.copy_(x) for d, x in zip(kept, shard)])
+    return {"bytes": total, "every": every, "slice_ms": slice_ms, "full_crc_ms": full_ms, "copy_ms": copy_ms,
+            "per_step_ms": slice_ms + (full_ms + copy_ms) / every, "load": os.getloadavg()[0]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny", choices=list(_sizes.SIZES), help="model size (bench/_sizes.py)")
@@ -184,7 +215,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--crosscheck", type=int, default=0, metavar="N",
                     help="also measure the replica cross-check (MINDIO_CROSSCHECK_STEPS=N); 0: not")
+    ap.add_argument("--crosscheck-cost", type=float, default=0, metavar="GIB",
+                    help="only the cross-check's work on a GIB GiB shard in this process (no job), N=--crosscheck")
     args = ap.parse_args()
+    if args.crosscheck_cost:
+        c = crosscheck_cost(args.crosscheck_cost, args.crosscheck or 8)
+        print(f"cross-check of a {c['bytes'] / 2**30:.2f} GiB shard, N={c['every']}: CRC of a slice "
+              f"{c['slice_ms']:.1f} ms per step; every N steps full CRC {c['full_crc_ms']:.1f} ms + copy "
+              f"{c['copy_ms']:.1f} ms; {c['per_step_ms']:.1f} ms per step amortized (+ one 48-byte all-gather); "
+              f"load average {c['load']:.1f}")
+        return
     big = args.size == "1g"
     args.iters = args.iters or (12 if big else 60)
     args.warmup = args.warmup if args.warmup is not None else (2 if big else 5)

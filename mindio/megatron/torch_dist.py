@@ -415,18 +415,24 @@ class _IndexReader(FileSystemReader):
         return metadata
 
     def _slice_file(self, file, sinfo):
-        """The bytes of one item, checked against the CRC-32 its writer recorded (read once, then parsed)."""
+        """One item, its bytes checked against the CRC-32 its writer recorded first: the store's pooled bytes in
+        place (then read in place, as before), a file's read once into memory."""
         crc = getattr(sinfo, "crc32", None)
         if crc is None:  # written before the checksums existed
             return super()._slice_file(file, sinfo)
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)
-        got = crc32(data)
-        if len(data) != sinfo.length or got != crc:
+        pooled = getattr(file, "_view", None)  # the store's pooled bytes: checked in place, then read in place
+        if pooled is not None:
+            with pooled[sinfo.offset:sinfo.offset + sinfo.length] as part:  # released before the stream closes
+                got, size = crc32(part), len(part)
+        else:
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            got, size = crc32(data), len(data)
+        if size != sinfo.length or got != crc:
             raise CorruptCheckpoint(self._dir / sinfo.relative_path,
                                     f"bytes {sinfo.offset}..{sinfo.offset + sinfo.length} have CRC-32 "
-                                    f"{got:08x} ({len(data)} bytes), written with {crc:08x}")
-        return io.BytesIO(data)
+                                    f"{got:08x} ({size} bytes), written with {crc:08x}")
+        return super()._slice_file(file, sinfo) if pooled is not None else io.BytesIO(data)
 
 
 def _safe_load(data) -> Any:

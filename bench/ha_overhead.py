@@ -7,6 +7,9 @@ ratios against the baseline:
     off       no high availability: one copy of each optimizer shard (ZeRO-1 over DP)
     replicas  --replica-cnt 2 without mindio.ttp: the replica optimizer alone
     on        --enable-high-availability --no-dump: replicas (R=2) + controller, processors, update reports
+    crosscheck  (with ``--crosscheck N``) replicas + MINDIO_CROSSCHECK_STEPS=N: the replica cross-check (a CRC-32
+              of 1/N of the shard and one all-gather per step, a verified copy every N steps); its row is
+              also compared with 'replicas', the cost of the check alone
 
 Step time = median of the per-step times printed by rank 0, warm-up steps excluded.
 Memory: optimizer-state bytes of rank 0 (fp32 main params + Adam moments) measured from the live
@@ -18,6 +21,8 @@ pipeline parallelism its stage --, d = DP size, R = replica count), so the repli
     python bench/ha_overhead.py --nproc 2 --iters 100 --rounds 5
     python bench/ha_overhead.py --pp 2           # TP1 x PP2 x DP2 (2 micro-batches per step)
     python bench/ha_overhead.py --size 1g        # >= 1 GiB of state per rank (bench/_sizes.py); 12 steps
+    python bench/ha_overhead.py --crosscheck 8   # + the replica cross-check row (issue 32: <= 1 % of a step)
+    python bench/ha_overhead.py --crosscheck 8 --crosscheck-cost 1   # its CPU work alone, 1 GiB shard, no job
 
 Where the extra time goes, as CPU time per piece of a step (wall clock on a shared machine varies as much
 as the effect): ``python bench/ha_cpu.py --pp 2`` (the same configurations).
@@ -107,23 +112,33 @@ def parse(out: str, warmup: int):
     return steps, tuple(int(x) for x in mem.groups()), float(rss.group(1))
 
 
-def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int = 1, echo=print) -> dict:
-    """Step times of the three configurations, alternated over ``rounds``; memory of rank 0."""
+def configs(crosscheck: int = 0) -> dict:
+    """The configurations measured: CONFIGS, plus the cross-check's with ``crosscheck`` = N > 0."""
+    out = {name: (extra, {}) for name, extra in CONFIGS.items()}
+    if crosscheck:
+        out["crosscheck"] = (CONFIGS["replicas"], {"MINDIO_CROSSCHECK_STEPS": str(crosscheck)})
+    return out
+
+
+def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int = 1, echo=print,
+            crosscheck: int = 0) -> dict:
+    """Step times of the configurations, alternated over ``rounds``; memory of rank 0."""
     flags = _sizes.get(size).args() + layout(nproc, pp)
-    steps = {k: [] for k in CONFIGS}
-    per_round = {k: [] for k in CONFIGS}
+    todo = configs(crosscheck)
+    steps = {k: [] for k in todo}
+    per_round = {k: [] for k in todo}
     mem, rss = {}, {}
     for r in range(rounds):
-        for name, extra in CONFIGS.items():
-            s, m, x = parse(run(nproc, iters, flags + extra), warmup)
+        for name, (extra, env) in todo.items():
+            s, m, x = parse(run(nproc, iters, flags + extra, env=env), warmup)
             steps[name] += s
             per_round[name].append(statistics.median(s))
             mem[name], rss[name] = m, x
             echo(f"round {r + 1}: {name:8s} median step {statistics.median(s):7.2f} ms")
     base, best = statistics.median(steps["off"]), min(per_round["off"])
     out = {"size": size, "nproc": nproc, "pp": pp, "iters": iters, "warmup": warmup, "rounds": rounds,
-           "configs": {}, "mem": mem, "rss": rss, "load": os.getloadavg()[0]}
-    for name in CONFIGS:
+           "configs": {}, "mem": mem, "rss": rss, "load": os.getloadavg()[0], "crosscheck": crosscheck}
+    for name in todo:
         med, fast = statistics.median(steps[name]), min(per_round[name])
         out["configs"][name] = {"median_ms": med, "ratio": med / base, "best_ms": fast, "best_ratio": fast / best}
     return out
@@ -137,6 +152,13 @@ def report(res: dict) -> str:
     for name, c in res["configs"].items():
         rows.append(f"  {name:8s} {c['median_ms']:8.2f} ms  x{c['ratio']:.3f}   | {c['best_ms']:8.2f} ms  "
                     f"x{c['best_ratio']:.3f}")
+    check = res["configs"].get("crosscheck")
+    if check:
+        rep = res["configs"]["replicas"]
+        cost, best = check["median_ms"] / rep["median_ms"] - 1, check["best_ms"] / rep["best_ms"] - 1
+        rows.append(f"  cross-check (N={res['crosscheck']}) vs replicas: {100 * cost:+.2f} % of the step time "
+                    f"(median) | {100 * best:+.2f} % (best round); target <= 1 %: "
+                    f"{'PASS' if cost <= 0.01 else 'FAIL'} (median)")
     rows.append("optimizer state of rank 0, measured vs 12*P*R/d:")
     for name in CONFIGS:
         b, p, r, d = res["mem"][name]
@@ -153,6 +175,36 @@ def report(res: dict) -> str:
     return "\n".join(rows)
 
 
+def crosscheck_cost(gib: float, every: int, reps: int = 2) -> dict:
+    """The cross-check's work on one rank holding a ``gib`` GiB shard, in this process, no job: the CRC of
+    one slice per step, and every ``every`` steps the full CRC plus the copy into the kept snapshot's
+    memory (mindio.megatron.verified). Returns ms per step (amortized) and its parts; best of ``reps``."""
+    import time
+
+    import torch
+
+    from mindio.adapter.crosscheck import range_crc, shard_bytes, slice_bounds
+
+    n = int(gib * 2**30) // 4 // 3
+    shard = [torch.randn(n) for _ in range(3)]  # fp32 main params, exp_avg, exp_avg_sq
+    kept = [t.clone() for t in shard]
+    total = shard_bytes(shard)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1000
+
+    slice_ms = statistics.mean(best(lambda s=s: range_crc(shard, *slice_bounds(total, every, s))) for s in range(every))
+    full_ms = best(lambda: range_crc(shard, 0, total))
+    copy_ms = best(lambda: [d.copy_(x) for d, x in zip(kept, shard)])
+    return {"bytes": total, "every": every, "slice_ms": slice_ms, "full_crc_ms": full_ms, "copy_ms": copy_ms,
+            "per_step_ms": slice_ms + (full_ms + copy_ms) / every, "load": os.getloadavg()[0]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="tiny", choices=list(_sizes.SIZES), help="model size (bench/_sizes.py)")
@@ -161,14 +213,25 @@ def main():
     ap.add_argument("--iters", type=int, default=None, help="steps per run (default: 60, 12 at size 1g)")
     ap.add_argument("--warmup", type=int, default=None, help="steps excluded (default: 5, 2 at size 1g)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--crosscheck", type=int, default=0, metavar="N",
+                    help="also measure the replica cross-check (MINDIO_CROSSCHECK_STEPS=N); 0: not")
+    ap.add_argument("--crosscheck-cost", type=float, default=0, metavar="GIB",
+                    help="only the cross-check's work on a GIB GiB shard in this process (no job), N=--crosscheck")
     args = ap.parse_args()
+    if args.crosscheck_cost:
+        c = crosscheck_cost(args.crosscheck_cost, args.crosscheck or 8)
+        print(f"cross-check of a {c['bytes'] / 2**30:.2f} GiB shard, N={c['every']}: CRC of a slice "
+              f"{c['slice_ms']:.1f} ms per step; every N steps full CRC {c['full_crc_ms']:.1f} ms + copy "
+              f"{c['copy_ms']:.1f} ms; {c['per_step_ms']:.1f} ms per step amortized (+ one 48-byte all-gather); "
+              f"load average {c['load']:.1f}")
+        return
     big = args.size == "1g"
     args.iters = args.iters or (12 if big else 60)
     args.warmup = args.warmup if args.warmup is not None else (2 if big else 5)
     if args.pp == 1:  # (with pipeline stages a rank holds one stage's share)
         print(_sizes.get(args.size).describe(2, args.nproc), flush=True)
     res = measure(args.size, args.nproc, args.iters, args.warmup, args.rounds, args.pp,
-                  echo=lambda s: print(s, flush=True))
+                  echo=lambda s: print(s, flush=True), crosscheck=args.crosscheck)
     print("\n" + report(res))
 
 

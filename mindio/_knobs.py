@@ -291,6 +291,15 @@ _ALL = [
          min=0, max=3600),
     Knob("MINDIO_AUTO_PATCH_MEGATRON", _bool, False,
          "1: route megatron-core checkpoint save/load through mindio.save/load."),
+    # --- replica cross-check (mindio.adapter.crosscheck) ---
+    Knob("MINDIO_CROSSCHECK_STEPS", int, 0,
+         "N: the holders of each optimizer shard compare the CRC-32 of one N-th of it after every optimizer "
+         "step, so every byte is checked once every N steps; a mismatch raises ReplicaMismatch (incident "
+         "replica_mismatch), or, with mindio.megatron.verified in the loop, rolls the job back to the last "
+         "verified state. 0: off.", min=0, max=1 << 20),
+    Knob("MINDIO_CROSSCHECK_WINDOW", int, 1000,
+         "Steps within which a rank that is a holder in two replica mismatches is sub-healthy (mindio.megatron."
+         "verified raises SubHealthyRank on it).", min=1, max=1 << 30),
     # --- drills (mindio.drill) ---
     Knob("MINDIO_DRILL_DIR", str, "",
          "Directory shared by a job's processes where --inject records fired faults (once per job, "

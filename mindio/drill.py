@@ -4,6 +4,7 @@ A spec is one or more faults separated by ``;`` or ``,`` (a token with a ``:`` s
 
     KIND:rank=R,step=S[,seconds=T]      KIND in raise, uce, net, hang, kill
     kill-node:node=N,step=S             (or kill-node:rank=R,step=S: the node that hosts rank R)
+    flip:rank=R,step=S[,state=param|exp_avg|exp_avg_sq][,bit=B]
 
 =========  =====================================================================================
 kind       what rank R does while computing step S
@@ -16,6 +17,10 @@ hang       sleeps ``seconds`` (default 3600) without progress, outside any colle
 hold       as hang, but ends as soon as the file ``<MINDIO_DRILL_DIR>/release`` exists: a step held
            from outside (a test holds training until a hot switch's backups registered)
 kill       SIGKILL of its own process (recover-in-place)
+flip       ``flip(state, bit)`` if given: flips mantissa bit B (default 0, the lowest) of one fp32 element
+           of this rank's optimizer shard -- its master weights (``state=param``, default) or an Adam
+           moment -- a silent corruption (no error; a plausible value, never a NaN) that only the
+           replica cross-check (MINDIO_CROSSCHECK_STEPS) finds
 kill-node  SIGKILL of its node's launcher agent (mindio-run: every worker of the node dies with
            it through PR_SET_PDEATHSIG), then of itself; fired by local rank 0 of node N
 =========  =====================================================================================
@@ -45,14 +50,15 @@ from .errors import ConfigError
 
 __all__ = ["Fault", "parse", "Drill", "inject", "MESSAGES"]
 
-KINDS = ("raise", "uce", "net", "hang", "hold", "kill", "kill-node")
+KINDS = ("raise", "uce", "net", "hang", "hold", "kill", "kill-node", "flip")
+FLIP_STATES = ("param", "exp_avg", "exp_avg_sq")
 MESSAGES = {
     "raise": "injected fault at step {step}",
     "uce": "UCE ERROR: injected uncorrectable memory error at step {step}",
     "net": "HCCL OP RETRY FAILED: injected network error at step {step}",
 }
-_KEYS = {"rank", "step", "node", "seconds"}
-_USAGE = ("use KIND:rank=R,step=S (KIND: raise, uce, net, hang, hold, kill) or kill-node:node=N,step=S; "
+_KEYS = {"rank", "step", "node", "seconds", "state", "bit"}
+_USAGE = ("use KIND:rank=R,step=S (KIND: raise, uce, net, hang, hold, kill, flip) or kill-node:node=N,step=S; "
           "separate several faults with ';'")
 
 
@@ -64,6 +70,8 @@ class Fault:
     rank: Optional[int] = None
     node: Optional[int] = None
     seconds: float = 3600.0
+    state: str = "param"  # flip: which part of the shard
+    bit: int = 0  # flip: which mantissa bit
 
     def targets(self, rank: int, node: Optional[int], local_rank: int) -> bool:
         if self.kind == "kill-node" and self.node is not None:
@@ -95,11 +103,14 @@ def parse(spec: str) -> List[Fault]:
         for kv in ([first] if first.strip() else []) + rest:
             key, eq, value = (s.strip() for s in kv.partition("="))
             if not eq or key not in _KEYS:
-                raise ConfigError(f"--inject {spec!r}: bad field {kv!r} in {kind}; "
-                                  f"fields: rank=, step=, node= (kill-node), seconds= (hang)")
+                raise ConfigError(f"--inject {spec!r}: bad field {kv!r} in {kind}; fields: rank=, step=, "
+                                  f"node= (kill-node), seconds= (hang), state=, bit= (flip)")
             if key in fields:
                 raise ConfigError(f"--inject {spec!r}: {key}= given twice for {kind}")
             fields[key] = value
+        state = fields.pop("state", None)
+        if state is not None and (kind != "flip" or state not in FLIP_STATES):
+            raise ConfigError(f"--inject {spec!r}: state= is only for flip, one of {', '.join(FLIP_STATES)}")
         try:
             values = {k: (float(v) if k == "seconds" else int(v)) for k, v in fields.items()}
         except ValueError:
@@ -118,6 +129,10 @@ def parse(spec: str) -> List[Fault]:
             raise ConfigError(f"--inject {spec!r}: rank, node must be >= 0 and seconds > 0")
         if "seconds" in values and kind not in ("hang", "hold"):
             raise ConfigError(f"--inject {spec!r}: seconds= is only for hang and hold")
+        if "bit" in values and (kind != "flip" or not 0 <= values["bit"] < 23):
+            raise ConfigError(f"--inject {spec!r}: bit= is only for flip, a mantissa bit of fp32 (0..22)")
+        if state is not None:
+            values["state"] = state
         faults.append(Fault(index=index, kind=kind, **{k: values[k] for k in values}))
     return faults
 
@@ -142,16 +157,18 @@ class Drill:
         if self._dir is not None and not os.path.isdir(self._dir):
             raise ConfigError(f"MINDIO_DRILL_DIR={self._dir!r} is not a directory; create it first")
 
-    def maybe_fire(self, step: int, rank: int, corrupt: Optional[Callable[[], object]] = None) -> None:
+    def maybe_fire(self, step: int, rank: int, corrupt: Optional[Callable[[], object]] = None,
+                   flip: Optional[Callable[[str, int], str]] = None) -> None:
         """Fire every fault aimed at ``rank`` and ``step`` that has not fired in this job.
-        ``corrupt`` (framework-specific) destroys this rank's state before a ``uce`` error."""
+        ``corrupt`` (framework-specific) destroys this rank's state before a ``uce`` error; ``flip(state,
+        bit)`` flips one bit of its optimizer shard and says what it flipped (``flip``)."""
         if self._restart > 0 or (self._reboot and self._dir is None):
             return
         for f in self.faults:
             if f.step == step and f.index not in self._fired and f.targets(rank, self._node, self._local_rank):
                 self._fired.add(f.index)
                 if self._claim(f):
-                    self._fire(f, step, rank, corrupt)
+                    self._fire(f, step, rank, corrupt, flip)
 
     def _claim(self, f: Fault) -> bool:
         if self._dir is None:
@@ -166,7 +183,15 @@ class Drill:
         os.close(fd)
         return True
 
-    def _fire(self, f: Fault, step: int, rank: int, corrupt=None) -> None:
+    def _fire(self, f: Fault, step: int, rank: int, corrupt=None, flip=None) -> None:
+        if f.kind == "flip":
+            if flip is None:
+                raise ConfigError("--inject flip: this training loop passes no flip function to mindio.drill.inject")
+            what = flip(f.state, f.bit)
+            print(f"[rank {rank}] injecting flip at step {step}: {what}", flush=True)
+            _logging.event("fault_injected", fault=f.kind, step=step, target_rank=rank, node=self._node,
+                           flipped=what)
+            return
         print(f"[rank {rank}] injecting {f.kind} at step {step}", flush=True)
         _logging.event("fault_injected", fault=f.kind, step=step, target_rank=rank, node=self._node)
         if f.kind == "uce" and corrupt is not None:
@@ -194,12 +219,13 @@ class Drill:
 _drills: Dict[str, Drill] = {}
 
 
-def inject(spec: Optional[str], step: int, rank: int, corrupt: Optional[Callable[[], object]] = None) -> None:
+def inject(spec: Optional[str], step: int, rank: int, corrupt: Optional[Callable[[], object]] = None,
+           flip: Optional[Callable[[str, int], str]] = None) -> None:
     """One-line use from a training loop: ``inject(args.inject, iteration + 1, dist.get_rank())``;
-    ``corrupt``: see :meth:`Drill.maybe_fire`."""
+    ``corrupt``, ``flip``: see :meth:`Drill.maybe_fire`."""
     if not spec:
         return
     drill = _drills.get(spec)
     if drill is None:
         drill = _drills[spec] = Drill(spec)
-    drill.maybe_fire(step, rank, corrupt)
+    drill.maybe_fire(step, rank, corrupt, flip)

@@ -39,6 +39,7 @@ from mindio import drill  # mindio: fault injection for drills (--inject, docs/r
 from mindio import megatron as mio  # mindio: the Megatron adapter (imports megatron-core)
 from mindio.adapter import local_digest
 from mindio.megatron.elastic import register_elastic  # mindio: elastic training (zit handlers)
+from mindio.megatron.verified import VerifiedState  # mindio: undo of silent corruption
 
 try:  # mindio: the fault-tolerance API (tft_*); only needed with --enable-high-availability
     from mindio import ttp
@@ -93,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--data-path", default=str(HERE / "data" / "corpus.txt"))
     a("--tokenizer-file", default=str(HERE / "data" / "tokenizer.json"))
     a("--inject", default=None, metavar="KIND:rank=R,step=S",
-      help="fault injection for drills (mindio.drill): raise|uce|net|hang|kill on rank R, or "
+      help="fault injection for drills (mindio.drill): raise|uce|net|hang|kill|flip on rank R, or "
            "kill-node:node=N, while computing step S; once per job; ';' separates faults")
     a("--check-replicas", action="store_true",
       help="after every step, check that all replicas of every optimizer shard are bit-identical")
@@ -247,7 +248,8 @@ def forward_step(ctx, data_iterator, model):
         raise RuntimeError("FORCE STOP")
     if ctx.args.inject:  # mindio: drills; each fault fires once per job
         drill.inject(ctx.args.inject, ctx.iteration + 1, dist.get_rank(),
-                     corrupt=lambda: poison_shard(ctx))
+                     corrupt=lambda: poison_shard(ctx),
+                     flip=lambda state, bit: mio.distributed_optimizers(ctx.optimizer)[0].flip_bit(state, bit))
     batch = next(data_iterator)
     tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     position_ids = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
@@ -311,6 +313,9 @@ def check_replicas(ctx) -> None:
                                    f"differs between DP positions {pos % shards} and {pos}")
 
 
+VERIFIED = VerifiedState()  # mindio: the replica cross-check's undo (MINDIO_CROSSCHECK_STEPS; 0: a no-op)
+
+
 def train(forward_step_func, ctx, dataset):
     """The loop. Re-entered after an in-process recovery: everything is read from ``ctx``."""
     args = ctx.args
@@ -321,6 +326,10 @@ def train(forward_step_func, ctx, dataset):
         t0 = time.perf_counter()
         loss, grad_norm, ok = train_step(forward_step_func, data_iterator, ctx.model,
                                          ctx.optimizer, ctx.scheduler, ctx)
+        if VERIFIED.after_step(ctx):  # mindio: a replica mismatch rolled the job back to verified state
+            chunks = [batch_iterator(dataset, ctx.consumed_samples, args) for _ in ctx.model]
+            data_iterator = chunks if len(chunks) > 1 else chunks[0]
+            continue
         step_ms = (time.perf_counter() - t0) * 1000
         if args.check_replicas and ctx.replica_cnt > 1:
             check_replicas(ctx)
@@ -461,7 +470,7 @@ def pretrain(args) -> str:
         print(f"rank {dist.get_rank()}: replacement process: state comes from the replicas, not {args.load}",
               flush=True)  # mindio: recover-in-place / recover
     elif found:
-        it = mio.checkpoint.load_checkpoint(ctx)
+        it = mio.checkpoint.load_checkpoint(ctx, fallback=True)  # mindio: a corrupt one -> the previous
         print_rank_0(f"loaded checkpoint iteration {it}: state-digest: {mio.state_digest(ctx)}")
     report_memory(ctx)
     train_fn = train

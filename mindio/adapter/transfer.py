@@ -10,6 +10,10 @@ Protocol (one repair pair, both sides agree on the tensor list from their identi
 4. sender -> receiver: the JSON scalar blob (iteration, consumed samples, scheduler, loss scale,
    RNG states: no pickle), then every tensor in order, received in place into the receiver's
    own (live) tensors.
+5. sender -> receiver: the CRC-32 of the blob and of each tensor's bytes (int64[1 + n]), taken by the
+   sender; the receiver checks what arrived and answers one flag per part (uint8[1 + n], 1 = differs).
+   The sender sends the flagged parts again and the receiver checks again, up to ``RESENDS`` times; then
+   both raise :class:`RepairCorrupt` naming the parts. The blob is parsed only once it checked.
 
 Uses ``torch.distributed.send/recv`` on ``group`` (the world by default), with global ranks.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import struct
 from typing import Any, Dict, List, Optional
@@ -26,17 +31,37 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["send_state", "recv_state", "capture_rng", "restore_rng", "StateMismatch"]
+from .crosscheck import range_crc, shard_bytes
+
+__all__ = ["send_state", "recv_state", "capture_rng", "restore_rng", "StateMismatch", "RepairCorrupt", "RESENDS"]
 
 _MAGIC = b"MIOR"
-_VERSION = 1
+_VERSION = 2
+#: how many times the parts of a repair stream whose bytes arrived changed are sent again
+RESENDS = 2
+
+
+_log = logging.getLogger(__name__)
 
 
 class StateMismatch(RuntimeError):
     """The sender's and receiver's shard layouts differ: repair cannot be done from this source."""
 
 
+class RepairCorrupt(RuntimeError):
+    """The bytes of a repair stream arrived changed (their CRC-32 differs) even after ``RESENDS`` resends."""
+
+
 _HEADER_LEN = 28
+
+
+def _crc(t: torch.Tensor) -> int:
+    return range_crc([t], 0, shard_bytes([t]))
+
+
+def _bad_parts(flags: List[int], n: int) -> str:
+    return ", ".join("the scalar state" if i == 0 else f"tensor {i - 1}" for i, f in enumerate(flags) if f) \
+        + f" (of {n} tensors)"
 
 
 def _layout(tensors: List[torch.Tensor]) -> bytes:
@@ -75,13 +100,27 @@ def send_state(
     if verdict.item() != 1:
         raise StateMismatch(f"rank {dst} refused the repair stream: its optimizer-state layout "
                             f"differs from this rank's ({len(tensors)} tensors)")
-    if blob:
-        dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, group=group)
-    total = len(blob)
-    for t in tensors:
-        dist.send(t.detach().contiguous(), dst, group=group)
-        total += t.numel() * t.element_size()
-    return total
+    blob_t = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    parts = [t.detach().contiguous() for t in tensors]
+    sums = torch.tensor([_crc(blob_t)] + [_crc(t) for t in parts], dtype=torch.int64)
+    resend = [1] * (len(parts) + 1)
+    total = 0
+    for attempt in range(RESENDS + 1):
+        if resend[0] and blob:
+            dist.send(blob_t, dst, group=group)
+            total += len(blob)
+        for t, again in zip(parts, resend[1:]):
+            if again:
+                dist.send(t, dst, group=group)
+                total += t.numel() * t.element_size()
+        dist.send(sums, dst, group=group)
+        flags = torch.zeros(len(parts) + 1, dtype=torch.uint8)
+        _recv(flags, dst, group, "receiver's checksum verdict")
+        resend = flags.tolist()
+        if not any(resend):
+            return total
+    raise RepairCorrupt(f"rank {dst} received {_bad_parts(resend, len(parts))} changed (CRC-32) {RESENDS + 1} "
+                        "times: the repair from this rank failed")
 
 
 def recv_state(tensors: List[torch.Tensor], src: int, group=None) -> Dict[str, Any]:
@@ -106,20 +145,34 @@ def recv_state(tensors: List[torch.Tensor], src: int, group=None) -> Dict[str, A
     dist.send(torch.tensor([0 if problem else 1], dtype=torch.uint8), src, group=group)
     if problem:
         raise StateMismatch(problem)
-    scalars: Dict[str, Any] = {}
-    if blob_len:
-        buf = torch.empty(blob_len, dtype=torch.uint8)
-        _recv(buf, src, group, "scalar state")
-        scalars = json.loads(bytes(buf.tolist()).decode())
-    for t in tensors:
-        if t.is_contiguous():
-            _recv(t, src, group, "optimizer state")
-        else:
-            tmp = torch.empty_like(t, memory_format=torch.contiguous_format)
-            _recv(tmp, src, group, "optimizer state")
-            with torch.no_grad():
-                t.copy_(tmp)
-    return scalars
+    buf = torch.empty(blob_len, dtype=torch.uint8)
+    again = [1] * (len(tensors) + 1)
+    for attempt in range(RESENDS + 1):
+        if again[0] and blob_len:
+            _recv(buf, src, group, "scalar state")
+        got = [_crc(buf) if again[0] else None]
+        for t, part in zip(tensors, again[1:]):
+            if not part:
+                got.append(None)
+            elif t.is_contiguous():
+                _recv(t, src, group, "optimizer state")
+                got.append(_crc(t))
+            else:
+                tmp = torch.empty_like(t, memory_format=torch.contiguous_format)
+                _recv(tmp, src, group, "optimizer state")
+                got.append(_crc(tmp))
+                with torch.no_grad():
+                    t.copy_(tmp)
+        sums = torch.zeros(len(tensors) + 1, dtype=torch.int64)
+        _recv(sums, src, group, "checksums of the repair stream")
+        again = [int(g is not None and g != want) for g, want in zip(got, sums.tolist())]
+        dist.send(torch.tensor(again, dtype=torch.uint8), src, group=group)
+        if not any(again):
+            return json.loads(bytes(buf.tolist()).decode()) if blob_len else {}
+        _log.warning("repair: %s from rank %d arrived changed (CRC-32)%s", _bad_parts(again, len(tensors)), src,
+                     "; asking for them again" if attempt < RESENDS else "")
+    raise RepairCorrupt(f"repair from rank {src}: {_bad_parts(again, len(tensors))} arrived changed (CRC-32) "
+                        f"{RESENDS + 1} times; this rank's state is not repaired")
 
 
 def capture_rng(extra: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:

@@ -11,6 +11,7 @@ out as Megatron-LM lays them out, so that Megatron's loader, its converters and
                                           consumed_train_samples), opt_param_scheduler, content_metadata
     iter_0000040/metadata.json            megatron's backend record (torch_dist, version 1)
     iter_0000040/__<rank>.mindio.json     mindio's index of what each rank wrote (JSON; see torch_dist.py)
+    iter_0000040/common.mindio.json       the CRC-32 of common.pt (the items' are in the index)
 
 State dict (Megatron-LM's ``generate_state_dict``): ``model`` (``model0``, ``model1``, ... with
 virtual pipeline stages), ``optimizer`` (the distributed optimizer in the ``dp_reshardable`` format,
@@ -33,7 +34,10 @@ Resharding (megatron-core's own rules): the model weights load at any TP/PP/DP l
 state of the ``dp_reshardable`` format loads at another DP size of the same TP x PP layout only.
 
 Loading here (:func:`load_checkpoint`) runs on each rank alone (no collectives), reads the model
-weights and the optimizer shard of this rank, and never unpickles (torch_dist.read_local).
+weights and the optimizer shard of this rank, and never unpickles (torch_dist.read_local). Every item it
+reads, and ``common.pt``, is checked against the CRC-32 written with it; a checkpoint that fails is never
+trained from. With ``fallback=True`` (collective over the world: a job's start) the ranks agree on it and
+all load the previous complete checkpoint instead, after one line naming the file and the reason.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import torch.distributed as dist
 from . import torch_dist
 from .digest import is_expert_param
 from .optimizer import distributed_optimizers
+from .torch_dist import CorruptCheckpoint
 
 __all__ = [
     "TRACKER",
@@ -67,6 +72,8 @@ __all__ = [
     "write_tracker",
     "read_tracker",
     "load_checkpoint",
+    "complete_iterations",
+    "CorruptCheckpoint",
     "snapshot",
 ]
 
@@ -364,14 +371,70 @@ def read_tracker(root: Path) -> Optional[int]:
 
 
 # ----------------------------------------------------------------------------- loading
-def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] = None) -> int:
+def complete_iterations(root: Path, below: int) -> List[int]:
+    """The iterations under ``below`` with a complete mindio checkpoint in ``root``, newest first."""
+    found = []
+    for d in Path(root).glob("iter_*"):
+        tail = d.name[len("iter_"):]
+        if tail.isdigit() and int(tail) < below and torch_dist.is_complete(d):
+            found.append(int(tail))
+    return sorted(found, reverse=True)
+
+
+def _first_failing_rank(failed: bool) -> Optional[int]:
+    """Collective over the world: the lowest rank whose load failed verification, or None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0 if failed else None
+    world = dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    flag = torch.tensor([dist.get_rank() if failed else world], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # bounded by the default group's timeout
+    first = int(flag.item())
+    return None if first == world else first
+
+
+def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] = None,
+                    fallback: bool = False) -> int:
     """Load the latest (or given) checkpoint into ctx's model chunks, optimizer, scheduler, counters
-    and RNG. Runs on this rank alone (no collectives). Returns the iteration loaded."""
+    and RNG. Returns the iteration loaded.
+
+    ``fallback=False``: on this rank alone (no collectives); a file that fails verification raises
+    :class:`CorruptCheckpoint`. ``fallback=True``: collective over the world (every rank calls it, as at
+    a job's start): when any rank finds a file of the checkpoint corrupt, the lowest such rank logs one
+    line naming the file and the reason, and every rank loads the previous complete checkpoint (and so
+    on; the error of the newest is raised when none is left)."""
     root = Path(root or ctx.args.load)
     if iteration is None:
         iteration = read_tracker(root)
         if iteration is None:
             raise FileNotFoundError(f"no {TRACKER} in {root}: nothing to load")
+    if not fallback:
+        return _load(ctx, root, iteration)
+    candidates = [iteration] + complete_iterations(root, iteration)
+    for n, it in enumerate(candidates):
+        problem = None
+        try:
+            _load(ctx, root, it)
+        except CorruptCheckpoint as exc:
+            problem = exc
+        first = _first_failing_rank(problem is not None)
+        if first is None:
+            return it
+        following = candidates[n + 1] if n + 1 < len(candidates) else None
+        if problem is not None and first == _rank(ctx):
+            _log.warning("checkpoint iteration %d is not trained from: %s failed verification (%s); %s", it,
+                         problem.path, problem.reason,
+                         "no earlier complete checkpoint is left" if following is None else
+                         f"loading the previous complete checkpoint, iteration {following}")
+        if following is None:
+            raise problem if problem is not None else CorruptCheckpoint(
+                checkpoint_dir(root, it), f"rank {first} found a file of it corrupt (see its log line) and no "
+                                          "earlier complete checkpoint is left")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load(ctx, root: Path, iteration: int) -> int:
     directory = checkpoint_dir(root, iteration)
     if not torch_dist.has_index(directory):
         raise FileNotFoundError(f"{directory} holds no checkpoint written by mindio (no __<rank>.mindio.json); "
@@ -388,6 +451,7 @@ def load_checkpoint(ctx, root: Optional[Path] = None, iteration: Optional[int] =
         chunk.load_state_dict(loaded["model" if len(ctx.model) == 1 else f"model{i}"], strict=True)
     ctx.optimizer.load_state_dict(loaded["optimizer"])
     if ctx.scheduler is not None:
+        ctx.scheduler.num_steps = 0  # megatron's load_state_dict adds the checkpoint's steps to its count
         ctx.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     ctx.iteration = int(loaded["iteration"])
     ctx.consumed_samples = int(loaded["args"].consumed_train_samples)

@@ -41,6 +41,12 @@ What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
    instead of 1/d, so that loop was the largest part of the replicas' extra step time (issue 18,
    docs/benchmarks.md). On GPU megatron already uses a fused kernel (TE/Apex FusedAdam).
 
+5. The replica cross-check (``MINDIO_CROSSCHECK_STEPS=N``, mindio.adapter.crosscheck): after each
+   update the holders of this shard (megatron's inter-instance group) compare the CRC-32 of one N-th of
+   it; the slice is chosen by Adam's step count, which every holder shares. A mismatch is logged,
+   recorded (event ``replica_mismatch``) and raised (:class:`~mindio.adapter.crosscheck.ReplicaMismatch`).
+   :meth:`ReplicaDistributedOptimizer.flip_bit` is the ``--inject flip`` drill's corruption.
+
 :func:`install` puts the class into the ``megatron.core.optimizer`` namespace, where
 ``get_megatron_optimizer`` looks ``DistributedOptimizer`` up, so megatron builds ours; it also makes
 megatron's grad reduce-scatter and param all-gather skip a one-rank optimizer instance (d = R), where they
@@ -54,6 +60,8 @@ from typing import List
 
 import torch
 from megatron.core import optimizer as _mopt
+
+from mindio import _knobs, _logging
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 __all__ = ["ReplicaDistributedOptimizer", "install", "distributed_optimizers", "params_from_main", "STATE_KEYS"]
@@ -81,7 +89,78 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
         self.params_synced = False
         ok = super().step_with_ready_grads()
         self.params_synced = not (self.ddp_config.overlap_param_gather or self.ddp_config.use_megatron_fsdp)
+        every = _knobs.get("MINDIO_CROSSCHECK_STEPS")
+        if every:
+            self.cross_check(every)
         return ok
+
+    # -- replica cross-check ----------------------------------------------------------------
+    @staticmethod
+    def _holders_group():
+        """The group of every holder of this rank's shard: megatron's inter-instance group (the same for
+        the dense and the expert optimizer), or None with one instance."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_inter_distributed_optimizer_instance_group(check_initialized=False)
+        return group if group is not None and torch.distributed.get_world_size(group) > 1 else None
+
+    def adam_step(self) -> int:
+        """Adam's step count of this shard (replicated state: the same on every holder)."""
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return 0
+
+    #: mismatches found by :meth:`cross_check` and not yet taken (:meth:`take_mismatches`); with
+    #: ``defer_mismatch`` False (no :class:`mindio.megatron.verified.VerifiedState`) the first one is raised
+    mismatches: list = []
+    defer_mismatch = False
+
+    def cross_check(self, every: int) -> None:
+        """Compare this step's slice of the shard with the other holders (collective over the world)."""
+        group = self._holders_group()
+        if group is None:  # one optimizer instance: no replica to compare with
+            return
+        from mindio.adapter.crosscheck import ReplicaMismatch, compare
+
+        tensors = self.shard_state()
+        key = min(torch.distributed.get_process_group_ranks(group))
+        found = compare(tensors, self.adam_step(), every, key, self.data_parallel_group.rank(),
+                        tensors[0].device if tensors else None)
+        me = torch.distributed.get_rank()
+        for incident in found:
+            if me in incident["holders"]:
+                _log.error("%s", ReplicaMismatch(incident))
+                _logging.event("replica_mismatch", **{k: v for k, v in incident.items() if k != "kind"})
+        if found and not self.defer_mismatch:
+            raise ReplicaMismatch(found[0])
+        self.mismatches = self.mismatches + found
+
+    def take_mismatches(self) -> list:
+        found, self.mismatches = self.mismatches, []
+        return found
+
+    @torch.no_grad()
+    def flip_bit(self, which: str = "param", bit: int = 0) -> str:
+        """Flip mantissa bit ``bit`` of one fp32 element of this shard's ``which`` (a STATE_KEYS name but
+        ``step``): the largest in magnitude of the first such tensor with a nonzero one (a plausible value,
+        never a NaN; on a large value the next updates do not round the flipped low bit away). Returns what
+        was flipped (for the drill's line)."""
+        if which not in STATE_KEYS[:3]:
+            raise ValueError(f"flip: {which!r} is not one of {STATE_KEYS[:3]}")
+        if not 0 <= bit < 23:
+            raise ValueError(f"flip: bit {bit} is not a mantissa bit of fp32 (0..22)")
+        tensors = self.shard_state()
+        for i in range(STATE_KEYS.index(which), len(tensors), len(STATE_KEYS)):
+            t = tensors[i]
+            if t.dtype != torch.float32 or not t.is_contiguous() or not t.numel() or not t.abs().max():
+                continue
+            j = int(t.reshape(-1).abs().argmax())
+            before = float(t.reshape(-1)[j])
+            t.reshape(-1)[j:j + 1].view(torch.int32).bitwise_xor_(1 << bit)
+            self.params_synced = False
+            return f"{which} of shard tensor {i}, element {j}, bit {bit}: {before!r} -> {float(t.reshape(-1)[j])!r}"
+        raise ValueError(f"flip: no nonzero contiguous fp32 {which} in this rank's shard")
 
     # -- upstream bug 1 ---------------------------------------------------------------------
     @torch.no_grad()

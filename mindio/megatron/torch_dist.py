@@ -23,6 +23,11 @@ I/O path: the data files and ``common.pt`` go through the mindio checkpoint stor
 written to storage atomically; they are the exact bytes PyTorch's writer produces. Small metadata files
 are written to storage directly (another rank reads them at once).
 
+Verification: every item's bytes carry a CRC-32 (``crc32`` of its entry in the JSON piece, computed from the
+bytes written), ``common.pt`` one in ``common.mindio.json``; reading checks each item it reads, and
+``common.pt``, before using them and raises :class:`CorruptCheckpoint` naming the file and the reason (a
+checkpoint written before the checksums existed is read unchecked).
+
 Reading (:func:`read_local`, one rank, no collectives) never unpickles: the DCP metadata is rebuilt
 from the JSON pieces, ``common.pt`` and the sharded objects are read with ``torch.load(weights_only=
 True)`` (plus argparse.Namespace and numpy's RNG state arrays, which Megatron's own files contain).
@@ -47,6 +52,7 @@ from typing import Any, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import (FileSystem, FileSystemReader, FileSystemWriter,
                                                      _StorageInfo, _StoragePrefix)
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
@@ -56,14 +62,25 @@ from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, Te
 from torch.distributed.checkpoint.storage import WriteResult
 
 from mindio import _logging
+from mindio._native import crc32
 from mindio.acp._storage import atomic_write, file_mode
 
 __all__ = ["COMMON", "write_local", "write_common", "finalize", "read_local", "read_common",
-           "has_index", "SAFE_GLOBALS"]
+           "has_index", "is_complete", "SAFE_GLOBALS", "CorruptCheckpoint"]
 
 _log = logging.getLogger(__name__)
 
 COMMON = "common.pt"
+COMMON_SUM = "common.mindio.json"  # the CRC-32 and size of common.pt
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file whose bytes are not those written (CRC-32 or size differ), or whose index is
+    unreadable. ``path``: the file; ``reason``: what differs."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
 CONFIG = "metadata.json"  # megatron's CheckpointingConfig
 _PIECE = "__{rank}.mindio.json"
 _BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -131,15 +148,19 @@ def _open_read(path: Path):
 
 
 class _StoredBuffer(io.BytesIO):
-    """A write stream whose bytes go to :func:`_store` when it is closed (DCP closes it itself)."""
+    """A write stream whose bytes go to :func:`_store` when it is closed (DCP closes it itself); they are
+    also handed to ``sink`` (path, bytes), which checksums the items in them."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sink=None):
         super().__init__()
-        self._path = path
+        self._path, self._sink = path, sink
 
     def close(self) -> None:
         if not self.closed:
-            _store(self._path, self.getvalue())
+            data = self.getvalue()
+            _store(self._path, data)
+            if self._sink is not None:
+                self._sink(self._path, data)
         super().close()
 
 
@@ -226,11 +247,13 @@ def _exact(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
 
-def _write_pooled(final: SavePlan, planner, directory: Path, rank: int, crc: bool) -> Optional[list]:
+def _write_pooled(final: SavePlan, planner, directory: Path, rank: int, crc: bool,
+                  crcs: list) -> Optional[list]:
     """This rank's data file ``__<rank>_0.distcp`` written straight into a region of the store's pool: a
     sizing pass (torch.save into a counter), one region of exactly that size, then each item's bytes in
     place (DCP's order and record format: what its reader and Megatron's read). The WriteResults, or None
-    when the store has no pool to write into (the caller uses DCP's writer)."""
+    when the store has no pool to write into (the caller uses DCP's writer). ``crcs`` gets the CRC-32 of
+    each result's bytes as they lie in the region (mindio's check at load; ``crc``: torch's own per record)."""
     from mindio.acp._files import write_region
 
     name = f"__{rank}_0.distcp"
@@ -261,6 +284,7 @@ def _write_pooled(final: SavePlan, planner, directory: Path, rank: int, crc: boo
                     raise RuntimeError(f"{item.index.fqn}: torch.save wrote {stream.tell() - offset} B, sized {size} B")
                 results.append(WriteResult(index=item.index, size_in_bytes=size,
                                            storage_data=_StorageInfo(name, offset, size)))
+                crcs.append(crc32(memoryview(buf)[offset:offset + size]))
 
         if not write_region(str(directory / name), sum(sizes), write, mode=file_mode()):
             return None
@@ -268,12 +292,20 @@ def _write_pooled(final: SavePlan, planner, directory: Path, rank: int, crc: boo
 
 
 class _StoreFileSystem(FileSystem):
-    """DCP's file system with every data file written and read through :func:`_store`/:func:`_fetch`."""
+    """DCP's file system with every data file written and read through :func:`_store`/:func:`_fetch`.
+    ``written`` keeps the bytes of each file written (by name) until the items' checksums are taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: dict = {}
+
+    def _keep(self, path: Path, data: bytes) -> None:
+        self.written[path.name] = data
 
     @contextmanager
     def create_stream(self, path, mode):
         if mode == "wb":
-            with _StoredBuffer(Path(path)) as buf:
+            with _StoredBuffer(Path(path), self._keep) as buf:
                 yield buf
         elif mode == "rb":
             with _open_read(Path(path)) as stream:
@@ -333,12 +365,29 @@ def _result_to_json(res: WriteResult) -> dict:
             "file": info.relative_path, "offset": info.offset, "length": info.length}
 
 
-def _result_from_json(raw: dict) -> WriteResult:
+@dataclasses.dataclass
+class _CheckedInfo(_StorageInfo):
+    """DCP's storage info of an item plus the CRC-32 of its bytes (reading only: never pickled into
+    ``.metadata``, which Megatron and torch unpickle without mindio)."""
+
+    crc32: Optional[int] = None
+
+
+def _result_from_json(raw: dict, checked: bool = False) -> WriteResult:
     name = str(raw["file"])
     if "/" in name or name.startswith("."):
         raise ValueError(f"checkpoint index names a file outside its directory: {name!r}")
-    return WriteResult(index=_index_from_json(raw["index"]), size_in_bytes=int(raw["size"]),
-                       storage_data=_StorageInfo(name, int(raw["offset"]), int(raw["length"])))
+    where = (name, int(raw["offset"]), int(raw["length"]))
+    info = _CheckedInfo(*where, crc32=raw.get("crc32")) if checked else _StorageInfo(*where)
+    return WriteResult(index=_index_from_json(raw["index"]), size_in_bytes=int(raw["size"]), storage_data=info)
+
+
+def _checksums(results: List[dict], written: dict) -> None:
+    """Add the CRC-32 of each written item's bytes to its JSON result (``written``: file name -> bytes)."""
+    for raw in results:
+        data = written.get(raw["file"])
+        if data is not None:
+            raw["crc32"] = crc32(memoryview(data)[raw["offset"]:raw["offset"] + raw["length"]])
 
 
 # ------------------------------------------------------------------------------- writing
@@ -368,7 +417,8 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
 
     ``writers``: every rank that writes this save (the finalizer reads exactly their pieces); ``save_id``
     names the save, so that a piece left by another save in the same directory is never merged.
-    ``last_words`` (a dump): the records carry no CRC32 (written at memory speed; torch.load reads them).
+    ``last_words`` (a dump): the records carry no torch CRC32 (written at memory speed; torch.load reads
+    them); every item still gets mindio's CRC-32 in the index, checked at load.
     With the checkpoint store running, the data file is written straight into a region of its pool
     (:func:`_write_pooled`); the rate is logged (event ``data_written``).
     Returns the common (non-sharded) part of the state dict."""
@@ -385,14 +435,16 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
         planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
         writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=False, thread_count=1,
                                   overwrite=True)
-        writer.fs = _StoreFileSystem()
+        writer.fs = fs = _StoreFileSystem()
         planner.set_up_planner(pyt, is_coordinator=True)
         writer.set_up_storage_writer(True)
         plan = writer.prepare_local_plan(planner.create_local_plan())
         plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_"))
         final = planner.finish_plan(plan)
         t0 = time.perf_counter()
-        results = _write_pooled(final, planner, directory, rank, crc=not last_words) if _acp() is not None else None
+        pooled_crcs: list = []
+        results = _write_pooled(final, planner, directory, rank, crc=not last_words, crcs=pooled_crcs) \
+            if _acp() is not None else None
         pooled = results is not None
         if not pooled:
             results = writer.write_data(final, planner).wait()
@@ -403,18 +455,27 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
         "last-words checkpoint" if last_words else "checkpoint", took,
         nbytes / max(took, 1e-9) / 1e9, " into the store's pool" if pooled else "")
     _logging.event("data_written", bytes=nbytes, s=round(took, 6), pooled=pooled, last_words=last_words)
+    written = [_result_to_json(r) for r in results]
+    if pooled:  # the CRC-32 of each item's bytes in the region (_write_pooled), else of the bytes DCP wrote
+        for raw, crc in zip(written, pooled_crcs):
+            raw["crc32"] = crc
+    else:
+        _checksums(written, fs.written)
+    fs.written.clear()
     piece = {"save_id": save_id, "rank": rank, "writers": sorted(set(int(w) for w in writers)),
-             "items": [_item_to_json(i) for i in final.items],
-             "results": [_result_to_json(r) for r in results]}
+             "items": [_item_to_json(i) for i in final.items], "results": written}
     _atomic_write(directory / _PIECE.format(rank=rank), json.dumps(piece).encode())
     return common
 
 
 def write_common(common: dict, directory: Path) -> None:
-    """``common.pt`` (torch.save bytes, read by Megatron with ``torch.load``), through the store."""
+    """``common.pt`` (torch.save bytes, read by Megatron with ``torch.load``), through the store, and its
+    CRC-32 (``common.mindio.json``, to storage)."""
     buf = io.BytesIO()
     torch.save(common, buf)
-    _store(Path(directory) / COMMON, buf.getvalue())
+    data = buf.getvalue()
+    _store(Path(directory) / COMMON, data)
+    _atomic_write(Path(directory) / COMMON_SUM, json.dumps({"crc32": crc32(data), "size": len(data)}).encode())
 
 
 def _pieces(directory: Path, save_id: str, writers: Optional[List[int]]) -> List[dict]:
@@ -435,7 +496,7 @@ def _pieces(directory: Path, save_id: str, writers: Optional[List[int]]) -> List
     return out
 
 
-def _metadata(pieces: List[dict]) -> Metadata:
+def _metadata(pieces: List[dict], checked: bool = False) -> Metadata:
     """The global DCP metadata of the pieces, merged and validated by DCP itself."""
     from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
@@ -446,7 +507,7 @@ def _metadata(pieces: List[dict]) -> Metadata:
     storage = {}
     for p in pieces:
         for raw in p["results"]:
-            res = _result_from_json(raw)
+            res = _result_from_json(raw, checked)
             storage[res.index] = res.storage_data
     metadata.storage_data = storage
     return metadata
@@ -473,6 +534,13 @@ def has_index(directory: Path) -> bool:
     return any(Path(directory).glob("__*.mindio.json"))
 
 
+def is_complete(directory: Path) -> bool:
+    """Whether ``directory`` holds a finished checkpoint of this module: its pieces, ``common.pt`` and the
+    files :func:`finalize` writes last."""
+    d = Path(directory)
+    return has_index(d) and all((d / name).exists() for name in (COMMON, ".metadata", CONFIG))
+
+
 # ------------------------------------------------------------------------------- reading
 class _IndexReader(FileSystemReader):
     """DCP reader whose metadata comes from the JSON pieces (never from the pickled ``.metadata``)."""
@@ -483,13 +551,38 @@ class _IndexReader(FileSystemReader):
         self._dir = Path(directory)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        raw = [json.loads(p.read_text()) for p in sorted(self._dir.glob("__*.mindio.json"))]
+        raw = []
+        for path in sorted(self._dir.glob("__*.mindio.json")):
+            try:
+                raw.append(json.loads(path.read_text()))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise CorruptCheckpoint(path, f"unreadable index ({exc})") from None
         if not raw:
             raise FileNotFoundError(f"{self._dir} holds no mindio checkpoint index (__<rank>.mindio.json)")
         newest = max(raw, key=lambda p: os.path.getmtime(self._dir / _PIECE.format(rank=p["rank"])))
-        metadata = _metadata(_pieces(self._dir, newest["save_id"], newest["writers"]))
+        metadata = _metadata(_pieces(self._dir, newest["save_id"], newest["writers"]), checked=True)
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
+
+    def _slice_file(self, file, sinfo):
+        """One item, its bytes checked against the CRC-32 its writer recorded first: the store's pooled bytes in
+        place (then read in place, as before), a file's read once into memory."""
+        crc = getattr(sinfo, "crc32", None)
+        if crc is None:  # written before the checksums existed
+            return super()._slice_file(file, sinfo)
+        pooled = getattr(file, "_view", None)  # the store's pooled bytes: checked in place, then read in place
+        if pooled is not None:
+            with pooled[sinfo.offset:sinfo.offset + sinfo.length] as part:  # released before the stream closes
+                got, size = crc32(part), len(part)
+        else:
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            got, size = crc32(data), len(data)
+        if size != sinfo.length or got != crc:
+            raise CorruptCheckpoint(self._dir / sinfo.relative_path,
+                                    f"bytes {sinfo.offset}..{sinfo.offset + sinfo.length} have CRC-32 "
+                                    f"{got:08x} ({size} bytes), written with {crc:08x}")
+        return super()._slice_file(file, sinfo) if pooled is not None else io.BytesIO(data)
 
 
 def _safe_load(data) -> Any:
@@ -498,8 +591,21 @@ def _safe_load(data) -> Any:
 
 
 def read_common(directory: Path) -> dict:
+    """``common.pt``, checked against ``common.mindio.json`` when that exists (:class:`CorruptCheckpoint`)."""
     path = Path(directory) / COMMON
-    return _safe_load(io.BytesIO(_fetch(path)))
+    data = _fetch(path)
+    sums = Path(directory) / COMMON_SUM
+    if sums.exists():
+        try:
+            want = json.loads(sums.read_text())
+            crc, size = int(want["crc32"]), int(want["size"])
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpoint(sums, f"unreadable checksum record ({exc})") from None
+        got = crc32(data)
+        if len(data) != size or got != crc:
+            raise CorruptCheckpoint(path, f"CRC-32 {got:08x} ({len(data)} bytes), written with {crc:08x} "
+                                          f"({size} bytes)")
+    return _safe_load(io.BytesIO(data))
 
 
 def read_local(sharded_state_dict: dict, directory: Path) -> dict:
@@ -528,9 +634,15 @@ def read_local(sharded_state_dict: dict, directory: Path) -> dict:
     orig = sharded
     flat, flat_mapping, rename = _replace_state_dict_keys_with_sharded_keys(sharded)
     pyt = mcore_to_pyt_state_dict(flat, True)
-    dcp.load(pyt, storage_reader=_IndexReader(directory),
-             planner=SafeLoadPlanner(shapes_validation_sharded_tensors=shapes, flatten_state_dict=False),
-             no_dist=True)
+    try:
+        dcp.load(pyt, storage_reader=_IndexReader(directory),
+                 planner=SafeLoadPlanner(shapes_validation_sharded_tensors=shapes, flatten_state_dict=False),
+                 no_dist=True)
+    except CheckpointException as exc:  # DCP wraps what the reader raised: a corrupt file is said as such
+        corrupt = [e for e, _ in exc.failures.values() if isinstance(e, CorruptCheckpoint)]
+        if corrupt:
+            raise corrupt[0] from None
+        raise
     loaded = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
     loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename)
     _restore_dict_types(loaded, orig)

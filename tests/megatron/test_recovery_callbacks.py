@@ -58,8 +58,8 @@ def test_dump_then_load_is_bitwise(reference_digest, tmp_path, scenario):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     # Megatron's torch_dist layout; only the two dumping ranks (one per shard) wrote data
     assert sorted(p.name for p in (ckpt / "iter_0000006").iterdir()) == [
-        ".metadata", "__0.mindio.json", "__0_0.distcp", "__3.mindio.json", "__3_0.distcp", "common.pt",
-        "metadata.json"]
+        ".metadata", "__0.mindio.json", "__0_0.distcp", "__3.mindio.json", "__3_0.distcp", "common.mindio.json",
+        "common.pt", "metadata.json"]
     resumed = torchrun(PRETRAIN, ["--use-distributed-optimizer", "--replica-cnt", 2,
                                   "--train-iters", 12, "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert "loaded checkpoint iteration 6" in resumed
@@ -135,3 +135,49 @@ def test_controller_dump_tp2_dp2_loads_bitwise(tmp_path):
     assert sorted(p.name for p in (ckpt / "iter_0000005").glob("*.distcp")) == ["__0_0.distcp", "__3_0.distcp"]
     resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=150, launcher=LAUNCH)
     assert digests(resumed)[-1] == reference
+
+
+def _flip_byte(path, at: float = 0.5) -> None:
+    """Change one byte of ``path`` on disk (at a fraction ``at`` of its length), from outside the job."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _restart_store() -> None:
+    """Stop this test process's checkpoint-store daemon (it persists what it holds first): its pool still
+    holds the bytes the jobs wrote, and a relaunch reads the pool before storage. The next job starts a
+    fresh one, which reads what is on disk."""
+    import os
+
+    from tests.acp.conftest import stop_daemon
+
+    stop_daemon(os.environ["MINDIO_ACP_DIR"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _ttp_available(), reason="mindio.ttp is not available")
+def test_corrupt_checkpoints_are_never_trained_from(reference_digest, tmp_path):
+    """Periodic checkpoints at 2 and 4, a last-words dump of step 5 after a fault at 6. One byte changed on
+    disk in the dump (in a shard only ranks 1 and 3 read: every rank must still agree) and one in the
+    periodic checkpoint of 4 (common.pt, which every rank reads). The relaunch (mindio-run) logs one line
+    per corrupt checkpoint naming its file, resumes from iteration 2 and ends with the uninterrupted run's
+    digest: no restart, no loop."""
+    ckpt = tmp_path / "ha"
+    common = ["--use-distributed-optimizer", "--enable-high-availability", "--train-iters", 12]
+    rc, out = torchrun(PRETRAIN, common + ["--save", ckpt, "--save-interval", 2, "--inject", "raise:rank=1,step=6"],
+                       timeout=150, env={"TTP_NORMAL_ACTION_TIME_LIMIT": "60"}, check=False)
+    assert rc != 0 and "exitcode  : 75" in out, out[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"  # the dump
+    _restart_store()
+    _flip_byte(ckpt / "iter_0000005" / "__3_0.distcp")
+    _flip_byte(ckpt / "iter_0000004" / "common.pt")
+    resumed = torchrun(PRETRAIN, common + ["--no-dump", "--load", ckpt], timeout=200, launcher="mindio.launch.cli")
+    lines = re.findall(r".*failed verification.*", resumed)
+    assert len(lines) == 2, resumed[-4000:]
+    assert "checkpoint iteration 5 is not trained from" in lines[0] and "iter_0000005/__3_0.distcp" in lines[0]
+    assert "previous complete checkpoint, iteration 4" in lines[0]
+    assert "checkpoint iteration 4 is not trained from" in lines[1] and "iter_0000004/common.pt" in lines[1]
+    assert "previous complete checkpoint, iteration 2" in lines[1]
+    assert re.findall(r"loaded checkpoint iteration \d+", resumed) == ["loaded checkpoint iteration 2"]
+    assert digests(resumed)[-1] == reference_digest

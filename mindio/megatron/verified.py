@@ -1,0 +1,147 @@
+"""Undo silent corruption: roll the job back to the last verified state when the replica cross-check
+finds two holders of a shard that differ (mindio.adapter.crosscheck, ``MINDIO_CROSSCHECK_STEPS=N``).
+
+At every full-coverage boundary (``iteration % N == 0``) :meth:`VerifiedState.after_step` verifies this
+rank's optimizer shard(s) (fp32 main params, Adam moments and step) in full -- every holder hashes all of
+it and all compare (one all-gather over the world) -- and then keeps a copy of them (in the previous
+copy's memory) and of the scalar state (iteration, consumed samples, scheduler, loss scale, RNG), with the
+copy's CRC-32, checked again before the copy is ever restored. A mismatch found later by the per-step check (every
+rank learns of it at the same step) makes every rank load that copy back, take the model params from the
+main shards again (``params_from_main``) and recompute from there: the training loop restarts its data at
+``ctx.consumed_samples`` (``after_step`` returns True). The end state is bit for bit that of a fault-free
+run. A rank in two mismatches within ``MINDIO_CROSSCHECK_WINDOW`` steps is sub-healthy: it raises
+:class:`SubHealthyRank` (the others go on into the next collective, where mindio's recovery finds them).
+
+Memory: one copy of the shard state per rank (12 bytes per param held), in host memory on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from mindio import _knobs, _logging
+from mindio.adapter.crosscheck import ReplicaMismatch, compare, range_crc, shard_bytes
+
+from .optimizer import distributed_optimizers, params_from_main
+
+__all__ = ["VerifiedState", "SubHealthyRank"]
+
+_log = logging.getLogger(__name__)
+
+
+class SubHealthyRank(RuntimeError):
+    """This rank was a holder in two replica mismatches within the window: replace it."""
+
+
+@dataclass
+class _Snapshot:
+    iteration: int
+    shards: List[List[torch.Tensor]]  # per distributed optimizer, cloned
+    scalars: Dict
+    owners: List[int]  # id() of the optimizers it was taken from
+    sums: List[int]  # CRC-32 of each optimizer's copy, checked before it is restored
+
+
+class VerifiedState:
+    """Keeps the last verified state of this rank and rolls back to it; call :meth:`after_step` after
+    every completed step, on every rank."""
+
+    def __init__(self, every: Optional[int] = None, window: Optional[int] = None):
+        self.every = every if every is not None else _knobs.get("MINDIO_CROSSCHECK_STEPS")
+        self.window = window if window is not None else _knobs.get("MINDIO_CROSSCHECK_WINDOW")
+        self.snapshot: Optional[_Snapshot] = None
+        self.incidents: List[Dict] = []  # (step, holders) of every mismatch, for the sub-health rule
+
+    def after_step(self, ctx) -> bool:
+        """After step ``ctx.iteration`` completed (counters, scheduler): roll back if the cross-check found
+        a mismatch (returns True: restart the data at ``ctx.consumed_samples``), else keep a verified
+        snapshot at a coverage boundary. Collective over the world when it acts."""
+        if not self.every:
+            return False
+        opts = distributed_optimizers(ctx.optimizer)
+        if self.snapshot is not None and self.snapshot.owners != [id(o) for o in opts]:
+            self.snapshot = None  # the optimizers were built again (a recovery, a new layout): keep a new one
+        found = []
+        for o in opts:
+            o.defer_mismatch = True  # a rebuilt optimizer too
+            found += o.take_mismatches()
+        if not found and ctx.iteration % self.every == 0:
+            found = self._capture(ctx, opts)
+        if not found:
+            return False
+        self._check_health(found, ctx.iteration)
+        if not self._same_snapshot_everywhere(opts):
+            raise ReplicaMismatch(found[0])  # nothing verified to go back to on every rank
+        self._restore(ctx, opts, found[0])
+        return True
+
+    def _same_snapshot_everywhere(self, opts) -> bool:
+        """Collective over the world: does every rank hold a verified copy of the same step? (A replacement
+        process, or a rank whose optimizer was built again since, holds none.)"""
+        mine = self.snapshot.iteration if self.snapshot is not None else -1
+        tensors = opts[0].shard_state() if opts else []
+        device = tensors[0].device if tensors else None
+        both = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN)
+        low, high = int(both[0]), -int(both[1])
+        return low == high >= 0
+
+    def _capture(self, ctx, opts) -> List[Dict]:
+        """Verify this rank's shards in full across the holders, then copy them (into the previous copy's
+        memory when the layout is the same: no new pages) and the scalars, with each copy's CRC-32."""
+        live = [o.shard_state() for o in opts]
+        found, sums = [], []
+        for o, tensors in zip(opts, live):
+            group = o._holders_group()
+            sums.append(range_crc(tensors, 0, shard_bytes(tensors)))
+            if group is None:
+                continue
+            key = min(dist.get_process_group_ranks(group))
+            found += compare(tensors, ctx.iteration, 1, key, o.data_parallel_group.rank(),
+                             tensors[0].device if tensors else None)
+        if found:
+            return found
+        old = self.snapshot
+        reuse = old is not None and [[(t.shape, t.dtype) for t in g] for g in old.shards] == \
+            [[(t.shape, t.dtype) for t in g] for g in live]
+        with torch.no_grad():
+            shards = ([[dst.copy_(src) for dst, src in zip(d, g)] for d, g in zip(old.shards, live)] if reuse
+                      else [[t.detach().clone() for t in g] for g in live])
+        self.snapshot = _Snapshot(ctx.iteration, shards, ctx.scalar_state(), [id(o) for o in opts], sums)
+        return []
+    def _restore(self, ctx, opts, incident: Dict) -> None:
+        snap = self.snapshot
+        found_at = ctx.iteration
+        for saved, want in zip(snap.shards, snap.sums):
+            got = range_crc(saved, 0, shard_bytes(saved))
+            if got != want:  # the copy itself changed since it was verified: never restore it
+                raise ReplicaMismatch(incident) from RuntimeError(
+                    f"the verified copy of step {snap.iteration} changed in memory (CRC-32 {got:08x}, kept "
+                    f"{want:08x}): nothing verified to roll back to")
+        for o, saved in zip(opts, snap.shards):
+            o.load_shard_state(saved)
+        if ctx.scheduler is not None:
+            ctx.scheduler.num_steps = 0  # megatron's load_state_dict adds the saved steps to its count
+        ctx.load_scalar_state(snap.scalars)
+        params_from_main(opts, ctx.model, intact=False)
+        ctx.params_pending = None
+        if dist.get_rank() == 0:
+            _log.warning("replica mismatch found at step %d (shard %s, holders %s, bytes %d..%d): rolled back to "
+                         "the verified state of step %d; recomputing steps %d..%d", found_at, incident["shard"],
+                         incident["holders"], *incident["slice"], snap.iteration, snap.iteration + 1, found_at)
+        _logging.event("replica_undo", found_at=found_at, to_step=snap.iteration, holders=incident["holders"])
+
+    def _check_health(self, found: List[Dict], step: int) -> None:
+        self.incidents = [i for i in self.incidents if step - i["at"] < self.window]
+        self.incidents += [{"at": step, "holders": i["holders"]} for i in found]
+        me = dist.get_rank()
+        mine = [i for i in self.incidents if me in i["holders"]]
+        if len(mine) >= 2:
+            raise SubHealthyRank(f"rank {me} is sub-healthy: a holder in {len(mine)} replica mismatches within "
+                                 f"{self.window} steps (MINDIO_CROSSCHECK_WINDOW), at steps "
+                                 f"{', '.join(str(i['at']) for i in mine)}: replace it")

@@ -129,21 +129,43 @@ def test_uce_is_retried_in_place_and_bitwise(tmp_path, fault_free):
     assert job.digests() == fault_free.digests(), job.tail()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_raise_under_mindio_run_ends_in_a_last_words_checkpoint(tmp_path):
-    """Rank 1 raises at step 6 under mindio-run: the dump of step 5 (``ckpt/latest``), every rank exits 75,
-    and the gloo errors its peers see are secondary: not one of them at WARNING but the one line that says
-    they are expected."""
-    job = Job(tmp_path, "mindio-run", args=["--inject", "raise:rank=1,step=6"])
-    assert job.code != 0 and (tmp_path / "ckpt" / "latest").read_text() == "5", job.tail()
-    assert (tmp_path / "ckpt" / "step_5_r0.pt").exists() or (tmp_path / "ckpt" / "step_5_r2.pt").exists()
-    assert job.text.count("exiting with code 75") == 4 and "workers exited 75" in job.text, job.tail()
+def secondary_line(job: Job) -> None:
+    """The gloo errors the peers of rank 1 see are secondary: not one of them at WARNING but the one line
+    that says they are expected, with the last step completed."""
     warnings = [line for line in job.text.splitlines() if " WARNING " in line]
     assert not [w for w in warnings if "GLHF" in w or "reporting RS_NORMAL" in w], warnings
     expected = [w for w in warnings if "saw secondary errors" in w]
     assert len(expected) == 1 and "the fault of [1]" in expected[0] and "expected" in expected[0], warnings
     assert "(after step 5)" in expected[0], expected  # the last step completed, said so
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_raise_outside_the_update_is_retried_in_place_and_bitwise(fault_free):
+    """Rank 1 raises once at step 6, in its forward pass (outside the optimizer update): the step is rolled
+    back and run again on every rank (issue 33), no process restarted, and the run ends bitwise equal to the
+    fault-free one."""
+    job = Job(fault_free.cwd.parent / "raise-retry", "mindio-run", args=["--inject", "raise:rank=1,step=6"])
+    assert job.code == 0, job.tail()
+    assert "retry done" in job.text and "exiting with code 75" not in job.text, job.tail()
+    assert job.digests() == fault_free.digests() and len(job.digests()) == 4, job.tail()
+    secondary_line(job)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_raise_opted_out_of_the_retry_ends_in_a_last_words_checkpoint(tmp_path):
+    """The same raise with its class opted out of the retry by the fault table (MINDIO_FAULT_TABLE) under
+    mindio-run: the dump of step 5 (``ckpt/latest``), every rank exits 75."""
+    table = tmp_path / "table.json"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text('{"patterns": [{"pattern": "RuntimeError:", "level": "RestartBusiness"}]}')
+    job = Job(tmp_path, "mindio-run", args=["--inject", "raise:rank=1,step=6"],
+              env={"MINDIO_FAULT_TABLE": str(table)})
+    assert job.code != 0 and (tmp_path / "ckpt" / "latest").read_text() == "5", job.tail()
+    assert (tmp_path / "ckpt" / "step_5_r0.pt").exists() or (tmp_path / "ckpt" / "step_5_r2.pt").exists()
+    assert job.text.count("exiting with code 75") == 4 and "workers exited 75" in job.text, job.tail()
+    secondary_line(job)
 
 
 @pytest.mark.slow

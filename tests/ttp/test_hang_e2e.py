@@ -25,14 +25,19 @@ pytestmark = pytest.mark.slow
 HANG_STEP = 35
 
 
+def _env(out: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MINDIO_HANG") and k != "HIGH_AVAILABILITY"}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_PORT=str(free_port()), TTP_LOG_STDOUT="1",
+               MINDIO_EVENT_LOG=str(out / "events.jsonl"))
+    return env
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("ddp,culprit", [(True, 1), (False, 2)], ids=["ddp", "all_reduce"])
 def test_a_hung_rank_is_named_within_3_s_and_only_it_is_killed(tmp_path, ddp, culprit):
     out = tmp_path / "run"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MINDIO_HANG") and k != "HIGH_AVAILABILITY"}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_PORT=str(free_port()), TTP_LOG_STDOUT="1",
-               MINDIO_EVENT_LOG=str(out / "events.jsonl"))
+    env = _env(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(HERE / "_hang_loop.py"), "--out", str(out), "--steps", "40",
            "--hang", f"{culprit}:{HANG_STEP}", *(["--ddp"] if ddp else [])]
@@ -65,3 +70,21 @@ def test_a_hung_rank_is_named_within_3_s_and_only_it_is_killed(tmp_path, ddp, cu
     decision = [e for e in events if e["kind"] == "decision"]
     assert len(decision) == 1 and decision[0]["strategy"] == "dump" and decision[0]["faulty"] == [culprit]
     assert (out / "ckpt" / "latest").read_text() == str(HANG_STEP - 1)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_writing_a_checkpoint_alone_past_the_job_bound_is_not_hung(tmp_path):
+    """Rank 0 alone writes a checkpoint for 6 s (its main thread busy: CPU, storage) at step 30, while its
+    DDP peers wait in the step's all-reduce; the job-derived bound is ~1 s. The bound applies to a main
+    thread that stopped working (a sleep, a block): this rank is slow, not hung, and the job ends normally."""
+    out = tmp_path / "run"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(HERE / "_hang_loop.py"), "--out", str(out), "--steps", "34",
+           "--work", "0:30:6", "--ddp"]
+    p = subprocess.run(cmd, env=_env(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-6000:]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line]
+    bound = [e for e in events if e["kind"] == "hang_bound"]
+    assert len(bound) == 1 and bound[0]["bound_s"] < 6, bound  # the job's bound was in force, below the work
+    assert not [e for e in events if e["kind"] in ("rank_hung", "decision")], p.stdout[-6000:]

@@ -116,3 +116,31 @@ def test_snapshot_reads_the_sequence_numbers_from_another_thread_while_a_collect
     assert collectives.snapshot() == {}
     gc.collect()
     assert ref() is None  # the snapshot's cache keeps no destroyed group alive (its connections would stay open)
+
+
+def test_under_the_job_derived_bound_a_working_main_thread_gets_the_bound_given():
+    """Rank 0 alone writes a checkpoint (its main thread used CPU 0.5 s ago) while rank 1 waits in the
+    next collective: not hung under the job's bound of 3 s, hung after the bound given (``patient``);
+    a main thread idle as long as the bound (a sleep) is hung at once; an unknown idle age (-1): as before."""
+    views = [_view(0, 4.0, {"0": 8}), _view(1, 4.0, {"0": 9}, coll=True)]
+    assert hangs.find_culprits(views, 3.0, need_waiter=True, idle={0: 0.5, 1: 4.0}, patient=300) == []
+    late = [_view(0, 301.0, {"0": 8}), _view(1, 301.0, {"0": 9}, coll=True)]
+    assert [h.rank for h in hangs.find_culprits(late, 3.0, need_waiter=True, idle={0: 0.5}, patient=300)] == [0]
+    assert [h.rank for h in hangs.find_culprits(views, 3.0, need_waiter=True, idle={0: 3.5}, patient=300)] == [0]
+    assert [h.rank for h in hangs.find_culprits(views, 3.0, need_waiter=True, idle={0: -1.0}, patient=300)] == [0]
+    assert [h.rank for h in hangs.find_culprits(views, 3.0, idle={0: 0.5}, patient=300)] == [0]  # a bound given
+
+
+def test_the_main_thread_is_idle_while_it_sleeps_and_working_while_it_computes():
+    import time
+    from mindio.ttp.processor.collectives import MainActivity
+
+    act = MainActivity()
+    time.sleep(0.3)
+    act.idle_age()
+    time.sleep(0.3)
+    assert act.idle_age() >= 0.25  # asleep: idle since the first read
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    assert act.idle_age() < 0.05  # it used CPU since the last read

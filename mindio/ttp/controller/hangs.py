@@ -16,7 +16,11 @@ counters) the older rule holds (policy.find_hung_ranks: a stalled rank whose mai
 ``torch.distributed``), never blaming a rank that is inside a collective by its number -- DDP's
 all-reduce runs from autograd, so the stack of a rank waiting in it shows no ``torch/distributed``.
 Under a bound derived from the job's steps that rule also needs a stalled rank inside a collective:
-every rank stalled outside one at once (a checkpoint all ranks write) is no hang.
+every rank stalled outside one at once (a checkpoint all ranks write) is no hang. And under such a bound
+a rank whose main thread is still working (its heartbeat's ``idle_age``: the thread used CPU or waited on
+storage within the bound: one rank writing a checkpoint alone) is not stalled: it gets the bound given
+(``MINDIO_HANG_TIMEOUT``'s, 300 s by default). A rank hung while spinning (a busy loop, a spinning device
+wait) therefore takes that long, as before the job-derived bound; one that sleeps or blocks is found fast.
 """
 from __future__ import annotations
 
@@ -88,14 +92,25 @@ def _seqs(raw) -> dict:
     return {g: s for g, s in raw.items() if g.__class__ is str and s.__class__ is int}
 
 
-def find_culprits(views, timeout: float, need_waiter: bool = False) -> list[Hung]:
+def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict | None = None,
+                  patient: float = 0.0) -> list[Hung]:
     """Ranks to kill as hung (module docstring). ``views``: (rank, progress_age_s, in_collective, step,
     {group: seq}) of live ranks; a negative age: not armed yet. ``need_waiter`` (a bound derived from
     the job's steps, seconds not minutes): the stack rule blames nobody unless a stalled rank is inside
-    a collective -- every rank stalled outside one (a checkpoint saved by all) is no hang."""
+    a collective -- every rank stalled outside one (a checkpoint saved by all) is no hang. ``idle``
+    ({rank: seconds since its main thread last ran or waited on storage, -1 unknown}) with ``patient``
+    (the bound given, MINDIO_HANG_TIMEOUT's): under a derived bound a rank whose main thread is working --
+    rank 0 alone writing a checkpoint while its peers wait in the next collective -- is stalled only after
+    ``patient`` s without a step."""
     if timeout <= 0:
         return []
-    stalled = {r for r, age, *_ in views if age >= timeout}
+    idle = idle or {}
+
+    def working(r: int, age: float) -> bool:
+        quiet = idle.get(r, -1.0)
+        return need_waiter and 0 <= quiet < timeout and age < patient
+
+    stalled = {r for r, age, *_ in views if age >= timeout and not working(r, age)}
     if not stalled:
         return []
     groups: dict[str, list] = {}

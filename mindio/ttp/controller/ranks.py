@@ -23,6 +23,7 @@ class RankRecord:
     in_collective: bool = False
     progress_age: float = -1.0
     coll_seq: dict = field(default_factory=dict)  # {group name: last collective entered} (processor/collectives.py)
+    idle_age: float = -1.0  # seconds since its main thread last ran or waited on storage (controller/hangs.py)
     step_p99: float = -1.0  # p99 of the rank's recent step times, -1 until known (controller/hangs.py)
     replica: list = field(default_factory=list)
     dp_group: list = field(default_factory=list)

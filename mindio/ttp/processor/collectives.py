@@ -15,13 +15,14 @@ cannot: DDP's all-reduce is issued from autograd, so a peer waiting for it shows
 from __future__ import annotations
 
 import collections
+import threading
 import time
 import weakref
 import zlib
 
 import torch.distributed as dist
 
-__all__ = ["snapshot", "StepTimes"]
+__all__ = ["snapshot", "StepTimes", "MainActivity"]
 
 
 # group name -> (weak reference to the group, its key): members listed once per group object; never a
@@ -89,3 +90,43 @@ class StepTimes:
             xs = sorted(self.times)
             self._p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
         return self._p99
+
+
+class MainActivity:
+    """How long the main thread has been idle (:meth:`idle_age`, read by the link thread at each beat): it
+    is working while it uses CPU (at least ``share`` of the time between two reads: its CPU clock,
+    ``pthread_getcpuclockid``) or waits on storage (state ``D`` in ``/proc/self/task/<tid>/stat``, an
+    fsync). A main thread waiting in a collective, sleeping or blocked on a lock is idle. The controller
+    gives a stalled rank whose main thread works the bound given, not the job's (controller/hangs.py)."""
+
+    def __init__(self, share: float = 0.05):
+        main = threading.main_thread()
+        self.share = share
+        try:
+            self._clock = time.pthread_getcpuclockid(main.ident)
+            self._cpu = time.clock_gettime(self._clock)
+        except (AttributeError, OSError):  # no per-thread CPU clock here: unknown (-1)
+            self._clock = None
+        self._stat = f"/proc/self/task/{main.native_id}/stat"
+        self._t = self._active = time.monotonic()
+
+    def _waits_on_storage(self) -> bool:
+        try:
+            with open(self._stat, "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] == b"D"
+        except (OSError, IndexError):
+            return False
+
+    def idle_age(self) -> float:
+        """(link thread) Seconds since the main thread last worked; -1 when this platform cannot tell."""
+        if self._clock is None:
+            return -1.0
+        now = time.monotonic()
+        try:
+            cpu = time.clock_gettime(self._clock)
+        except OSError:  # the main thread ended
+            return -1.0
+        if cpu - self._cpu >= self.share * (now - self._t) or self._waits_on_storage():
+            self._active = now
+        self._cpu, self._t = cpu, now
+        return now - self._active

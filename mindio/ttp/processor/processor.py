@@ -99,6 +99,7 @@ class Processor:
         self._main = MainState.RUNNING
         self._main_ident = threading.main_thread().ident
         self._progress_t: float | None = None
+        self.activity = collectives.MainActivity()  # is a stalled main thread working? (controller/hangs.py)
         self.step_times = collectives.StepTimes()  # for the controller's hang bound (controller/hangs.py)
         self._hang_min_steps = _knobs.get("MINDIO_HANG_MIN_STEPS")
         self._replies: collections.OrderedDict = collections.OrderedDict()
@@ -163,7 +164,7 @@ class Processor:
         age = -1.0 if self._progress_t is None else time.monotonic() - self._progress_t
         return P.Heartbeat(step=self.step, data_status=int(self.data_status),
                            in_collective=self._main_in_collective(), progress_age=age,
-                           coll_seq=collectives.snapshot(), step_p99=self.step_times.p99(self._hang_min_steps))
+                           coll_seq=collectives.snapshot(), idle_age=self.activity.idle_age(), step_p99=self.step_times.p99(self._hang_min_steps))
 
     def send_info(self) -> None:
         if self.link is not None:

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     import mindio
 
     p = get_args_parser()
-    p.prog, p.description, p.allow_abbrev = "mindio-run", DESCRIPTION, False
+    p.prog, p.description = "mindio-run", DESCRIPTION  # abbreviations allowed, as torchrun's parser
     for action in p._actions:
         action.help = _plain(action.help)
     notes = {
@@ -106,13 +106,31 @@ def _check_refused(p, a) -> None:
             p.error(f"{flag} {value}: not supported; {why}")
 
 
+def _unquote(text: str) -> str:
+    """``text`` without one pair of enclosing quotes (``'5'``, ``"a=1,b=2"``): a value quoted for a shell
+    reaches us quoted when no shell removed them (a job file, a list of arguments)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1].strip()
+    return text
+
+
 def _rdzv_conf(p, text: str) -> dict:
+    """torchrun's ``--rdzv-conf KEY=VALUE,...``; quotes around the whole or around a value are dropped;
+    the timeouts must be numbers (one line otherwise)."""
     out = {}
-    for item in filter(None, text.split(",")):
+    for item in filter(None, (i.strip() for i in _unquote(text).split(","))):
         key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"--rdzv-conf {text!r}: expected KEY=VALUE,... (e.g. timeout=600)")
-        out[key.strip()] = value.strip()
+        key, value = _unquote(key), _unquote(value)
+        if not sep or not key or not value:
+            p.error(f"--rdzv-conf {text!r}: expected KEY=VALUE,... (e.g. join_timeout=600)")
+        if key in ("join_timeout", "timeout", "read_timeout", "last_call_timeout", "close_timeout"):
+            try:
+                if float(value) <= 0:
+                    raise ValueError
+            except ValueError:
+                p.error(f"--rdzv-conf {key}={value}: expected a number of seconds > 0")
+        out[key] = value
     return out
 
 

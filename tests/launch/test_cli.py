@@ -102,6 +102,21 @@ def test_preemption_flags_reach_the_agent_and_its_workers(script, capsys, monkey
     assert "--preempt-timeout must be > 0" in _error(capsys, ["--preempt-timeout", "0", script])
 
 
+def test_abbreviated_flags_and_quoted_rdzv_conf_as_torchrun_takes_them(script, capsys):
+    """#30 items 7 and 8: torchrun's parser accepts unambiguous prefixes of long options (``--redirect=3``)
+    and its --rdzv-conf values quoted (a job file or an argument list keeps the quotes a shell removes)."""
+    cfg = parse_args(["--redirect=3", "--nproc-per", "2", "--max-restart", "1", script, "--redirect", "x"])
+    assert (cfg.redirects, cfg.nproc_per_node, cfg.max_restarts) == ("3", 2, 1)
+    assert cfg.args == ("--redirect", "x")  # the script's own arguments are never expanded
+    for conf in ("'join_timeout=5,read_timeout=5'", "join_timeout='5',read_timeout=\"5\"", "join_timeout=5, timeout=9"):
+        assert parse_args(["--rdzv-conf", conf, script]).rdzv_timeout == 5.0, conf
+    assert parse_args([f"--rdzv-conf=\"timeout=7\"", script]).rdzv_timeout == 7.0
+    assert _error(capsys, ["--stand", script]).endswith("ambiguous option: --stand could match --standalone, --standby")
+    assert _error(capsys, ["--rdzv-conf", "join_timeout=soon", script]) == \
+        "mindio-run: error: --rdzv-conf join_timeout=soon: expected a number of seconds > 0"
+    assert "expected KEY=VALUE" in _error(capsys, ["--rdzv-conf", "join_timeout", script])
+
+
 def test_flags_mindio_run_cannot_honour_fail_with_one_line(script, capsys):
     assert "--rdzv-backend zookeeper: not supported" in _error(capsys, ["--rdzv-backend", "zookeeper", script])
     # etcd (the agents' store on an etcd server: tests/recovery/test_etcd_store.py runs it)

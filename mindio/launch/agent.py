@@ -67,6 +67,9 @@ __all__ = ["LaunchConfig", "Agent"]
 
 # after a worker fails, how long to wait for the node's other workers before reporting who failed
 EXIT_GRACE_S = 1.0
+CONNECT_ATTEMPT_S = 1.0  # one attempt to reach node 0's agents' store (a stop signal waits at most this)
+STORE_PING_S = 5.0  # node 0's port accepts: the bound for its TCPStore to answer (a wrong port: one line)
+RETRY_LOG_S = 30.0  # while node 0's agents' store does not answer: one line per this many seconds
 
 
 class Agent:
@@ -170,6 +173,7 @@ class Agent:
                 self.leader.take(self._store)
             return
         timeout = datetime.timedelta(seconds=cfg.rdzv_timeout)
+        deadline = time.monotonic() + cfg.rdzv_timeout
         where = f"{cfg.master_addr}:{cfg.master_port}"
         host = cfg.node_rank == 0 and not cfg.standby
         if cfg.dynamic_rank:
@@ -189,9 +193,18 @@ class Agent:
                         raise ConfigError(f"cannot host the agents' store on {where}: {exc}") from None
                     host = False  # another agent on this host hosts the endpoint: join it
             if not host:
+                self._await_store(deadline)
+                # its c10d client retries (a line each) until its timeout: the port answers now, so a
+                # short one; then the rendezvous bound for the calls
                 self._store = TCPStore(cfg.master_addr, cfg.master_port, world_size=None, is_master=False,
-                                       timeout=timeout, wait_for_workers=False)
+                                       wait_for_workers=False, timeout=datetime.timedelta(
+                                           seconds=max(1.0, min(STORE_PING_S, deadline - time.monotonic()))))
+                self._store.set_timeout(timeout)
         except DistNetworkError as exc:
+            if time.monotonic() < deadline:  # the port accepted connections, and no TCPStore answered there
+                raise ConfigError(f"{where} accepts connections but is not node 0's agents' store (no TCPStore "
+                                  f"answered within {STORE_PING_S:g} s): check --master-addr/--master-port "
+                                  f"({str(exc).splitlines()[0]})") from None
             raise ConfigError(f"node 0's agent store at {where} did not answer within {cfg.rdzv_timeout:g} s "
                               f"(--rdzv-conf join_timeout=S sets it): start node 0's agent first, or check "
                               f"--master-addr/--master-port ({str(exc).splitlines()[0]})") from None
@@ -201,6 +214,36 @@ class Agent:
             self.cfg = dataclasses.replace(cfg, node_rank=0 if standby else node, standby=standby, dynamic_rank=False)
             _logging.set_context(node="-" if standby else node, rank="standby" if standby else "agent")
             log.info("c10d rendezvous: this agent is %s", "a standby" if standby else f"node {node}")
+
+    def _await_store(self, deadline: float) -> None:
+        """Wait until node 0's agents' store accepts connections: one connection attempt of at most
+        ``CONNECT_ATTEMPT_S`` at a time, so that a stop signal ends the wait at once (a TCPStore client
+        blocks in c10d until its timeout, printing a line per retry) and the log gets one line when the
+        wait starts, then one every ``RETRY_LOG_S`` (bounded: ``--rdzv-conf join_timeout``)."""
+        import socket
+
+        cfg, attempt, next_log = self.cfg, 0, time.monotonic()
+        while True:
+            if self._stopping:
+                raise _Stopped(f"stopped while waiting for node 0's agents' store at {cfg.master_addr}:"
+                               f"{cfg.master_port}")
+            attempt += 1
+            left = deadline - time.monotonic()
+            try:
+                with socket.create_connection((cfg.master_addr, cfg.master_port),
+                                              timeout=max(0.05, min(CONNECT_ATTEMPT_S, left))):
+                    return
+            except OSError as exc:
+                why = exc.strerror or type(exc).__name__
+            now = time.monotonic()
+            if now >= deadline:
+                return  # the store client says it did not answer (_connect: one line)
+            if now >= next_log:
+                log.warning("node 0's agents' store at %s:%d does not answer yet (attempt %d: %s); trying again "
+                            "for %.0f s more (--rdzv-conf join_timeout=S)", cfg.master_addr, cfg.master_port,
+                            attempt, why, deadline - now)
+                next_log = now + RETRY_LOG_S
+            time.sleep(min(0.2, max(0.0, deadline - now)))
 
     def _new_worker_store(self, rnd: int, gen: int | None = None) -> int:
         """The port of round ``rnd``'s workers' store: node 0 hosts it (not a standby that takes node 0 in
@@ -226,7 +269,7 @@ class Agent:
         deadline = time.monotonic() + self.cfg.rdzv_timeout
         while not self._store.check([key]):
             if self._stopping:
-                raise _Stopped()
+                raise _Stopped(f"stopped while waiting for {what} ({key})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {self.cfg.rdzv_timeout:g} s for {what} ({key}) from {whom}; "
                                    f"--rdzv-conf join_timeout=S sets the bound")
@@ -386,6 +429,9 @@ class Agent:
         deadline = time.monotonic() + self.cfg.rdzv_timeout
         waiting_for: list[int] = []  # lost nodes this round waits for (a standby's claim, or their agent back)
         while self._store.add(key, 0) < self.cfg.nnodes:
+            if self._stopping:
+                raise _Stopped(f"stopped while waiting for the other agents to join round {rnd} "
+                               f"({self._store.add(key, 0)} of {self.cfg.nnodes} joined)")
             lost = self._lost_nodes()
             spares = self._store.add("standby/count", 0) - self._store.add("standby/claimed", 0)
             short = lost if lost and spares < len(lost) else []
@@ -605,6 +651,10 @@ class Agent:
                 self._connect()
             self._was_standby = self.cfg.standby
             self.secret = secret.resolve(self.cfg, self._store)
+        except _Stopped as exc:
+            self._spares.close()
+            self._logs.close()
+            return self._stopped(exc)
         except BaseException:
             self._spares.close()
             self._logs.close()
@@ -639,8 +689,10 @@ class Agent:
                 rnd += 1
         except backup.NodeLost as exc:  # etcd: node 0 lost, this node holds the leader key now
             return backup.orphaned(self, self._backup, str(exc))
-        except (JobError, TimeoutError, _Stopped) as exc:
-            print(f"mindio-run: job failed: {exc or 'agent stopped by a signal'}", file=sys.stderr)
+        except _Stopped as exc:
+            return self._stopped(exc)
+        except (JobError, TimeoutError) as exc:
+            print(f"mindio-run: job failed: {exc}", file=sys.stderr)
             return 1
         except Exception as exc:  # node 0's store is gone (its host died or is cut off): one line, no traceback
             from torch.distributed import DistError  # loaded by now (the store client)
@@ -669,6 +721,12 @@ class Agent:
             self._beater.stop()
             self._leave()
             self._logs.close()
+
+    def _stopped(self, exc: "_Stopped") -> int:
+        """A stop signal ended a wait (the rendezvous, node 0's store): one line, exit 1 (no worker ran)."""
+        name = signal.Signals(self._signal).name if self._signal else "a signal"
+        print(f"mindio-run: job failed: {name}: {exc or 'the agent stopped'}", file=sys.stderr)
+        return 1
 
     def _finished(self, rnd: int) -> int:
         """Every worker's training finished: 0, unless a rank failed after its training finished."""
@@ -704,6 +762,8 @@ class Agent:
             # a vacant node (elastic.py) has no agent; a node lost in the round and not taken over (ha.py) has one
             # that will not come to leave (its loss ended the job, or came after its training: it is not awaited)
             left = self.cfg.nnodes - 1 - self._vacant(self._round) - len(self.lost_now)
+            # stopped in the rendezvous: only the agents that joined are awaited (none came: no wait)
+            left = min(left, self._store.add(f"round/{self._round}/joined", 0) - 1)
             while (n := self._store.add("job/left", 0)) < left:
                 if time.monotonic() >= deadline:
                     log.warning("left after waiting %g s for the other agents to leave (%d of %d did); the "

@@ -306,6 +306,61 @@ def test_a_lost_node_with_no_spare_ends_the_job_at_the_join_timeout(job):
     assert time.monotonic() - t0 < 60, out0
 
 
+def _await_line(p, text: str, timeout: float) -> list:
+    """The launcher's output lines up to the first that contains ``text`` (bounded)."""
+    import selectors
+
+    lines, deadline = [], time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
+            line = p.stdout.readline()
+            lines.append(line)
+            if not line or text in line:
+                break
+    assert lines and text in lines[-1], f"no {text!r} within {timeout} s: {''.join(lines)}"
+    return lines
+
+
+def _stop(p, head: list) -> tuple:
+    """SIGTERM to launcher ``p``: (its whole output, seconds it took to exit)."""
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    return "".join(head) + out, time.monotonic() - t0
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_the_rendezvous_wait_at_once(job):
+    """#30 item 4: mindio-run ends at once on SIGTERM while it waits in the rendezvous -- node 1 for a
+    node 0 that does not answer, node 0 for the other agents -- with one line saying what it waited for;
+    the wait for node 0 prints one line, not c10d's line per retry. (Also #30 items 7, 8: abbreviated
+    flags and a quoted --rdzv-conf, as an argument list passes them, without a shell.)"""
+    start, _ = job
+    port = _free_port()
+    flags = ["--nnodes", "2", "--nproc-per", "1", "--master-port", str(port), "--rdzv-conf='join_timeout=90'"]
+    a1 = start(*flags, "--node-rank", "1")  # node 0 is not up: its port refuses
+    out1, took1 = _stop(a1, _await_line(a1, "does not answer yet (attempt 1: Connection refused)", 60))
+    assert a1.returncode == 1 and took1 < 5, (took1, out1)
+    assert out1.strip().splitlines()[-1] == ("mindio-run: job failed: SIGTERM: stopped while waiting for node 0's "
+                                             f"agents' store at 127.0.0.1:{port}"), out1
+    assert out1.count("does not answer yet") == 1 and "TCPStore" not in out1 and "Traceback" not in out1, out1
+    a0 = start(*flags, "--node-rank", "0")  # node 1 never comes
+    deadline = time.monotonic() + 60
+    while True:  # the store is up: node 0 is in the rendezvous (its signal handlers are set before)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and a0.poll() is None, "node 0's store never came up"
+            time.sleep(0.2)
+    out0, took0 = _stop(a0, [])
+    assert a0.returncode == 1 and took0 < 5, (took0, out0)
+    assert out0.strip().splitlines()[-1] == ("mindio-run: job failed: SIGTERM: stopped while waiting for the other "
+                                             "agents to join round 0 (1 of 2 joined)"), out0
+    assert "Traceback" not in out0 and "waiting 10 s for the other agents to leave" not in out0, out0
+
+
 LATE = textwrap.dedent("""
     import os, sys, time
     import torch.distributed as dist

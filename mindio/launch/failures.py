@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 
 from ..vocab import EXIT_CODE_DUMPED
 
-__all__ = ["Failure", "describe", "first", "read", "record", "summary", "outcome", "trim"]
+__all__ = ["Failure", "describe", "first", "read", "record", "summary", "outcome", "trim", "one_line",
+           "report_one_line", "install_excepthook"]
 
 
 _MAX_FILE = 1 << 20  # an error file larger than this is read only in part
@@ -97,6 +98,48 @@ def record(message: str, trace: str, path: str | None = None, replace: bool = Fa
             os.unlink(tmp)
         except OSError:
             pass
+
+
+def one_line(exc: BaseException) -> str | None:
+    """``Type: message`` for an error whose message says all a user needs (a refused setting, no
+    controller answering): printed as one line instead of a traceback; None for any other."""
+    from ..errors import ConfigError, NoController
+
+    return f"{type(exc).__name__}: {exc}" if isinstance(exc, (ConfigError, NoController)) else None
+
+
+def report_one_line(exc: BaseException) -> bool:
+    """Print ``exc`` as one line and record it in the error file (the launcher's summary, torchrun's
+    root cause), when :func:`one_line` takes it; False otherwise (nothing done)."""
+    import sys
+
+    line = one_line(exc)
+    if line is None:
+        return False
+    rank = os.environ.get("RANK")
+    who = f"rank {rank}: " if rank and not str(exc).startswith("rank ") else ""
+    sys.stderr.write(f"mindio: {who}{line}\n")
+    sys.stderr.flush()
+    record(line, line + "\n")
+    return True
+
+
+def install_excepthook() -> None:
+    """(import of mindio.ttp) An uncaught :func:`one_line` error ends the process with that one line,
+    recorded in TORCHELASTIC_ERROR_FILE, instead of a traceback per rank (a script under torchrun);
+    any other exception goes to the hook there was."""
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "mindio_one_line", False):
+        return
+
+    def hook(kind, exc, tb):
+        if not report_one_line(exc):
+            previous(kind, exc, tb)
+
+    hook.mindio_one_line = True
+    sys.excepthook = hook
 
 
 # ------------------------------------------------------------------------------------ agent side
@@ -210,7 +253,7 @@ def outcome(fails, reason: str, rnd: int, max_restarts: int, stopping: bool = Fa
     # a worker that exited 75 after the dump is no cause, unless its error file names a fault of its own
     causes = [f for f in fails if f.code != EXIT_CODE_DUMPED or (f.error and not f.secondary)]
     cause = summary(causes) or reason
-    if causes and "controller" in reason:
+    if causes and "controller" in reason and cause not in reason:  # the controller's word, not the cause again
         cause += f" ({reason.partition(': ')[2] or reason})"
     restart = not stopping and rnd < max_restarts
     more = f"restart {rnd + 1} of {max_restarts}"

@@ -361,6 +361,65 @@ def test_sigterm_ends_the_rendezvous_wait_at_once(job):
     assert "Traceback" not in out0 and "waiting 10 s for the other agents to leave" not in out0, out0
 
 
+REFUSED = textwrap.dedent("""
+    import os, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    from mindio.ttp import tft_init_controller, tft_init_processor, tft_start_controller, tft_start_processor
+    if os.environ.get("WHY"):
+        sys.exit(os.environ["WHY"])  # as a framework's argument check does (megatron's missing --save)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = int(os.environ["TTP_PORT"])
+    if rank == 0 and not os.environ.get("NO_CONTROLLER"):
+        tft_init_controller(rank, world, enable_local_copy=False)
+        tft_start_controller("127.0.0.1", port, enable_tls=False)
+    tft_init_processor(rank, world, enable_local_copy=False, enable_tls=False)
+    tft_start_processor("127.0.0.1", port)
+""")
+
+
+@pytest.mark.timeout(150)
+def test_refused_settings_are_one_line_under_torchrun_and_mindio_run(job, tmp_path):
+    """#30 item 12: a controller port in use (under torchrun: every rank's refused setting is one line,
+    not a traceback; torchrun's root cause is that line), a controller that never answers (one line, not
+    a line per heartbeat window), a script's ``sys.exit(reason)`` (mindio-run's summary carries the reason)."""
+    script = tmp_path / "refused.py"
+    script.write_text(REFUSED)
+    start, _ = job
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t = start("--nproc-per-node", "2", "--standalone", launcher="torch.distributed.run", target=script,
+                  env={"TTP_PORT": str(port)})
+        t.sent = {1: "SIGTERM"}  # torchrun stops rank 1 once rank 0 failed
+        out, _ = t.communicate(timeout=120)
+    assert t.returncode == 1, out
+    line = (f"mindio: rank 0: ConfigError: controller port {port} on 127.0.0.1 is already in use (another job's "
+            f"controller, or one still running?): give tft_start_controller a free port (TTP_PORT in the examples)")
+    assert f"[rank0]: {line}" in out.splitlines(), out
+    assert not [ln for ln in out.splitlines() if ln.startswith("[rank") and "Traceback" in ln], out  # a rank's
+    root = out[out.index("Root Cause"):]
+    assert "traceback : ConfigError: controller port" in root, root
+    # no controller answers: one line when the rank gives up, not one per silent heartbeat window
+    m = start("--nproc-per-node", "1", target=script,
+              env={"NO_CONTROLLER": "1", "TTP_PORT": str(_free_port()), "TTP_RETRY_TIMES": "2",
+                   "MINDIO_SECRET": "s" * 32})
+    out, _ = m.communicate(timeout=60)
+    assert m.returncode == 1, out
+    assert out.count("silent for") <= 1 and "Traceback" not in out, out  # one INFO line (TTP_LOG_STDOUT shows it)
+    assert "mindio: NoController: rank 0: no controller answered at tcp://127.0.0.1:" in out, out
+    last = out.splitlines()[-1]
+    assert "exited with exit code 1: NoController: rank 0: no controller answered" in last, out
+    assert last.count("no controller answered") == 1, last
+    why = "--enable-high-availability needs --save DIR: the last-words checkpoint is written there"
+    m = start("--nproc-per-node", "1", target=script, env={"WHY": why})
+    out, _ = m.communicate(timeout=60)
+    assert m.returncode == 1, out
+    assert f"exited with exit code 1: SystemExit: {why} (restarts used: 0 of 0)" in out.splitlines()[-1], out
+
+
 LATE = textwrap.dedent("""
     import os, sys, time
     import torch.distributed as dist

@@ -79,9 +79,13 @@ def record(message: str, trace: str, path: str | None = None, replace: bool = Fa
     if not path or (not replace and os.path.exists(path)):
         return
     when = time.time() if when is None else when
+    # torchrun's root cause is the failure with the smallest whole-second "timestamp", ties to the lowest
+    # rank: a consequence (which comes after its cause) is stamped with the next second, so that a peer's
+    # "connection closed" in the cause's second never outranks it. mindio-run reads "mindio_time".
+    stamp = int(when) + (1 if consequence or _secondary_text(message) else 0)
     data = {"message": {
         "message": message,
-        "extraInfo": {"py_callstack": trace, "timestamp": str(int(when)), "mindio_time": when,
+        "extraInfo": {"py_callstack": trace, "timestamp": str(stamp), "mindio_time": when,
                       "mindio_consequence": consequence, "host": socket.gethostname()},
     }}
     try:
@@ -142,6 +146,12 @@ def install_excepthook() -> None:
     sys.excepthook = hook
 
 
+def _secondary_text(error: str) -> bool:
+    """What a rank sees when a peer it waited for failed (a lost connection, a collective timeout)."""
+    low = error.lower()
+    return any(s in low for s in _SECONDARY)
+
+
 # ------------------------------------------------------------------------------------ agent side
 @dataclass
 class Failure:
@@ -164,8 +174,7 @@ class Failure:
         collective timeout seen by a rank that was waiting for the failed one."""
         if self.consequence or (self.code in (-signal.SIGTERM, -signal.SIGKILL) and not self.error):
             return True
-        low = self.error.lower()
-        return any(s in low for s in _SECONDARY)
+        return _secondary_text(self.error)
 
     def line(self) -> str:
         where = f" (node {self.node}{', ' + self.host if self.host else ''})"

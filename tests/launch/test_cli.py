@@ -253,3 +253,29 @@ def test_root_cause_and_round_outcome_wording(tmp_path):
         "from it (restart 1 of 1)" in text, text  # ranks that only exited 75 after the dump are no failures
     text, code = failures.outcome(dumped, "x", rnd=1, max_restarts=1)
     assert code == 75 and text.startswith("mindio-run: job stopped: a last-words checkpoint was written")
+
+
+def test_torchrun_names_the_cause_not_a_peers_connection_closed(tmp_path):
+    """#30 item 2: torchrun's root cause is the failure with the smallest whole-second error-file
+    timestamp, ties to the lowest rank. Rank 2 raised, rank 1 then saw its peer's connection close in the
+    same second and recorded it (mindio's decorator marks it a consequence): torchrun's own code, reading
+    the files mindio wrote, names rank 2 -- and so does mindio-run's summary."""
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from mindio.launch import failures
+
+    t = int(time.time()) + 0.25
+    files = {r: str(tmp_path / f"{r}.json") for r in (1, 2)}
+    failures.record("ValueError: bad batch on rank 2", "Traceback ...\nValueError: bad batch on rank 2\n",
+                    path=files[2], when=t)
+    # known to mindio as a consequence, and one only its text tells (no decorator around the loop)
+    failures.record("RuntimeError: Connection closed by peer", "...", path=files[1], when=t + 0.5, consequence=True)
+    pf = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file=files[r]) for r in (1, 2)}
+    assert ChildFailedError("train.py", pf).get_first_failure()[0] == 2
+    failures.record("RuntimeError: [gloo] Connection closed by peer", "...", path=files[1], when=t + 0.5, replace=True)
+    pf[1] = ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=files[1])
+    assert ChildFailedError("train.py", pf).get_first_failure()[0] == 2
+    assert failures.first([failures.read(r, 1, files[r]) for r in (1, 2)]).rank == 2
+    assert failures.read(1, 1, files[1]).time == t + 0.5  # mindio's own time stays exact

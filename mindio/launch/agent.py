@@ -238,10 +238,11 @@ class Agent:
             now = time.monotonic()
             if now >= deadline:
                 return  # the store client says it did not answer (_connect: one line)
-            if now >= next_log:
-                log.warning("node 0's agents' store at %s:%d does not answer yet (attempt %d: %s); trying again "
-                            "for %.0f s more (--rdzv-conf join_timeout=S)", cfg.master_addr, cfg.master_port,
-                            attempt, why, deadline - now)
+            if now >= next_log:  # the first: INFO (node 0's agent may simply start later than this one)
+                log.log(logging.INFO if attempt == 1 else logging.WARNING,
+                        "node 0's agents' store at %s:%d does not answer yet (attempt %d: %s); trying again for "
+                        "%.0f s more (--rdzv-conf join_timeout=S)", cfg.master_addr, cfg.master_port, attempt, why,
+                        deadline - now)
                 next_log = now + RETRY_LOG_S
             time.sleep(min(0.2, max(0.0, deadline - now)))
 
@@ -723,7 +724,8 @@ class Agent:
             self._logs.close()
 
     def _stopped(self, exc: "_Stopped") -> int:
-        """A stop signal ended a wait (the rendezvous, node 0's store): one line, exit 1 (no worker ran)."""
+        """A stop signal ended a wait of the rendezvous (node 0's store, the other agents, a key of the
+        round): one line, exit 1 (no worker of this round runs yet)."""
         name = signal.Signals(self._signal).name if self._signal else "a signal"
         print(f"mindio-run: job failed: {name}: {exc or 'the agent stopped'}", file=sys.stderr)
         return 1

@@ -307,17 +307,24 @@ def test_a_lost_node_with_no_spare_ends_the_job_at_the_join_timeout(job):
 
 
 def _await_line(p, text: str, timeout: float) -> list:
-    """The launcher's output lines up to the first that contains ``text`` (bounded)."""
-    import selectors
+    """The launcher's output lines up to the first that contains ``text`` (bounded). A reader thread, not
+    select() on the pipe: a buffered readline takes in more than the line it returns, and select() would
+    then wait for output that already arrived."""
+    import queue
+    import threading
 
-    lines, deadline = [], time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(p.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
-            line = p.stdout.readline()
-            lines.append(line)
-            if not line or text in line:
-                break
+    lines, got = [], queue.Queue()
+    threading.Thread(target=lambda: got.put(p.stdout.readline()), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = got.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        lines.append(line)
+        if not line or text in line:
+            break
+        threading.Thread(target=lambda: got.put(p.stdout.readline()), daemon=True).start()
     assert lines and text in lines[-1], f"no {text!r} within {timeout} s: {''.join(lines)}"
     return lines
 

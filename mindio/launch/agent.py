@@ -69,6 +69,8 @@ __all__ = ["LaunchConfig", "Agent"]
 EXIT_GRACE_S = 1.0
 CONNECT_ATTEMPT_S = 1.0  # one attempt to reach node 0's agents' store (a stop signal waits at most this)
 STORE_PING_S = 5.0  # node 0's port accepts: the bound for its TCPStore to answer (a wrong port: one line)
+MEMBERSHIP = "agent(s) came to join (--nnodes MIN:MAX): every worker restarts with them (no restart counted)"
+ENDED = "job/ended"  # --nnodes MIN:MAX: node 0 says that the job ended (an agent waiting for a round leaves)
 RETRY_LOG_S = 30.0  # while node 0's agents' store does not answer: one line per this many seconds
 
 
@@ -129,6 +131,9 @@ class Agent:
         self._ha: ha.RoundWatch | None = None  # this round's high-availability bookkeeping (ha.py)
         self.preemption = preempt.Preemption()  # a preemption signal, and whether its dump was asked for
         self.late_ranks: set = set()  # ranks that failed after their training finished (ha.py)
+        self._max_nodes = cfg.nnodes  # --nnodes MIN:MAX: MAX (cfg.nnodes is the running round's count)
+        self._ranged = 0 < cfg.min_nodes < cfg.nnodes
+        self._membership = 0  # rounds restarted because agents came (--nnodes MIN:MAX): no restart counted
 
     # --- the WorkerView (view.py): what ha.py, switch.py and elastic.py use of this agent ---------
     store = property(lambda self: self._store)
@@ -422,7 +427,10 @@ class Agent:
         return ended
 
     # --- rounds -------------------------------------------------------------------------------
-    def _join(self, rnd: int) -> None:
+    def _join(self, rnd: int) -> int | None:
+        """Join round ``rnd`` once every agent did; returns the round joined (see _join_ranged)."""
+        if self._ranged:
+            return self._join_ranged(rnd)
         key = f"round/{rnd}/joined"
         if self.cfg.node_rank == 0:
             self._store.set("job/round", str(rnd))
@@ -455,6 +463,51 @@ class Agent:
                 )
             self._beat()
             time.sleep(self.cfg.monitor_interval)
+        return rnd
+
+    def _join_ranged(self, rnd: int) -> int | None:
+        """``--nnodes MIN:MAX`` (c10d node ranks, in arrival order): node 0 closes round ``rnd`` once MAX
+        agents joined it, or at least MIN, every agent connected so far, and ``--rdzv-conf
+        last_call_timeout`` passed since the last one came (torchrun's rule); it publishes the round's
+        node count (``round/<n>/nodes``), and ``cfg.nnodes`` is that count for the round. An agent whose
+        node rank is beyond it joins the next round, which node 0 starts at once (_monitor: MEMBERSHIP).
+        Returns the round joined, None when the job ended first (``job/ended``)."""
+        cfg = self.cfg = dataclasses.replace(self.cfg, nnodes=self._max_nodes)
+        key, nodes = f"round/{rnd}/joined", f"round/{rnd}/nodes"
+        if cfg.node_rank == 0:
+            self._store.set("job/round", str(rnd))
+        self._store.add(key, 1)
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        seen, last = 0, time.monotonic()
+        while not self._store.check([nodes]):
+            if self._stopping:
+                raise _Stopped(f"stopped while waiting for the other agents to join round {rnd}")
+            if self._store.check([ENDED]):
+                print(f"mindio-run: node {cfg.node_rank}: the job ended before this agent could join it",
+                      file=sys.stderr)
+                return None
+            n = self._store.add(key, 0)
+            if n != seen:
+                seen, last = n, time.monotonic()
+            connected = min(self._store.add("rdzv/next_node", 0) + 1, cfg.nnodes)
+            if cfg.node_rank == 0 and n >= max(cfg.min_nodes, connected) and (
+                    n >= cfg.nnodes or time.monotonic() - last >= cfg.last_call):
+                self._store.compare_set(nodes, "", str(n))
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"round {rnd}: {n} agent(s) joined within {cfg.rdzv_timeout:g} s, fewer than "
+                                   f"--nnodes {cfg.min_nodes}:{cfg.nnodes} needs; start more agents, or raise the "
+                                   f"bound with --rdzv-conf join_timeout=S")
+            self._beat()
+            time.sleep(cfg.monitor_interval)
+        count = int(self._store.get(nodes))
+        if cfg.node_rank >= count:
+            log.info("round %d runs with %d node(s); this agent (node %d) joins the next one", rnd, count,
+                     cfg.node_rank)
+            return self._join_ranged(rnd + 1)
+        self.cfg = dataclasses.replace(cfg, nnodes=count)
+        log.info("round %d: %d node(s) of --nnodes %d:%d", rnd, count, cfg.min_nodes, self._max_nodes)
+        return rnd
 
     def _monitor(self, rnd: int) -> str | None:
         """Watch the round until it succeeds (returns None) or fails (returns the reason)."""
@@ -466,6 +519,9 @@ class Agent:
             self._beat()
             if self._store.check([failed_key]):
                 return self._store.get(failed_key).decode()
+            if self._ranged and self.cfg.node_rank == 0 and self.cfg.nnodes < self._max_nodes and \
+                    self._store.add("rdzv/next_node", 0) + 1 > self.cfg.nnodes:
+                return self._fail_round(rnd, MEMBERSHIP, node=False)
             if self.preemption.signum is not None:
                 self.preemption.tick(self, rnd)
                 if self._stopping:
@@ -671,7 +727,9 @@ class Agent:
                 rnd, gen = got if isinstance(got, tuple) else (got, None)
             while True:
                 if gen is None:
-                    self._join(rnd)
+                    rnd = self._join(rnd)
+                    if rnd is None:  # --nnodes MIN:MAX: the job ended before this agent could join it
+                        return 0
                 port = self._new_worker_store(rnd, gen)
                 log.info("round %d: starting %d workers (world size %d)", rnd, self.cfg.nproc_per_node, self.cfg.world_size)
                 _logging.event("round_start", round=rnd, node=self.cfg.node_rank)
@@ -742,8 +800,13 @@ class Agent:
     def _report_round(self, rnd: int, reason: str) -> int | None:
         """Say how round ``rnd`` ended (failures.outcome); the agent's exit code when the job ends, None
         when every worker restarts (``--max-restarts``)."""
+        if reason == MEMBERSHIP and not self._stopping:  # --nnodes MIN:MAX: more agents came (not a failure)
+            self._membership += 1
+            print(f"mindio-run: round {rnd}: {reason}", file=sys.stderr)
+            return None
         preempted = self.preemption.reason(self, rnd)  # this agent, or another, was preempted: no restart
-        text, code = failures.outcome(self.round_failures(rnd), preempted or reason, rnd, self.cfg.max_restarts,
+        text, code = failures.outcome(self.round_failures(rnd), preempted or reason, rnd - self._membership,
+                                      self.cfg.max_restarts,
                                       stopping=self._stopping or bool(preempted),
                                       dumped=self.hosted_code == failures.EXIT_CODE_DUMPED, node=self.cfg.node_rank)
         print(text, file=sys.stderr)
@@ -760,6 +823,8 @@ class Agent:
                 if self.leader is not None:  # etcd: node 0 is gone, this node's backup ended the job
                     stores.end_job(self._store, self.cfg, f"ended by node {self.cfg.node_rank}'s backup controller")
                 return
+            if self._ranged:  # an agent waiting to join a next round leaves (_join_ranged)
+                self._store.set(ENDED, "ended")
             deadline = time.monotonic() + self.cfg.leave_timeout
             # a vacant node (elastic.py) has no agent; a node lost in the round and not taken over (ha.py) has one
             # that will not come to leave (its loss ended the job, or came after its training: it is not awaited)

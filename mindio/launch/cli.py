@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run_path": "as torchrun: run the script with runpy.run_path (what mindio-run's warm workers always do)",
         "shutdown_timeout": "seconds between the stop signal and SIGKILL when workers are stopped (default: "
                             "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 3 s; torchrun: 30 s)",
-        "nnodes": "number of nodes; a MIN:MAX range is refused (mindio-run's node count is fixed: add "
-                  "spare nodes with --standby)",
+        "nnodes": "number of nodes, or MIN:MAX (with --rdzv-backend c10d: a round starts once MIN agents "
+                  "joined and --rdzv-conf last_call_timeout=S (30) passed, or MAX joined; an agent that comes "
+                  "later restarts every worker with it, up to MAX)",
     }
     for action in p._actions:
         if action.dest == "node_rank" and "PET_NODE_RANK" not in os.environ:
@@ -156,9 +157,12 @@ def parse_args(argv=None):
         lo, hi = parse_min_max_nnodes(a.nnodes)
     except (RuntimeError, ValueError):
         p.error(f"--nnodes {a.nnodes!r}: expected a number of nodes")
-    if lo != hi:
-        p.error(f"--nnodes {a.nnodes}: elastic ranges are not supported; give a fixed count and add spare "
-                f"nodes with --standby")
+    if lo != hi and not (a.rdzv_backend == "c10d" and a.rdzv_endpoint and a.node_rank is None):
+        p.error(f"--nnodes {a.nnodes}: a MIN:MAX range needs --rdzv-backend c10d --rdzv-endpoint HOST:PORT and no "
+                f"--node-rank (node ranks come from the rendezvous, as torchrun's)")
+    if lo != hi and (a.high_availability or a.standby):
+        p.error(f"--nnodes {a.nnodes}: a MIN:MAX range is not supported with --high-availability or --standby; "
+                f"give a fixed count (spare nodes: --standby)")
     try:
         nproc = determine_local_world_size(a.nproc_per_node)
     except ValueError as exc:
@@ -218,7 +222,8 @@ def parse_args(argv=None):
     try:
         return LaunchConfig(
             entrypoint=a.training_script, args=tuple(a.training_script_args), is_module=a.module,
-            nproc_per_node=nproc, nnodes=hi, node_rank=node_rank or 0,
+            nproc_per_node=nproc, nnodes=hi, min_nodes=lo, node_rank=node_rank or 0,
+            last_call=float(conf.get("last_call_timeout", 30)),
             master_addr=addr, master_port=port, max_restarts=a.max_restarts,
             monitor_interval=a.monitor_interval, rdzv_timeout=timeout, warm_spares=a.warm_spares,
             run_id=run_id, etcd_endpoint=etcd, standby=a.standby, high_availability=strategies,

@@ -124,7 +124,12 @@ def test_flags_mindio_run_cannot_honour_fail_with_one_line(script, capsys):
            "HOST:PORT,HOST:PORT,...)" in _error(capsys, ["--rdzv-backend", "etcd", script])
     assert "give each agent its --node-rank" in _error(capsys, ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1",
                                                                 "--nnodes", "2", script])
-    assert "elastic ranges are not supported" in _error(capsys, ["--nnodes", "1:4", script])
+    assert "a MIN:MAX range needs --rdzv-backend c10d" in _error(capsys, ["--nnodes", "1:4", script])
+    assert "not supported with --high-availability" in _error(capsys, [
+        "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--high-availability", "dump", script])
+    r = parse_args(["--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf",
+                    "last_call_timeout=3", script])
+    assert (r.min_nodes, r.nnodes, r.last_call, r.dynamic_rank) == (2, 4, 3.0, True)
     assert "--numa-binding node: not supported" in _error(capsys, ["--numa-binding", "node", script])
     assert "--event-log-handler console" in _error(capsys, ["--event-log-handler", "console", script])
     assert "--node-rank 2 is outside [0, 1]" in _error(capsys, ["--nnodes", "2", "--node-rank", "2", script])

@@ -368,6 +368,30 @@ def test_sigterm_ends_the_rendezvous_wait_at_once(job):
     assert "Traceback" not in out0 and "waiting 10 s for the other agents to leave" not in out0, out0
 
 
+@pytest.mark.timeout(150)
+def test_an_elastic_node_range_starts_with_min_and_takes_an_agent_that_comes_later(job):
+    """#30 item 6: ``--nnodes 1:2`` (c10d), as torchrun runs it: the first agent starts the job alone once
+    MIN joined and ``last_call_timeout`` passed; a second agent that comes later restarts every worker
+    with it (world size 2), which does not use up a restart (``--max-restarts 0``)."""
+    start, results = job
+    flags = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+             "--rdzv-conf", "last_call_timeout=1", "--nproc-per-node", "1", "--max-restarts", "0"]
+    a = start(*flags, env={"STEPS": "60"})
+    deadline = time.monotonic() + 90
+    while "r0-rank0.json" not in results():  # round 0 runs, with one node
+        assert time.monotonic() < deadline and a.poll() is None, "round 0 never ran"
+        time.sleep(0.2)
+    b = start(*flags, env={"STEPS": "60"})  # the same script: as many collectives as node 0's
+    out_a, _ = a.communicate(timeout=120)
+    out_b, _ = b.communicate(timeout=30)
+    assert (a.returncode, b.returncode) == (0, 0), out_a + out_b
+    got = results()
+    assert got["r0-rank0.json"]["env"]["WORLD_SIZE"] == "1"
+    assert {r["env"]["WORLD_SIZE"] for k, r in got.items() if k.startswith("r1-")} == {"2"}, got.keys()
+    assert got["r1-rank0.json"]["sum"] == got["r1-rank1.json"]["sum"] == 1.0
+    assert "round 0: agent(s) came to join (--nnodes MIN:MAX)" in out_a, out_a
+
+
 REFUSED = textwrap.dedent("""
     import os, sys
     from datetime import timedelta

@@ -27,6 +27,9 @@ def _timeline(args) -> int:
     except OSError as exc:
         print(f"mindio timeline: cannot read {args.events}: {exc.strerror}", file=sys.stderr)
         return 2
+    except timeline.NotAnEventLog as exc:  # nothing is written: an empty picture would look like a quiet job
+        print(f"mindio timeline: {exc}", file=sys.stderr)
+        return 2
     fmt = os.path.splitext(args.output)[1].lower()
     if fmt not in (".svg", ".html"):
         print(f"mindio timeline: {args.output}: the output must end in .svg or .html", file=sys.stderr)

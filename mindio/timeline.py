@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["load", "incidents", "render_svg", "render_html", "Incident"]
+__all__ = ["NotAnEventLog", "load", "incidents", "render_svg", "render_html", "Incident"]
 
 # a fault begins an incident; a rank's first completed step after the decision ends it
 START_KINDS = ("fault_injected", "rank_dead", "rank_hung", "killed_as_hung")
@@ -45,17 +45,28 @@ class Incident:
     done: dict | None = None
 
 
+class NotAnEventLog(ValueError):
+    """The file holds no mindio event (``mindio timeline`` says why and exits non-zero)."""
+
+
 def load(path) -> list:
-    """The events of ``path`` (JSON lines), oldest first; lines that are not JSON objects are skipped."""
-    events = []
-    with open(path, encoding="utf-8") as f:
+    """The events of ``path`` (JSON lines), oldest first; lines that are not JSON objects are skipped.
+    Raises NotAnEventLog when no line is a mindio event (an empty file, another file given by mistake)."""
+    events, lines = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
+            lines += bool(line.strip())
             try:
                 e = json.loads(line)
             except ValueError:
                 continue
             if isinstance(e, dict) and isinstance(e.get("t"), (int, float)) and isinstance(e.get("kind"), str):
                 events.append(e)
+    if not events:
+        why = "it is empty" if not lines else \
+            f"none of its {lines} line(s) is a JSON object with a time \"t\" and a \"kind\""
+        raise NotAnEventLog(f"{path} is not a mindio event log: {why} (give the file MINDIO_EVENT_LOG named "
+                            f"in the job)")
     return sorted(events, key=lambda e: e["t"])
 
 

@@ -177,6 +177,8 @@ def _report(exc: BaseException) -> None:
     """Print ``exc`` from the script's first frame on, and record it for the agent (failures.py)."""
     from . import failures
 
+    if failures.report_one_line(exc):  # a refused setting, no controller: its message says it all
+        return
     trace = failures.format_exception(exc)
     sys.stderr.write(trace)
     failures.record(f"{type(exc).__name__}: {exc}", trace)
@@ -196,7 +198,13 @@ def _run(target: str, is_module: bool, argv: list) -> None:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
-    except Exception as exc:  # SystemExit, KeyboardInterrupt and mindio's AbortTraining pass through
+    except SystemExit as exc:  # sys.exit("why"): the launcher's summary names why, not only "exit code 1"
+        if isinstance(exc.code, str):
+            from . import failures
+
+            failures.record(f"SystemExit: {exc.code}", f"SystemExit: {exc.code}\n")
+        raise
+    except Exception as exc:  # KeyboardInterrupt and mindio's AbortTraining pass through
         _report(exc)
         sys.exit(1)
 

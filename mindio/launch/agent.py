@@ -67,6 +67,11 @@ __all__ = ["LaunchConfig", "Agent"]
 
 # after a worker fails, how long to wait for the node's other workers before reporting who failed
 EXIT_GRACE_S = 1.0
+CONNECT_ATTEMPT_S = 1.0  # one attempt to reach node 0's agents' store (a stop signal waits at most this)
+STORE_PING_S = 5.0  # node 0's port accepts: the bound for its TCPStore to answer (a wrong port: one line)
+MEMBERSHIP = "agent(s) came to join (--nnodes MIN:MAX): every worker restarts with them (no restart counted)"
+ENDED = "job/ended"  # --nnodes MIN:MAX: node 0 says that the job ended (an agent waiting for a round leaves)
+RETRY_LOG_S = 30.0  # while node 0's agents' store does not answer: one line per this many seconds
 
 
 class Agent:
@@ -126,6 +131,9 @@ class Agent:
         self._ha: ha.RoundWatch | None = None  # this round's high-availability bookkeeping (ha.py)
         self.preemption = preempt.Preemption()  # a preemption signal, and whether its dump was asked for
         self.late_ranks: set = set()  # ranks that failed after their training finished (ha.py)
+        self._max_nodes = cfg.nnodes  # --nnodes MIN:MAX: MAX (cfg.nnodes is the running round's count)
+        self._ranged = 0 < cfg.min_nodes < cfg.nnodes
+        self._membership = 0  # rounds restarted because agents came (--nnodes MIN:MAX): no restart counted
 
     # --- the WorkerView (view.py): what ha.py, switch.py and elastic.py use of this agent ---------
     store = property(lambda self: self._store)
@@ -170,6 +178,7 @@ class Agent:
                 self.leader.take(self._store)
             return
         timeout = datetime.timedelta(seconds=cfg.rdzv_timeout)
+        deadline = time.monotonic() + cfg.rdzv_timeout
         where = f"{cfg.master_addr}:{cfg.master_port}"
         host = cfg.node_rank == 0 and not cfg.standby
         if cfg.dynamic_rank:
@@ -189,9 +198,18 @@ class Agent:
                         raise ConfigError(f"cannot host the agents' store on {where}: {exc}") from None
                     host = False  # another agent on this host hosts the endpoint: join it
             if not host:
+                self._await_store(deadline)
+                # its c10d client retries (a line each) until its timeout: the port answers now, so a
+                # short one; then the rendezvous bound for the calls
                 self._store = TCPStore(cfg.master_addr, cfg.master_port, world_size=None, is_master=False,
-                                       timeout=timeout, wait_for_workers=False)
+                                       wait_for_workers=False, timeout=datetime.timedelta(
+                                           seconds=max(1.0, min(STORE_PING_S, deadline - time.monotonic()))))
+                self._store.set_timeout(timeout)
         except DistNetworkError as exc:
+            if time.monotonic() < deadline:  # the port accepted connections, and no TCPStore answered there
+                raise ConfigError(f"{where} accepts connections but is not node 0's agents' store (no TCPStore "
+                                  f"answered within {STORE_PING_S:g} s): check --master-addr/--master-port "
+                                  f"({str(exc).splitlines()[0]})") from None
             raise ConfigError(f"node 0's agent store at {where} did not answer within {cfg.rdzv_timeout:g} s "
                               f"(--rdzv-conf join_timeout=S sets it): start node 0's agent first, or check "
                               f"--master-addr/--master-port ({str(exc).splitlines()[0]})") from None
@@ -201,6 +219,37 @@ class Agent:
             self.cfg = dataclasses.replace(cfg, node_rank=0 if standby else node, standby=standby, dynamic_rank=False)
             _logging.set_context(node="-" if standby else node, rank="standby" if standby else "agent")
             log.info("c10d rendezvous: this agent is %s", "a standby" if standby else f"node {node}")
+
+    def _await_store(self, deadline: float) -> None:
+        """Wait until node 0's agents' store accepts connections: one connection attempt of at most
+        ``CONNECT_ATTEMPT_S`` at a time, so that a stop signal ends the wait at once (a TCPStore client
+        blocks in c10d until its timeout, printing a line per retry) and the log gets one line when the
+        wait starts, then one every ``RETRY_LOG_S`` (bounded: ``--rdzv-conf join_timeout``)."""
+        import socket
+
+        cfg, attempt, next_log = self.cfg, 0, time.monotonic()
+        while True:
+            if self._stopping:
+                raise _Stopped(f"stopped while waiting for node 0's agents' store at {cfg.master_addr}:"
+                               f"{cfg.master_port}")
+            attempt += 1
+            left = deadline - time.monotonic()
+            try:
+                with socket.create_connection((cfg.master_addr, cfg.master_port),
+                                              timeout=max(0.05, min(CONNECT_ATTEMPT_S, left))):
+                    return
+            except OSError as exc:
+                why = exc.strerror or type(exc).__name__
+            now = time.monotonic()
+            if now >= deadline:
+                return  # the store client says it did not answer (_connect: one line)
+            if now >= next_log:  # the first: INFO (node 0's agent may simply start later than this one)
+                log.log(logging.INFO if attempt == 1 else logging.WARNING,
+                        "node 0's agents' store at %s:%d does not answer yet (attempt %d: %s); trying again for "
+                        "%.0f s more (--rdzv-conf join_timeout=S)", cfg.master_addr, cfg.master_port, attempt, why,
+                        deadline - now)
+                next_log = now + RETRY_LOG_S
+            time.sleep(min(0.2, max(0.0, deadline - now)))
 
     def _new_worker_store(self, rnd: int, gen: int | None = None) -> int:
         """The port of round ``rnd``'s workers' store: node 0 hosts it (not a standby that takes node 0 in
@@ -226,7 +275,7 @@ class Agent:
         deadline = time.monotonic() + self.cfg.rdzv_timeout
         while not self._store.check([key]):
             if self._stopping:
-                raise _Stopped()
+                raise _Stopped(f"stopped while waiting for {what} ({key})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {self.cfg.rdzv_timeout:g} s for {what} ({key}) from {whom}; "
                                    f"--rdzv-conf join_timeout=S sets the bound")
@@ -378,7 +427,10 @@ class Agent:
         return ended
 
     # --- rounds -------------------------------------------------------------------------------
-    def _join(self, rnd: int) -> None:
+    def _join(self, rnd: int) -> int | None:
+        """Join round ``rnd`` once every agent did; returns the round joined (see _join_ranged)."""
+        if self._ranged:
+            return self._join_ranged(rnd)
         key = f"round/{rnd}/joined"
         if self.cfg.node_rank == 0:
             self._store.set("job/round", str(rnd))
@@ -386,6 +438,9 @@ class Agent:
         deadline = time.monotonic() + self.cfg.rdzv_timeout
         waiting_for: list[int] = []  # lost nodes this round waits for (a standby's claim, or their agent back)
         while self._store.add(key, 0) < self.cfg.nnodes:
+            if self._stopping:
+                raise _Stopped(f"stopped while waiting for the other agents to join round {rnd} "
+                               f"({self._store.add(key, 0)} of {self.cfg.nnodes} joined)")
             lost = self._lost_nodes()
             spares = self._store.add("standby/count", 0) - self._store.add("standby/claimed", 0)
             short = lost if lost and spares < len(lost) else []
@@ -408,6 +463,51 @@ class Agent:
                 )
             self._beat()
             time.sleep(self.cfg.monitor_interval)
+        return rnd
+
+    def _join_ranged(self, rnd: int) -> int | None:
+        """``--nnodes MIN:MAX`` (c10d node ranks, in arrival order): node 0 closes round ``rnd`` once MAX
+        agents joined it, or at least MIN, every agent connected so far, and ``--rdzv-conf
+        last_call_timeout`` passed since the last one came (torchrun's rule); it publishes the round's
+        node count (``round/<n>/nodes``), and ``cfg.nnodes`` is that count for the round. An agent whose
+        node rank is beyond it joins the next round, which node 0 starts at once (_monitor: MEMBERSHIP).
+        Returns the round joined, None when the job ended first (``job/ended``)."""
+        cfg = self.cfg = dataclasses.replace(self.cfg, nnodes=self._max_nodes)
+        key, nodes = f"round/{rnd}/joined", f"round/{rnd}/nodes"
+        if cfg.node_rank == 0:
+            self._store.set("job/round", str(rnd))
+        self._store.add(key, 1)
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        seen, last = 0, time.monotonic()
+        while not self._store.check([nodes]):
+            if self._stopping:
+                raise _Stopped(f"stopped while waiting for the other agents to join round {rnd}")
+            if self._store.check([ENDED]):
+                print(f"mindio-run: node {cfg.node_rank}: the job ended before this agent could join it",
+                      file=sys.stderr)
+                return None
+            n = self._store.add(key, 0)
+            if n != seen:
+                seen, last = n, time.monotonic()
+            connected = min(self._store.add("rdzv/next_node", 0) + 1, cfg.nnodes)
+            if cfg.node_rank == 0 and n >= max(cfg.min_nodes, connected) and (
+                    n >= cfg.nnodes or time.monotonic() - last >= cfg.last_call):
+                self._store.compare_set(nodes, "", str(n))
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"round {rnd}: {n} agent(s) joined within {cfg.rdzv_timeout:g} s, fewer than "
+                                   f"--nnodes {cfg.min_nodes}:{cfg.nnodes} needs; start more agents, or raise the "
+                                   f"bound with --rdzv-conf join_timeout=S")
+            self._beat()
+            time.sleep(cfg.monitor_interval)
+        count = int(self._store.get(nodes))
+        if cfg.node_rank >= count:
+            log.info("round %d runs with %d node(s); this agent (node %d) joins the next one", rnd, count,
+                     cfg.node_rank)
+            return self._join_ranged(rnd + 1)
+        self.cfg = dataclasses.replace(cfg, nnodes=count)
+        log.info("round %d: %d node(s) of --nnodes %d:%d", rnd, count, cfg.min_nodes, self._max_nodes)
+        return rnd
 
     def _monitor(self, rnd: int) -> str | None:
         """Watch the round until it succeeds (returns None) or fails (returns the reason)."""
@@ -419,6 +519,9 @@ class Agent:
             self._beat()
             if self._store.check([failed_key]):
                 return self._store.get(failed_key).decode()
+            if self._ranged and self.cfg.node_rank == 0 and self.cfg.nnodes < self._max_nodes and \
+                    self._store.add("rdzv/next_node", 0) + 1 > self.cfg.nnodes:
+                return self._fail_round(rnd, MEMBERSHIP, node=False)
             if self.preemption.signum is not None:
                 self.preemption.tick(self, rnd)
                 if self._stopping:
@@ -605,6 +708,10 @@ class Agent:
                 self._connect()
             self._was_standby = self.cfg.standby
             self.secret = secret.resolve(self.cfg, self._store)
+        except _Stopped as exc:
+            self._spares.close()
+            self._logs.close()
+            return self._stopped(exc)
         except BaseException:
             self._spares.close()
             self._logs.close()
@@ -620,7 +727,9 @@ class Agent:
                 rnd, gen = got if isinstance(got, tuple) else (got, None)
             while True:
                 if gen is None:
-                    self._join(rnd)
+                    rnd = self._join(rnd)
+                    if rnd is None:  # --nnodes MIN:MAX: the job ended before this agent could join it
+                        return 0
                 port = self._new_worker_store(rnd, gen)
                 log.info("round %d: starting %d workers (world size %d)", rnd, self.cfg.nproc_per_node, self.cfg.world_size)
                 _logging.event("round_start", round=rnd, node=self.cfg.node_rank)
@@ -639,8 +748,10 @@ class Agent:
                 rnd += 1
         except backup.NodeLost as exc:  # etcd: node 0 lost, this node holds the leader key now
             return backup.orphaned(self, self._backup, str(exc))
-        except (JobError, TimeoutError, _Stopped) as exc:
-            print(f"mindio-run: job failed: {exc or 'agent stopped by a signal'}", file=sys.stderr)
+        except _Stopped as exc:
+            return self._stopped(exc)
+        except (JobError, TimeoutError) as exc:
+            print(f"mindio-run: job failed: {exc}", file=sys.stderr)
             return 1
         except Exception as exc:  # node 0's store is gone (its host died or is cut off): one line, no traceback
             from torch.distributed import DistError  # loaded by now (the store client)
@@ -670,6 +781,13 @@ class Agent:
             self._leave()
             self._logs.close()
 
+    def _stopped(self, exc: "_Stopped") -> int:
+        """A stop signal ended a wait of the rendezvous (node 0's store, the other agents, a key of the
+        round): one line, exit 1 (no worker of this round runs yet)."""
+        name = signal.Signals(self._signal).name if self._signal else "a signal"
+        print(f"mindio-run: job failed: {name}: {exc or 'the agent stopped'}", file=sys.stderr)
+        return 1
+
     def _finished(self, rnd: int) -> int:
         """Every worker's training finished: 0, unless a rank failed after its training finished."""
         late = [f for f in self.round_failures(rnd) if f.late]
@@ -682,8 +800,13 @@ class Agent:
     def _report_round(self, rnd: int, reason: str) -> int | None:
         """Say how round ``rnd`` ended (failures.outcome); the agent's exit code when the job ends, None
         when every worker restarts (``--max-restarts``)."""
+        if reason == MEMBERSHIP and not self._stopping:  # --nnodes MIN:MAX: more agents came (not a failure)
+            self._membership += 1
+            print(f"mindio-run: round {rnd}: {reason}", file=sys.stderr)
+            return None
         preempted = self.preemption.reason(self, rnd)  # this agent, or another, was preempted: no restart
-        text, code = failures.outcome(self.round_failures(rnd), preempted or reason, rnd, self.cfg.max_restarts,
+        text, code = failures.outcome(self.round_failures(rnd), preempted or reason, rnd - self._membership,
+                                      self.cfg.max_restarts,
                                       stopping=self._stopping or bool(preempted),
                                       dumped=self.hosted_code == failures.EXIT_CODE_DUMPED, node=self.cfg.node_rank)
         print(text, file=sys.stderr)
@@ -700,10 +823,14 @@ class Agent:
                 if self.leader is not None:  # etcd: node 0 is gone, this node's backup ended the job
                     stores.end_job(self._store, self.cfg, f"ended by node {self.cfg.node_rank}'s backup controller")
                 return
+            if self._ranged:  # an agent waiting to join a next round leaves (_join_ranged)
+                self._store.set(ENDED, "ended")
             deadline = time.monotonic() + self.cfg.leave_timeout
             # a vacant node (elastic.py) has no agent; a node lost in the round and not taken over (ha.py) has one
             # that will not come to leave (its loss ended the job, or came after its training: it is not awaited)
             left = self.cfg.nnodes - 1 - self._vacant(self._round) - len(self.lost_now)
+            # stopped in the rendezvous: only the agents that joined are awaited (none came: no wait)
+            left = min(left, self._store.add(f"round/{self._round}/joined", 0) - 1)
             while (n := self._store.add("job/left", 0)) < left:
                 if time.monotonic() >= deadline:
                     log.warning("left after waiting %g s for the other agents to leave (%d of %d did); the "

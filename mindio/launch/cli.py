@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     import mindio
 
     p = get_args_parser()
-    p.prog, p.description, p.allow_abbrev = "mindio-run", DESCRIPTION, False
+    p.prog, p.description = "mindio-run", DESCRIPTION  # abbreviations allowed, as torchrun's parser
     for action in p._actions:
         action.help = _plain(action.help)
     notes = {
@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run_path": "as torchrun: run the script with runpy.run_path (what mindio-run's warm workers always do)",
         "shutdown_timeout": "seconds between the stop signal and SIGKILL when workers are stopped (default: "
                             "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 3 s; torchrun: 30 s)",
-        "nnodes": "number of nodes; a MIN:MAX range is refused (mindio-run's node count is fixed: add "
-                  "spare nodes with --standby)",
+        "nnodes": "number of nodes, or MIN:MAX (with --rdzv-backend c10d: a round starts once MIN agents "
+                  "joined and --rdzv-conf last_call_timeout=S (30) passed, or MAX joined; an agent that comes "
+                  "later restarts every worker with it, up to MAX)",
     }
     for action in p._actions:
         if action.dest == "node_rank" and "PET_NODE_RANK" not in os.environ:
@@ -106,13 +107,31 @@ def _check_refused(p, a) -> None:
             p.error(f"{flag} {value}: not supported; {why}")
 
 
+def _unquote(text: str) -> str:
+    """``text`` without one pair of enclosing quotes (``'5'``, ``"a=1,b=2"``): a value quoted for a shell
+    reaches us quoted when no shell removed them (a job file, a list of arguments)."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1].strip()
+    return text
+
+
 def _rdzv_conf(p, text: str) -> dict:
+    """torchrun's ``--rdzv-conf KEY=VALUE,...``; quotes around the whole or around a value are dropped;
+    the timeouts must be numbers (one line otherwise)."""
     out = {}
-    for item in filter(None, text.split(",")):
+    for item in filter(None, (i.strip() for i in _unquote(text).split(","))):
         key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"--rdzv-conf {text!r}: expected KEY=VALUE,... (e.g. timeout=600)")
-        out[key.strip()] = value.strip()
+        key, value = _unquote(key), _unquote(value)
+        if not sep or not key or not value:
+            p.error(f"--rdzv-conf {text!r}: expected KEY=VALUE,... (e.g. join_timeout=600)")
+        if key in ("join_timeout", "timeout", "read_timeout", "last_call_timeout", "close_timeout"):
+            try:
+                if float(value) <= 0:
+                    raise ValueError
+            except ValueError:
+                p.error(f"--rdzv-conf {key}={value}: expected a number of seconds > 0")
+        out[key] = value
     return out
 
 
@@ -140,9 +159,12 @@ def parse_args(argv=None):
         lo, hi = parse_min_max_nnodes(a.nnodes)
     except (RuntimeError, ValueError):
         p.error(f"--nnodes {a.nnodes!r}: expected a number of nodes")
-    if lo != hi:
-        p.error(f"--nnodes {a.nnodes}: elastic ranges are not supported; give a fixed count and add spare "
-                f"nodes with --standby")
+    if lo != hi and not (a.rdzv_backend == "c10d" and a.rdzv_endpoint and a.node_rank is None):
+        p.error(f"--nnodes {a.nnodes}: a MIN:MAX range needs --rdzv-backend c10d --rdzv-endpoint HOST:PORT and no "
+                f"--node-rank (node ranks come from the rendezvous, as torchrun's)")
+    if lo != hi and (a.high_availability or a.standby):
+        p.error(f"--nnodes {a.nnodes}: a MIN:MAX range is not supported with --high-availability or --standby; "
+                f"give a fixed count (spare nodes: --standby)")
     try:
         nproc = determine_local_world_size(a.nproc_per_node)
     except ValueError as exc:
@@ -202,7 +224,8 @@ def parse_args(argv=None):
     try:
         return LaunchConfig(
             entrypoint=a.training_script, args=tuple(a.training_script_args), is_module=a.module,
-            nproc_per_node=nproc, nnodes=hi, node_rank=node_rank or 0,
+            nproc_per_node=nproc, nnodes=hi, min_nodes=lo, node_rank=node_rank or 0,
+            last_call=float(conf.get("last_call_timeout", 30)),
             master_addr=addr, master_port=port, max_restarts=a.max_restarts,
             monitor_interval=a.monitor_interval, rdzv_timeout=timeout, warm_spares=a.warm_spares,
             run_id=run_id, etcd_endpoint=etcd, standby=a.standby, high_availability=strategies,

@@ -21,6 +21,12 @@ class LaunchConfig:
     is_module: bool = False
     nproc_per_node: int = 1
     nnodes: int = 1
+    min_nodes: int = 0
+    """``--nnodes MIN:MAX``: MIN (``nnodes`` is MAX); 0: ``nnodes`` (a fixed count). Each round runs with
+    the agents that joined it (agent.py, ``round/<n>/nodes``)."""
+    last_call: float = 30.0
+    """``--rdzv-conf last_call_timeout``: with MIN:MAX, seconds node 0 waits for more agents once MIN
+    joined (after the last one that came)."""
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500

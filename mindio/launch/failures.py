@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 
 from ..vocab import EXIT_CODE_DUMPED, EXIT_CODE_REPEATED
 
-__all__ = ["Failure", "describe", "first", "read", "record", "summary", "outcome", "trim"]
+__all__ = ["Failure", "describe", "first", "read", "record", "summary", "outcome", "trim", "one_line",
+           "report_one_line", "install_excepthook"]
 
 
 _MAX_FILE = 1 << 20  # an error file larger than this is read only in part
@@ -78,9 +79,13 @@ def record(message: str, trace: str, path: str | None = None, replace: bool = Fa
     if not path or (not replace and os.path.exists(path)):
         return
     when = time.time() if when is None else when
+    # torchrun's root cause is the failure with the smallest whole-second "timestamp", ties to the lowest
+    # rank: a consequence (which comes after its cause) is stamped with the next second, so that a peer's
+    # "connection closed" in the cause's second never outranks it. mindio-run reads "mindio_time".
+    stamp = int(when) + (1 if consequence or _secondary_text(message) else 0)
     data = {"message": {
         "message": message,
-        "extraInfo": {"py_callstack": trace, "timestamp": str(int(when)), "mindio_time": when,
+        "extraInfo": {"py_callstack": trace, "timestamp": str(stamp), "mindio_time": when,
                       "mindio_consequence": consequence, "host": socket.gethostname()},
     }}
     try:
@@ -97,6 +102,54 @@ def record(message: str, trace: str, path: str | None = None, replace: bool = Fa
             os.unlink(tmp)
         except OSError:
             pass
+
+
+def one_line(exc: BaseException) -> str | None:
+    """``Type: message`` for an error whose message says all a user needs (a refused setting, no
+    controller answering): printed as one line instead of a traceback; None for any other."""
+    from ..errors import ConfigError, NoController
+
+    return f"{type(exc).__name__}: {exc}" if isinstance(exc, (ConfigError, NoController)) else None
+
+
+def report_one_line(exc: BaseException) -> bool:
+    """Print ``exc`` as one line and record it in the error file (the launcher's summary, torchrun's
+    root cause), when :func:`one_line` takes it; False otherwise (nothing done)."""
+    import sys
+
+    line = one_line(exc)
+    if line is None:
+        return False
+    rank = os.environ.get("RANK")
+    who = f"rank {rank}: " if rank and not str(exc).startswith("rank ") else ""
+    sys.stderr.write(f"mindio: {who}{line}\n")
+    sys.stderr.flush()
+    record(line, line + "\n")
+    return True
+
+
+def install_excepthook() -> None:
+    """(import of mindio.ttp) An uncaught :func:`one_line` error ends the process with that one line,
+    recorded in TORCHELASTIC_ERROR_FILE, instead of a traceback per rank (a script under torchrun);
+    any other exception goes to the hook there was."""
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "mindio_one_line", False):
+        return
+
+    def hook(kind, exc, tb):
+        if not report_one_line(exc):
+            previous(kind, exc, tb)
+
+    hook.mindio_one_line = True
+    sys.excepthook = hook
+
+
+def _secondary_text(error: str) -> bool:
+    """What a rank sees when a peer it waited for failed (a lost connection, a collective timeout)."""
+    low = error.lower()
+    return any(s in low for s in _SECONDARY)
 
 
 # ------------------------------------------------------------------------------------ agent side
@@ -121,8 +174,7 @@ class Failure:
         collective timeout seen by a rank that was waiting for the failed one."""
         if self.consequence or (self.code in (-signal.SIGTERM, -signal.SIGKILL) and not self.error):
             return True
-        low = self.error.lower()
-        return any(s in low for s in _SECONDARY)
+        return _secondary_text(self.error)
 
     def line(self) -> str:
         where = f" (node {self.node}{', ' + self.host if self.host else ''})"
@@ -211,7 +263,7 @@ def outcome(fails, reason: str, rnd: int, max_restarts: int, stopping: bool = Fa
     # a worker that exited 75 after the dump is no cause, unless its error file names a fault of its own
     causes = [f for f in fails if f.code != EXIT_CODE_DUMPED or (f.error and not f.secondary)]
     cause = summary(causes) or reason
-    if causes and "controller" in reason:
+    if causes and "controller" in reason and cause not in reason:  # the controller's word, not the cause again
         cause += f" ({reason.partition(': ')[2] or reason})"
     # a rank met the fault the previous launch dumped after, at the same step (79): a relaunch meets it again
     repeated = any(f.code == EXIT_CODE_REPEATED for f in fails)

@@ -52,6 +52,10 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+from ..launch import failures as _failures  # noqa: E402
+
+_failures.install_excepthook()  # a refused setting ends a rank with one line, not a traceback (torchrun too)
 _STRATEGIES = MINDX_STRATEGIES
 _MINDX_ACTIONS = ("report_fault_ranks", "report_stop_complete", "report_strategies", "report_result")
 

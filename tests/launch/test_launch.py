@@ -306,6 +306,150 @@ def test_a_lost_node_with_no_spare_ends_the_job_at_the_join_timeout(job):
     assert time.monotonic() - t0 < 60, out0
 
 
+def _await_line(p, text: str, timeout: float) -> list:
+    """The launcher's output lines up to the first that contains ``text`` (bounded). A reader thread, not
+    select() on the pipe: a buffered readline takes in more than the line it returns, and select() would
+    then wait for output that already arrived."""
+    import queue
+    import threading
+
+    lines, got = [], queue.Queue()
+    threading.Thread(target=lambda: got.put(p.stdout.readline()), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = got.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        lines.append(line)
+        if not line or text in line:
+            break
+        threading.Thread(target=lambda: got.put(p.stdout.readline()), daemon=True).start()
+    assert lines and text in lines[-1], f"no {text!r} within {timeout} s: {''.join(lines)}"
+    return lines
+
+
+def _stop(p, head: list) -> tuple:
+    """SIGTERM to launcher ``p``: (its whole output, seconds it took to exit)."""
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    return "".join(head) + out, time.monotonic() - t0
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_the_rendezvous_wait_at_once(job):
+    """#30 item 4: mindio-run ends at once on SIGTERM while it waits in the rendezvous -- node 1 for a
+    node 0 that does not answer, node 0 for the other agents -- with one line saying what it waited for;
+    the wait for node 0 prints one line, not c10d's line per retry. (Also #30 items 7, 8: abbreviated
+    flags and a quoted --rdzv-conf, as an argument list passes them, without a shell.)"""
+    start, _ = job
+    port = _free_port()
+    flags = ["--nnodes", "2", "--nproc-per", "1", "--master-port", str(port), "--rdzv-conf='join_timeout=90'"]
+    a1 = start(*flags, "--node-rank", "1")  # node 0 is not up: its port refuses
+    out1, took1 = _stop(a1, _await_line(a1, "does not answer yet (attempt 1: Connection refused)", 60))
+    assert a1.returncode == 1 and took1 < 5, (took1, out1)
+    assert out1.strip().splitlines()[-1] == ("mindio-run: job failed: SIGTERM: stopped while waiting for node 0's "
+                                             f"agents' store at 127.0.0.1:{port}"), out1
+    assert out1.count("does not answer yet") == 1 and "TCPStore" not in out1 and "Traceback" not in out1, out1
+    a0 = start(*flags, "--node-rank", "0")  # node 1 never comes
+    deadline = time.monotonic() + 60
+    while True:  # the store is up: node 0 is in the rendezvous (its signal handlers are set before)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and a0.poll() is None, "node 0's store never came up"
+            time.sleep(0.2)
+    out0, took0 = _stop(a0, [])
+    assert a0.returncode == 1 and took0 < 5, (took0, out0)
+    assert out0.strip().splitlines()[-1] == ("mindio-run: job failed: SIGTERM: stopped while waiting for the other "
+                                             "agents to join round 0 (1 of 2 joined)"), out0
+    assert "Traceback" not in out0 and "waiting 10 s for the other agents to leave" not in out0, out0
+
+
+@pytest.mark.timeout(150)
+def test_an_elastic_node_range_starts_with_min_and_takes_an_agent_that_comes_later(job):
+    """#30 item 6: ``--nnodes 1:2`` (c10d), as torchrun runs it: the first agent starts the job alone once
+    MIN joined and ``last_call_timeout`` passed; a second agent that comes later restarts every worker
+    with it (world size 2), which does not use up a restart (``--max-restarts 0``)."""
+    start, results = job
+    flags = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+             "--rdzv-conf", "last_call_timeout=1", "--nproc-per-node", "1", "--max-restarts", "0"]
+    a = start(*flags, env={"STEPS": "60"})
+    deadline = time.monotonic() + 90
+    while "r0-rank0.json" not in results():  # round 0 runs, with one node
+        assert time.monotonic() < deadline and a.poll() is None, "round 0 never ran"
+        time.sleep(0.2)
+    b = start(*flags, env={"STEPS": "60"})  # the same script: as many collectives as node 0's
+    out_a, _ = a.communicate(timeout=120)
+    out_b, _ = b.communicate(timeout=30)
+    assert (a.returncode, b.returncode) == (0, 0), out_a + out_b
+    got = results()
+    assert got["r0-rank0.json"]["env"]["WORLD_SIZE"] == "1"
+    assert {r["env"]["WORLD_SIZE"] for k, r in got.items() if k.startswith("r1-")} == {"2"}, got.keys()
+    assert got["r1-rank0.json"]["sum"] == got["r1-rank1.json"]["sum"] == 1.0
+    assert "round 0: agent(s) came to join (--nnodes MIN:MAX)" in out_a, out_a
+
+
+REFUSED = textwrap.dedent("""
+    import os, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    from mindio.ttp import tft_init_controller, tft_init_processor, tft_start_controller, tft_start_processor
+    if os.environ.get("WHY"):
+        sys.exit(os.environ["WHY"])  # as a framework's argument check does (megatron's missing --save)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    port = int(os.environ["TTP_PORT"])
+    if rank == 0 and not os.environ.get("NO_CONTROLLER"):
+        tft_init_controller(rank, world, enable_local_copy=False)
+        tft_start_controller("127.0.0.1", port, enable_tls=False)
+    tft_init_processor(rank, world, enable_local_copy=False, enable_tls=False)
+    tft_start_processor("127.0.0.1", port)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_refused_settings_are_one_line_under_torchrun_and_mindio_run(job, tmp_path):
+    """#30 item 12: a controller port in use (under torchrun: every rank's refused setting is one line,
+    not a traceback; torchrun's root cause is that line), a controller that never answers (one line, not
+    a line per heartbeat window), a script's ``sys.exit(reason)`` (mindio-run's summary carries the reason)."""
+    script = tmp_path / "refused.py"
+    script.write_text(REFUSED)
+    start, _ = job
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t = start("--nproc-per-node", "2", "--standalone", launcher="torch.distributed.run", target=script,
+                  env={"TTP_PORT": str(port)})
+        t.sent = {1: "SIGTERM"}  # torchrun stops rank 1 once rank 0 failed
+        out, _ = t.communicate(timeout=120)
+    assert t.returncode == 1, out
+    line = (f"mindio: rank 0: ConfigError: controller port {port} on 127.0.0.1 is already in use (another job's "
+            f"controller, or one still running?): give tft_start_controller a free port (TTP_PORT in the examples)")
+    assert f"[rank0]: {line}" in out.splitlines(), out
+    assert not [ln for ln in out.splitlines() if ln.startswith("[rank") and "Traceback" in ln], out  # a rank's
+    root = out[out.index("Root Cause"):]
+    assert "traceback : ConfigError: controller port" in root, root
+    # no controller answers: one line when the rank gives up, not one per silent heartbeat window (a
+    # plain process, as a rank under torchrun runs: the excepthook mindio.ttp installs prints it)
+    env = dict(os.environ, NO_CONTROLLER="1", TTP_PORT=str(_free_port()), TTP_RETRY_TIMES="2", TTP_LOG_STDOUT="1",
+               MINDIO_SECRET="s" * 32, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    alone = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 1, alone.stderr
+    said = [ln for ln in alone.stderr.splitlines() if "NoController" in ln]  # torch's excepthook adds "[rank0]: "
+    assert len(said) == 1 and said[0].startswith("[rank0]: mindio: NoController: rank 0: no controller answered at "
+                                                 "tcp://127.0.0.1:"), alone.stderr
+    assert alone.stderr.count("silent for") <= 1 and "Traceback" not in alone.stderr, alone.stderr  # 1 INFO line
+    why = "--enable-high-availability needs --save DIR: the last-words checkpoint is written there"
+    m = start("--nproc-per-node", "1", target=script, env={"WHY": why})
+    out, _ = m.communicate(timeout=120)
+    assert m.returncode == 1, out
+    assert f"exited with exit code 1: SystemExit: {why} (restarts used: 0 of 0)" in out.splitlines()[-1], out
+
+
 LATE = textwrap.dedent("""
     import os, sys, time
     import torch.distributed as dist

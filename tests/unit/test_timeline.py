@@ -89,3 +89,23 @@ def test_the_command_writes_svg_and_html_and_refuses_other_formats(tmp_path):
     assert out.returncode == 2 and ".svg or .html" in out.stderr
     missing = subprocess.run(cmd[:-1] + [str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+def test_the_command_refuses_a_file_that_is_not_an_event_log(tmp_path):
+    """#30 item 13: a file with no mindio event (another file given by mistake, an empty one) exits
+    non-zero, says why in one line and writes no picture."""
+    other = tmp_path / "train.py"
+    other.write_text("import torch\nprint('not events')\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    binary = tmp_path / "ckpt.pt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    for path, why in ((other, "none of its 2 line(s) is a JSON object"), (empty, "it is empty"),
+                      (binary, "is a JSON object")):
+        svg = tmp_path / f"{path.stem}.svg"
+        out = subprocess.run([sys.executable, "-m", "mindio.cli", "timeline", str(path), "-o", str(svg)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, (path, out)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"mindio timeline: {path} is not a mindio event log: "), lines
+        assert why in out.stderr and "Traceback" not in out.stderr and not svg.exists()

@@ -46,7 +46,7 @@ from .recover import Replace, Replacements
 from .dump import Dump
 from .hotswitch import HotSwitch
 from .watch import Liveness
-from ...errors import SessionError
+from ...errors import ConfigError, SessionError
 from .. import shutdown
 from ..wire.session import Sessions
 from ..wire.transport import Channel, Link, Waker, job_curve_keypair
@@ -170,7 +170,7 @@ class Controller:
                 port = sock.bind_to_random_port(f"tcp://{bind_ip}", min_port=20000, max_port=65535, max_tries=1000)
             else:
                 sock.bind(f"tcp://{bind_ip}:{port}")
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             sock.close(0)
             if self._auth is not None:
                 self._auth.stop()
@@ -178,7 +178,11 @@ class Controller:
                 self._auth = None
             ctx.term()
             self._ctx = None
-            raise
+            if exc.errno == zmq.EADDRINUSE:  # one line for the user (launch/failures.py), not zmq's traceback
+                raise ConfigError(f"controller port {port} on {bind_ip} is already in use (another job's "
+                                  f"controller, or one still running?): give tft_start_controller a free port "
+                                  f"(TTP_PORT in the examples)") from None
+            raise ConfigError(f"the controller cannot listen on tcp://{bind_ip}:{port}: {exc}") from None
         self.port = port
         self.address = f"tcp://{bind_ip}:{port}"
         self._chan = Channel(sock, self.key, self.drops, sess=self.sessions.epoch)

@@ -341,6 +341,7 @@ class Link(threading.Thread):
         self.gen = 0
         self.registered = threading.Event()
         self.failovers = 0
+        self.answered = False  # a controller answered this link once (before: its start-up, not a failure)
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
         self._halt = threading.Event()
@@ -424,6 +425,7 @@ class Link(threading.Thread):
                 if not self._nonce or env.body.nonce != self._nonce:
                     raise SessionError("CHALLENGE that answers no HELLO of this link (replayed or late)")
                 self._nonce = 0
+                self.answered = True
                 self._peer = [env.sess, env.ctr]
                 chan.sess, chan.ctr = env.body.session, 0
                 chan.send(P.Envelope(P.MsgType.REGISTER, self.hello(), rank=self.rank, gen=self.gen))
@@ -489,9 +491,11 @@ class Link(threading.Thread):
                     self._passive = False
                     if probe is not None:
                         probe.close(poller)
-                    _log.warning("controller %s silent for %.1f s (MINDIO_HEARTBEAT_MISSES x MINDIO_HEARTBEAT_INTERVAL "
-                                 "+ half an interval: %.1f s); connecting to %s", silent_from, now - last_rx,
-                                 self.misses * self.interval + self.interval / 2, self.address)
+                    # no controller ever answered: the start waits (bounded, one line if it gives up), not a failover
+                    level = logging.WARNING if self.answered else logging.INFO if self.failovers == 1 else logging.DEBUG
+                    _log.log(level, "controller %s silent for %.1f s (MINDIO_HEARTBEAT_MISSES x MINDIO_HEARTBEAT_INTERVAL "
+                             "+ half an interval: %.1f s); connecting to %s", silent_from, now - last_rx,
+                             self.misses * self.interval + self.interval / 2, self.address)
                     _logging.event("controller_failover", silent=silent_from, to=self.address,
                                    silent_s=round(now - last_rx, 3))
                     chan = self._connect()

@@ -172,7 +172,11 @@ class Agent:
             from . import etcdstore
 
             node0 = cfg.node_rank == 0 and not cfg.standby
-            self._store = etcdstore.connect(cfg.etcd_endpoint, cfg.run_id, cfg.rdzv_timeout, create=node0)
+            try:
+                self._store = etcdstore.connect(cfg.etcd_endpoint, cfg.run_id, cfg.rdzv_timeout, create=node0,
+                                                stopping=lambda: self._stopping)
+            except InterruptedError as exc:
+                raise _Stopped(str(exc)) from None
             if node0 and backup.count(cfg):  # the controller's leader key, while backups wait (backup.py)
                 self.leader = etcdstore.Leader(0, cfg.node_lost_after)
                 self.leader.take(self._store)

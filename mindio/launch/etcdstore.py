@@ -159,25 +159,36 @@ def _client(endpoint: str, read_timeout: float):
     return etcd.Client(host=host.strip("[]"), port=int(port), read_timeout=read_timeout, allow_reconnect=False)
 
 
-def connect(endpoint: str, run_id: str, timeout: float, create: bool = False, wait: float | None = None):
+PROBE_S = 1.0  # one probe of an etcd member while connecting: a stop signal waits at most this
+
+
+def connect(endpoint: str, run_id: str, timeout: float, create: bool = False, wait: float | None = None,
+            stopping=None):
     """A client of the job's keys on the etcd server at ``endpoint`` (HOST:PORT, or the members of an etcd
     cluster, HOST:PORT,HOST:PORT,...: the first that answers, the next one whenever the one in use
     fails); its calls wait up to ``timeout`` s for a key. Waits up to ``wait`` s (default ``timeout``)
-    for a member to answer. ``create`` (node 0, once): create the job's directory, refusing one a
-    previous job left."""
+    for a member to answer, one probe of at most ``PROBE_S`` at a time, so that ``stopping()`` (a stop
+    signal, checked between probes) ends the wait at once: :class:`InterruptedError`. ``create`` (node 0,
+    once): create the job's directory, refusing one a previous job left."""
     etcd = _etcd()
     hosts = members(endpoint)
     deadline = time.monotonic() + (timeout if wait is None else wait)
-    member = 0
+    member, said = 0, False
     while True:
-        client = _client(hosts[member], read_timeout=max(timeout, 5.0))
+        if stopping is not None and stopping():
+            raise InterruptedError(f"stopped while waiting for etcd at {endpoint}")
         try:
-            client.get("/")  # the v2 API answers (etcd 3.4 serves it with --enable-v2=true only)
+            _client(hosts[member], read_timeout=PROBE_S).get("/")  # the v2 API answers (etcd 3.4: --enable-v2=true)
+            client = _client(hosts[member], read_timeout=max(timeout, 5.0))
             break
         except etcd.EtcdConnectionFailed as exc:
             if time.monotonic() > deadline:
                 raise ConfigError(f"etcd at {endpoint} did not answer within {timeout:g} s (--rdzv-conf "
                                   f"join_timeout=S sets it): start it, or check --rdzv-endpoint ({exc})") from None
+            if not said:  # one line for the whole wait (python-etcd's own retries say nothing)
+                said = True
+                log.info("etcd at %s does not answer yet; trying again for %.0f s more (--rdzv-conf join_timeout=S)",
+                         endpoint, deadline - time.monotonic())
             member = (member + 1) % len(hosts)
             if member == 0:
                 time.sleep(0.1)

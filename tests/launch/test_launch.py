@@ -368,6 +368,21 @@ def test_sigterm_ends_the_rendezvous_wait_at_once(job):
     assert "Traceback" not in out0 and "waiting 10 s for the other agents to leave" not in out0, out0
 
 
+@pytest.mark.timeout(120)
+def test_sigterm_ends_the_wait_for_etcd_at_once(job):
+    """#30 item 4 with ``--rdzv-backend etcd``: an agent waiting for an etcd server that does not answer
+    (its port refuses) says so in one line and ends at once on SIGTERM, naming what it waited for."""
+    pytest.importorskip("etcd", reason="python-etcd (pip install -c constraints.txt -e '.[etcd]')")
+    start, _ = job
+    endpoint = f"127.0.0.1:{_free_port()}"
+    a = start("--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
+              "--rdzv-conf", "join_timeout=90")
+    out, took = _stop(a, _await_line(a, f"etcd at {endpoint} does not answer yet", 60))
+    assert a.returncode == 1 and took < 5, (took, out)
+    assert out.strip().splitlines()[-1] == f"mindio-run: job failed: SIGTERM: stopped while waiting for etcd at {endpoint}", out
+    assert out.count("does not answer yet") == 1 and "Traceback" not in out, out
+
+
 @pytest.mark.timeout(150)
 def test_an_elastic_node_range_starts_with_min_and_takes_an_agent_that_comes_later(job):
     """#30 item 6: ``--nnodes 1:2`` (c10d), as torchrun runs it: the first agent starts the job alone once

@@ -341,6 +341,10 @@ _ALL = [
     Knob("RANK", int, 0, "Global rank of the worker (torchrun's contract).", internal=True),
     Knob("LOCAL_RANK", int, 0, "Rank of the worker on its node (torchrun's contract).", internal=True),
     Knob("GROUP_RANK", int, 0, "Node rank of the worker (torchrun's contract).", internal=True),
+    Knob("WORLD_SIZE", int, 1, "Number of workers of the job (torchrun's contract).", internal=True),
+    Knob("LOCAL_WORLD_SIZE", int, 1, "Number of workers on this node (torchrun's contract): all of them on one "
+         "node keeps the job secret out of the store (mindio/_secret.py); a launcher's siblings "
+         "(processor/preempt.py).", internal=True),
     # set by Slurm in a job step; mindio-run reads them to fill --nnodes/--node-rank/--rdzv-endpoint
     # (mindio/launch/slurm.py, docs/slurm.md)
     Knob("SLURM_JOB_ID", str, "", "Slurm's job id (its port: 29400 + id mod 1000).", internal=True),

@@ -74,10 +74,11 @@ def test_the_bound_comes_from_the_job_once_every_rank_timed_its_steps(monkeypatc
     monkeypatch.setenv("MINDIO_HANG_FLOOR", "1.0")
     b = hangs.HangBound(300.0, fixed=False)
     assert b.current([0.1, -1.0]) == 300.0  # a rank has not timed enough steps yet
-    with caplog.at_level("WARNING", logger="mindio.ttp.controller"):
+    with caplog.at_level("INFO", logger="mindio.ttp.controller"):
         assert b.current([0.1, 0.12]) == 1.0  # the floor
         assert b.current([0.1, 0.4]) == pytest.approx(2.0)  # 5 x the slowest rank's p99
-    assert len([r for r in caplog.records if "hang bound from the job" in r.getMessage()]) == 1
+    said = [r for r in caplog.records if "hang bound from the job" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"]  # once; INFO: a fault-free run prints no WARNING
     assert b.current([-1.0, 0.4]) == pytest.approx(2.0)  # a replacement not timed yet: the last one holds
     assert hangs.HangBound(7.0, fixed=True).current([0.1, 0.1]) == 7.0
     assert hangs.HangBound(0.0, fixed=False).current([0.1]) == 0.0  # off stays off

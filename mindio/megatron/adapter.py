@@ -362,6 +362,11 @@ class MegatronAdapter(FrameworkAdapter):
 
     def __init__(self, ctx: TrainingContext):
         self.ctx = ctx
+        # the exit teardown (mindio/ttp/shutdown.py) drops what this adapter holds and destroys the groups
+        # while the interpreter is whole, also where no processor started it (torch's exit race: a gloo
+        # worker thread still destroying the last work at Py_FinalizeEx aborts the process, SIGABRT)
+        from mindio.ttp import shutdown
+        shutdown.on_exit(self.release)
 
     def stop(self) -> None:
         self.ctx.stop_requested.set()

@@ -81,9 +81,12 @@ def test_bad_or_missing_sums_are_ignored_and_off_by_default(monkeypatch):
 
 
 def _run(out: Path, extra: list, window: int = 5):
+    """The loop under torchrun with ``MINDIO_SLOW_WINDOW=window`` and 0.5 s beats (a window lasts at least
+    one beat); every rank must exit 0. Returns its output and the ``rank_slow`` events."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIO_HANG", "MINDIO_SLOW"))}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_PORT=str(free_port()), TTP_LOG_STDOUT="1",
-               MINDIO_EVENT_LOG=str(out / "events.jsonl"), MINDIO_SLOW_WINDOW=str(window))
+               MINDIO_EVENT_LOG=str(out / "events.jsonl"), MINDIO_SLOW_WINDOW=str(window),
+               MINDIO_HEARTBEAT_INTERVAL="0.5")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(HERE / "_hang_loop.py"), "--out", str(out), *extra]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
@@ -98,7 +101,7 @@ def _run(out: Path, extra: list, window: int = 5):
 @pytest.mark.timeout(150)
 def test_a_rank_computing_more_is_named_slow_within_20_steps(tmp_path):
     """Rank 2 computes 0.1 s more each step from step 10 on (a user's DDP loop, 0.05 s steps); with
-    5-step windows and K=3 the controller names it within 20 steps, cause compute; only it."""
+    5-step windows, 0.5 s beats and K=3 the controller names it within 20 steps, cause compute; only it."""
     out = tmp_path / "run"
     out.mkdir()
     text, found = _run(out, ["--ddp", "--steps", "40", "--step-sleep", "0.05", "--spin", "2:10:0.1"])

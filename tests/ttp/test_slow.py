@@ -122,3 +122,29 @@ def test_a_fault_free_run_beside_a_busy_loop_names_nobody(tmp_path):
         busy.kill()
         busy.wait()
     assert found == [], text[-6000:]
+
+
+def test_drill_slow_burns_f_minus_1_times_each_steps_cpu_from_step_s_on():
+    from mindio import drill
+    from mindio.errors import ConfigError
+
+    for bad in ("slow:rank=0,step=2", "slow:rank=0,step=2,factor=1", "hang:rank=0,step=2,factor=3"):
+        with pytest.raises(ConfigError, match="factor"):
+            drill.parse(bad)
+    d = drill.Drill("slow:rank=1,step=3,factor=3", environ={})
+    st = collectives.StepTimes()
+    for step in range(1, 9):
+        d.maybe_fire(step, 1)
+        end = time.thread_time() + 0.02  # the step's own compute
+        while time.thread_time() < end:
+            pass
+        st.done()
+        if step == 3:
+            before = list(st.anatomy())
+    n, _w, cpu = (a - b for a, b in zip(st.anatomy(), before))
+    assert n == 5 and cpu / n == pytest.approx(0.06, rel=0.25), (n, cpu)  # 3 x 0.02 s per step
+    other = drill.Drill("slow:rank=1,step=3,factor=3", environ={})
+    t = time.thread_time()
+    for step in range(1, 6):
+        other.maybe_fire(step, 0)  # not its rank: nothing
+    assert time.thread_time() - t < 0.01

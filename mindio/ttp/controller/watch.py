@@ -112,7 +112,7 @@ class Liveness:
                               silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
         if check_hang and self.ctl.hang_timeout > 0 and self.ctl.sm.state is State.NORMAL:
             self._check_hangs(now)
-        if self.slow.window > 0:
+        if check_hang and self.slow.window > 0:  # once a heartbeat interval, as the hang check
             self._check_slow()
 
     def _check_slow(self) -> None:

@@ -151,6 +151,17 @@ _ALL = [
     Knob("MINDIO_HANG_K", float, 5.0,
          "The job's hang bound is this many times its p99 step time (at least MINDIO_HANG_FLOOR; "
          "MINDIO_HANG_TIMEOUT unset).", min=1.5, max=1000),
+    Knob("MINDIO_SLOW_WINDOW", int, 0,
+         "Steps per slow-rank scoring window (controller/slow.py; docs/recovery.md, Slow ranks); 0: off.",
+         min=0, max=100000),
+    Knob("MINDIO_SLOW_RATIO", float, 1.5,
+         "A rank is slow when its main thread's CPU per step is at least this many times its peers' median "
+         "(and its peers wait for it: MINDIO_SLOW_MIN_WAIT).", min=1.05, max=1000),
+    Knob("MINDIO_SLOW_MIN_WAIT", float, 0.2,
+         "A slow rank's peers must wait (wall - main-thread CPU, per step) at least this share of its step "
+         "time more than it does.", min=0.0, max=1.0),
+    Knob("MINDIO_SLOW_K", int, 3,
+         "Windows in a row a rank must score slow before rank_slow is reported.", min=1, max=1000),
     Knob("MINDIO_HANG_FLOOR", float, 1.0,
          "Seconds: the least hang bound derived from the job's step times (MINDIO_HANG_TIMEOUT unset); raise "
          "it above the longest irregular step the job has (a checkpoint save between steps), or set "

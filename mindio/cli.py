@@ -94,6 +94,8 @@ def _status(args) -> int:
         print(f"{r['rank']:>6} {'yes' if r['alive'] and r['registered'] else 'no':>6} "
               f"{'yes' if r['faulty'] else 'no':>6} {r['step']:>7} {str(r['data_status']):>9} {beat:>10}  "
               f"{r['host']}/{r['pid']}")
+    if (info.get("slow") or {}).get("slow"):  # controller/slow.py
+        print(f"slow: rank {info['slow']['slow']['rank']} (cause {info['slow']['slow']['cause']})")
     for i in info["incidents"]:
         phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in i["phases"].items() if isinstance(v, (int, float)))
         when = time.strftime("%H:%M:%S", time.localtime(i["t"]))

@@ -3,6 +3,7 @@
 A spec is one or more faults separated by ``;`` or ``,`` (a token with a ``:`` starts a new fault)::
 
     KIND:rank=R,step=S[,seconds=T]      KIND in raise, uce, net, hang, kill
+    slow:rank=R,step=S,factor=F
     kill-node:node=N,step=S             (or kill-node:rank=R,step=S: the node that hosts rank R)
     flip:rank=R,step=S[,state=param|exp_avg|exp_avg_sq][,bit=B]
 
@@ -17,6 +18,8 @@ hang       sleeps ``seconds`` (default 3600) without progress, outside any colle
 hold       as hang, but ends as soon as the file ``<MINDIO_DRILL_DIR>/release`` exists: a step held
            from outside (a test holds training until a hot switch's backups registered)
 kill       SIGKILL of its own process (recover-in-place)
+slow       from step S on, every step: burns (F-1) x the CPU time its main thread used in the step before
+           (a busy loop), a straggler whose peers wait for it (controller/slow.py names it; F > 1)
 flip       ``flip(state, bit)`` if given: flips mantissa bit B (default 0, the lowest) of one fp32 element
            of this rank's optimizer shard -- its master weights (``state=param``, default) or an Adam
            moment -- a silent corruption (no error; a plausible value, never a NaN) that only the
@@ -50,15 +53,16 @@ from .errors import ConfigError
 
 __all__ = ["Fault", "parse", "Drill", "inject", "MESSAGES"]
 
-KINDS = ("raise", "uce", "net", "hang", "hold", "kill", "kill-node", "flip")
+KINDS = ("raise", "uce", "net", "hang", "hold", "kill", "kill-node", "flip", "slow")
 FLIP_STATES = ("param", "exp_avg", "exp_avg_sq")
 MESSAGES = {
     "raise": "injected fault at step {step}",
     "uce": "UCE ERROR: injected uncorrectable memory error at step {step}",
     "net": "HCCL OP RETRY FAILED: injected network error at step {step}",
 }
-_KEYS = {"rank", "step", "node", "seconds", "state", "bit"}
-_USAGE = ("use KIND:rank=R,step=S (KIND: raise, uce, net, hang, hold, kill, flip) or kill-node:node=N,step=S; "
+_KEYS = {"rank", "step", "node", "seconds", "state", "bit", "factor"}
+_USAGE = ("use KIND:rank=R,step=S (KIND: raise, uce, net, hang, hold, kill, flip), slow:rank=R,step=S,factor=F "
+          "or kill-node:node=N,step=S; "
           "separate several faults with ';'")
 
 
@@ -72,6 +76,7 @@ class Fault:
     seconds: float = 3600.0
     state: str = "param"  # flip: which part of the shard
     bit: int = 0  # flip: which mantissa bit
+    factor: float = 2.0  # slow: each step takes this many times its compute
 
     def targets(self, rank: int, node: Optional[int], local_rank: int) -> bool:
         if self.kind == "kill-node" and self.node is not None:
@@ -104,7 +109,7 @@ def parse(spec: str) -> List[Fault]:
             key, eq, value = (s.strip() for s in kv.partition("="))
             if not eq or key not in _KEYS:
                 raise ConfigError(f"--inject {spec!r}: bad field {kv!r} in {kind}; fields: rank=, step=, "
-                                  f"node= (kill-node), seconds= (hang), state=, bit= (flip)")
+                                  f"node= (kill-node), seconds= (hang), state=, bit= (flip), factor= (slow)")
             if key in fields:
                 raise ConfigError(f"--inject {spec!r}: {key}= given twice for {kind}")
             fields[key] = value
@@ -112,7 +117,7 @@ def parse(spec: str) -> List[Fault]:
         if state is not None and (kind != "flip" or state not in FLIP_STATES):
             raise ConfigError(f"--inject {spec!r}: state= is only for flip, one of {', '.join(FLIP_STATES)}")
         try:
-            values = {k: (float(v) if k == "seconds" else int(v)) for k, v in fields.items()}
+            values = {k: (float(v) if k in ("seconds", "factor") else int(v)) for k, v in fields.items()}
         except ValueError:
             raise ConfigError(f"--inject {spec!r}: {fields} has a non-number value; {_USAGE}") from None
         if "step" not in values or values["step"] < 1:
@@ -129,6 +134,8 @@ def parse(spec: str) -> List[Fault]:
             raise ConfigError(f"--inject {spec!r}: rank, node must be >= 0 and seconds > 0")
         if "seconds" in values and kind not in ("hang", "hold"):
             raise ConfigError(f"--inject {spec!r}: seconds= is only for hang and hold")
+        if ("factor" in values) != (kind == "slow") or values.get("factor", 2.0) <= 1:
+            raise ConfigError(f"--inject {spec!r}: factor=F (> 1) is for slow only, and slow needs it")
         if "bit" in values and (kind != "flip" or not 0 <= values["bit"] < 23):
             raise ConfigError(f"--inject {spec!r}: bit= is only for flip, a mantissa bit of fp32 (0..22)")
         if state is not None:
@@ -144,6 +151,8 @@ class Drill:
         env = os.environ if environ is None else environ
         self.faults = parse(spec)
         self._fired: set = set()
+        self._slowing: List[Fault] = []  # slow faults fired in this process: they act every step after
+        self._cpu = time.thread_time()  # the main thread's CPU clock at the end of the last call
         self._restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         # a replacement process (recover-in-place / recover) re-runs the step its predecessor faulted at:
         # without a shared MINDIO_DRILL_DIR it cannot know what fired, so it fires nothing (no fault loop)
@@ -164,11 +173,16 @@ class Drill:
         bit)`` flips one bit of its optimizer shard and says what it flipped (``flip``)."""
         if self._restart > 0 or (self._reboot and self._dir is None):
             return
+        for f in self._slowing:  # the step before used (now - self._cpu) s of CPU: take F-1 times that more
+            end = time.thread_time() + (f.factor - 1) * max(0.0, time.thread_time() - self._cpu)
+            while time.thread_time() < end:
+                pass
         for f in self.faults:
             if f.step == step and f.index not in self._fired and f.targets(rank, self._node, self._local_rank):
                 self._fired.add(f.index)
                 if self._claim(f):
                     self._fire(f, step, rank, corrupt, flip)
+        self._cpu = time.thread_time()
 
     def _claim(self, f: Fault) -> bool:
         if self._dir is None:
@@ -194,6 +208,9 @@ class Drill:
             return
         print(f"[rank {rank}] injecting {f.kind} at step {step}", flush=True)
         _logging.event("fault_injected", fault=f.kind, step=step, target_rank=rank, node=self._node)
+        if f.kind == "slow":
+            self._slowing.append(f)
+            return
         if f.kind == "uce" and corrupt is not None:
             corrupt()
         if f.kind in MESSAGES:

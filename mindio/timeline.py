@@ -159,6 +159,8 @@ def _rank_mark(e: dict):
         return "x", "#d62728", e.get("state", ""), f"{e.get('state')}: {e.get('message', '')[:300]}"
     if k in ("rank_dead", "rank_hung", "killed_as_hung"):
         return "x", "#7f0000", k.replace("_", " "), f"{k}: {e.get('cause', '')}"
+    if k == "rank_slow":  # controller/slow.py
+        return "dot", "#ff7f0e", "slow", f"slow ({e.get('cause')}): {e.get('ratio')}x"
     if k == "train_resumed":
         return "tri", "#2ca02c", "", f"back in train() at step {e.get('step')} (generation {e.get('gen')})"
     if k == "step_done":
@@ -248,8 +250,8 @@ def _panel(svg: _Svg, inc: Incident, top: float, width: float, title: str, windo
             if x(b) - x(a) > 6.5 * len(name) + 34:
                 svg.text((x(a) + x(b)) / 2, row + 11, f"{name} {_fmt(b - a)}", size=10, anchor="middle")
             continue
-        target = e.get("dead_rank", e.get("hung_rank", e.get("target_rank")))
-        if e["kind"] in ("rank_dead", "rank_hung") and target in y_of:
+        target = e.get("dead_rank", e.get("hung_rank", e.get("slow_rank", e.get("target_rank"))))
+        if e["kind"] in ("rank_dead", "rank_hung", "rank_slow") and target in y_of:
             y = y_of[target]
         elif e["kind"] == "worker_exited" and e.get("dead_rank") in y_of:
             y = y_of[e["dead_rank"]]

@@ -2,14 +2,15 @@
 mindio's internals.
 
     torchrun --nproc-per-node 3 tests/ttp/_hang_loop.py --out DIR [--ddp] [--steps 40] [--hang RANK:STEP]
-             [--step-sleep 0.1] [--work RANK:STEP:SECONDS]
+             [--step-sleep 0.1] [--work RANK:STEP:SECONDS] [--spin RANK:STEP:SECONDS]
 
 ``--ddp``: the model is wrapped in ``DistributedDataParallel`` (its all-reduce runs from autograd,
 inside ``loss.backward()``); else the gradients are summed with one ``dist.all_reduce`` a step.
 ``--hang RANK:STEP``: that rank ``time.sleep``s for 600 s at the start of STEP (its time to
 ``DIR/hang_t``). ``--work RANK:STEP:SECONDS``: that rank alone writes a checkpoint for SECONDS at the
 start of STEP (``torch.save`` of fresh tensors to ``DIR/work.pt``, again and again), while its peers wait
-in the step's collective: slow, not hung. Save and rename handlers write ``DIR/ckpt/step_<s>/rank<r>.pt`` and ``DIR/ckpt/latest``;
+in the step's collective: slow, not hung. ``--spin RANK:STEP:SECONDS``: from STEP on, that rank computes
+SECONDS more (CPU: matrix products) every step, a straggler its peers wait for. Save and rename handlers write ``DIR/ckpt/step_<s>/rank<r>.pt`` and ``DIR/ckpt/latest``;
 every rank holds the whole state (``replica_cnt`` = world size).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> int:
     p.add_argument("--hang", default="", help="RANK:STEP")
     p.add_argument("--step-sleep", type=float, default=0.1)
     p.add_argument("--work", default="", help="RANK:STEP:SECONDS")
+    p.add_argument("--spin", default="", help="RANK:STEP:SECONDS")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
@@ -55,6 +57,9 @@ def main() -> int:
     hang_rank, hang_step = map(int, args.hang.split(":")) if args.hang else (-1, -1)
     work_rank, work_step, work_s = (int(args.work.split(":")[0]), int(args.work.split(":")[1]),
                                     float(args.work.split(":")[2])) if args.work else (-1, -1, 0.0)
+
+    spin_rank, spin_step, spin_s = (int(args.spin.split(":")[0]), int(args.spin.split(":")[1]),
+                                    float(args.spin.split(":")[2])) if args.spin else (-1, -1, 0.0)
 
     def save(step, save_info, _args, _ctx):
         d = os.path.join(args.out, "ckpt", f"step_{step}")
@@ -80,6 +85,10 @@ def main() -> int:
                 end = time.monotonic() + work_s
                 while time.monotonic() < end:
                     torch.save({"w": torch.randn(256, 1024)}, os.path.join(args.out, "work.pt"))
+            if rank == spin_rank and step >= spin_step:
+                m, end = torch.randn(64, 64), time.thread_time() + spin_s
+                while time.thread_time() < end:
+                    m = torch.tanh(m @ m)
             g = torch.Generator().manual_seed(step * world + rank)
             x = torch.randn(4, 8, generator=g)
             loss = (model(x) - torch.sin(x.sum(1, keepdim=True))).pow(2).mean()

@@ -14,6 +14,7 @@ controller's address with two read-only endpoints.
   ``step_max``, ``step_min``                          gauge      completed steps over the live ranks
   ``heartbeat_lag_max_seconds``                       gauge      the oldest live rank's time since a frame
   ``hang_bound_seconds``                              gauge      the hang bound in force (controller/hangs.py)
+  ``rank_wait_fraction{rank}``                        gauge      last slow-rank window's wait share (slow.py)
   ``faults_total{kind}``                              counter    RS_UCE, RS_UNKNOWN, ... (reports), DEAD, HUNG
   ``incidents_total{strategy}``                       counter    decisions, by the strategy chosen
   ``recoveries_total{strategy}``                      counter    recoveries that got every rank training again
@@ -26,7 +27,7 @@ controller's address with two read-only endpoints.
 
 * ``GET /status`` -- JSON: the controller's state, its strategies, every rank (alive, faulty, step,
   optimizer-state status, seconds since its last frame, host, pid, p99 step time) and the last incidents
-  with their phase times, the hang bound in force (``hang_bound_s``, ``hang_bound_from_job``). Authenticated: header ``X-Mindio-Auth: <unix time>:<hex HMAC-SHA256(job key, "<time>:<path>")>``
+  with their phase times, the hang bound in force (``hang_bound_s``, ``hang_bound_from_job``), the slow-rank scores (``slow``). Authenticated: header ``X-Mindio-Auth: <unix time>:<hex HMAC-SHA256(job key, "<time>:<path>")>``
   (the job key is the one that signs control frames, from ``MINDIO_SECRET``); a time more than 60 s
   off is refused. :func:`mindio._status_auth.query` does this for ``mindio status``.
 
@@ -118,7 +119,8 @@ class Observer:
             incidents = [dict(i) for i in self.last]
         return {"state": ctl.sm.state.value, "world_size": ctl.world_size, "address": ctl.address,
                 "strategies": sorted(ctl.enabled), "ranks": ranks, "incidents": incidents,
-                "hang_bound_s": ctl.liveness.hang.value, "hang_bound_from_job": not ctl.liveness.hang.fixed}
+                "hang_bound_s": ctl.liveness.hang.value, "hang_bound_from_job": not ctl.liveness.hang.fixed,
+                "slow": ctl.liveness.slow.status()}
 
     def metrics(self) -> str:
         ctl, now = self.ctl, time.monotonic()
@@ -151,6 +153,9 @@ class Observer:
         metric("hang_bound_seconds", "gauge", "Seconds of no progress after which a rank the job waits for is hung "
                "(MINDIO_HANG_TIMEOUT, or derived from the job's step times; 0: off).",
                [({}, round(ctl.liveness.hang.value, 3))])
+        waits = [({"rank": str(r)}, s["wait"]) for r, s in sorted(ctl.liveness.slow.scores.items())]
+        metric("rank_wait_fraction", "gauge", "Share of a rank's last scoring window's wall time its main thread "
+               "used no CPU (waiting); the straggler waits least (controller/slow.py).", waits)
         with self._lock:
             metric("faults_total", "counter", "Faults seen, by kind (report state, DEAD, HUNG).",
                    [({"kind": k}, v) for k, v in sorted(self.faults.items())])

@@ -19,7 +19,7 @@ import logging
 import time
 
 from ... import _logging
-from . import hangs
+from . import hangs, slow
 from ..wire import protocol as P
 from .pidprobe import PidProbe
 from .states import State
@@ -46,6 +46,7 @@ class Liveness:
         # comparing wall time with a rank's window subtracts those that fall inside it
         self.stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         self.hang = hangs.HangBound(ctl.hang_timeout, ctl.hang_fixed)  # the bound of a stall (hangs.py)
+        self.slow = slow.SlowScores()  # slow ranks from the step anatomy (slow.py)
 
     def touch(self, rank: int) -> None:
         """(I/O thread) A frame of live ``rank`` arrived: it goes to the end of the order."""
@@ -111,6 +112,22 @@ class Liveness:
                               silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
         if check_hang and self.ctl.hang_timeout > 0 and self.ctl.sm.state is State.NORMAL:
             self._check_hangs(now)
+        if check_hang and self.slow.window > 0:  # once a heartbeat interval, as the hang check
+            self._check_slow()
+
+    def _check_slow(self) -> None:
+        """(I/O thread) Report a slow rank (slow.py); a window never spans a recovery or a pause."""
+        if self.ctl.sm.state is not State.NORMAL:
+            self.slow.base.clear()
+            return
+        for found in self.slow.check([r.rank for r in self.ctl.ranks.values() if r.alive and r.registered]):
+            s = self.slow.scores.get(found.rank, {})
+            _log.warning("rank %d is slow (cause %s): %.3f s of compute per step, %.2fx its peers' median, "
+                         "while they wait for it (MINDIO_SLOW_WINDOW %d steps, MINDIO_SLOW_RATIO %.2f, "
+                         "MINDIO_SLOW_K %d)", found.rank, found.cause, s.get("compute_s", 0.0), found.ratio,
+                         self.slow.window, self.slow.ratio, self.slow.k)
+            _logging.event("rank_slow", slow_rank=found.rank, cause=found.cause, ratio=found.ratio,
+                           at_step=self.ctl.ranks[found.rank].step, **{k: v for k, v in s.items() if k != "wait"})
 
     def _check_hangs(self, now: float) -> None:
         """(I/O thread, NORMAL) Kill the ranks stalled past the hang bound that the job waits for

@@ -68,6 +68,9 @@ class StepTimes:
         self.times: collections.deque[float] = collections.deque(maxlen=window)
         self.last: float | None = None
         self._p99, self._dirty = -1.0, False
+        # step anatomy (controller/slow.py): steps timed, their wall time and the main thread's CPU time in them
+        self.sums = [0, 0.0, 0.0]
+        self._cpu = 0.0
 
     def restart(self) -> None:
         """(main thread) The next step end starts a new measurement (after a recovery or a pause)."""
@@ -75,11 +78,19 @@ class StepTimes:
 
     def done(self) -> None:
         """(main thread) A step ended now."""
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.thread_time()  # called on the main thread: its CPU clock
         if self.last is not None:
             self.times.append(now - self.last)
             self._dirty = True
-        self.last = now
+            self.sums = [self.sums[0] + 1, self.sums[1] + now - self.last, self.sums[2] + cpu - self._cpu]
+        self.last, self._cpu = now, cpu
+
+    def anatomy(self) -> list:
+        """(link thread) ``[steps timed, their wall s, the main thread's CPU s in them]`` since the start,
+        cumulative (one list replaced whole by the main thread: a consistent read). On CPU/gloo a main thread
+        waiting in a collective uses no CPU, so wall - CPU is the wait and CPU the compute; on CUDA the main
+        thread only launches kernels, so this is where CUDA-event step timings would plug in."""
+        return self.sums
 
     def p99(self, min_steps: int) -> float:
         """(link thread) The 99th percentile of the recent step times, -1 with fewer than ``min_steps``."""

@@ -164,7 +164,8 @@ class Processor:
         age = -1.0 if self._progress_t is None else time.monotonic() - self._progress_t
         return P.Heartbeat(step=self.step, data_status=int(self.data_status),
                            in_collective=self._main_in_collective(), progress_age=age,
-                           coll_seq=collectives.snapshot(), idle_age=self.activity.idle_age(), step_p99=self.step_times.p99(self._hang_min_steps))
+                           coll_seq=collectives.snapshot(), idle_age=self.activity.idle_age(), step_p99=self.step_times.p99(self._hang_min_steps),
+                           step_sums=self.step_times.anatomy())
 
     def send_info(self) -> None:
         if self.link is not None:

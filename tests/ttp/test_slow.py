@@ -1,0 +1,150 @@
+"""Issue #31, step anatomy and slow ranks: each rank's step wall time and its main thread's CPU time in
+them (processor/collectives.py StepTimes.anatomy), scored by the controller (controller/slow.py). Units
+here; the e2e below runs a user's 3-rank loop (_hang_loop.py) under torchrun where one rank computes more
+each step, and a fault-free one beside a busy loop."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mindio._ports import free_port
+from mindio.ttp.controller import slow
+from mindio.ttp.processor import collectives
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def _feed(sc, per_rank, steps):
+    """Advance every rank by ``steps`` steps of (wall, cpu) seconds each; return the findings."""
+    for r, (wall, cpu) in per_rank.items():
+        n, w, c = sc.last.get(r, (0, 0.0, 0.0))
+        sc.observe(r, [n + steps, w + steps * wall, c + steps * cpu])
+    return sc.check(list(per_rank))
+
+
+def test_step_times_anatomy_counts_wall_and_the_main_threads_cpu():
+    st = collectives.StepTimes()
+    st.done()
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:
+        pass
+    st.done()
+    time.sleep(0.05)
+    st.done()
+    n, wall, cpu = st.anatomy()
+    assert n == 2 and wall >= 0.1 and 0.045 <= cpu < wall - 0.04, st.anatomy()
+    st.restart()  # a recovery: the step spanning it is not counted
+    time.sleep(0.02)
+    st.done()
+    assert st.anatomy()[0] == 2
+
+
+def test_the_rank_computing_more_while_its_peers_wait_is_named_after_k_windows():
+    sc = slow.SlowScores(window=5, ratio=1.5, min_wait=0.2, k=3)
+    ranks = {0: (0.2, 0.02), 1: (0.2, 0.18), 2: (0.2, 0.02)}  # rank 1 computes; 0 and 2 wait for it
+    assert _feed(sc, ranks, 0) == []  # the first beats open the window
+    assert _feed(sc, ranks, 5) == [] and _feed(sc, ranks, 5) == []  # K windows in a row first
+    got = _feed(sc, ranks, 5)
+    assert [(f.rank, f.cause, f.ratio) for f in got] == [(1, "compute", 9.0)]
+    assert _feed(sc, ranks, 5) == []  # reported once while it lasts
+    assert sc.status()["slow"] == {"rank": 1, "cause": "compute"}
+    assert sc.status()["scores"]["1"]["compute_s"] == pytest.approx(0.18)
+    assert _feed(sc, {r: (0.2, 0.02) for r in ranks}, 5) == [] and sc.status()["slow"] is None
+
+
+def test_no_straggler_when_cpu_is_uneven_but_nobody_waits_or_the_machine_is_busy():
+    sc = slow.SlowScores(window=5, ratio=1.5, min_wait=0.2, k=1)
+    assert _feed(sc, {0: (0.1, 0.002), 1: (0.1, 0.004), 2: (0.1, 0.002)}, 0) == []
+    # tiny compute, one rank twice the others' (noise), but its peers do not wait for it
+    assert _feed(sc, {0: (0.1, 0.002), 1: (0.1, 0.004), 2: (0.1, 0.002)}, 5) == []
+    # a busy loop elsewhere: every rank's wall grows, not its CPU
+    assert _feed(sc, {0: (0.5, 0.02), 1: (0.45, 0.021), 2: (0.6, 0.019)}, 5) == []
+    assert _feed(sc, {0: (0.2, 0.02), 1: (0.2, 0.02)}, 4) == []  # a window closes when every rank timed 5
+
+
+def test_bad_or_missing_sums_are_ignored_and_off_by_default(monkeypatch):
+    monkeypatch.delenv("MINDIO_SLOW_WINDOW", raising=False)
+    assert slow.SlowScores().window == 0
+    sc = slow.SlowScores(window=1, k=1)
+    for raw in (None, [], [1, 2], ["1", 2.0, 1.0], [-1, 1.0, 1.0], {"n": 1}):
+        sc.observe(0, raw)
+    assert sc.last == {} and sc.check([0, 1]) == []
+    assert slow.SlowScores(window=0).check([0, 1]) == []
+
+
+def _run(out: Path, extra: list, window: int = 5):
+    """The loop under torchrun with ``MINDIO_SLOW_WINDOW=window`` and 0.5 s beats (a window lasts at least
+    one beat); every rank must exit 0. Returns its output and the ``rank_slow`` events."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIO_HANG", "MINDIO_SLOW"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TTP_PORT=str(free_port()), TTP_LOG_STDOUT="1",
+               MINDIO_EVENT_LOG=str(out / "events.jsonl"), MINDIO_SLOW_WINDOW=str(window),
+               MINDIO_HEARTBEAT_INTERVAL="0.5")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(HERE / "_hang_loop.py"), "--out", str(out), *extra]
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    codes = {int(r): int(c) for r, c in
+             re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", p.stdout)}
+    assert p.returncode == 0 and set(codes.values()) <= {0}, p.stdout[-6000:]  # every rank exited 0
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line]
+    return p.stdout, [e for e in events if e["kind"] == "rank_slow"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_rank_computing_more_is_named_slow_within_20_steps(tmp_path):
+    """Rank 2 computes 0.1 s more each step from step 10 on (a user's DDP loop, 0.05 s steps); with
+    5-step windows, 0.5 s beats and K=3 the controller names it within 20 steps, cause compute; only it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    text, found = _run(out, ["--ddp", "--steps", "40", "--step-sleep", "0.05", "--spin", "2:10:0.1"])
+    assert [(e["slow_rank"], e["cause"]) for e in found] == [(2, "compute")], text[-6000:]
+    assert found[0]["ratio"] >= 1.5 and found[0]["at_step"] <= 30, found
+    assert re.search(r"rank 2 is slow \(cause compute\)", text), text[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_fault_free_run_beside_a_busy_loop_names_nobody(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        text, found = _run(out, ["--ddp", "--steps", "40", "--step-sleep", "0.05"])
+    finally:
+        busy.kill()
+        busy.wait()
+    assert found == [], text[-6000:]
+
+
+def test_drill_slow_burns_f_minus_1_times_each_steps_cpu_from_step_s_on():
+    from mindio import drill
+    from mindio.errors import ConfigError
+
+    for bad in ("slow:rank=0,step=2", "slow:rank=0,step=2,factor=1", "hang:rank=0,step=2,factor=3"):
+        with pytest.raises(ConfigError, match="factor"):
+            drill.parse(bad)
+    d = drill.Drill("slow:rank=1,step=3,factor=3", environ={})
+    st = collectives.StepTimes()
+    for step in range(1, 9):
+        d.maybe_fire(step, 1)
+        end = time.thread_time() + 0.02  # the step's own compute
+        while time.thread_time() < end:
+            pass
+        st.done()
+        if step == 3:
+            before = list(st.anatomy())
+    n, _w, cpu = (a - b for a, b in zip(st.anatomy(), before))
+    assert n == 5 and cpu / n == pytest.approx(0.06, rel=0.25), (n, cpu)  # 3 x 0.02 s per step
+    other = drill.Drill("slow:rank=1,step=3,factor=3", environ={})
+    t = time.thread_time()
+    for step in range(1, 6):
+        other.maybe_fire(step, 0)  # not its rank: nothing
+    assert time.thread_time() - t < 0.01

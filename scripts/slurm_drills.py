@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +43,7 @@ class Row:
     apply: str = "none"       # kill-node, scancel, timelimit, none
     inject: str = ""          # the example's --inject (a fault inside the job, at --fault-step)
     spares: int = 0
+    env: dict = field(default_factory=dict)  # the batch script's knobs (DOWN_LOST=0, ...)
 
 
 ROWS = [
@@ -107,7 +108,7 @@ class Drill:
         if self.row.apply == "timelimit":
             flags += ["--time", "2", f"--signal=TERM@{self.time_signal}"]
         env = {**base_env(self.out), "NPROC": "2", "SPARES": str(self.row.spares), "CKPT": str(self.out / "ckpt"),
-               "LOST_GRACE": "10", "RUNDIR": str(self.out / "run")}
+               "LOST_GRACE": "10", "RUNDIR": str(self.out / "run"), **self.row.env}
         return self.c.sbatch(*flags, SBATCH, *args, env=env)
 
     def watch(self, job: str, end: float) -> None:
@@ -210,15 +211,13 @@ class Drill:
 def main() -> int:
     from drills import drill_args, keep_or_remove
 
-    a = drill_args(__doc__, {"--iters": dict(type=int, default=300),
-                             "--time-signal": dict(type=int, default=80,
-                                                   help="--signal=TERM@S of the time-limit row (--time=2)")},
-                   fault_step=60, row_timeout=400.0)
-    why = can_run()
-    if why:
-        print(f"slurm drills skipped: {why}")
+    parsed = drill_args(__doc__, {"--iters": dict(type=int, default=300),
+                                  "--time-signal": dict(type=int, default=80,
+                                                        help="--signal=TERM@S of the time-limit row (--time=2)")},
+                        fault_step=60, row_timeout=400.0, rows=ROWS, why=can_run())
+    if parsed is None:
         return 0
-    rows = [r for r in ROWS if a.only.lower() in r.name.lower()]
+    a, rows = parsed
     work = Path(tempfile.mkdtemp(prefix="mindio-slurm-drills-"))
     ref = reference(work / "ref", a.iters, a.row_timeout)
     print(f"  reference (plain mindio-run, 4 ranks): {ref}", flush=True)

@@ -100,16 +100,20 @@ def test_scancel_term_checkpoints_exits_75_and_resumes_after_requeue(cluster, re
 
 
 @drills_only
-def test_node_lost_without_spare_requeues_excluding_it_and_resumes(cluster, reference, tmp_path):
+@pytest.mark.parametrize("down_lost", ["1", "0"])  # 0: the path of a user without operator rights
+def test_node_lost_without_spare_requeues_excluding_it_and_resumes(cluster, reference, tmp_path, down_lost):
     import slurm_drills
 
+    row = slurm_drills.Row("node n1 lost, no spare", "kill-node", env={"DOWN_LOST": down_lost})
     try:
-        r, out = drill(cluster, tmp_path, slurm_drills.Row("node n1 lost, no spare", "kill-node"))
+        r, out = drill(cluster, tmp_path, row)
+        excluded, reason = cluster.job(r["job"]).get("ExcNodeList"), cluster.node("n1").get("Reason", "")
     finally:
         cluster.revive(1)
     assert r["hung"] == "no" and r["outcome"] == "COMPLETED, exits 75/0", out[-4000:]
     assert r["requeues"] == "1" and r["down"] == "n1", out[-4000:]
-    assert "requeue, excluding n1" in out, out[-4000:]
+    assert "requeue, excluding n1" in out and excluded == "n1", (excluded, out[-4000:])
+    assert reason.startswith("mindio:") == (down_lost == "1"), reason  # set DOWN by the script, or not
     second = out.split("(restart 1)", 1)[1]
     assert "n1" not in second.splitlines()[0], out[-4000:]  # the requeued job's node list
     assert r["lost"] in ("0", "1"), (r, out[-4000:])

@@ -345,20 +345,39 @@ class Drill:
                 "reached": reached, "dead": sorted({e["dead_rank"] for e in dead})}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--fault-step", type=int, default=12)
-    p.add_argument("--step-sleep", type=float, default=0.2)
-    p.add_argument("--row-timeout", type=float, default=150.0)
+def drill_args(doc: str, own: dict, fault_step: int, row_timeout: float, rows: list, why: str,
+               argv=None) -> tuple | None:
+    """The command line of a drill script (this one, scripts/slurm_drills.py): its ``own`` options
+    (flag: add_argument's keywords), then the shared --fault-step, --row-timeout, --only and --keep.
+    (args, the rows --only selects); None, with the reason printed, where the script cannot run (``why``)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for flag, kw in own.items():
+        p.add_argument(flag, **kw)
+    p.add_argument("--fault-step", type=int, default=fault_step)
+    p.add_argument("--row-timeout", type=float, default=row_timeout)
     p.add_argument("--only", default="", help="run the rows whose name contains this text")
     p.add_argument("--keep", action="store_true", help="keep the logs (printed path)")
-    a = p.parse_args()
-    why = can_run()
+    a = p.parse_args(argv)
     if why:
-        print(f"drills skipped: {why}")
+        print(f"{Path(sys.argv[0]).stem.replace('_', ' ')} skipped: {why}")
+        return None
+    return a, [r for r in rows if a.only.lower() in r.name.lower()]
+
+
+def keep_or_remove(work: Path, keep: bool) -> None:
+    """A drill script's end: its logs' path printed (--keep), else the logs removed."""
+    if keep:
+        print(f"\nlogs: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    parsed = drill_args(__doc__, {"--steps": dict(type=int, default=30), "--step-sleep": dict(type=float, default=0.2)},
+                        fault_step=12, row_timeout=150.0, rows=FAULTS, why=can_run())
+    if parsed is None:
         return 0
-    rows = [r for r in FAULTS if a.only.lower() in r.name.lower()]
+    a, rows = parsed
     if shutil.which("etcd") is None:
         for r in [r for r in rows if r.etcd]:
             print(f"  {r.name}: skipped: needs the etcd binary (apt-get install etcd-server)")
@@ -385,10 +404,7 @@ def main() -> int:
         if r is ref:
             equal = "(reference)"
         print(f"| {r['fault']} | {r['outcome']} | {r['again']} | {r['lost']} | {equal} | {r['hung']} |")
-    if a.keep:
-        print(f"\nlogs: {work}")
-    else:
-        shutil.rmtree(work, ignore_errors=True)
+    keep_or_remove(work, a.keep)
     return 0
 
 

@@ -17,17 +17,15 @@ again": from the fault (the signal's delivery for the time limit) to the next it
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +43,7 @@ class Row:
     apply: str = "none"       # kill-node, scancel, timelimit, none
     inject: str = ""          # the example's --inject (a fault inside the job, at --fault-step)
     spares: int = 0
+    env: dict = field(default_factory=dict)  # the batch script's knobs (DOWN_LOST=0, ...)
 
 
 ROWS = [
@@ -84,8 +83,10 @@ def reference(out: Path, iters: int, timeout: float, command: list | None = None
 
 class Drill:
     def __init__(self, cluster: Cluster, row: Row, out: Path, iters: int, fault_step: int, timeout: float,
-                 time_signal: int, command: list | None = None):
-        self.c, self.row, self.out = cluster, row, out
+                 time_signal: int, command: list | None = None, iter_re: re.Pattern = ITER):
+        """``command``: another training command; ``iter_re``: its rank-0 iteration lines (group 1: the
+        iteration)."""
+        self.c, self.row, self.out, self.iter_re = cluster, row, out, iter_re
         self.iters, self.fault_step, self.timeout, self.time_signal = iters, fault_step, timeout, time_signal
         self.command = command
         self.fault_t: float | None = None
@@ -107,14 +108,14 @@ class Drill:
         if self.row.apply == "timelimit":
             flags += ["--time", "2", f"--signal=TERM@{self.time_signal}"]
         env = {**base_env(self.out), "NPROC": "2", "SPARES": str(self.row.spares), "CKPT": str(self.out / "ckpt"),
-               "LOST_GRACE": "10", "RUNDIR": str(self.out / "run")}
+               "LOST_GRACE": "10", "RUNDIR": str(self.out / "run"), **self.row.env}
         return self.c.sbatch(*flags, SBATCH, *args, env=env)
 
     def watch(self, job: str, end: float) -> None:
         """Apply the fault at --fault-step; note when rank 0 trains again after it."""
         row = self.row
         while time.monotonic() < end and self.fault_t is None:
-            its = [int(i) for i in ITER.findall(self.text())]
+            its = [int(i) for i in self.iter_re.findall(self.text())]
             if its and max(its) >= self.fault_step:
                 if row.apply == "kill-node":
                     self.fault_t = time.time()
@@ -134,7 +135,7 @@ class Drill:
         while time.monotonic() < end and self.again_t is None:  # the first iteration line after a restart
             text = self.text()
             restarted = "(restart 1)" in text
-            if restarted and ITER.findall(text.split("(restart 1)", 1)[1]):
+            if restarted and self.iter_re.findall(text.split("(restart 1)", 1)[1]):
                 self.again_t = time.time()
             elif restarted and row.apply == "timelimit":  # the resumed run may finish: no second signal
                 self.c.run("scontrol", "update", f"JobId={job}", "TimeLimit=UNLIMITED", check=False)
@@ -187,10 +188,10 @@ class Drill:
         lost = "-"
         loaded = re.findall(r"loaded checkpoint iteration (\d+)", text)
         if len(runs) > 1 and loaded:  # resumed: the iterations of the first run after the checkpoint it left
-            before = [int(i) for i in ITER.findall(runs[0])]
+            before = [int(i) for i in self.iter_re.findall(runs[0])]
             lost = str(max(0, max(before, default=0) - int(loaded[-1])))
         elif done:
-            its = [int(i) for i in ITER.findall(text)]
+            its = [int(i) for i in self.iter_re.findall(text)]
             lost = str(len(its) - len(set(its)))
         again = "-"
         if self.fault_t and self.again_t:
@@ -208,19 +209,15 @@ class Drill:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--fault-step", type=int, default=60)
-    p.add_argument("--time-signal", type=int, default=80, help="--signal=TERM@S of the time-limit row (--time=2)")
-    p.add_argument("--row-timeout", type=float, default=400.0)
-    p.add_argument("--only", default="", help="run the rows whose name contains this text")
-    p.add_argument("--keep", action="store_true", help="keep the logs (printed path)")
-    a = p.parse_args()
-    why = can_run()
-    if why:
-        print(f"slurm drills skipped: {why}")
+    from drills import drill_args, keep_or_remove
+
+    parsed = drill_args(__doc__, {"--iters": dict(type=int, default=300),
+                                  "--time-signal": dict(type=int, default=80,
+                                                        help="--signal=TERM@S of the time-limit row (--time=2)")},
+                        fault_step=60, row_timeout=400.0, rows=ROWS, why=can_run())
+    if parsed is None:
         return 0
-    rows = [r for r in ROWS if a.only.lower() in r.name.lower()]
+    a, rows = parsed
     work = Path(tempfile.mkdtemp(prefix="mindio-slurm-drills-"))
     ref = reference(work / "ref", a.iters, a.row_timeout)
     print(f"  reference (plain mindio-run, 4 ranks): {ref}", flush=True)
@@ -232,10 +229,7 @@ def main() -> int:
             results.append(r)
             print(f"  {r['fault']}: {r['outcome']}", flush=True)
             if r["down"] != "-" or row.apply == "kill-node":  # the lost host back for the next row
-                cluster.kill_host(1)
-                cluster.start_slurmd(1)
-                cluster.run("scontrol", "update", "NodeName=n1", "State=RESUME", check=False)
-                cluster._wait(lambda: cluster.idle() == 3, 60, "n1 idle again")
+                cluster.revive(1)
     finally:
         cluster.close()
     print()
@@ -245,10 +239,7 @@ def main() -> int:
         equal = "-" if r["digest"] is None or ref is None else ("yes" if r["digest"] == ref else "NO")
         print(f"| {r['fault']} | {r['outcome']} | {r['requeues']} | {r['down']} | {r['again']} | {r['lost']} | "
               f"{equal} | {r['hung']} |")
-    if a.keep:
-        print(f"\nlogs: {work}")
-    else:
-        shutil.rmtree(work, ignore_errors=True)
+    keep_or_remove(work, a.keep)
     return 0
 
 

@@ -87,7 +87,9 @@ def main() -> int:
     a = p.parse_args()
     a.rank, a.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # a relaunch (mindio-run --max-restarts) resumes from the last checkpoint the job wrote, if any
-    relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
+    # (or a requeued Slurm job: examples/slurm/pretrain_gpt.sbatch)
+    relaunched = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0 \
+        or int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
     a.resume = os.path.join(a.out, "ckpt") if relaunched and os.path.exists(os.path.join(a.out, "ckpt", "latest")) else ""
     a.faults = a.plan.tuples()
     torch.manual_seed(0)
@@ -105,6 +107,8 @@ def main() -> int:
     ttp.tft_init_processor(a.rank, a.world, enable_local_copy=False, enable_tls=False, enable_arf=a.plan.enable_arf,
                            enable_uce=a.plan.enable_uce)
     trainer = Trainer(a)
+    if a.resume and a.rank == 0:
+        print(f"[rank 0] loaded checkpoint iteration {trainer.it}", flush=True)
     ttp.tft_register_save_ckpt_handler(trainer.save)
     ttp.tft_register_rename_handler(trainer.rename)
     ttp.tft_register_stop_handler(toy.stop_groups)

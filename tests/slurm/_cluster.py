@@ -185,6 +185,14 @@ class Cluster:
         """Node ``i`` lost: SIGKILL every process in its namespace (slurmd, slurmstepd, mindio-run, workers)."""
         self.net.kill_host(i)
 
+    def revive(self, i: int, timeout: float = 60.0) -> None:
+        """Node ``i`` back after :meth:`kill_host`: whatever is left in its namespace killed, a fresh slurmd,
+        the node resumed (a job may have set it DOWN) and every node idle again."""
+        self.kill_host(i)
+        self.start_slurmd(i)
+        self.run("scontrol", "update", f"NodeName={self.names[i]}", "State=RESUME", check=False)
+        self._wait(lambda: self.idle() == len(self.names), timeout, f"{self.names[i]} idle again")
+
     # -- tear-down -----------------------------------------------------------------------------------
     def close(self) -> None:
         self.net.close()  # every process in the namespaces (slurmctld, slurmd, the jobs), then the namespaces

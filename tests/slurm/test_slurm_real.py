@@ -2,8 +2,8 @@
 namespaces, munge): the recipe examples/slurm/pretrain_gpt.sbatch runs the Megatron example as a 2-node job
 (2 ranks a node) whose mindio-run agents take their node ranks and node 0's endpoint from Slurm, and it
 trains to the end bit for bit as plain mindio-run does. Root, Slurm and munge needed (scripts/install.sh);
-elsewhere skipped with the reason. The fault rows (a worker SIGKILLed, a lost node with and without a spare,
-scancel --signal=TERM, the time limit) are scripts/slurm_drills.sh's table, with the Megatron example: each takes a minute or more."""
+elsewhere skipped with the reason. The fault rows with the toy are tests/slurm/test_slurm_faults.py; with the
+Megatron example (and the time limit) scripts/slurm_drills.sh's table: each takes a minute or more."""
 from __future__ import annotations
 
 import os

@@ -55,8 +55,8 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = {"step": 0}
     hang_rank, hang_step = map(int, args.hang.split(":")) if args.hang else (-1, -1)
-    work_rank, work_step, work_s = (int(args.work.split(":")[0]), int(args.work.split(":")[1]),
-                                    float(args.work.split(":")[2])) if args.work else (-1, -1, 0.0)
+    work = args.work.split(":") if args.work else ("-1", "-1", "0")
+    work_rank, work_step, work_s = int(work[0]), int(work[1]), float(work[2])
 
     spin_rank, spin_step, spin_s = (int(args.spin.split(":")[0]), int(args.spin.split(":")[1]),
                                     float(args.spin.split(":")[2])) if args.spin else (-1, -1, 0.0)

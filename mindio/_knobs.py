@@ -154,12 +154,17 @@ _ALL = [
     Knob("MINDIO_SLOW_WINDOW", int, 0,
          "Steps per slow-rank scoring window (controller/slow.py; docs/recovery.md, Slow ranks); 0: off.",
          min=0, max=100000),
-    Knob("MINDIO_SLOW_RATIO", float, 1.5,
-         "A rank is slow when its main thread's CPU per step is at least this many times its peers' median "
+    Knob("MINDIO_SLOW_RATIO", float, 1.2,
+         "A rank is slow when its own time per step (its step's wall time less the time its main thread "
+         "waited: compute, or stopped/throttled from outside) is at least this many times its peers' median "
          "(and its peers wait for it: MINDIO_SLOW_MIN_WAIT).", min=1.05, max=1000),
-    Knob("MINDIO_SLOW_MIN_WAIT", float, 0.2,
-         "A slow rank's peers must wait (wall - main-thread CPU, per step) at least this share of its step "
-         "time more than it does.", min=0.0, max=1.0),
+    Knob("MINDIO_SLOW_MIN_WAIT", float, 0.1,
+         "A slow rank's peers must wait (per step) at least this share of its step time more than it does.",
+         min=0.0, max=1.0),
+    Knob("MINDIO_SLOW_HZ", float, 100.0,
+         "Ticks per second of each rank's wait clock (processor/collectives.py WaitClock) while slow ranks "
+         "are scored (MINDIO_SLOW_WINDOW > 0): a tick that comes late counts as the rank's own time.",
+         min=10, max=1000),
     Knob("MINDIO_SLOW_K", int, 3,
          "Windows in a row a rank must score slow before rank_slow is reported.", min=1, max=1000),
     Knob("MINDIO_HANG_FLOOR", float, 1.0,

@@ -25,8 +25,8 @@ REPO = HERE.parents[1]
 def _feed(sc, per_rank, steps):
     """Advance every rank by ``steps`` steps of (wall, cpu) seconds each; return the findings."""
     for r, (wall, cpu) in per_rank.items():
-        n, w, c = sc.last.get(r, (0, 0.0, 0.0))
-        sc.observe(r, [n + steps, w + steps * wall, c + steps * cpu])
+        n, w, c, q = sc.last.get(r, (0, 0.0, 0.0, 0.0))
+        sc.observe(r, [n + steps, w + steps * wall, c + steps * cpu, q + steps * (wall - cpu)])
     return sc.check(list(per_rank))
 
 
@@ -39,8 +39,9 @@ def test_step_times_anatomy_counts_wall_and_the_main_threads_cpu():
     st.done()
     time.sleep(0.05)
     st.done()
-    n, wall, cpu = st.anatomy()
+    n, wall, cpu, wait = st.anatomy()
     assert n == 2 and wall >= 0.1 and 0.045 <= cpu < wall - 0.04, st.anatomy()
+    assert wait == pytest.approx(wall - cpu), st.anatomy()  # no wait clock: wall - CPU
     st.restart()  # a recovery: the step spanning it is not counted
     time.sleep(0.02)
     st.done()
@@ -56,7 +57,7 @@ def test_the_rank_computing_more_while_its_peers_wait_is_named_after_k_windows()
     assert [(f.rank, f.cause, f.ratio) for f in got] == [(1, "compute", 9.0)]
     assert _feed(sc, ranks, 5) == []  # reported once while it lasts
     assert sc.status()["slow"] == {"rank": 1, "cause": "compute"}
-    assert sc.status()["scores"]["1"]["compute_s"] == pytest.approx(0.18)
+    assert sc.status()["scores"]["1"]["own_s"] == pytest.approx(0.18)
     assert _feed(sc, {r: (0.2, 0.02) for r in ranks}, 5) == [] and sc.status()["slow"] is None
 
 
@@ -74,7 +75,7 @@ def test_bad_or_missing_sums_are_ignored_and_off_by_default(monkeypatch):
     monkeypatch.delenv("MINDIO_SLOW_WINDOW", raising=False)
     assert slow.SlowScores().window == 0
     sc = slow.SlowScores(window=1, k=1)
-    for raw in (None, [], [1, 2], ["1", 2.0, 1.0], [-1, 1.0, 1.0], {"n": 1}):
+    for raw in (None, [], [1, 2], ["1", 2.0, 1.0], [-1, 1.0, 1.0], {"n": 1}, [1, 1.0, 1.0, "x"], [1, 2.0, 1.0, 1.0, 0]):
         sc.observe(0, raw)
     assert sc.last == {} and sc.check([0, 1]) == []
     assert slow.SlowScores(window=0).check([0, 1]) == []
@@ -141,10 +142,64 @@ def test_drill_slow_burns_f_minus_1_times_each_steps_cpu_from_step_s_on():
         st.done()
         if step == 3:
             before = list(st.anatomy())
-    n, _w, cpu = (a - b for a, b in zip(st.anatomy(), before))
+    n, _w, cpu, _q = (a - b for a, b in zip(st.anatomy(), before))
     assert n == 5 and cpu / n == pytest.approx(0.06, rel=0.25), (n, cpu)  # 3 x 0.02 s per step
     other = drill.Drill("slow:rank=1,step=3,factor=3", environ={})
     t = time.thread_time()
     for step in range(1, 6):
         other.maybe_fire(step, 0)  # not its rank: nothing
     assert time.thread_time() - t < 0.01
+
+
+_WAITER = """
+import sys, time
+from mindio.ttp.processor import collectives
+clock = collectives.WaitClock(100).start()
+print("ready", flush=True)
+sys.stdin.readline()
+t, q = time.monotonic(), clock.total
+time.sleep(float(sys.argv[1]))  # the main thread waits (as in a collective)
+print(time.monotonic() - t, clock.total - q, flush=True)
+"""
+
+
+def test_the_wait_clock_counts_a_waiting_main_thread_not_a_spinning_one():
+    clock = collectives.WaitClock(100).start()
+    try:
+        assert clock.usable
+        q = clock.total
+        time.sleep(0.3)
+        waited = clock.total - q
+        q, end = clock.total, time.thread_time() + 0.2
+        while time.thread_time() < end:  # the main thread computes
+            pass
+        spun = clock.total - q
+    finally:
+        clock.stop()
+    assert waited >= 0.15 and spun <= 0.05, (waited, spun)
+
+
+def test_a_process_stopped_from_outside_is_not_waiting():
+    """SIGSTOP 30 ms of every 100 ms from outside (the test): the stopped time is not counted as waiting,
+    though the main thread, asleep, used no CPU in it (a wall - CPU split would count it)."""
+    import signal
+    p = subprocess.Popen([sys.executable, "-c", _WAITER, "1.0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        stopped, end = 0.0, time.monotonic() + 1.0
+        while time.monotonic() < end:
+            t = time.monotonic()
+            os.kill(p.pid, signal.SIGSTOP)
+            time.sleep(0.03)
+            os.kill(p.pid, signal.SIGCONT)
+            stopped += time.monotonic() - t
+            time.sleep(0.07)
+        wall, waited = map(float, p.stdout.readline().split())
+    finally:
+        p.kill()
+        p.wait()
+    print(wall, waited, stopped)
+    assert wall - waited >= 0.5 * stopped and waited <= wall - 0.15, (wall, waited, stopped)

@@ -398,7 +398,8 @@ class Controller:
                     self.liveness.touch(env.rank)
                 r.in_collective, r.progress_age = body.in_collective, body.progress_age
                 r.coll_seq, r.step_p99, r.idle_age = body.coll_seq, body.step_p99, body.idle_age  # hangs.py
-                self.liveness.slow.observe(env.rank, body.step_sums)  # slow.py
+                if self.liveness.slow.observe(env.rank, body.step_sums):  # slow.py: a window may close
+                    self.liveness.check_slow()
             state = "UNKNOWN" if (r is None or not r.registered or r.ident != ident) and env.rank >= 0 \
                 else self.sm.state.value
             if r is not None and r.left:  # a beat sent after its BYE: it must not register again (then die)

@@ -1,22 +1,23 @@
 """Slow ranks from the step anatomy every heartbeat carries (docs/recovery.md, "Slow ranks").
 
-Each rank sends ``step_sums``: cumulative [steps timed, their wall s, its main thread's CPU s in them]
-(processor/collectives.py StepTimes). On CPU/gloo a main thread waiting in a collective uses no CPU, so
-per window a rank's compute per step is its CPU / steps and its wait per step (wall - CPU) / steps. A
-window closes once every scored rank timed ``MINDIO_SLOW_WINDOW`` steps in it. The rank with the most
-compute per step is slow (cause "compute") when that is at least ``MINDIO_SLOW_RATIO`` times its peers'
-median and its peers wait for it: their median wait per step exceeds its own by at least
-``MINDIO_SLOW_MIN_WAIT`` of its step time. ``MINDIO_SLOW_K`` windows in a row report it once (until it
-clears). A busy loop elsewhere on the machine lengthens every rank's wall, not its CPU time: no straggler.
+Each rank sends ``step_sums``: cumulative [steps timed, their wall s, its main thread's CPU s in them, the
+wall s its main thread *waited* in them] (processor/collectives.py StepTimes, WaitClock). Its *own* time is
+wall - wait: compute, and any time the rank was stopped or throttled from outside (SIGSTOP, a cgroup CPU
+quota: the wait clock's tick comes late then, so that time is not counted as waiting). A window closes
+once every scored rank timed ``MINDIO_SLOW_WINDOW`` steps in it (each rank sends an extra beat when it
+timed a window's steps, so detection is counted in steps, not heartbeats). The rank with the most own time
+per step is slow (cause "compute") when that is at least ``MINDIO_SLOW_RATIO`` times its peers' median and
+its peers wait for it: their median wait per step exceeds its own by at least ``MINDIO_SLOW_MIN_WAIT`` of
+its step time. ``MINDIO_SLOW_K`` windows in a row report it once (until it clears). A busy loop elsewhere
+on the machine slows every rank alike: no straggler.
 
-Limits. A rank slowed from outside while it does not run (SIGSTOP pulses, a cgroup CPU quota) uses the
-same CPU, and its time stopped is wall without CPU like its peers' wait in the collective: this score
-does not see it; nor does it tell a collective's wait from a sleep or a data-loader wait in the loop, so
-it names no "communication" cause. Both need the time spent inside collectives (CUDA events / NCCL
-completion hooks on GPU, where the main thread only launches kernels and its CPU is no measure of
-compute either: the extension point is StepTimes.anatomy).
+Limits. The wait clock tells a main thread that waits from one that runs; it cannot tell a wait in a
+collective from a sleep or a data-loader wait in the loop, so no "communication" cause is named (that needs
+the time spent inside the collectives). On CUDA the main thread spins while it waits for the device: its
+own time is no measure of compute there (the extension point is StepTimes.anatomy: CUDA events / NCCL
+completion hooks).
 
-Per beat: :meth:`SlowScores.observe` stores one list (O(1)); :meth:`SlowScores.check` is O(ranks) per
+Per beat: :meth:`SlowScores.observe` stores one tuple (O(1)); :meth:`SlowScores.check` is O(ranks) per
 closed window.
 """
 from __future__ import annotations
@@ -31,19 +32,21 @@ __all__ = ["SlowScores", "Slow"]
 
 @dataclass
 class Slow:
-    """A finding: ``rank``, ``cause`` ("compute"), ``ratio``: its compute per step over its peers' median."""
+    """A finding: ``rank``, ``cause`` ("compute"), ``ratio``: its own time per step over its peers' median."""
     rank: int
     cause: str
     ratio: float
 
 
 def _sane(raw) -> tuple | None:
-    if raw.__class__ is not list or len(raw) != 3:
+    """``(steps, wall, cpu, wait)`` of a beat's sums; an older rank's three (no wait clock): wait = wall - CPU."""
+    if raw.__class__ is not list or len(raw) not in (3, 4):
         return None
-    n, wall, cpu = raw
-    if n.__class__ is not int or not all(x.__class__ in (int, float) for x in (wall, cpu)) or n < 0 or wall < 0:
+    n, *xs = raw
+    if n.__class__ is not int or not all(x.__class__ in (int, float) for x in xs) or n < 0 or xs[0] < 0:
         return None
-    return n, float(wall), float(cpu)
+    wall, cpu = float(xs[0]), float(xs[1])
+    return n, wall, cpu, float(xs[2]) if len(xs) == 3 else max(0.0, wall - cpu)
 
 
 class SlowScores:
@@ -55,17 +58,31 @@ class SlowScores:
         self.k = _knobs.get("MINDIO_SLOW_K") if k is None else k
         self.last: dict[int, tuple] = {}   # rank -> its latest sums
         self.base: dict[int, tuple] = {}   # rank -> its sums when the window opened
-        self.scores: dict[int, dict] = {}  # rank -> {"wait": fraction, "compute_s": per step} of the last window
+        self.ready: set[int] = set()       # ranks that timed the window's steps since it opened
+        self.scores: dict[int, dict] = {}  # rank -> {"wall_s", "own_s", "wait_s", ...} per step, last window
         self.streak: tuple = (None, 0)     # ((rank, cause), windows in a row)
         self.reported: tuple | None = None
 
-    def observe(self, rank: int, raw) -> None:
-        """(I/O thread, each beat) Keep the rank's latest cumulative sums."""
+    def observe(self, rank: int, raw) -> bool:
+        """(I/O thread, each beat) Keep the rank's latest cumulative sums; True when this rank has just
+        timed the open window's steps (the window may close: call :meth:`check`)."""
         got = _sane(raw)
-        if got is not None:
-            if rank in self.last and got[0] < self.last[rank][0]:  # a new process (a replacement): start over
-                self.base.pop(rank, None)
-            self.last[rank] = got
+        if got is None:
+            return False
+        if rank in self.last and got[0] < self.last[rank][0]:  # a new process (a replacement): start over
+            self.base.pop(rank, None)
+            self.ready.discard(rank)
+        self.last[rank] = got
+        base = self.base.get(rank)
+        if base is None or rank in self.ready or got[0] - base[0] < self.window:
+            return False
+        self.ready.add(rank)
+        return True
+
+    def reset(self) -> None:
+        """A recovery or a pause: the next window opens at the next beats."""
+        self.base.clear()
+        self.ready.clear()
 
     def check(self, ranks) -> list[Slow]:
         """The findings to report now, given the ranks alive (once each; empty while a window is open)."""
@@ -75,22 +92,26 @@ class SlowScores:
         if len(ranks) < 2:
             return []
         for r in ranks:
-            self.base.setdefault(r, self.last[r])
-        if any(self.last[r][0] - self.base[r][0] < self.window for r in ranks):
+            if r not in self.base:
+                self.base[r] = self.last[r]
+        if len(self.ready) < len(ranks) or any(self.last[r][0] - self.base[r][0] < self.window for r in ranks):
             return []
         for r in ranks:
-            (n0, w0, c0), (n1, w1, c1) = self.base[r], self.last[r]
-            n, wall, cpu = n1 - n0, max(w1 - w0, 1e-9), min(max(0.0, c1 - c0), max(w1 - w0, 1e-9))
-            self.scores[r] = {"wall_s": round(wall / n, 6), "compute_s": round(cpu / n, 6),
-                              "wait_s": round((wall - cpu) / n, 6), "wait": round(1 - cpu / wall, 4)}
+            (n0, w0, c0, q0), (n1, w1, c1, q1) = self.base[r], self.last[r]
+            n, wall = n1 - n0, max(w1 - w0, 1e-9)
+            wait = min(max(0.0, q1 - q0), wall)
+            self.scores[r] = {"wall_s": round(wall / n, 6), "own_s": round((wall - wait) / n, 6),
+                              "compute_s": round(min(max(0.0, c1 - c0), wall) / n, 6),
+                              "wait_s": round(wait / n, 6), "wait": round(wait / wall, 4)}
             self.base[r] = self.last[r]
+        self.ready.clear()
         return self._decide(ranks)
 
     def _decide(self, ranks) -> list[Slow]:
         found = None
-        r = max(ranks, key=lambda q: self.scores[q]["compute_s"])
+        r = max(ranks, key=lambda q: self.scores[q]["own_s"])
         me, peers = self.scores[r], [self.scores[p] for p in ranks if p != r]
-        ratio = me["compute_s"] / max(statistics.median(s["compute_s"] for s in peers), 1e-9)
+        ratio = me["own_s"] / max(statistics.median(s["own_s"] for s in peers), 1e-9)
         held = statistics.median(s["wait_s"] for s in peers) - me["wait_s"]  # what its peers wait for it
         if ratio >= self.ratio and held >= self.min_wait * me["wall_s"]:
             found = Slow(r, "compute", round(ratio, 2))

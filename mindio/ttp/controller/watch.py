@@ -113,19 +113,20 @@ class Liveness:
         if check_hang and self.ctl.hang_timeout > 0 and self.ctl.sm.state is State.NORMAL:
             self._check_hangs(now)
         if check_hang and self.slow.window > 0:  # once a heartbeat interval, as the hang check
-            self._check_slow()
+            self.check_slow()
 
-    def _check_slow(self) -> None:
-        """(I/O thread) Report a slow rank (slow.py); a window never spans a recovery or a pause."""
+    def check_slow(self) -> None:
+        """(I/O thread: each heartbeat interval, and when a rank's beat says it timed a window's steps)
+        Report a slow rank (slow.py); a window never spans a recovery or a pause."""
         if self.ctl.sm.state is not State.NORMAL:
-            self.slow.base.clear()
+            self.slow.reset()
             return
         for found in self.slow.check([r.rank for r in self.ctl.ranks.values() if r.alive and r.registered]):
             s = self.slow.scores.get(found.rank, {})
-            _log.warning("rank %d is slow (cause %s): %.3f s of compute per step, %.2fx its peers' median, "
-                         "while they wait for it (MINDIO_SLOW_WINDOW %d steps, MINDIO_SLOW_RATIO %.2f, "
-                         "MINDIO_SLOW_K %d)", found.rank, found.cause, s.get("compute_s", 0.0), found.ratio,
-                         self.slow.window, self.slow.ratio, self.slow.k)
+            _log.warning("rank %d is slow (cause %s): %.3f s of its own time per step (compute, or stopped from "
+                         "outside), %.2fx its peers' median, while they wait for it (MINDIO_SLOW_WINDOW %d steps, "
+                         "MINDIO_SLOW_RATIO %.2f, MINDIO_SLOW_K %d)", found.rank, found.cause, s.get("own_s", 0.0),
+                         found.ratio, self.slow.window, self.slow.ratio, self.slow.k)
             _logging.event("rank_slow", slow_rank=found.rank, cause=found.cause, ratio=found.ratio,
                            at_step=self.ctl.ranks[found.rank].step, **{k: v for k, v in s.items() if k != "wait"})
 

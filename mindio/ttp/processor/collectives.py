@@ -22,7 +22,7 @@ import zlib
 
 import torch.distributed as dist
 
-__all__ = ["snapshot", "StepTimes", "MainActivity"]
+__all__ = ["snapshot", "StepTimes", "MainActivity", "WaitClock"]
 
 
 # group name -> (weak reference to the group, its key): members listed once per group object; never a
@@ -62,15 +62,18 @@ def snapshot() -> dict:
 class StepTimes:
     """This rank's recent step times (the time between two ``tft_end_updating_os``), for the
     controller's hang bound (controller/hangs.py): :meth:`p99` once ``min_steps`` were seen. A step
-    that spans a recovery or a pause (:meth:`restart`) is not one."""
+    that spans a recovery or a pause (:meth:`restart`) is not one. With a :class:`WaitClock` it also
+    keeps the step anatomy the controller scores slow ranks with (controller/slow.py)."""
 
-    def __init__(self, window: int = 200):
+    def __init__(self, window: int = 200, waits: "WaitClock | None" = None):
         self.times: collections.deque[float] = collections.deque(maxlen=window)
         self.last: float | None = None
         self._p99, self._dirty = -1.0, False
-        # step anatomy (controller/slow.py): steps timed, their wall time and the main thread's CPU time in them
-        self.sums = [0, 0.0, 0.0]
-        self._cpu = 0.0
+        # step anatomy (controller/slow.py): steps timed, their wall time, the main thread's CPU time in them
+        # and the part of their wall time the main thread waited (WaitClock; without one, wall - CPU)
+        self.waits = waits
+        self.sums = [0, 0.0, 0.0, 0.0]
+        self._cpu = self._wait = 0.0
 
     def restart(self) -> None:
         """(main thread) The next step end starts a new measurement (after a recovery or a pause)."""
@@ -79,17 +82,21 @@ class StepTimes:
     def done(self) -> None:
         """(main thread) A step ended now."""
         now, cpu = time.monotonic(), time.thread_time()  # called on the main thread: its CPU clock
+        wait = self.waits.total if self.waits is not None else 0.0
         if self.last is not None:
             self.times.append(now - self.last)
             self._dirty = True
-            self.sums = [self.sums[0] + 1, self.sums[1] + now - self.last, self.sums[2] + cpu - self._cpu]
-        self.last, self._cpu = now, cpu
+            dw = wait - self._wait if self.waits is not None else max(0.0, now - self.last - (cpu - self._cpu))
+            s = self.sums
+            self.sums = [s[0] + 1, s[1] + now - self.last, s[2] + cpu - self._cpu, s[3] + dw]
+        self.last, self._cpu, self._wait = now, cpu, wait
 
     def anatomy(self) -> list:
-        """(link thread) ``[steps timed, their wall s, the main thread's CPU s in them]`` since the start,
-        cumulative (one list replaced whole by the main thread: a consistent read). On CPU/gloo a main thread
-        waiting in a collective uses no CPU, so wall - CPU is the wait and CPU the compute; on CUDA the main
-        thread only launches kernels, so this is where CUDA-event step timings would plug in."""
+        """(link thread) ``[steps timed, their wall s, the main thread's CPU s in them, the wall s it waited
+        in them]`` since the start, cumulative (one list replaced whole by the main thread: a consistent
+        read). The wait comes from :class:`WaitClock`. On CUDA the main thread waits for the device by
+        spinning (its CPU runs) and only launches kernels: this is where device-side timings (CUDA events
+        around the step's compute, NCCL completion hooks around its collectives) would plug in."""
         return self.sums
 
     def p99(self, min_steps: int) -> float:
@@ -141,3 +148,54 @@ class MainActivity:
             self._active = now
         self._cpu, self._t = cpu, now
         return now - self._active
+
+
+class WaitClock:
+    """The time this rank's main thread spends *waiting* (in a collective, on I/O, asleep), told apart
+    from the time the rank is slowed from outside (controller/slow.py). A daemon thread ticks ``hz``
+    times a second and reads the main thread's CPU clock (``pthread_getcpuclockid``): an interval in
+    which the tick came on time (at most ``late`` periods) and the main thread used under ``share`` of
+    it is waiting, added to :attr:`total`. An interval in which the tick itself came late -- the whole
+    process was stopped (SIGSTOP), throttled (a cgroup CPU quota) or starved -- is not: it is the rank's
+    own time, like its compute. So a rank slowed from outside shows more own time than its peers while
+    they wait for it; a wall - CPU split would count its stopped time as waiting.
+
+    Cost: one ``clock_gettime`` and a few float operations per tick on its own thread (O(1)), nothing
+    on the main thread; ``bench/ha_overhead.py`` measures the step time with it on and off."""
+
+    def __init__(self, hz: float = 100.0, late: float = 2.0, share: float = 0.1):
+        self.period, self.late, self.share = 1.0 / hz, late, share
+        self.total = 0.0  # seconds the main thread waited, cumulative (one float: read from any thread)
+        self._halt = threading.Event()
+        try:
+            self._clock = time.pthread_getcpuclockid(threading.main_thread().ident)
+            time.clock_gettime(self._clock)
+        except (AttributeError, OSError):  # no per-thread CPU clock here: StepTimes falls back to wall - CPU
+            self._clock = None
+        self._thread = threading.Thread(target=self._run, name="mindio-waitclock", daemon=True)
+
+    @property
+    def usable(self) -> bool:
+        return self._clock is not None
+
+    def start(self) -> "WaitClock":
+        if self._clock is not None:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def _run(self) -> None:
+        clock, period, on_time, share = self._clock, self.period, self.late * self.period, self.share
+        t0, c0 = time.monotonic(), time.clock_gettime(clock)
+        while not self._halt.wait(period):
+            t = time.monotonic()
+            try:
+                c = time.clock_gettime(clock)
+            except OSError:  # the main thread ended
+                return
+            dt = t - t0
+            if dt <= on_time and c - c0 < share * dt:
+                self.total += dt
+            t0, c0 = t, c

@@ -100,7 +100,10 @@ class Processor:
         self._main_ident = threading.main_thread().ident
         self._progress_t: float | None = None
         self.activity = collectives.MainActivity()  # is a stalled main thread working? (controller/hangs.py)
-        self.step_times = collectives.StepTimes()  # for the controller's hang bound (controller/hangs.py)
+        # the step anatomy for slow ranks (controller/slow.py): a wait clock only while slow ranks are scored
+        self._slow_window = _knobs.get("MINDIO_SLOW_WINDOW")
+        waits = collectives.WaitClock(_knobs.get("MINDIO_SLOW_HZ")).start() if self._slow_window > 0 else None
+        self.step_times = collectives.StepTimes(waits=waits)  # and for the hang bound (controller/hangs.py)
         self._hang_min_steps = _knobs.get("MINDIO_HANG_MIN_STEPS")
         self._replies: collections.OrderedDict = collections.OrderedDict()
         self._busy: set[int] = set()
@@ -161,6 +164,9 @@ class Processor:
 
     def _beat(self) -> P.Heartbeat:
         preempt.check(self.link)  # a preemption signal's request: logged here, bounded (preempt.py)
+        return self._heartbeat()
+
+    def _heartbeat(self) -> P.Heartbeat:
         age = -1.0 if self._progress_t is None else time.monotonic() - self._progress_t
         return P.Heartbeat(step=self.step, data_status=int(self.data_status),
                            in_collective=self._main_in_collective(), progress_age=age,
@@ -209,6 +215,9 @@ class Processor:
         if self.first_step_pending:  # a step spanning a recovery is no measure of the job's steps
             self.step_times.restart()
         self.step_times.done()
+        if self._slow_window > 0 and self.step_times.sums[0] % self._slow_window == 0 and self.link is not None:
+            # a slow-rank window closes at this step: its sums go now, not at the next beat (controller/slow.py)
+            self.link.send(P.Envelope(P.MsgType.HEARTBEAT, self._heartbeat()))
         if self.first_step_pending:  # the first step of this process, or after a recovery (mindio timeline)
             self.first_step_pending = False
             _logging.event("step_done", step=step)

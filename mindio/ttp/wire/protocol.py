@@ -94,7 +94,7 @@ class Heartbeat:
     coll_seq: dict = field(default_factory=dict)  # {process group name: sequence number of the last collective entered}
     idle_age: float = -1.0        # seconds since the main thread last ran or waited on storage; -1 unknown (processor/collectives.py)
     step_p99: float = -1.0        # p99 of this rank's recent step times (s); -1 until enough steps (processor/collectives.py)
-    step_sums: list = field(default_factory=list)  # [steps timed, their wall s, main thread CPU s], cumulative (controller/slow.py)
+    step_sums: list = field(default_factory=list)  # [steps timed, their wall s, main thread CPU s, s waited], cumulative (controller/slow.py)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ closed window.
 """
 from __future__ import annotations
 
+import collections
 import statistics
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ class SlowScores:
         self.base: dict[int, tuple] = {}   # rank -> its sums when the window opened
         self.ready: set[int] = set()       # ranks that timed the window's steps since it opened
         self.scores: dict[int, dict] = {}  # rank -> {"wall_s", "own_s", "wait_s", ...} per step, last window
+        self.history: collections.deque = collections.deque(maxlen=max(1, self.k))  # closed windows:
+        # {rank: (steps, wall s, wait s)} each
         self.streak: tuple = (None, 0)     # ((rank, cause), windows in a row)
         self.reported: tuple | None = None
 
@@ -73,8 +76,8 @@ class SlowScores:
             self.base.pop(rank, None)
             self.ready.discard(rank)
         self.last[rank] = got
-        base = self.base.get(rank)
-        if base is None or rank in self.ready or got[0] - base[0] < self.window:
+        base = self.base.setdefault(rank, got)  # its first window opens at its first sums
+        if rank in self.ready or got[0] - base[0] < self.window:
             return False
         self.ready.add(rank)
         return True
@@ -83,6 +86,8 @@ class SlowScores:
         """A recovery or a pause: the next window opens at the next beats."""
         self.base.clear()
         self.ready.clear()
+        self.history.clear()
+        self.streak = (None, 0)
 
     def check(self, ranks) -> list[Slow]:
         """The findings to report now, given the ranks alive (once each; empty while a window is open)."""
@@ -96,35 +101,45 @@ class SlowScores:
                 self.base[r] = self.last[r]
         if len(self.ready) < len(ranks) or any(self.last[r][0] - self.base[r][0] < self.window for r in ranks):
             return []
+        window = {}
         for r in ranks:
             (n0, w0, c0, q0), (n1, w1, c1, q1) = self.base[r], self.last[r]
             n, wall = n1 - n0, max(w1 - w0, 1e-9)
-            wait = min(max(0.0, q1 - q0), wall)
+            wait, cpu = min(max(0.0, q1 - q0), wall), min(max(0.0, c1 - c0), wall)
+            window[r] = (n, wall, wait)
             self.scores[r] = {"wall_s": round(wall / n, 6), "own_s": round((wall - wait) / n, 6),
-                              "compute_s": round(min(max(0.0, c1 - c0), wall) / n, 6),
-                              "wait_s": round(wait / n, 6), "wait": round(wait / wall, 4)}
+                              "compute_s": round(cpu / n, 6), "wait_s": round(wait / n, 6),
+                              "wait": round(wait / wall, 4)}
             self.base[r] = self.last[r]
         self.ready.clear()
+        self.history.append(window)
         return self._decide(ranks)
 
     def _decide(self, ranks) -> list[Slow]:
-        found = None
-        r = max(ranks, key=lambda q: self.scores[q]["own_s"])
-        me, peers = self.scores[r], [self.scores[p] for p in ranks if p != r]
-        ratio = me["own_s"] / max(statistics.median(s["own_s"] for s in peers), 1e-9)
-        held = statistics.median(s["wait_s"] for s in peers) - me["wait_s"]  # what its peers wait for it
-        if ratio >= self.ratio and held >= self.min_wait * me["wall_s"]:
-            found = Slow(r, "compute", round(ratio, 2))
-        key = None if found is None else (found.rank, found.cause)
-        n = self.streak[1] + 1 if key is not None and key == self.streak[0] else 1
+        """The straggler is the rank its peers wait for: it waits least, their median wait per step exceeds its
+        own by ``min_wait`` of its step, and its own time per step is ``ratio`` times its peers' median. The
+        same rank so ``k`` windows in a row is reported (once; again only after ``k`` windows without it)."""
+        s = self.scores
+        r = min(ranks, key=lambda q: s[q]["wait_s"])
+        held = statistics.median(s[p]["wait_s"] for p in ranks if p != r) - s[r]["wait_s"]
+        ratio = s[r]["own_s"] / max(statistics.median(s[p]["own_s"] for p in ranks if p != r), 1e-9)
+        key = (r, "compute") if held >= self.min_wait * s[r]["wall_s"] and ratio >= self.ratio else None
+        n = self.streak[1] + 1 if key == self.streak[0] else 1
         self.streak = (key, n)
-        if key is None:
-            self.reported = None
+        if self.reported is not None and self.reported != key and (key is not None or n >= self.k):
+            self.reported = None  # it cleared (k windows without it), or another rank is slow now
+        if key is None or n < self.k or self.reported == key:
             return []
-        if n >= self.k and self.reported != key:
-            self.reported = key
-            return [found]
-        return []
+        self.reported = key
+        own = {}  # its own time per step over the last k windows against its peers' (the ranks in all of them)
+        for q in ranks:
+            got = [w[q] for w in list(self.history)[-self.k:] if q in w]
+            if len(got) == self.k:
+                own[q] = sum(w - q_ for _n, w, q_ in got) / sum(n_ for n_, _w, _q in got)
+        peers = [v for q, v in own.items() if q != r]
+        if r in own and peers:
+            ratio = own[r] / max(statistics.median(peers), 1e-9)
+        return [Slow(r, "compute", round(ratio, 2))]
 
     def status(self) -> dict:
         """For ``mindio status --json``: the last window's scores per rank and what was reported."""

@@ -10,6 +10,8 @@ ratios against the baseline:
     crosscheck  (with ``--crosscheck N``) replicas + MINDIO_CROSSCHECK_STEPS=N: the replica cross-check (a CRC-32
               of 1/N of the shard and one all-gather per step, a verified copy every N steps); its row is
               also compared with 'replicas', the cost of the check alone
+    slow      (with ``--slow W``) 'on' + MINDIO_SLOW_WINDOW=W: each rank's wait clock (a 100 Hz sampler of its
+              main thread's CPU clock) and a beat per window, the controller's scoring; compared with 'on'
 
 Step time = median of the per-step times printed by rank 0, warm-up steps excluded.
 Memory: optimizer-state bytes of rank 0 (fp32 main params + Adam moments) measured from the live
@@ -23,6 +25,7 @@ pipeline parallelism its stage --, d = DP size, R = replica count), so the repli
     python bench/ha_overhead.py --size 1g        # >= 1 GiB of state per rank (bench/_sizes.py); 12 steps
     python bench/ha_overhead.py --crosscheck 8   # + the replica cross-check row (issue 32: <= 1 % of a step)
     python bench/ha_overhead.py --crosscheck 8 --crosscheck-cost 1   # its CPU work alone, 1 GiB shard, no job
+    python bench/ha_overhead.py --slow 5         # + the slow-rank anatomy row (issue 31: <= 0.5 % of a step)
 
 Where the extra time goes, as CPU time per piece of a step (wall clock on a shared machine varies as much
 as the effect): ``python bench/ha_cpu.py --pp 2`` (the same configurations).
@@ -112,19 +115,22 @@ def parse(out: str, warmup: int):
     return steps, tuple(int(x) for x in mem.groups()), float(rss.group(1))
 
 
-def configs(crosscheck: int = 0) -> dict:
-    """The configurations measured: CONFIGS, plus the cross-check's with ``crosscheck`` = N > 0."""
+def configs(crosscheck: int = 0, slow: int = 0) -> dict:
+    """The configurations measured: CONFIGS, plus the cross-check's with ``crosscheck`` = N > 0 and the
+    slow-rank anatomy's with ``slow`` = W > 0."""
     out = {name: (extra, {}) for name, extra in CONFIGS.items()}
     if crosscheck:
         out["crosscheck"] = (CONFIGS["replicas"], {"MINDIO_CROSSCHECK_STEPS": str(crosscheck)})
+    if slow:
+        out["slow"] = (CONFIGS["on"], {"MINDIO_SLOW_WINDOW": str(slow)})
     return out
 
 
 def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int = 1, echo=print,
-            crosscheck: int = 0) -> dict:
+            crosscheck: int = 0, slow: int = 0) -> dict:
     """Step times of the configurations, alternated over ``rounds``; memory of rank 0."""
     flags = _sizes.get(size).args() + layout(nproc, pp)
-    todo = configs(crosscheck)
+    todo = configs(crosscheck, slow)
     steps = {k: [] for k in todo}
     per_round = {k: [] for k in todo}
     mem, rss = {}, {}
@@ -137,7 +143,8 @@ def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int
             echo(f"round {r + 1}: {name:8s} median step {statistics.median(s):7.2f} ms")
     base, best = statistics.median(steps["off"]), min(per_round["off"])
     out = {"size": size, "nproc": nproc, "pp": pp, "iters": iters, "warmup": warmup, "rounds": rounds,
-           "configs": {}, "mem": mem, "rss": rss, "load": os.getloadavg()[0], "crosscheck": crosscheck}
+           "configs": {}, "mem": mem, "rss": rss, "load": os.getloadavg()[0], "crosscheck": crosscheck,
+           "slow": slow}
     for name in todo:
         med, fast = statistics.median(steps[name]), min(per_round[name])
         out["configs"][name] = {"median_ms": med, "ratio": med / base, "best_ms": fast, "best_ratio": fast / best}
@@ -159,6 +166,13 @@ def report(res: dict) -> str:
         rows.append(f"  cross-check (N={res['crosscheck']}) vs replicas: {100 * cost:+.2f} % of the step time "
                     f"(median) | {100 * best:+.2f} % (best round); target <= 1 %: "
                     f"{'PASS' if cost <= 0.01 else 'FAIL'} (median)")
+    anatomy = res["configs"].get("slow")
+    if anatomy:
+        on = res["configs"]["on"]
+        cost, best = anatomy["median_ms"] / on["median_ms"] - 1, anatomy["best_ms"] / on["best_ms"] - 1
+        rows.append(f"  slow-rank anatomy (MINDIO_SLOW_WINDOW={res['slow']}) vs on: {100 * cost:+.2f} % of the step "
+                    f"time (median) | {100 * best:+.2f} % (best round); target <= 0.5 %: "
+                    f"{'PASS' if cost <= 0.005 else 'FAIL'} (median)")
     rows.append("optimizer state of rank 0, measured vs 12*P*R/d:")
     for name in CONFIGS:
         b, p, r, d = res["mem"][name]
@@ -215,6 +229,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--crosscheck", type=int, default=0, metavar="N",
                     help="also measure the replica cross-check (MINDIO_CROSSCHECK_STEPS=N); 0: not")
+    ap.add_argument("--slow", type=int, default=0, metavar="W",
+                    help="also measure slow-rank scoring on top of 'on' (MINDIO_SLOW_WINDOW=W); 0: not")
     ap.add_argument("--crosscheck-cost", type=float, default=0, metavar="GIB",
                     help="only the cross-check's work on a GIB GiB shard in this process (no job), N=--crosscheck")
     args = ap.parse_args()
@@ -231,7 +247,7 @@ def main():
     if args.pp == 1:  # (with pipeline stages a rank holds one stage's share)
         print(_sizes.get(args.size).describe(2, args.nproc), flush=True)
     res = measure(args.size, args.nproc, args.iters, args.warmup, args.rounds, args.pp,
-                  echo=lambda s: print(s, flush=True), crosscheck=args.crosscheck)
+                  echo=lambda s: print(s, flush=True), crosscheck=args.crosscheck, slow=args.slow)
     print("\n" + report(res))
 
 

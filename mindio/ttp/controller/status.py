@@ -155,7 +155,7 @@ class Observer:
                [({}, round(ctl.liveness.hang.value, 3))])
         waits = [({"rank": str(r)}, s["wait"]) for r, s in sorted(ctl.liveness.slow.scores.items())]
         metric("rank_wait_fraction", "gauge", "Share of a rank's last scoring window's wall time its main thread "
-               "used no CPU (waiting); the straggler waits least (controller/slow.py).", waits)
+               "waited (its wait clock: on-time ticks with no CPU used); the straggler waits least (controller/slow.py).", waits)
         with self._lock:
             metric("faults_total", "counter", "Faults seen, by kind (report state, DEAD, HUNG).",
                    [({"kind": k}, v) for k, v in sorted(self.faults.items())])

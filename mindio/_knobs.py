@@ -161,6 +161,11 @@ _ALL = [
     Knob("MINDIO_SLOW_MIN_WAIT", float, 0.1,
          "A slow rank's peers must wait (per step) at least this share of its step time more than it does.",
          min=0.0, max=1.0),
+    Knob("MINDIO_SLOW_ACTION", str, "report",
+         "What the controller does with a rank named slow (MINDIO_SLOW_WINDOW > 0): report it only, or switch "
+         "it to a new process with a hot switch (needs mindio-run --high-availability and a warm spare, "
+         "--standby; a cluster brain, if attached, decides at the pause as for any hot switch).",
+         choices=("report", "switch")),
     Knob("MINDIO_SLOW_HZ", float, 100.0,
          "Ticks per second of each rank's wait clock (processor/collectives.py WaitClock) while slow ranks "
          "are scored (MINDIO_SLOW_WINDOW > 0): a tick that comes late counts as the rank's own time.",

@@ -11,13 +11,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from mindio._ports import free_port
+from tests._outside import Pulses
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
@@ -44,31 +44,6 @@ def rank_pid(port: str, rank: int) -> int | None:
             if want <= env and b"LOCAL_RANK=" + str(rank).encode() in env:
                 return int(d)
     return None
-
-
-class Pulses(threading.Thread):
-    """SIGSTOP ``pid`` for ``stop_s`` of every ``period_s`` until :meth:`halt` (it is always left running)."""
-
-    def __init__(self, pid: int, stop_s: float = 0.03, period_s: float = 0.1):
-        super().__init__(daemon=True)
-        self.pid, self.stop_s, self.period_s = pid, stop_s, period_s
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self._halt.is_set():
-                os.kill(self.pid, signal.SIGSTOP)
-                try:
-                    time.sleep(self.stop_s)
-                finally:
-                    os.kill(self.pid, signal.SIGCONT)
-                self._halt.wait(self.period_s - self.stop_s)
-        except ProcessLookupError:
-            pass
-
-    def halt(self) -> None:
-        self._halt.set()
-        self.join(5)
 
 
 def run_example(out: Path, iters: int, slow_rank: int = -1, from_step: int = 10, window: int = 5,

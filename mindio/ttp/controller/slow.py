@@ -57,6 +57,7 @@ class SlowScores:
         self.ratio = _knobs.get("MINDIO_SLOW_RATIO") if ratio is None else ratio
         self.min_wait = _knobs.get("MINDIO_SLOW_MIN_WAIT") if min_wait is None else min_wait
         self.k = _knobs.get("MINDIO_SLOW_K") if k is None else k
+        self.action = _knobs.get("MINDIO_SLOW_ACTION")  # report | switch (watch.py acts on it)
         self.last: dict[int, tuple] = {}   # rank -> its latest sums
         self.base: dict[int, tuple] = {}   # rank -> its sums when the window opened
         self.ready: set[int] = set()       # ranks that timed the window's steps since it opened

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 
 from ... import _logging
@@ -129,6 +130,16 @@ class Liveness:
                          found.ratio, self.slow.window, self.slow.ratio, self.slow.k)
             _logging.event("rank_slow", slow_rank=found.rank, cause=found.cause, ratio=found.ratio,
                            at_step=self.ctl.ranks[found.rank].step, **{k: v for k, v in s.items() if k != "wait"})
+            if self.slow.action == "switch":  # sub-healthy: to a new process, as a cluster brain would ask
+                threading.Thread(target=self._switch_out, args=(found.rank,), name="mindio-slow-switch",
+                                 daemon=True).start()
+
+    def _switch_out(self, rank: int) -> None:
+        """(its own thread: the hot switch's request takes the controller's lock) Hot-switch a slow rank."""
+        rc = self.ctl.notify_prepare_action("hot switch", [rank])
+        _log.warning("rank %d is sub-healthy (slow, MINDIO_SLOW_ACTION=switch): hot switch %s", rank,
+                     "under way" if rc == 0 else "refused (reported only)")
+        _logging.event("slow_switch", slow_rank=rank, accepted=rc == 0)
 
     def _check_hangs(self, now: float) -> None:
         """(I/O thread, NORMAL) Kill the ranks stalled past the hang bound that the job waits for

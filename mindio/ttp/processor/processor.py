@@ -140,6 +140,8 @@ class Processor:
         with self._cond:
             self._left = True  # nothing of this processor acts any more (_watch_exit)
             self._cond.notify_all()
+        if self.step_times.waits is not None:
+            self.step_times.waits.stop()  # the wait clock's thread (controller/slow.py)
         if self.link is not None:
             if reason:
                 self.link.send(P.Envelope(P.MsgType.BYE, P.Bye(reason)))

@@ -84,7 +84,8 @@ def test_bad_or_missing_sums_are_ignored_and_off_by_default(monkeypatch):
     for raw in (None, [], [1, 2], ["1", 2.0, 1.0], [-1, 1.0, 1.0], {"n": 1}, [1, 1.0, 1.0, "x"], [1, 2.0, 1.0, 1.0, 0]):
         sc.observe(0, raw)
     assert sc.last == {} and sc.check([0, 1]) == []
-    assert slow.SlowScores(window=0).check([0, 1]) == []
+    off = slow.SlowScores(window=0)
+    assert off.observe(0, [5, 1.0, 0.5, 0.2]) is False and off.last == {} and off.check([0, 1]) == []
 
 
 def _run(out: Path, extra: list, window: int = 5):

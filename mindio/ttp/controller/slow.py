@@ -70,6 +70,8 @@ class SlowScores:
     def observe(self, rank: int, raw) -> bool:
         """(I/O thread, each beat) Keep the rank's latest cumulative sums; True when this rank has just
         timed the open window's steps (the window may close: call :meth:`check`)."""
+        if self.window <= 0:  # off: nothing kept, nothing checked
+            return False
         got = _sane(raw)
         if got is None:
             return False

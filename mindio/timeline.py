@@ -160,7 +160,8 @@ def _rank_mark(e: dict):
     if k in ("rank_dead", "rank_hung", "killed_as_hung"):
         return "x", "#7f0000", k.replace("_", " "), f"{k}: {e.get('cause', '')}"
     if k == "rank_slow":  # controller/slow.py
-        return "dot", "#ff7f0e", "slow", f"slow ({e.get('cause')}): {e.get('ratio')}x"
+        return "dot", "#ff7f0e", "slow", (f"slow ({e.get('cause')}): {e.get('ratio')}x its peers' own time per step"
+                                          f" ({e.get('own_s', e.get('compute_s'))} s; waits {e.get('wait_s')} s)")
     if k == "train_resumed":
         return "tri", "#2ca02c", "", f"back in train() at step {e.get('step')} (generation {e.get('gen')})"
     if k == "step_done":

@@ -5,11 +5,13 @@ wall s its main thread *waited* in them] (processor/collectives.py StepTimes, Wa
 wall - wait: compute, and any time the rank was stopped or throttled from outside (SIGSTOP, a cgroup CPU
 quota: the wait clock's tick comes late then, so that time is not counted as waiting). A window closes
 once every scored rank timed ``MINDIO_SLOW_WINDOW`` steps in it (each rank sends an extra beat when it
-timed a window's steps, so detection is counted in steps, not heartbeats). The rank with the most own time
-per step is slow (cause "compute") when that is at least ``MINDIO_SLOW_RATIO`` times its peers' median and
-its peers wait for it: their median wait per step exceeds its own by at least ``MINDIO_SLOW_MIN_WAIT`` of
-its step time. ``MINDIO_SLOW_K`` windows in a row report it once (until it clears). A busy loop elsewhere
-on the machine slows every rank alike: no straggler.
+timed a window's steps, so detection is counted in steps, not heartbeats). The straggler is the rank its peers
+wait for: the rank that waits least, when their median wait per step exceeds its own by at least
+``MINDIO_SLOW_MIN_WAIT`` of its step time and its own time per step is at least ``MINDIO_SLOW_RATIO`` times
+its peers' median (cause "compute"). ``MINDIO_SLOW_K`` windows in a row report it once (again only after K
+windows without it); ``MINDIO_SLOW_ACTION=switch`` then hot-switches it (controller/watch.py). A busy loop
+elsewhere on the machine slows every rank alike: no straggler (but on an oversubscribed machine the
+scheduler holds single ranks back for a while: docs/recovery.md, false alarms).
 
 Limits. The wait clock tells a main thread that waits from one that runs; it cannot tell a wait in a
 collective from a sleep or a data-loader wait in the loop, so no "communication" cause is named (that needs

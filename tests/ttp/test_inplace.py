@@ -194,7 +194,7 @@ def test_stop_answers_early_for_a_main_thread_blocked_in_a_collective():
 
 
 def test_an_incidents_stop_interrupts_a_step_in_flight_but_never_an_update():
-    """``stop`` with ``interrupt`` (an incident's stop round, retry.StopRound) calls the framework's
+    """``stop`` with ``interrupt`` (an incident's stop round, stopround.StopRound) calls the framework's
     interrupt hook when the main thread computes outside its optimizer update: the step leaves at its next
     check point and parks, and the stop answers then, not after its timeout. Inside the update window
     (between tft_start_updating_os and tft_end_updating_os), or without ``interrupt`` (elastic's stop), the

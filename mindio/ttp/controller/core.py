@@ -113,13 +113,3 @@ class Core:
         with self.lock:
             return sorted(r.rank for r in self.ranks.values()
                           if r.alive and not r.features.get("uce", True))
-
-    def live_ranks(self) -> list[int]:
-        """The live ranks, sorted (takes the lock; ranks.RankTable.live)."""
-        with self.lock:
-            return self.ranks.live()
-
-    def dead_ranks(self) -> list[int]:
-        """The ranks declared dead (takes the lock; ranks.RankTable.dead)."""
-        with self.lock:
-            return list(self.ranks.dead())

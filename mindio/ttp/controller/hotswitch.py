@@ -51,7 +51,7 @@ from ...vocab import HOT_SWITCH_ACTIONS
 from .dump import Dump
 from .recover import Replace
 from .strategy import Context
-from .._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
+from .._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, Cause, OsStatus, ResultCode
 from .states import Result, State
 
 __all__ = ["HotSwitch", "EXIT_CODE_SWITCHED", "ACTIONS"]
@@ -95,7 +95,7 @@ class HotSwitch:
         with self.core.lock:  # "stop switch" is accepted while the backups start too (early)
             self.req = {"ranks": sorted(ranks), "waiting": early}
             self.core.incidents.expect()
-        self.core.incidents.open(None, None, cause="hot_switch")
+        self.core.incidents.open(None, None, cause=Cause.HOT_SWITCH)
         return 0
 
     # ------------------------------------------------------------------ driver thread

@@ -38,11 +38,11 @@ from ... import _knobs, _logging
 from . import dump, policy, sequence
 from ..wire import protocol as P
 from .brain import RankFault, fault_key, result_code
-from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, ReportState, ResultCode
+from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, Cause, ReportState, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome
 
-__all__ = ["IncidentFlow", "Incident", "OPEN_STATES"]
+__all__ = ["IncidentFlow", "Incident", "Facts", "OPEN_STATES"]
 
 _log = logging.getLogger("mindio.ttp.incident")
 OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
@@ -52,7 +52,7 @@ OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
 class Incident:
     """The open incident (one at a time; the I/O thread adds ranks to it under the controller's lock,
     the driver thread runs it). The facts its decision is made on are policy.Incident."""
-    cause: str                # "fault", "dump_request", "pause", "hot_switch", "cluster_brain"
+    cause: Cause              # why it opened (vocab.Cause; its value in logs and events)
     first: int | None         # the rank that opened it (None: a request)
     t0: float = field(default_factory=time.monotonic)
     primary: dict = field(default_factory=dict)   # rank -> ReportState of its primary report (or a death)
@@ -66,6 +66,26 @@ class Incident:
         self.seen.setdefault(rank, time.monotonic())
         if message:
             self.messages[rank] = message
+
+
+@dataclass
+class Facts:
+    """What an incident's decision is made on (:meth:`IncidentFlow.facts`, after the stop round)."""
+    graceful: bool        # a requested dump (no fault)
+    lock: int             # the lock step (policy.choose_lock_step)
+    views: list           # policy.RankView of every rank of the job
+    plan: policy.DumpPlan  # who saves which shard at the lock step
+    faulty: list          # the faulty ranks
+    repairable: bool      # every shard of a faulty rank has a usable replica
+    primary: dict         # rank -> ReportState of its primary report (or a death)
+    seen: dict            # rank -> when its fault was first seen
+    messages: dict        # rank -> the message of its report
+    repeated: list        # ranks that met the previous launch's exception again (RS_REPEATED)
+    # (not judged when the job ends at once for ``repeated``)
+    lacking: dict = field(default_factory=dict)  # rank -> the handlers it did not register (no in-place strategy)
+    incident: policy.Incident | None = None  # the facts as policy.feasible_strategies reads them
+    enabled: set = field(default_factory=set)  # the job's strategies (the brain's filter; "dump" for a requested one)
+    feasible: list = field(default_factory=list)  # policy's feasible strategies, in its order
 
 
 class IncidentFlow:
@@ -104,11 +124,12 @@ class IncidentFlow:
     def as_fault(self) -> bool:
         """A pause or a hot switch during which a rank failed: the incident is handled as a fault."""
         _log.error("a rank failed during the pause; handling it as a fault")
-        self.current.cause = "fault"
+        self.current.cause = Cause.FAULT
         return self.run()
 
     # ------------------------------------------------------------------ incidents
-    def open(self, rank: int | None, state: ReportState | None, cause: str = "fault", message: str = "") -> bool:
+    def open(self, rank: int | None, state: ReportState | None, cause: Cause = Cause.FAULT,
+             message: str = "") -> bool:
         """Open an incident (or add ``rank`` to the one open); whether this call opened it."""
         if not self.core.active:
             return False
@@ -118,7 +139,7 @@ class IncidentFlow:
             if inc is None:
                 if self.core.sm.state not in OPEN_STATES:
                     return False
-                inc = self.current = Incident(cause, rank)
+                inc = self.current = Incident(Cause(cause), rank)
                 self.wakeup.set()
                 opened = True
             if rank is not None and (state is None or policy.is_primary(state)):
@@ -180,24 +201,41 @@ class IncidentFlow:
             return  # after a dump or an exit the job ends (FINAL)
 
     def run(self) -> bool:
-        """One incident; True when the job goes on (retry succeeded, pause continued), False when it ends."""
+        """One incident; True when the job goes on (retry succeeded, pause continued), False when it ends.
+        A fault or a requested dump: :meth:`stop` -> :meth:`facts` -> :meth:`decide` -> :meth:`execute`."""
         inc = self.current
-        if inc.cause == "hot_switch":
+        if inc.cause is Cause.HOT_SWITCH:
             return self.core.hot_switch.run(inc)
-        if inc.cause == "pause":
+        if inc.cause is Cause.PAUSE:
             return self.core.pause.run(inc)
-        graceful = inc.cause == "dump_request"
-        self.core.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc.first, cause=inc.cause)
+        facts = self.facts(inc, self.stop(inc))
+        if facts.repeated and not facts.graceful:
+            return self.end_repeated(facts.repeated, facts.messages)
+        return self.execute(self.decide(inc, facts), facts)
+
+    def stop(self, inc: Incident) -> dict:
+        """The incident begins: ABNORMAL (or DUMP for a requested dump), the cluster brain hears of the
+        faulty ranks, every live rank is stopped (stopround.StopRound) and the brain hears how that went.
+        {rank: Reply of its stop} (the latest reply of each live rank)."""
+        graceful = inc.cause is Cause.DUMP_REQUEST
+        self.core.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc.first, cause=inc.cause.value)
         self.mindx_call("report_fault_ranks", self.error_ranks())
         live = sequence.live_ranks(self.core)
         # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
         params = {"timeout": self.core.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
-        replies = self.core.stop_round.run(live, params)  # retry.py: a rank blocked behind a fenced one is released
-        views = self.views(replies)
+        replies = self.core.stop_round.run(live, params)  # stopround.py: a rank blocked behind a fenced one is released
         stopped = all(r in replies and replies[r].ok for r in live)
         self.mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
                         "training stopped" if stopped else "some ranks did not confirm the stop", self.error_ranks())
+        return replies
+
+    def facts(self, inc: Incident, replies: dict) -> Facts:
+        """What the decision is made on, after the stop round's ``replies``: the ranks' views, the lock step
+        (the highest with a usable copy of every shard), the dump plan, the faulty ranks and whether
+        they can be repaired, the incident's reports, and policy's feasible strategies."""
+        graceful = inc.cause is Cause.DUMP_REQUEST
+        views = self.views(replies)
         lock = policy.choose_lock_step(views)
         stale = policy.stale_ranks(views, lock)
         if any(v.step != lock for v in views if v.rank in stale):
@@ -217,15 +255,23 @@ class IncidentFlow:
         with self.core.lock:
             primary, seen, messages = dict(inc.primary), dict(inc.seen), dict(inc.messages)
         repeated = sorted(r for r, s in primary.items() if s is ReportState.RS_REPEATED)
-        if repeated and not graceful:
-            return self.end_repeated(repeated, messages)
+        if repeated and not graceful:  # the job ends at once (end_repeated): nothing more to judge
+            return Facts(graceful, lock, views, plan, faulty, repairable, primary, seen, messages, repeated)
         dead = frozenset(v.rank for v in views if not v.alive)
         lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
                                    spare_available=self.spare_available(dead),
                                    in_place_possible=not lacking)
         enabled = self.core.brain.enabled(self.core.job_strategies()) | ({"dump"} if graceful else set())
-        feasible = policy.feasible_strategies(enabled, incident)
+        return Facts(graceful, lock, views, plan, faulty, repairable, primary, seen, messages, repeated, lacking,
+                     incident, enabled, policy.feasible_strategies(enabled, incident))
+
+    def decide(self, inc: Incident, facts: Facts) -> list:
+        """The strategies to try, in order, from the chosen one (the cluster brain's choice within
+        MINDIO_WAIT_MINDX_TIME, or the first of the order), ending with "exit"; ``last_decision`` and
+        the ``decision`` event say why."""
+        graceful, feasible, enabled, incident = facts.graceful, facts.feasible, facts.enabled, facts.incident
+        lacking, primary, faulty, lock, plan = facts.lacking, facts.primary, facts.faulty, facts.lock, facts.plan
         if lacking and not graceful:
             blocked = [s for s in policy.feasible_strategies(enabled, replace(incident, in_place_possible=True))
                        if s not in feasible]
@@ -234,9 +280,9 @@ class IncidentFlow:
                              "and ranks %s did not register %s (tft_register_repair_handler, "
                              "tft_register_rollback_handler)", blocked, sorted(lacking)[:16],
                              lacking[min(lacking)])
-        alive = {v.rank: v.alive for v in views}
-        faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
-                                  seen.get(r, inc.t0)) for r in sorted(set(primary) | set(faulty))]
+        alive = {v.rank: v.alive for v in facts.views}
+        faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), facts.messages.get(r, ""),
+                            facts.seen.get(r, inc.t0)) for r in sorted(set(primary) | set(faulty))]
         added = [] if graceful else self.added_strategies(enabled, incident)
         feasible = feasible[:-1] + added + feasible[-1:]
         order, verdict = self.core.brain.plan(faults, feasible, self.core.implemented_strategies())
@@ -246,11 +292,11 @@ class IncidentFlow:
         strategy = order[0] if graceful else self.negotiate(order)  # a requested dump: nothing to ask
         latency = time.monotonic() - inc.t0
         self.core.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
-                                  "decided_at": time.time(), "faulty": faulty,
-                                  "missing_shards": [list(map(str, m)) for m in plan.missing],
-                                  "feasible": feasible, "order": order, "level": verdict.level,
-                                  "why": {str(r): w for r, (_lv, w) in list(verdict.ranks.items())[:16]},
-                                  "latency_s": latency}
+                                   "decided_at": time.time(), "faulty": faulty,
+                                   "missing_shards": [list(map(str, m)) for m in plan.missing],
+                                   "feasible": feasible, "order": order, "level": verdict.level,
+                                   "why": {str(r): w for r, (_lv, w) in list(verdict.ranks.items())[:16]},
+                                   "latency_s": latency}
         _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, level %s, order %s, "
                      "feasible %s)", latency, strategy, lock, faulty[:16], verdict.level, order, feasible)
         if inc.secondaries:
@@ -263,17 +309,22 @@ class IncidentFlow:
             _log.warning("retry is enabled but not possible for this incident (reports %s, dead %s, every "
                          "shard of a UCE rank has a usable replica: %s); using %s",
                          {r: s.name for r, s in list(primary.items())[:16]}, sorted(incident.dead)[:16],
-                         repairable, strategy)
-        ctx = Context(lock, views, primary, plan, inc.t0, graceful)
-        rest = order[order.index(strategy):] if strategy in order else order
-        for i, strategy in enumerate(rest):
+                         facts.repairable, strategy)
+        return order[order.index(strategy):] if strategy in order else order
+
+    def execute(self, order: list, facts: Facts) -> bool:
+        """Run the strategies of ``order`` until one resumes training (True) or ends the job (False); a
+        strategy that fails falls back to the next; "exit" (or none left): the exit order, False."""
+        lock, enabled = facts.lock, facts.enabled
+        ctx = Context(lock, facts.views, facts.primary, facts.plan, self.current.t0, facts.graceful)
+        for i, strategy in enumerate(order):
             if strategy == "exit":
                 break
             if strategy != "dump" or ctx.plan.possible:
                 outcome = self.core.strategies[strategy].run(self.core, ctx)
                 if outcome is not Outcome.FAILED:
                     return outcome is Outcome.RESUMED  # True: the job trains again; False: it ended
-            left = [s for s in rest[i + 1:] if s != "dump" or ctx.plan.possible]
+            left = [s for s in order[i + 1:] if s != "dump" or ctx.plan.possible]
             _log.error("%s failed; falling back to %s (remaining %s)", strategy, left[0], left)
             self.mindx_call("report_result", int(result_code(left)), f"{strategy} failed", self.error_ranks(), strategy)
             _logging.event("fallback", src=strategy, dst=left[0])
@@ -282,8 +333,8 @@ class IncidentFlow:
         elif ctx.plan.missing and "dump" in enabled:
             dump.no_writer(ctx.views, lock, ctx.plan.missing)
         self.core.sm.fire(Result.FAIL if self.core.sm.state is State.DUMP else Result.EXIT,
-                         reason="nothing to save at step 0" if lock <= 0 and "dump" in enabled else
-                         "no dump possible" if ctx.plan.missing else "exit chosen")
+                          reason="nothing to save at step 0" if lock <= 0 and "dump" in enabled else
+                          "no dump possible" if ctx.plan.missing else "exit chosen")
         self.exit(EXIT_CODE_FAULT)
         return False
 
@@ -422,7 +473,7 @@ class IncidentFlow:
     def notify_dump(self) -> int:
         if self.core.sm.state is not State.NORMAL:
             return 1
-        self.open(None, None, cause="dump_request")
+        self.open(None, None, cause=Cause.DUMP_REQUEST)
         return 0
 
     def request_dump(self, why: str) -> None:
@@ -432,7 +483,7 @@ class IncidentFlow:
         in a dump or an exit needs none, one that resumes training is followed by this dump."""
         with self.core.lock:
             inc = self.current
-            under_way = (inc is not None and inc.cause == "dump_request") or \
+            under_way = (inc is not None and inc.cause is Cause.DUMP_REQUEST) or \
                 self.core.sm.state in (State.DUMP, State.EXIT, State.FINAL)
         if under_way:
             _log.info("last-words checkpoint requested again (%s): one is under way", why)
@@ -453,7 +504,7 @@ class IncidentFlow:
             return
         with self.core.lock:
             trained = any(r.step > 0 for r in self.core.ranks.values() if r.alive)
-        if trained and self.open(None, None, cause="dump_request"):
+        if trained and self.open(None, None, cause=Cause.DUMP_REQUEST):
             self.dump_wanted = None
 
     def notify_stop_train(self, fault_ranks: dict, wait: float | None = None) -> int:
@@ -465,7 +516,7 @@ class IncidentFlow:
             if int(rank) in self.core.ranks:
                 self.core.ranks[int(rank)].faulty = True
             self.open(int(rank), ReportState.RS_UCE if int(kind) == 0 else ReportState.RS_UNKNOWN,
-                      cause="cluster_brain")
+                      cause=Cause.CLUSTER_BRAIN)
         return 0
 
     def change_strategy(self, strategy: str) -> int:

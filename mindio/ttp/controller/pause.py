@@ -32,7 +32,7 @@ import time
 
 from ... import _logging
 from . import policy, sequence
-from .._enums import EXIT_CODE_FAULT, ResultCode
+from .._enums import EXIT_CODE_FAULT, Cause, ResultCode
 from .dump import Dump
 from .states import Result, State
 from .strategy import Context
@@ -59,7 +59,7 @@ class PauseFlow:
             self.req = {"timeout": float(timeout) if timeout else float(core.action_limit),
                         "ranks": {int(r): int(k) for r, k in (fault_ranks or {}).items()}}
             core.incidents.expect()
-        core.incidents.open(None, None, cause="pause")
+        core.incidents.open(None, None, cause=Cause.PAUSE)
         return 0
 
     def end(self, live: list, why: str) -> bool:

@@ -8,7 +8,7 @@ A strategy (strategy.py) is a short script over a :class:`Sequence`::
 
     seq = Sequence(core, "retry", ctx.t0)
     ok = (seq.step("clean", {"timeout": limit}, live)
-          and seq.step("rebuild", {"gen": core.next_gen()}, live)
+          and seq.step("rebuild", {"gen": core.gen + 1}, live)
           and seq.step("repair", params, involved, abandon=live)
           and seq.step("rollback", {"step": lock}, live, abandon=live))
     if ok:
@@ -32,7 +32,7 @@ _log = logging.getLogger("mindio.ttp")
 
 
 def live_ranks(core) -> list[int]:
-    """The controller's live ranks, sorted (takes its lock; ranks.RankTable.live)."""
+    """The job's live ranks, sorted (takes its lock; ranks.RankTable.live)."""
     with core.lock:
         return core.ranks.live()
 

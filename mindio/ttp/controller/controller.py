@@ -34,8 +34,8 @@ from ... import _knobs, _logging
 from . import policy
 from ..wire import protocol as P
 from .._enums import ReportState, Strategy
-from .ranks import RankRecord as _Rank, RankTable, infer_layout  # _Rank: the old name, still imported by tests
-from .states import Result, State, StateMachine
+from .ranks import RankRecord as _Rank, infer_layout  # _Rank: the old name, still imported by tests
+from .states import Result, State
 from .actions import ActionEngine
 from .brain import Brain
 from .incident import IncidentFlow

@@ -13,7 +13,7 @@ __all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "
            "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_CODE_REPEATED",
            "EXIT_MEANINGS",
            "Strategy", "HA_STRATEGIES", "STRATEGY_ORDER", "MINDX_STRATEGIES", "REPLACING", "HOT_SWITCH_ACTIONS",
-           "MsgType", "State", "Result", "Outcome", "MainState"]
+           "MsgType", "State", "Result", "Outcome", "MainState", "Cause"]
 
 
 # ----------------------------------------------------------------------------- exit codes
@@ -96,6 +96,25 @@ class MainState(str, enum.Enum):
     RUNNING = "running"  # training (computing, or blocked in a collective)
     FENCED = "fenced"    # held at its fence (tft_start_updating_os / tft_pause_train) by a stop or a pause
     PARKED = "parked"    # after a fault, in the decorator's wait_next_action: groups torn down
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+# ----------------------------------------------------------------------------- an incident's cause
+class Cause(str, enum.Enum):
+    """Why the controller's incident opened (controller/incident.py). A member *is* its string, as
+    :class:`MainState`'s are: the state machine's log lines and events (``cause``) are unchanged."""
+    FAULT = "fault"                  # a rank's report, or a rank declared dead
+    DUMP_REQUEST = "dump_request"    # a last-words checkpoint (a preemption, tft_notify_controller_dump)
+    PAUSE = "pause"                  # the cluster brain's pause (tft_notify_controller_stop_train ... pause)
+    HOT_SWITCH = "hot_switch"        # the cluster brain's hot switch (tft_notify_controller_prepare_action)
+    CLUSTER_BRAIN = "cluster_brain"  # the cluster brain named faulty ranks (tft_notify_controller_stop_train)
 
     __hash__ = str.__hash__
 

@@ -118,7 +118,7 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
     collective fails), then ``wait_quiet`` with the full timeout to the running one. Each action is sent
     once (before: a ``stop`` every STOP_LOOK_S)."""
     from mindio.ttp.wire import protocol as P
-    from mindio.ttp.controller.retry import STOP_GRACE_S, STOP_LOOK_S, StopRound
+    from mindio.ttp.controller.stopround import STOP_GRACE_S, STOP_LOOK_S, StopRound
 
     class Ctl:
         action_limit = 180.0
@@ -126,7 +126,7 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
 
         def __init__(self, mains, steps=None):
             self.mains, self.calls, self.steps = mains, [], steps or {}
-            self._lock, self.ranks = threading.Lock(), RankTable()  # the rank table: no rank declared dead
+            self.lock, self.ranks = threading.Lock(), RankTable()  # the rank table: no rank declared dead
             self.incidents = types.SimpleNamespace(views=self.views)  # the incident flow's part StopRound uses
 
         def job_strategies(self):
@@ -135,7 +135,7 @@ def test_stop_round_sends_each_action_once_and_releases_a_rank_blocked_behind_a_
         def views(self, replies):
             return [RankView(r, True, False, rep.detail["step"], rep.detail["data_status"]) for r, rep in replies.items()]
 
-        def _call(self, name, params, ranks, timeout, fail_fast=False):
+        def call(self, name, params, ranks, timeout, fail_fast=False):
             self.calls.append((name, dict(params), sorted(ranks)))
             if name in ("teardown", "advance"):  # the blocked rank's collective fails / completes: it parks
                 self.mains.update({r: "parked" for r in self.mains if self.mains[r] == "running"})
@@ -194,7 +194,7 @@ def test_stop_answers_early_for_a_main_thread_blocked_in_a_collective():
 
 
 def test_an_incidents_stop_interrupts_a_step_in_flight_but_never_an_update():
-    """``stop`` with ``interrupt`` (an incident's stop round, retry.StopRound) calls the framework's
+    """``stop`` with ``interrupt`` (an incident's stop round, stopround.StopRound) calls the framework's
     interrupt hook when the main thread computes outside its optimizer update: the step leaves at its next
     check point and parks, and the stop answers then, not after its timeout. Inside the update window
     (between tft_start_updating_os and tft_end_updating_os), or without ``interrupt`` (elastic's stop), the

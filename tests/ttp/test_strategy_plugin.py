@@ -23,18 +23,18 @@ class Reload(Strategy):
 
     name = "reload"
 
-    def feasible(self, ctl, enabled, facts):
+    def feasible(self, core, enabled, facts):
         return self.name in enabled and not facts.dead and bool(facts.states) and facts.in_place_possible
 
-    def run(self, ctl, ctx):
-        seq = Sequence(ctl, self.name, ctx.t0)
+    def run(self, core, ctx):
+        seq = Sequence(core, self.name, ctx.t0)
         live = [v.rank for v in ctx.views if v.alive]
-        ctl.sm.fire(Result.RETRY, lock_step=ctx.lock)                  # ABNORMAL -> ENV_CLEAR
-        if not seq.step("clean", {"timeout": ctl.action_limit}, live):
-            return self.fall_back(ctl, ctx)
-        ctl.sm.fire(Result.OK)                                          # ENV_CLEAR -> REPAIR
+        core.sm.fire(Result.RETRY, lock_step=ctx.lock)                  # ABNORMAL -> ENV_CLEAR
+        if not seq.step("clean", {"timeout": core.action_limit}, live):
+            return self.fall_back(core, ctx)
+        core.sm.fire(Result.OK)                                          # ENV_CLEAR -> REPAIR
         if not seq.step("rollback", {"step": ctx.lock}, live, abandon=live):
-            return self.fall_back(ctl, ctx)
+            return self.fall_back(core, ctx)
         seq.resume(ctx.lock, live)                                      # REPAIR -> NORMAL, retry
         seq.done("every rank trains again", "nothing repaired", ({}, self.name), lock_step=ctx.lock)
         return Outcome.RESUMED

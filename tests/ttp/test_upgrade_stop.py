@@ -35,7 +35,8 @@ class _SM:
 
 
 class Ctl:
-    """The controller state an upgrade reads, with ``_call`` answering from a script of stop replies."""
+    """The parts' collaborators (core.Core) an upgrade reads, with ``call`` answering from a script of stop
+    replies."""
     action_limit, misses, interval, world_size = 30.0, 3, 1.0, 4
     provisional_dump = ""  # Controller's: a dump as always (launch/backup.py sets it on provisional backups)
 
@@ -48,16 +49,16 @@ class Ctl:
         # the incident flow's part an upgrade uses (incident.IncidentFlow): no incident open, the exit order kept
         self.incidents = types.SimpleNamespace(current=None, wakeup=threading.Event(), exit=self.exits.append,
                                                mindx_call=lambda action, *args: None)
-        self._lock, self._cond = threading.Lock(), threading.Condition()
+        self.lock, self.cond = threading.Lock(), threading.Condition()
         self.ranks = RankTable({r: _Rank(r, b"id%d" % r, step=28) for r in (0, 1)})  # the survivors
         self.liveness = types.SimpleNamespace(seen={})
-        self._registered, self.sm, self.mindx = 2, _SM(), {}
+        self.registered, self.sm, self.mindx = 2, _SM(), {}
         self.brain = types.SimpleNamespace(enabled=lambda asked: asked)
 
     def job_strategies(self):
         return {"elastic-training", "dump"}
 
-    def _call(self, name, params, ranks, timeout, fail_fast=False):
+    def call(self, name, params, ranks, timeout, fail_fast=False):
         self.calls.append((name, sorted(ranks)))
         if name == "stop":
             script = self.stops.pop(0)

@@ -28,7 +28,7 @@ def test_the_controller_is_composed_of_parts_and_has_no_base():
     from mindio.ttp.controller.pause import PauseFlow
     from mindio.ttp.controller.ranks import RankTable
     from mindio.ttp.controller.recover import Replacements
-    from mindio.ttp.controller.retry import StopRound
+    from mindio.ttp.controller.stopround import StopRound
     from mindio.ttp.controller.states import StateMachine
     from mindio.ttp.controller.watch import Liveness
 
@@ -38,8 +38,8 @@ def test_the_controller_is_composed_of_parts_and_has_no_base():
              "stop_round": StopRound, "replacements": Replacements, "elastic": Elastic, "hot_switch": HotSwitch,
              "incidents": IncidentFlow, "pause": PauseFlow}
     assert {name: type(getattr(ctl, name)) for name in parts} == parts
-    assert all(getattr(ctl, name).ctl is ctl for name in ("liveness", "stop_round", "replacements", "elastic",
-                                                          "hot_switch", "incidents", "pause"))
+    assert all(getattr(ctl, name).core is ctl.core for name in ("liveness", "stop_round", "replacements", "elastic",
+                                                                "hot_switch", "incidents", "pause"))
     assert all(cls.__bases__ == (object,) for cls in (IncidentFlow, PauseFlow))
 
 

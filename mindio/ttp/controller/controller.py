@@ -34,13 +34,15 @@ from ... import _knobs, _logging
 from . import policy
 from ..wire import protocol as P
 from .._enums import ReportState, Strategy
-from .ranks import RankRecord as _Rank, RankTable, infer_layout  # _Rank: the old name, still imported by tests
-from .states import Result, State, StateMachine
+from .ranks import RankRecord as _Rank, infer_layout  # _Rank: the old name, still imported by tests
+from .states import Result, State
 from .actions import ActionEngine
 from .brain import Brain
 from .incident import IncidentFlow
 from .pause import PauseFlow
-from .retry import Retry, StopRound
+from .core import SHARED, Core
+from .retry import Retry
+from .stopround import StopRound
 from .elastic_flow import Downgrade, Elastic
 from .recover import Replace, Replacements
 from .dump import Dump
@@ -56,6 +58,11 @@ __all__ = ["Controller"]
 _log = logging.getLogger("mindio.ttp.controller")
 # frames of a rank that show it is there: one that has not confirmed the job's exit order gets it (incident.py)
 _HEARD = (P.MsgType.HEARTBEAT, P.MsgType.REGISTER, P.MsgType.REPORT, P.MsgType.REQUEST)
+
+
+def _shared(name: str) -> property:
+    """A controller attribute that is the Core's ``name`` (core.py)."""
+    return property(lambda self: getattr(self.core, name), lambda self, value: setattr(self.core, name, value))
 
 
 class Controller:
@@ -77,7 +84,7 @@ class Controller:
                  curve_client: dict | None = None, curve_clients=(),
                  hang_timeout: float | None = None, backups_allowed: int | None = None,
                  relays: bool | None = None):
-        self.rank, self.world_size, self.key, self.curve = rank, world_size, key, curve or {}
+        self.rank, self.key, self.curve = rank, key, curve or {}
         # a backup's link to the primary is a CURVE client too: its keys, or the job's client keypair and
         # the public key of the server keypair shared with the primary (which it then authenticates)
         if curve_client is None and self.curve.get(zmq.CURVE_SECRETKEY):
@@ -85,67 +92,59 @@ class Controller:
         self.curve_client = curve_client or {}
         # CURVE clients let in (ZAP): the job's own key and the ones given (tls_info client_public)
         self.curve_clients = {job_curve_keypair(key)[0], *curve_clients}
-        self.enabled = set(enabled)
-        self.interval = interval or _knobs.get("MINDIO_HEARTBEAT_INTERVAL")
-        self.misses = misses or _knobs.get("MINDIO_HEARTBEAT_MISSES")
-        self.hang_timeout = _knobs.get("MINDIO_HANG_TIMEOUT") if hang_timeout is None else hang_timeout
-        # given (here or MINDIO_HANG_TIMEOUT): the bound; else the job's step times set it (hangs.py)
-        self.hang_fixed = hang_timeout is not None or _knobs.is_set("MINDIO_HANG_TIMEOUT")
-        self.action_limit = _knobs.get("TTP_NORMAL_ACTION_TIME_LIMIT")
-        self.sm = StateMachine()
-        self.backup, self.active = backup, not backup
-        self.takeover_quorum: int | None = None  # a backup: registered ranks it takes over with (None: > half)
-        # a backup that cannot rule out a partition (launch/backup.py): its dumps go to this subdirectory of
-        # the job's checkpoint directory and are not made the latest (dump.save); "": a dump as always
-        self.provisional_dump = ""
-        self.provisional_renamed = False  # whether the rename handler completed the provisional dump there
+        interval = interval or _knobs.get("MINDIO_HEARTBEAT_INTERVAL")
+        # what the parts share (core.py): each part gets it, not the controller; the controller's attributes
+        # named in core.SHARED (gen, exit_code, action_limit, ...) are the Core's
+        self.core = core = Core(
+            world_size, enabled, self.STRATEGIES, interval=interval,
+            misses=misses or _knobs.get("MINDIO_HEARTBEAT_MISSES"),
+            action_limit=_knobs.get("TTP_NORMAL_ACTION_TIME_LIMIT"),
+            hang_timeout=_knobs.get("MINDIO_HANG_TIMEOUT") if hang_timeout is None else hang_timeout,
+            # given (here or MINDIO_HANG_TIMEOUT): the bound; else the job's step times set it (hangs.py)
+            hang_fixed=hang_timeout is not None or _knobs.is_set("MINDIO_HANG_TIMEOUT"), active=not backup)
+        self.sm, self.ranks = core.sm, core.ranks  # the state machine, {rank: RankRecord} (ranks.py)
+        self.backup = backup
         self.backups: list[str] = []
-        self.ranks = RankTable()  # {rank: RankRecord} (ranks.py)
         self.drops = P.DropCounter()
         self.sessions = Sessions(max_pending=2 * world_size + 64,
                                  backups=_knobs.get("MINDIO_BACKUP_CONTROLLERS") if backups_allowed is None
                                  else backups_allowed,
                                  relays=_knobs.get("MINDIO_RELAYS") if relays is None else relays)
         self._relays: set[bytes] = set()  # connections of relay sessions
-        self.mindx: dict = {}
         self.address = ""
-        self.final = threading.Event()
-        self.exit_code: int | None = None
-        self.last_decision: dict = {}
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self.final = core.final
+        self._lock, self._cond, self._stop = core.lock, core.cond, core.stop
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
-        self._stop = threading.Event()
-        self._brain: Brain | None = None
-        self.incidents = IncidentFlow(self)  # the open incident, the driver thread, the brain's answer (incident.py)
-        self.pause = PauseFlow(self)  # the cluster brain's pause (pause.py)
         self._primary_link: Link | None = None
         self._threads: list[threading.Thread] = []
         self._ack_body: bytes = b""
-        self._registered = 0
-        self._drained_at = time.monotonic()
         self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval,
-                                    backlog=lambda: time.monotonic() - self._drained_at > 0.5)
+                                    backlog=lambda: time.monotonic() - core.drained_at > 0.5)
         self._call = self.actions.call
+        core.use_actions(self.actions)
+        core.send, core.sessions = self._send, self.sessions
+        core.ack_register, core.take_over, core.primary_link = self._ack_register, self._take_over, \
+            lambda: self._primary_link
         self._ack_version: tuple = ()
-        self.liveness = Liveness(self)  # dead, starved and hung ranks; the pid probe (watch.py)
-        self._held_reports: list = []  # reports received while a passive backup (see _take_over)
         self._poller: zmq.Poller | None = None
         self._ctx: zmq.Context | None = None
         self._auth = None
         self.status_server = None  # status.py's server, when MINDIO_STATUS_PORT is set
-        self.gen = 0  # the generation of the job's process groups (a recovery's rebuild makes the next)
-        self.stop_round = StopRound(self)  # the stop round of every fault incident (retry.py)
-        self.replacements = Replacements(self)  # the launcher's replacer, replaced generations (recover.py)
-        self.hot_switch = HotSwitch(self)  # backups, pause, switch out and in (hotswitch.py)
-        self.elastic = Elastic(self)  # the current world's members, removed ranks, standbys, upgrade (elastic_flow.py)
+        # the parts: each owns its state and gets the Core (core.py), where it finds its peers
+        core.incidents = self.incidents = IncidentFlow(core)  # the open incident, the driver thread (incident.py)
+        core.pause = self.pause = PauseFlow(core)  # the cluster brain's pause (pause.py)
+        core.liveness = self.liveness = Liveness(core)  # dead, starved and hung ranks; the pid probe (watch.py)
+        core.stop_round = self.stop_round = StopRound(core)  # the stop round of every fault incident (stopround.py)
+        core.replacements = self.replacements = Replacements(core)  # the launcher's replacer (recover.py)
+        core.hot_switch = self.hot_switch = HotSwitch(core)  # backups, pause, switch out and in (hotswitch.py)
+        core.elastic = self.elastic = Elastic(core)  # members, removed ranks, standbys, upgrade (elastic_flow.py)
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def registered(self) -> int:
         """How many ranks are registered now (a backup controller's launcher reads it at a takeover)."""
-        return self._registered
+        return self.core.registered
 
     def start(self, bind_ip: str, port: int, primary: str | None = None) -> None:
         ctx = self._ctx = zmq.Context()  # its own: the ZAP handler below serves this context's sockets
@@ -567,13 +566,11 @@ class Controller:
     def brain(self) -> Brain:
         """The built-in cluster brain (brain.py): table from MINDIO_FAULT_TABLE or the default; assign a
         :class:`mindio.ttp.controller.brain.Brain` to use another table."""
-        if self._brain is None:
-            self._brain = Brain()
-        return self._brain
+        return self.core.brain
 
     @brain.setter
     def brain(self, value: Brain) -> None:
-        self._brain = value
+        self.core.brain = value
 
     def notify_dump(self) -> int:
         """Cluster brain: a dump at the current step, then the exit (incident.IncidentFlow.notify_dump)."""
@@ -602,26 +599,26 @@ class Controller:
     def implemented_strategies(self) -> tuple:
         """Strategies (policy names) this controller can run, in fallback order: those policy.py knows
         that are in its ``STRATEGIES`` table (strategy.py: each ``run`` returns an Outcome)."""
-        return tuple(s for s in policy.STRATEGY_ORDER if s in self.STRATEGIES)
+        return self.core.implemented_strategies()
 
     def job_strategies(self) -> set:
         """The strategies the job asked for, in any of the reference ways: the controller's list
         (HIGH_AVAILABILITY, or dump + tft_init_controller's enable_arf / enable_zit, or the launcher's
         --high-availability) and what its processors registered with (policy.strategies_of:
         enable_uce -> retry, enable_arf -> recover-in-place / recover, enable_zit -> elastic-training)."""
-        return self.enabled | self._ranks_ask()
+        return self.core.job_strategies()
 
     def uce_refused(self) -> list:
         """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not
         allow step retry (a processor that sent no flags allows it, as the reference default does)."""
-        with self._lock:
-            return sorted(r.rank for r in self.ranks.values()
-                          if r.alive and not r.features.get("uce", True))
+        return self.core.uce_refused()
 
     def _ranks_ask(self) -> set:
-        with self._lock:
-            features = [r.features for r in self.ranks.values() if r.registered]
-        return policy.strategies_of(features)
+        return self.core.ranks_ask()
+
+    def _ack_register(self, ident: bytes, rank: int) -> None:
+        """(I/O thread) Answer a REGISTER of ``rank`` on connection ``ident`` (an elastic standby's too)."""
+        self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, self.register_ack(), rank=rank), ident)
 
     def _take_over(self, now: float, n: int) -> None:
         _log.warning("primary controller lost; backup %s takes over with %d/%d ranks", self.address, n, self.world_size)
@@ -649,3 +646,7 @@ class Controller:
             self.incidents.open(rank, state, message=message)
         for rank in dead:
             self.incidents.open(rank, None)
+
+
+for _name, _attr in SHARED.items():  # the job's state and configuration the parts share: the Core's
+    setattr(Controller, _name, _shared(_attr))

@@ -26,7 +26,7 @@ __all__ = ["Dump", "save", "no_writer", "nothing_to_save"]
 _log = logging.getLogger("mindio.ttp.incident")  # the name these lines always logged under
 
 
-def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
+def save(core, lock: int, plan: policy.DumpPlan, views=()) -> bool:
     """Save the lock step's state by ``plan``'s ranks, then rename it "latest"; whether both succeeded.
 
     ``views`` (policy.RankView of the decision): the other holders of each shard, for a writer whose save
@@ -41,11 +41,11 @@ def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
         _log.warning("dump at step %d by %d ranks %s%s", lock, len(plan.ranks), list(plan.ranks[:16]),
                      " ..." if len(plan.ranks) > 16 else "")
         params = {"step": lock, "save_info": plan.save_info}
-        if ctl.provisional_dump:  # a backup that cannot rule out a partition (mindio/launch/backup.py)
-            params["provisional"] = ctl.provisional_dump
-        saved = ctl._call("save", params, plan.ranks, ctl.action_limit)
-        with ctl._lock:
-            dead = set(ctl.ranks.dead())
+        if core.provisional_dump:  # a backup that cannot rule out a partition (mindio/launch/backup.py)
+            params["provisional"] = core.provisional_dump
+        saved = core.call("save", params, plan.ranks, core.action_limit)
+        with core.lock:
+            dead = set(core.ranks.dead())
         bad = {r: (_why(saved[r].detail) if r in saved else "died" if r in dead else "no reply in time")
                for r in plan.ranks if r not in saved or not saved[r].ok}
         if not bad:
@@ -56,7 +56,7 @@ def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
         if slow:  # its save may still be under way: another writer's pieces must not race with it
             _log.error("dump at step %d failed: ranks %s did not answer the save within %.0f s "
                        "(TTP_NORMAL_ACTION_TIME_LIMIT) and may still be writing, so no other holder writes "
-                       "their shards", lock, slow[:16], ctl.action_limit)
+                       "their shards", lock, slow[:16], core.action_limit)
             return False
         if not views:
             return False
@@ -67,11 +67,11 @@ def save(ctl, lock: int, plan: policy.DumpPlan, views=()) -> bool:
         _log.warning("dump at step %d: ranks %s could not write their shards; their replicas write instead "
                      "(new writers %s)", lock, sorted(bad)[:16], list(plan.ranks[:16]))
         _logging.event("dump_replanned", step=lock, unable=sorted(unable)[:64], ranks=list(plan.ranks[:64]))
-    params = {"step": lock, "provisional": ctl.provisional_dump} if ctl.provisional_dump else {"step": lock}
-    renamed = ctl._call("rename", params, [plan.ranks[0]], ctl.action_limit)
+    params = {"step": lock, "provisional": core.provisional_dump} if core.provisional_dump else {"step": lock}
+    renamed = core.call("rename", params, [plan.ranks[0]], core.action_limit)
     ok = plan.ranks[0] in renamed and renamed[plan.ranks[0]].ok
-    if ok and ctl.provisional_dump:
-        ctl.provisional_renamed = bool(renamed[plan.ranks[0]].detail.get("renamed"))
+    if ok and core.provisional_dump:
+        core.provisional_renamed = bool(renamed[plan.ranks[0]].detail.get("renamed"))
     return ok
 
 
@@ -109,14 +109,14 @@ def no_writer(views, lock: int, missing, unable: dict | None = None) -> None:
 class Dump(Strategy):
     name = vocab.Strategy.DUMP.value
 
-    def run(self, ctl, ctx: Context) -> Outcome:
-        if not ctx.graceful and ctl.sm.state is not State.DUMP:
-            ctl.sm.fire(Result.DUMP, lock_step=ctx.lock)
-        ok = save(ctl, ctx.lock, ctx.plan, ctx.views)
-        ctl.sm.fire(Result.OK if ok else Result.FAIL)
-        ctl.incidents.mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
-                                 "dump done" if ok else "dump failed", ctl.incidents.error_ranks(), "dump")
+    def run(self, core, ctx: Context) -> Outcome:
+        if not ctx.graceful and core.sm.state is not State.DUMP:
+            core.sm.fire(Result.DUMP, lock_step=ctx.lock)
+        ok = save(core, ctx.lock, ctx.plan, ctx.views)
+        core.sm.fire(Result.OK if ok else Result.FAIL)
+        core.incidents.mindx_call("report_result", int(ResultCode.OK if ok else ResultCode.EXIT_ONLY),
+                                 "dump done" if ok else "dump failed", core.incidents.error_ranks(), "dump")
         if ctx.graceful:
-            ctl.incidents.settle()
-        ctl.incidents.exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
+            core.incidents.settle()
+        core.incidents.exit(EXIT_CODE_DUMPED if ok else EXIT_CODE_FAULT)
         return Outcome.ENDED

@@ -101,8 +101,8 @@ class Elastic:
     members, the removed ranks and their standbys, the layout before the first downgrade, and the
     upgrade. The downgrade itself is the :class:`Downgrade` strategy."""
 
-    def __init__(self, ctl):
-        self.ctl = ctl
+    def __init__(self, core):
+        self.core = core
         self.members: list | None = None     # the ranks of the current torch world (sorted); None: all of them
         self.removed: tuple = ()             # ranks a downgrade took out of the world
         self.standbys: dict = {}             # removed rank -> (ident, pid, host, registered at)
@@ -114,30 +114,30 @@ class Elastic:
 
     def job_ranks(self) -> list:
         """The ranks of the current world (every rank unless a downgrade removed some)."""
-        return list(range(self.ctl.world_size)) if self.members is None else list(self.members)
+        return list(range(self.core.world_size)) if self.members is None else list(self.members)
 
     def remove_ranks(self, removed: list, survivors: list, replicas: dict) -> None:
         """(driver thread, a downgrade) ``removed`` leave the rank table (removed, not dead); the world is
         ``survivors`` now; the layout before the first downgrade is kept for the upgrade."""
         members = self.job_ranks()
-        with self.ctl._cond:
+        with self.core.cond:
             if self.layout is None:
                 self.layout = {r: replicas[r] for r in members if r in replicas}
             for r in removed:
-                old = self.ctl.ranks.pop(r, None)
-                self.ctl.liveness.seen.pop(r, None)
+                old = self.core.ranks.pop(r, None)
+                self.core.liveness.seen.pop(r, None)
                 if old is not None:
                     self.gone[r] = (old.host, old.pid)
                     if old.registered:
-                        self.ctl._registered -= 1
+                        self.core.registered -= 1
             self.members, self.removed = survivors, tuple(sorted(set(self.removed) | set(removed)))
-            self.ctl._cond.notify_all()
+            self.core.cond.notify_all()
 
     def standbys_waiting(self) -> None:
         """After a downgrade: standbys already registered for every removed rank -> upgrade now."""
         if set(self.removed) <= set(self.standbys):
             self.upgrade_wanted = True   # standbys were already waiting
-            self.ctl.incidents.wakeup.set()
+            self.core.incidents.wakeup.set()
 
     # ---------------------------------------------------------------- standbys (I/O thread)
     def on_standby(self, ident: bytes, rank: int, body, now: float) -> None:
@@ -146,18 +146,18 @@ class Elastic:
 
         if (body.host, body.pid) == self.gone.get(rank):
             return  # the removed rank's own process, exiting (its heartbeat was answered UNKNOWN): no offer
-        with self.ctl._lock:
+        with self.core.lock:
             first = rank not in self.standbys or self.standbys[rank][1] != body.pid
             self.standbys[rank] = (ident, body.pid, body.host, now)
         if first:  # a standby's heartbeats are answered UNKNOWN (not in the world yet): it says hello again
             self._standby_seen(rank, body)
-        self.ctl._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, self.ctl.register_ack(), rank=rank), ident)
+        self.core.ack_register(ident, rank)
         if self.end is not None:  # the job ended: this standby leaves with its code instead of waiting
             self._tell(rank, ident)
             return
-        if set(self.removed) <= set(self.standbys) and self.ctl.sm.state is State.DOWNGRADE and self.ctl.incidents.current is None:
+        if set(self.removed) <= set(self.standbys) and self.core.sm.state is State.DOWNGRADE and self.core.incidents.current is None:
             self.upgrade_wanted = True
-            self.ctl.incidents.wakeup.set()
+            self.core.incidents.wakeup.set()
 
     def tell_standbys(self, code: int, sn: int | None = None) -> None:
         """(any thread) The job ended with ``code``: its exit order, or 0 once every rank of the world left
@@ -165,8 +165,8 @@ class Elastic:
         order's targets miss it: each gets the order here, and one that says hello later gets it then
         (:meth:`on_standby`) -- it exits with the job's code, not with 76 after MINDIO_CONTROLLER_LOST_EXIT s
         of a controller gone (issue 13)."""
-        sn = self.ctl.actions.reserve() if sn is None else sn  # (its lock is the controller's)
-        with self.ctl._lock:
+        sn = self.core.actions.reserve() if sn is None else sn  # (its lock is the controller's)
+        with self.core.lock:
             if self.end is None:
                 self.end = (code, sn)
             waiting = [(r, v[0]) for r, v in self.standbys.items()]
@@ -181,12 +181,12 @@ class Elastic:
         code, sn = self.end
         now = time.monotonic()
         last = self._told.get(rank)
-        if last is not None and now - last < 2 * self.ctl.interval:
+        if last is not None and now - last < 2 * self.core.interval:
             return
         self._told[rank] = now
         _log.warning("the job ended (EXIT(%d)): the standby for removed rank %d leaves with that code", code, rank)
         _logging.event("exit_order_to_standby", standby_rank=rank, code=code)
-        self.ctl._send(rank, P.Action("exit", {"code": code}), sn=sn, ident=ident)
+        self.core.send(rank, P.Action("exit", {"code": code}), sn=sn, ident=ident)
 
     def _standby_seen(self, rank: int, body) -> None:
         _log.warning("standby for removed rank %d registered (pid %d on %s); waiting for %s", rank, body.pid,
@@ -195,19 +195,19 @@ class Elastic:
 
     def upgrade_due(self) -> bool:
         """(driver thread) Standbys registered for every removed rank and no incident is open."""
-        return self.upgrade_wanted and self.ctl.incidents.current is None
+        return self.upgrade_wanted and self.core.incidents.current is None
 
     # ---------------------------------------------------------------- upgrade (driver thread)
     def run_upgrade(self) -> bool:
         self.upgrade_wanted = False
-        self.ctl.incidents.wakeup.clear()
-        if self.ctl.incidents.current is not None:  # a fault arrived meanwhile: it goes first
-            self.ctl.incidents.wakeup.set()
+        self.core.incidents.wakeup.clear()
+        if self.core.incidents.current is not None:  # a fault arrived meanwhile: it goes first
+            self.core.incidents.wakeup.set()
             return True
         # a standby says hello every heartbeat interval until it is taken in; one silent for ``misses``
         # intervals is forgotten and the job stays downgraded until another one offers the rank
-        limit, now = self.ctl.misses * self.ctl.interval, time.monotonic()
-        with self.ctl._lock:  # the I/O thread adds standbys
+        limit, now = self.core.misses * self.core.interval, time.monotonic()
+        with self.core.lock:  # the I/O thread adds standbys
             silent = [r for r, (_i, _p, _h, t) in self.standbys.items() if now - t > limit]
             for r in silent:
                 self.standbys.pop(r, None)
@@ -216,12 +216,12 @@ class Elastic:
             _log.warning("standby for rank %d silent for more than %.1f s: forgotten", r, limit)
         if not ready:
             return True
-        seq = Sequence(self.ctl, "upgrade", time.monotonic(), first=None,
+        seq = Sequence(self.core, "upgrade", time.monotonic(), first=None,
                        then="the survivors' groups are gone: ending the job")
         survivors, new = self.job_ranks(), sorted(self.removed)
-        self.ctl.sm.fire(Result.UPGRADE, ranks=new)
+        self.core.sm.fire(Result.UPGRADE, ranks=new)
         for attempt in range(UPGRADE_STOP_TRIES):
-            replies = self.ctl._call("stop", {"timeout": 2.0}, survivors, self.ctl.action_limit)
+            replies = self.core.call("stop", {"timeout": 2.0}, survivors, self.core.action_limit)
             steps = {r: (rep.detail.get("step"), rep.detail.get("data_status")) for r, rep in replies.items()
                      if rep.ok}
             lock = max((s for s, _ in steps.values()), default=0)
@@ -233,7 +233,7 @@ class Elastic:
             _log.warning("upgrade: the stop caught the survivors at different points (%s); releasing the "
                          "fence and stopping again", {r: steps.get(r) for r in survivors[:8]})
             _logging.event("upgrade_stop_again", steps={str(r): steps.get(r) for r in survivors[:64]})
-            self.ctl._call("unhold", {}, survivors, self.ctl.action_limit)
+            self.core.call("unhold", {}, survivors, self.core.action_limit)
             time.sleep(0.1 * (attempt + 1))
         seq.mark("stop")
         # what a failed upgrade can still dump: the survivors at the lock step with complete state
@@ -243,19 +243,19 @@ class Elastic:
             _log.error("upgrade: survivors %s did not stop at step %d with complete state (%s)", stale[:16], lock,
                        {r: steps.get(r) for r in stale[:8]})
             return self._upgrade_failed(survivors, "stop", ended)
-        if not seq.step("clean", {"timeout": self.ctl.action_limit}, survivors, abandon=survivors):
+        if not seq.step("clean", {"timeout": self.core.action_limit}, survivors, abandon=survivors):
             return ended()
-        with self.ctl._cond:
+        with self.core.cond:
             for r in new:
                 ident, pid, host, _t = self.standbys.pop(r)
-                self.ctl.ranks[r] = RankRecord(r, ident, pid, host, time.monotonic(), step=0)
-                self.ctl.liveness.seen[r] = None
-                self.ctl._registered += 1
+                self.core.ranks[r] = RankRecord(r, ident, pid, host, time.monotonic(), step=0)
+                self.core.liveness.seen[r] = None
+                self.core.registered += 1
             full = sorted(set(survivors) | set(new))
-            self.members = None if full == list(range(self.ctl.world_size)) else full
+            self.members = None if full == list(range(self.core.world_size)) else full
             self.removed = tuple(sorted(set(self.removed) - set(new)))
-        self.ctl.gen += 1
-        if not seq.step("zit_rebuild", {"gen": self.ctl.gen, "members": full, "kind": "upgrade", "rank_list": new},
+        self.core.gen += 1
+        if not seq.step("zit_rebuild", {"gen": self.core.gen, "members": full, "kind": "upgrade", "rank_list": new},
                         full, abandon=full, mark="rebuild"):
             return ended()
         pairs = _repair_pairs(self.layout or {}, survivors, new)
@@ -270,7 +270,7 @@ class Elastic:
         if _knobs.get("MINDIO_DUMP_AFTER_UPGRADE"):
             views = self._lock_views(lock, full, full)
             plan = policy.select_dump_ranks(views, lock)
-            if not plan.possible or not dump.save(self.ctl, lock, plan, views):
+            if not plan.possible or not dump.save(self.core, lock, plan, views):
                 _log.error("upgrade: the checkpoint after the scale-out failed (missing %s)", plan.missing[:4])
             else:
                 _logging.event("upgrade_dump", step=lock)
@@ -278,14 +278,14 @@ class Elastic:
         # no incident to close: the upgrade opened none (a fault that arrived meanwhile stays open)
         seq.resume(lock, full, mark=full, close_incident=False, world=len(full))
         seq.done(f"{len(full)} ranks train again", f"new ranks {new[:16]}", ({}, "upgrade"), lock_step=lock,
-                 added=new, world=len(full), table=sorted(self.ctl.ranks)[:64], members=self.job_ranks()[:64])
+                 added=new, world=len(full), table=sorted(self.core.ranks)[:64], members=self.job_ranks()[:64])
         return True
 
     def _upgrade_failed(self, ranks: list, failed: str, ended) -> bool:
         """A failure outside a step (the stop, the repair plan): logged, ``ranks`` cleaned, the job ends."""
         _log.error("upgrade failed at %s; the survivors' groups are gone: ending the job", failed)
         _logging.event("upgrade_failed", step_name=failed)
-        sequence.abandon(self.ctl, ranks, failed)
+        sequence.abandon(self.core, ranks, failed)
         return ended()
 
     def _lock_views(self, lock: int, ranks, writers) -> list:
@@ -301,10 +301,10 @@ class Elastic:
         renamed (dump.save, which re-plans around a holder that cannot write), then EXIT_CODE_DUMPED; when some
         shard has no holder left, a line per shard names why and the job exits EXIT_CODE_FAULT. Never False
         for a job whose state survived: the survivors are the last copies (issue 16)."""
-        if "dump" not in self.ctl.brain.enabled(self.ctl.job_strategies()):
+        if "dump" not in self.core.brain.enabled(self.core.job_strategies()):
             _log.error("upgrade failed: the job did not enable 'dump', so the survivors' state at step %d is not "
                        "saved (HIGH_AVAILABILITY / --high-availability)", lock)
-            self.ctl.incidents.exit(EXIT_CODE_FAULT)
+            self.core.incidents.exit(EXIT_CODE_FAULT)
             return False
         views = self._lock_views(lock, sorted(set(self.job_ranks()) | set(new)), holders)
         plan = policy.select_dump_ranks(views, lock)
@@ -313,10 +313,10 @@ class Elastic:
             dump.no_writer(views, lock, plan.missing)
         else:
             _log.warning("upgrade failed: dumping step %d from the survivors before the job ends", lock)
-            if dump.save(self.ctl, lock, plan, views):
+            if dump.save(self.core, lock, plan, views):
                 code = EXIT_CODE_DUMPED
                 _logging.event("upgrade_failed_dump", step=lock, ranks=list(plan.ranks[:64]))
-        self.ctl.incidents.exit(code)
+        self.core.incidents.exit(code)
         return False
 
 
@@ -325,14 +325,14 @@ class Downgrade(Strategy):
 
     name = vocab.Strategy.DOWNGRADE.value
 
-    def run(self, ctl, ctx: Context) -> Outcome:
+    def run(self, core, ctx: Context) -> Outcome:
         # no dump re-plan after a failed downgrade (as before): the incident's plan stands
-        return Outcome.RESUMED if self.steps(ctl, ctx.lock, ctx.views, ctx.t0) else Outcome.FAILED
+        return Outcome.RESUMED if self.steps(core, ctx.lock, ctx.views, ctx.t0) else Outcome.FAILED
 
-    def steps(self, ctl, lock: int, views: list, t_incident: float) -> bool:
-        seq = Sequence(ctl, self.name, t_incident, label="retry")  # its failures were always "retry_failed"
-        ctl.sm.fire(Result.DOWNGRADE, lock_step=lock)
-        members = ctl.elastic.job_ranks()
+    def steps(self, core, lock: int, views: list, t_incident: float) -> bool:
+        seq = Sequence(core, self.name, t_incident, label="retry")  # its failures were always "retry_failed"
+        core.sm.fire(Result.DOWNGRADE, lock_step=lock)
+        members = core.elastic.job_ranks()
         faulty = sorted(v.rank for v in views if v.faulty and v.rank in members)
         replicas = {v.rank: [dict(e) for e in v.replica] for v in views}
         try:
@@ -340,7 +340,7 @@ class Downgrade(Strategy):
         except ValueError as exc:
             _log.error("downgrade impossible: %s", exc)
             return seq.fail("plan")
-        live = set(sequence.live_ranks(ctl))
+        live = set(sequence.live_ranks(core))
         bad = [v.rank for v in views if v.rank in survivors and not (
             v.rank in live and v.step == lock and v.data_status == OsStatus.UPDATED)]
         if bad:
@@ -349,14 +349,14 @@ class Downgrade(Strategy):
             return seq.fail("survivors")
         _log.warning("downgrade: removing ranks %s (DP slices of faulty %s); %d ranks go on", removed[:16],
                      faulty[:16], len(survivors))
-        if not seq.step("clean", {"timeout": ctl.action_limit}, survivors):
+        if not seq.step("clean", {"timeout": core.action_limit}, survivors):
             return False
         leaving = sorted(r for r in removed if r in live)
         if leaving:
-            ctl._call("exit", {"code": EXIT_CODE_REMOVED}, leaving, 10.0)
-        ctl.elastic.remove_ranks(removed, survivors, replicas)
-        ctl.gen += 1
-        params = {"gen": ctl.gen, "members": survivors, "kind": "downgrade", "dp_groups": dp_groups}
+            core.call("exit", {"code": EXIT_CODE_REMOVED}, leaving, 10.0)
+        core.elastic.remove_ranks(removed, survivors, replicas)
+        core.gen += 1
+        params = {"gen": core.gen, "members": survivors, "kind": "downgrade", "dp_groups": dp_groups}
         if not seq.step("zit_rebuild", params, survivors, abandon=survivors, mark="rebuild"):
             return False
         if not seq.step("rollback", {"step": lock}, survivors, abandon=survivors):
@@ -364,8 +364,8 @@ class Downgrade(Strategy):
         seq.resume(lock, survivors, mark=survivors, world=len(survivors))
         seq.done(f"{len(survivors)} ranks train again", f"removed {removed[:16]}",
                  ({r: 1 for r in faulty}, self.name), lock_step=lock, removed=removed, world=len(survivors),
-                 table=sorted(ctl.ranks)[:64], members=ctl.elastic.job_ranks()[:64])
-        ctl.elastic.standbys_waiting()
+                 table=sorted(core.ranks)[:64], members=core.elastic.job_ranks()[:64])
+        core.elastic.standbys_waiting()
         return True
 
 

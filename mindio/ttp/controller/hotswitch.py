@@ -51,7 +51,7 @@ from ...vocab import HOT_SWITCH_ACTIONS
 from .dump import Dump
 from .recover import Replace
 from .strategy import Context
-from .._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
+from .._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, Cause, OsStatus, ResultCode
 from .states import Result, State
 
 __all__ = ["HotSwitch", "EXIT_CODE_SWITCHED", "ACTIONS"]
@@ -64,76 +64,76 @@ class HotSwitch:
     """The hot switch (module docstring) as the controller's part (``Controller.hot_switch``): it owns
     the request in hand and the backups started and not released."""
 
-    def __init__(self, ctl):
-        self.ctl = ctl
+    def __init__(self, core):
+        self.core = core
         self.req: dict | None = None                  # {"ranks", "waiting"} of the switch in hand
         self.pending_backups: tuple | None = None     # (ranks, generation) of backups started, not released
 
     def notify_prepare_action(self, action: str, ranks: list) -> int:
         """Cluster brain: 0 accepted, 1 refused (the reason is logged)."""
         if action == "stop switch":
-            with self.ctl._lock:
+            with self.core.lock:
                 pending = self.req is not None and self.req.get("waiting")
                 if pending:
-                    self.ctl.incidents.change_strategy("stop switch")
+                    self.core.incidents.change_strategy("stop switch")
             if not pending:
                 _log.error("stop switch: no hot switch is waiting for a decision")
             return 0 if pending else 1
         why = ""
-        with self.ctl._lock:
-            if self.ctl.sm.state is not State.NORMAL or self.ctl.incidents.current is not None:
-                why = f"the job is in {self.ctl.sm.state.value}, not in NORMAL training"
-            elif any(not (r in self.ctl.ranks and self.ctl.ranks[r].alive) for r in ranks):
+        with self.core.lock:
+            if self.core.sm.state is not State.NORMAL or self.core.incidents.current is not None:
+                why = f"the job is in {self.core.sm.state.value}, not in NORMAL training"
+            elif any(not (r in self.core.ranks and self.core.ranks[r].alive) for r in ranks):
                 why = f"ranks {ranks} are not all registered and alive"
-        if not why and not self.ctl.replacements.possible("hot switch", ranks):  # recover.py
+        if not why and not self.core.replacements.possible("hot switch", ranks):  # recover.py
             why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
-                   if self.ctl.replacements.replacer is None else f"the launcher cannot start backups for ranks {ranks}")
+                   if self.core.replacements.replacer is None else f"the launcher cannot start backups for ranks {ranks}")
         if why:
             _log.error("hot switch of ranks %s refused: %s", ranks[:16], why)
             return 1
-        early = bool(_knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.ctl.replacements.replacer, "prestart"))
-        with self.ctl._lock:  # "stop switch" is accepted while the backups start too (early)
+        early = bool(_knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.core.replacements.replacer, "prestart"))
+        with self.core.lock:  # "stop switch" is accepted while the backups start too (early)
             self.req = {"ranks": sorted(ranks), "waiting": early}
-            self.ctl.incidents.expect()
-        self.ctl.incidents.open(None, None, cause="hot_switch")
+            self.core.incidents.expect()
+        self.core.incidents.open(None, None, cause=Cause.HOT_SWITCH)
         return 0
 
     # ------------------------------------------------------------------ driver thread
     def run(self, inc) -> bool:
         """(driver thread, incident.py) Run the hot switch incident ``inc``; whether the job goes on."""
-        ranks, gen = self.req["ranks"], self.ctl.gen + 1
-        if _knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.ctl.replacements.replacer, "prestart"):
+        ranks, gen = self.req["ranks"], self.core.gen + 1
+        if _knobs.get("MINDIO_SWITCH_PRESTART") and hasattr(self.core.replacements.replacer, "prestart"):
             self.pending_backups = (ranks, gen)  # dismissed on every way out but a switch done (_dismiss)
             why = self._start_backups(inc, ranks, gen)
             if why:
                 self._dismiss()
-                return self.ctl.incidents.as_fault() if why == "fault" else self._cancel_unpaused(why)
-        self.ctl.sm.fire(Result.PAUSE, hot_switch=ranks[:16])
-        live = sequence.live_ranks(self.ctl)
-        if len(live) < self.ctl.world_size or self.ctl.incidents.faulted(inc):
-            return self._fault_now() if self.ctl.incidents.faulted(inc) else self._cancel_switch(live, "ranks missing")
-        caps = self.ctl._call("pause_query", {}, live, self.ctl.action_limit)
+                return self.core.incidents.as_fault() if why == "fault" else self._cancel_unpaused(why)
+        self.core.sm.fire(Result.PAUSE, hot_switch=ranks[:16])
+        live = sequence.live_ranks(self.core)
+        if len(live) < self.core.world_size or self.core.incidents.faulted(inc):
+            return self._fault_now() if self.core.incidents.faulted(inc) else self._cancel_switch(live, "ranks missing")
+        caps = self.core.call("pause_query", {}, live, self.core.action_limit)
         target = max((c.detail["limit"] for c in caps.values() if c.ok), default=0)
-        replies = {} if len(caps) < len(live) else self.ctl._call(
-            "pause_at", {"step": target, "timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
-        if self.ctl.incidents.faulted(inc):
+        replies = {} if len(caps) < len(live) else self.core.call(
+            "pause_at", {"step": target, "timeout": self.core.action_limit / 2}, live, self.core.action_limit)
+        if self.core.incidents.faulted(inc):
             return self._fault_now()
         bad = sorted(r for r in live if r not in replies or not replies[r].ok)
         if bad:
             _log.error("hot switch: ranks %s did not pause at step %d", bad[:16], target)
-            self.ctl.incidents.mindx_call("report_stop_complete", int(ResultCode.NOT_READY),
+            self.core.incidents.mindx_call("report_stop_complete", int(ResultCode.NOT_READY),
                                           f"pause for the hot switch failed on ranks {bad[:16]}", {r: 1 for r in ranks})
             return self._cancel_switch(live, "pause failed")
         _log.warning("hot switch of ranks %s: every rank paused at step %d (%.3f s after the request)", ranks,
                      target, time.monotonic() - inc.t0)
         _logging.event("hot_switch_paused", step=target, ranks=ranks)
-        with self.ctl._lock:
+        with self.core.lock:
             self.req["waiting"] = True
-        self.ctl.incidents.mindx_call("report_stop_complete", int(ResultCode.OK),
+        self.core.incidents.mindx_call("report_stop_complete", int(ResultCode.OK),
                                       f"training paused at step {target} for the hot switch of ranks {ranks[:16]}",
                                       {r: 1 for r in ranks})
         choice = self._switch_decision(inc)
-        with self.ctl._lock:
+        with self.core.lock:
             self.req["waiting"] = False
         if choice == "fault":
             return self._fault_now()
@@ -146,31 +146,31 @@ class HotSwitch:
         and wait until every one registered, while training goes on. '' when they did, else why not."""
         t0 = time.monotonic()
         try:
-            self.ctl.replacements.replacer.prestart(ranks, gen)
+            self.core.replacements.replacer.prestart(ranks, gen)
         except Exception as exc:
             _log.error("hot switch: starting backups for ranks %s failed: %s", ranks[:16], exc)
             return f"the backups could not be started ({exc})"
-        end = t0 + self.ctl.replacements.timeout
+        end = t0 + self.core.replacements.timeout
         while True:
-            if self.ctl.incidents.faulted(inc):
+            if self.core.incidents.faulted(inc):
                 return "fault"
-            with self.ctl._lock:
-                if self.ctl.incidents.chosen == "stop switch":
+            with self.core.lock:
+                if self.core.incidents.chosen == "stop switch":
                     return "stop switch"
-            ready, dead = self.ctl.replacements.replacer.backups(ranks, gen)
+            ready, dead = self.core.replacements.replacer.backups(ranks, gen)
             if dead:
                 _log.error("hot switch: backups exited before they registered: %s", dead)
                 _logging.event("switch_backup_failed", ranks=sorted(dead), why=list(dead.values())[:4])
                 return f"the backup of ranks {sorted(dead)[:16]} exited before it registered"
             if len(ready) == len(ranks):
-                with self.ctl._lock:
-                    if self.ctl.incidents.chosen == "stop switch":
+                with self.core.lock:
+                    if self.core.incidents.chosen == "stop switch":
                         return "stop switch"
                     self.req["waiting"] = False  # until the pause is complete
                 break
-            if time.monotonic() > end or self.ctl._stop.wait(0.02):
+            if time.monotonic() > end or self.core.stop.wait(0.02):
                 _log.error("hot switch: backups of ranks %s did not register within %.0f s",
-                           sorted(set(ranks) - set(ready))[:16], self.ctl.replacements.timeout)
+                           sorted(set(ranks) - set(ready))[:16], self.core.replacements.timeout)
                 return "the backups did not register in time"
         took = time.monotonic() - t0
         _log.warning("hot switch: backups of ranks %s registered %.3f s after their start (pids %s); training "
@@ -183,46 +183,46 @@ class HotSwitch:
         pending, self.pending_backups = self.pending_backups, None
         if pending:
             try:
-                self.ctl.replacements.replacer.dismiss(*pending)
+                self.core.replacements.replacer.dismiss(*pending)
             except Exception:
                 _log.exception("hot switch: dismissing the backups failed (the agent stops them at the round's "
                                "end, else they leave at their deadline)")
 
     def _fault_now(self) -> bool:
         self._dismiss()
-        return self.ctl.incidents.as_fault()
+        return self.core.incidents.as_fault()
 
     def _cancel_unpaused(self, why: str) -> bool:
         """The switch is off before any rank paused: close the incident; training was never touched."""
         _log.warning("hot switch cancelled (%s) before the pause: training continues unchanged", why)
         _logging.event("hot_switch_cancelled", why=why)
-        with self.ctl._lock:
-            faulted = bool(self.ctl.incidents.current.primary)
+        with self.core.lock:
+            faulted = bool(self.core.incidents.current.primary)
             if not faulted:
-                self.ctl.incidents.close()
+                self.core.incidents.close()
         self.req = None
         if faulted:
-            return self.ctl.incidents.as_fault()
+            return self.core.incidents.as_fault()
         self._report_continued(why)
         return True
 
     def _report_continued(self, why: str) -> None:
-        self.ctl.incidents.mindx_call("report_result", int(ResultCode.OK),
+        self.core.incidents.mindx_call("report_result", int(ResultCode.OK),
                                       f"hot switch cancelled ({why}); training continued", {}, "continue")
 
     def _switch_decision(self, inc) -> str:
-        if "report_stop_complete" not in self.ctl.mindx:
+        if "report_stop_complete" not in self.core.mindx:
             return "migration"  # no cluster brain: the caller of prepare_action wants it done
         end = time.monotonic() + _knobs.get("MINDIO_WAIT_MINDX_TIME")
         while time.monotonic() < end:
-            if self.ctl.incidents.faulted(inc):
+            if self.core.incidents.faulted(inc):
                 return "fault"
-            if self.ctl.incidents.answered.wait(min(0.1, max(0.0, end - time.monotonic()))):
-                self.ctl.incidents.answered.clear()
-                if self.ctl.incidents.chosen in ("migration", "stop switch"):
-                    return self.ctl.incidents.chosen
+            if self.core.incidents.answered.wait(min(0.1, max(0.0, end - time.monotonic()))):
+                self.core.incidents.answered.clear()
+                if self.core.incidents.chosen in ("migration", "stop switch"):
+                    return self.core.incidents.chosen
                 _log.error("change_strategy(%r) is not possible during a hot switch (migration, or "
-                           "prepare_action('stop switch'))", self.ctl.incidents.chosen)
+                           "prepare_action('stop switch'))", self.core.incidents.chosen)
         _log.error("hot switch: no migration / stop switch within MINDIO_WAIT_MINDX_TIME; cancelled")
         return "no decision"
 
@@ -230,36 +230,36 @@ class HotSwitch:
         self._dismiss()
         _log.warning("hot switch cancelled (%s): training continues unchanged", why)
         _logging.event("hot_switch_cancelled", why=why)
-        ok = self.ctl.pause.end(live, f"hot switch cancelled: {why}")  # pause.py
+        ok = self.core.pause.end(live, f"hot switch cancelled: {why}")  # pause.py
         self._report_continued(why)
         self.req = None
         return ok
 
     def _switch(self, ranks: list, target: int, t0: float) -> bool:
-        self.ctl.sm.fire(Result.MIGRATE, lock_step=target, ranks=ranks[:16])
-        everyone = sequence.live_ranks(self.ctl)
-        replies = self.ctl._call("clean", {"timeout": self.ctl.action_limit}, everyone, self.ctl.action_limit)
+        self.core.sm.fire(Result.MIGRATE, lock_step=target, ranks=ranks[:16])
+        everyone = sequence.live_ranks(self.core)
+        replies = self.core.call("clean", {"timeout": self.core.action_limit}, everyone, self.core.action_limit)
         bad = sorted(r for r in everyone if r not in replies or not replies[r].ok)
-        with self.ctl._lock:  # the switched ranks count as dead: the repair takes their shards from replicas
+        with self.core.lock:  # the switched ranks count as dead: the repair takes their shards from replicas
             views = [policy.RankView(r.rank, r.alive and r.rank not in ranks, r.rank in ranks, target,
-                                     int(OsStatus.UPDATED), tuple(r.replica)) for r in self.ctl.ranks.values()]
-        reserved = self.pending_backups[1] if self.pending_backups else self.ctl.gen + 1
-        if reserved != self.ctl.gen + 1:  # cannot happen: one driver thread bumps the generation
-            _log.error("hot switch: backups wait for generation %d, the switch builds %d", reserved, self.ctl.gen + 1)
+                                     int(OsStatus.UPDATED), tuple(r.replica)) for r in self.core.ranks.values()]
+        reserved = self.pending_backups[1] if self.pending_backups else self.core.gen + 1
+        if reserved != self.core.gen + 1:  # cannot happen: one driver thread bumps the generation
+            _log.error("hot switch: backups wait for generation %d, the switch builds %d", reserved, self.core.gen + 1)
             self._dismiss()
             bad = everyone
         if not bad:
-            self.ctl._call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
-            with self.ctl._cond:
+            self.core.call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
+            with self.core.cond:
                 for r in ranks:  # gone on purpose: dead for the recover sequence, never declared dead
-                    self.ctl.replacements.replaced[r] = self.ctl.gen + 1  # its last frames are refused, never re-registered
-                    self.ctl.liveness.seen.pop(r, None)
-                    if self.ctl.ranks.pop(r, None) is not None:
-                        self.ctl._registered -= 1
-                self.ctl._cond.notify_all()
+                    self.core.replacements.replaced[r] = self.core.gen + 1  # its last frames are refused, never re-registered
+                    self.core.liveness.seen.pop(r, None)
+                    if self.core.ranks.pop(r, None) is not None:
+                        self.core.registered -= 1
+                self.core.cond.notify_all()
             _logging.event("switched_out", ranks=ranks, step=target, code=EXIT_CODE_SWITCHED)
             self.req = None  # the backups are released by the replace step of the recover sequence
-            if Replace(vocab.Strategy.HOT_SWITCH.value).steps(self.ctl, target, views, t0):  # MIGRATION -RECOVER-> ...
+            if Replace(vocab.Strategy.HOT_SWITCH.value).steps(self.core, target, views, t0):  # MIGRATION -RECOVER-> ...
                 self.pending_backups = None  # released by the recover sequence's replace step: ranks now
                 return True
             self._dismiss()  # any backup not released yet
@@ -267,18 +267,18 @@ class HotSwitch:
             _log.error("hot switch: ranks %s did not park (clean): %s", bad[:16],
                        {r: replies[r].detail for r in bad[:4] if r in replies})
             self._dismiss()
-            self.ctl.sm.fire(Result.FAIL, failed="clean")
+            self.core.sm.fire(Result.FAIL, failed="clean")
         self.req = None
-        live = set(sequence.live_ranks(self.ctl)) - set(ranks) if not bad else set(sequence.live_ranks(self.ctl))
+        live = set(sequence.live_ranks(self.core)) - set(ranks) if not bad else set(sequence.live_ranks(self.core))
         views = [v if v.rank in live else policy.RankView(v.rank, False, True, target, v.data_status, v.replica)
                  for v in views]
         plan = policy.select_dump_ranks(views, target)
-        self.ctl.incidents.mindx_call("report_result", int(ResultCode.DUMP_OR_EXIT), "hot switch failed",
+        self.core.incidents.mindx_call("report_result", int(ResultCode.DUMP_OR_EXIT), "hot switch failed",
                                       {r: 1 for r in ranks}, "migration")
         _logging.event("fallback", src="hot switch", dst="dump" if plan.possible else "exit")
         if plan.possible:
-            Dump().run(self.ctl, Context(target, views, plan=plan))
+            Dump().run(self.core, Context(target, views, plan=plan))
             return False
-        self.ctl.sm.fire(Result.EXIT, reason="hot switch failed, no dump possible")
-        self.ctl.incidents.exit(EXIT_CODE_FAULT)
+        self.core.sm.fire(Result.EXIT, reason="hot switch failed, no dump possible")
+        self.core.incidents.exit(EXIT_CODE_FAULT)
         return False

@@ -23,7 +23,7 @@ processor/repeats.py) ends the job at once with EXIT_CODE_REPEATED, one line nam
 and the exception (:meth:`IncidentFlow.end_repeated`).
 
 The cluster brain (tft_notify_controller_* / tft_register_mindx_callback) enters here too.
-:class:`IncidentFlow` is a part of :class:`mindio.ttp.controller.controller.Controller` (``ctl.incidents``): it owns
+:class:`IncidentFlow` is a part of :class:`mindio.ttp.controller.controller.Controller` (``core.incidents``): it owns
 the open incident and what the driver thread waits on, and uses the controller's rank table, lock,
 state machine and action engine.
 """
@@ -38,11 +38,11 @@ from ... import _knobs, _logging
 from . import dump, policy, sequence
 from ..wire import protocol as P
 from .brain import RankFault, fault_key, result_code
-from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, ReportState, ResultCode
+from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, Cause, ReportState, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome
 
-__all__ = ["IncidentFlow", "Incident", "OPEN_STATES"]
+__all__ = ["IncidentFlow", "Incident", "Facts", "OPEN_STATES"]
 
 _log = logging.getLogger("mindio.ttp.incident")
 OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
@@ -52,7 +52,7 @@ OPEN_STATES = (State.INIT, State.NORMAL, State.PAUSE, State.DOWNGRADE)
 class Incident:
     """The open incident (one at a time; the I/O thread adds ranks to it under the controller's lock,
     the driver thread runs it). The facts its decision is made on are policy.Incident."""
-    cause: str                # "fault", "dump_request", "pause", "hot_switch", "cluster_brain"
+    cause: Cause              # why it opened (vocab.Cause; its value in logs and events)
     first: int | None         # the rank that opened it (None: a request)
     t0: float = field(default_factory=time.monotonic)
     primary: dict = field(default_factory=dict)   # rank -> ReportState of its primary report (or a death)
@@ -68,14 +68,34 @@ class Incident:
             self.messages[rank] = message
 
 
+@dataclass
+class Facts:
+    """What an incident's decision is made on (:meth:`IncidentFlow.facts`, after the stop round)."""
+    graceful: bool        # a requested dump (no fault)
+    lock: int             # the lock step (policy.choose_lock_step)
+    views: list           # policy.RankView of every rank of the job
+    plan: policy.DumpPlan  # who saves which shard at the lock step
+    faulty: list          # the faulty ranks
+    repairable: bool      # every shard of a faulty rank has a usable replica
+    primary: dict         # rank -> ReportState of its primary report (or a death)
+    seen: dict            # rank -> when its fault was first seen
+    messages: dict        # rank -> the message of its report
+    repeated: list        # ranks that met the previous launch's exception again (RS_REPEATED)
+    # (not judged when the job ends at once for ``repeated``)
+    lacking: dict = field(default_factory=dict)  # rank -> the handlers it did not register (no in-place strategy)
+    incident: policy.Incident | None = None  # the facts as policy.feasible_strategies reads them
+    enabled: set = field(default_factory=set)  # the job's strategies (the brain's filter; "dump" for a requested one)
+    feasible: list = field(default_factory=list)  # policy's feasible strategies, in its order
+
+
 class IncidentFlow:
     """The incident flow as the controller's part (``Controller.incidents``): it owns the open incident,
     the driver thread's wake-up, the cluster brain's answer in hand (change_strategy / "stop switch")
     and a requested dump not yet started; the rank table, lock, state machine and action engine are the
     controller's."""
 
-    def __init__(self, ctl):
-        self.ctl = ctl
+    def __init__(self, core):
+        self.core = core
         self.current: Incident | None = None  # the open incident (the I/O thread adds ranks under the lock)
         self.wakeup = threading.Event()  # the driver thread: an incident, an upgrade or close()
         self.answered = threading.Event()  # the cluster brain answered (change_strategy, "stop switch")
@@ -98,27 +118,28 @@ class IncidentFlow:
 
     def faulted(self, inc: Incident) -> bool:
         """Whether a rank failed (reported or died) in ``inc`` since it opened."""
-        with self.ctl._lock:
+        with self.core.lock:
             return bool(inc.primary)
 
     def as_fault(self) -> bool:
         """A pause or a hot switch during which a rank failed: the incident is handled as a fault."""
         _log.error("a rank failed during the pause; handling it as a fault")
-        self.current.cause = "fault"
+        self.current.cause = Cause.FAULT
         return self.run()
 
     # ------------------------------------------------------------------ incidents
-    def open(self, rank: int | None, state: ReportState | None, cause: str = "fault", message: str = "") -> bool:
+    def open(self, rank: int | None, state: ReportState | None, cause: Cause = Cause.FAULT,
+             message: str = "") -> bool:
         """Open an incident (or add ``rank`` to the one open); whether this call opened it."""
-        if not self.ctl.active:
+        if not self.core.active:
             return False
         opened = False
-        with self.ctl._lock:
+        with self.core.lock:
             inc = self.current
             if inc is None:
-                if self.ctl.sm.state not in OPEN_STATES:
+                if self.core.sm.state not in OPEN_STATES:
                     return False
-                inc = self.current = Incident(cause, rank)
+                inc = self.current = Incident(Cause(cause), rank)
                 self.wakeup.set()
                 opened = True
             if rank is not None and (state is None or policy.is_primary(state)):
@@ -149,12 +170,12 @@ class IncidentFlow:
         return ReportState.RS_NORMAL
 
     def error_ranks(self) -> dict:
-        with self.ctl._lock:  # the I/O thread adds ranks to the incident while the driver reads it
+        with self.core.lock:  # the I/O thread adds ranks to the incident while the driver reads it
             primary = dict(self.current.primary) if self.current is not None else {}
         return {r: 0 if s in (ReportState.RS_UCE, ReportState.RS_UCE_CORRUPTED) else 1 for r, s in primary.items()}
 
     def mindx_call(self, action: str, *args) -> None:
-        func = self.ctl.mindx.get(action)
+        func = self.core.mindx.get(action)
         if func is not None:
             try:
                 func(*args)
@@ -162,13 +183,13 @@ class IncidentFlow:
                 _log.exception("cluster-brain callback %s failed", action)
 
     def drive(self) -> None:
-        while not self.ctl._stop.is_set():
+        while not self.core.stop.is_set():
             self.wakeup.wait()  # idle until an incident, an upgrade or close(): nobody is awaited
-            if self.ctl._stop.is_set():
+            if self.core.stop.is_set():
                 return
             try:
-                if self.ctl.elastic.upgrade_due():  # elastic_flow.py: standbys offer every removed rank back
-                    if self.ctl.elastic.run_upgrade():
+                if self.core.elastic.upgrade_due():  # elastic_flow.py: standbys offer every removed rank back
+                    if self.core.elastic.run_upgrade():
                         continue
                     return
                 if self.run():
@@ -180,24 +201,41 @@ class IncidentFlow:
             return  # after a dump or an exit the job ends (FINAL)
 
     def run(self) -> bool:
-        """One incident; True when the job goes on (retry succeeded, pause continued), False when it ends."""
+        """One incident; True when the job goes on (retry succeeded, pause continued), False when it ends.
+        A fault or a requested dump: :meth:`stop` -> :meth:`facts` -> :meth:`decide` -> :meth:`execute`."""
         inc = self.current
-        if inc.cause == "hot_switch":
-            return self.ctl.hot_switch.run(inc)
-        if inc.cause == "pause":
-            return self.ctl.pause.run(inc)
-        graceful = inc.cause == "dump_request"
-        self.ctl.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc.first, cause=inc.cause)
+        if inc.cause is Cause.HOT_SWITCH:
+            return self.core.hot_switch.run(inc)
+        if inc.cause is Cause.PAUSE:
+            return self.core.pause.run(inc)
+        facts = self.facts(inc, self.stop(inc))
+        if facts.repeated and not facts.graceful:
+            return self.end_repeated(facts.repeated, facts.messages)
+        return self.execute(self.decide(inc, facts), facts)
+
+    def stop(self, inc: Incident) -> dict:
+        """The incident begins: ABNORMAL (or DUMP for a requested dump), the cluster brain hears of the
+        faulty ranks, every live rank is stopped (stopround.StopRound) and the brain hears how that went.
+        {rank: Reply of its stop} (the latest reply of each live rank)."""
+        graceful = inc.cause is Cause.DUMP_REQUEST
+        self.core.sm.fire(Result.DUMP if graceful else Result.FAULT, first_rank=inc.first, cause=inc.cause.value)
         self.mindx_call("report_fault_ranks", self.error_ranks())
-        live = sequence.live_ranks(self.ctl)
+        live = sequence.live_ranks(self.core)
         # a rank answers "stop" when quiet, or after half the limit anyway: the held fence keeps its step
         # from moving, and a rank caught mid-update reports UPDATING and is simply not usable
-        params = {"timeout": self.ctl.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
-        replies = self.ctl.stop_round.run(live, params)  # retry.py: a rank blocked behind a fenced one is released
-        views = self.views(replies)
+        params = {"timeout": self.core.action_limit / 2, "stop_clean": bool(_knobs.get("TTP_STOP_CLEAN_BEFORE_DUMP"))}
+        replies = self.core.stop_round.run(live, params)  # stopround.py: a rank blocked behind a fenced one is released
         stopped = all(r in replies and replies[r].ok for r in live)
         self.mindx_call("report_stop_complete", int(ResultCode.OK if stopped else ResultCode.NOT_READY),
                         "training stopped" if stopped else "some ranks did not confirm the stop", self.error_ranks())
+        return replies
+
+    def facts(self, inc: Incident, replies: dict) -> Facts:
+        """What the decision is made on, after the stop round's ``replies``: the ranks' views, the lock step
+        (the highest with a usable copy of every shard), the dump plan, the faulty ranks and whether
+        they can be repaired, the incident's reports, and policy's feasible strategies."""
+        graceful = inc.cause is Cause.DUMP_REQUEST
+        views = self.views(replies)
         lock = policy.choose_lock_step(views)
         stale = policy.stale_ranks(views, lock)
         if any(v.step != lock for v in views if v.rank in stale):
@@ -214,18 +252,26 @@ class IncidentFlow:
             repairable = bool(faulty)
         except ValueError:
             repairable = False
-        with self.ctl._lock:
+        with self.core.lock:
             primary, seen, messages = dict(inc.primary), dict(inc.seen), dict(inc.messages)
         repeated = sorted(r for r, s in primary.items() if s is ReportState.RS_REPEATED)
-        if repeated and not graceful:
-            return self.end_repeated(repeated, messages)
+        if repeated and not graceful:  # the job ends at once (end_repeated): nothing more to judge
+            return Facts(graceful, lock, views, plan, faulty, repairable, primary, seen, messages, repeated)
         dead = frozenset(v.rank for v in views if not v.alive)
         lacking = {r: rep.detail["missing"] for r, rep in replies.items() if rep.ok and rep.detail.get("missing")}
         incident = policy.Incident(states=primary, dead=dead, repair_possible=repairable, dump_possible=plan.possible,
                                    spare_available=self.spare_available(dead),
                                    in_place_possible=not lacking)
-        enabled = self.ctl.brain.enabled(self.ctl.job_strategies()) | ({"dump"} if graceful else set())
-        feasible = policy.feasible_strategies(enabled, incident)
+        enabled = self.core.brain.enabled(self.core.job_strategies()) | ({"dump"} if graceful else set())
+        return Facts(graceful, lock, views, plan, faulty, repairable, primary, seen, messages, repeated, lacking,
+                     incident, enabled, policy.feasible_strategies(enabled, incident))
+
+    def decide(self, inc: Incident, facts: Facts) -> list:
+        """The strategies to try, in order, from the chosen one (the cluster brain's choice within
+        MINDIO_WAIT_MINDX_TIME, or the first of the order), ending with "exit"; ``last_decision`` and
+        the ``decision`` event say why."""
+        graceful, feasible, enabled, incident = facts.graceful, facts.feasible, facts.enabled, facts.incident
+        lacking, primary, faulty, lock, plan = facts.lacking, facts.primary, facts.faulty, facts.lock, facts.plan
         if lacking and not graceful:
             blocked = [s for s in policy.feasible_strategies(enabled, replace(incident, in_place_possible=True))
                        if s not in feasible]
@@ -234,46 +280,51 @@ class IncidentFlow:
                              "and ranks %s did not register %s (tft_register_repair_handler, "
                              "tft_register_rollback_handler)", blocked, sorted(lacking)[:16],
                              lacking[min(lacking)])
-        alive = {v.rank: v.alive for v in views}
-        faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), messages.get(r, ""),
-                                  seen.get(r, inc.t0)) for r in sorted(set(primary) | set(faulty))]
+        alive = {v.rank: v.alive for v in facts.views}
+        faults = [RankFault(r, fault_key(primary.get(r), alive.get(r, False)), facts.messages.get(r, ""),
+                            facts.seen.get(r, inc.t0)) for r in sorted(set(primary) | set(faulty))]
         added = [] if graceful else self.added_strategies(enabled, incident)
         feasible = feasible[:-1] + added + feasible[-1:]
-        order, verdict = self.ctl.brain.plan(faults, feasible, self.ctl.implemented_strategies())
+        order, verdict = self.core.brain.plan(faults, feasible, self.core.implemented_strategies())
         for name in added:  # a strategy policy.py does not know goes right before the one it names
-            before = self.ctl.STRATEGIES[name].before
+            before = self.core.strategies[name].before
             order.insert(order.index(before) if before in order else order.index("exit"), name)
         strategy = order[0] if graceful else self.negotiate(order)  # a requested dump: nothing to ask
         latency = time.monotonic() - inc.t0
-        self.ctl.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
-                                  "decided_at": time.time(), "faulty": faulty,
-                                  "missing_shards": [list(map(str, m)) for m in plan.missing],
-                                  "feasible": feasible, "order": order, "level": verdict.level,
-                                  "why": {str(r): w for r, (_lv, w) in list(verdict.ranks.items())[:16]},
-                                  "latency_s": latency}
+        self.core.last_decision = {"strategy": strategy, "lock_step": lock, "save_info": plan.save_info,
+                                   "decided_at": time.time(), "faulty": faulty,
+                                   "missing_shards": [list(map(str, m)) for m in plan.missing],
+                                   "feasible": feasible, "order": order, "level": verdict.level,
+                                   "why": {str(r): w for r, (_lv, w) in list(verdict.ranks.items())[:16]},
+                                   "latency_s": latency}
         _log.warning("incident decision after %.3f s: %s (lock step %d, faulty %s, level %s, order %s, "
                      "feasible %s)", latency, strategy, lock, faulty[:16], verdict.level, order, feasible)
         if inc.secondaries:
             _log.warning("ranks %s saw secondary errors (the fault of %s reaching them, e.g. gloo's 'Connection "
                          "closed by peer'): expected, logged at INFO", sorted(inc.secondaries)[:16], faulty[:16])
-        _logging.event("decision", **self.ctl.last_decision)
+        _logging.event("decision", **self.core.last_decision)
         retryable = bool(primary) and set(primary.values()) <= {ReportState.RS_UCE, ReportState.RS_HCCL_FAILED,
                                                                 ReportState.RS_RETRY}
         if "retry" in enabled and retryable and not graceful and "retry" not in feasible and not lacking:
             _log.warning("retry is enabled but not possible for this incident (reports %s, dead %s, every "
                          "shard of a UCE rank has a usable replica: %s); using %s",
                          {r: s.name for r, s in list(primary.items())[:16]}, sorted(incident.dead)[:16],
-                         repairable, strategy)
-        ctx = Context(lock, views, primary, plan, inc.t0, graceful)
-        rest = order[order.index(strategy):] if strategy in order else order
-        for i, strategy in enumerate(rest):
+                         facts.repairable, strategy)
+        return order[order.index(strategy):] if strategy in order else order
+
+    def execute(self, order: list, facts: Facts) -> bool:
+        """Run the strategies of ``order`` until one resumes training (True) or ends the job (False); a
+        strategy that fails falls back to the next; "exit" (or none left): the exit order, False."""
+        lock, enabled = facts.lock, facts.enabled
+        ctx = Context(lock, facts.views, facts.primary, facts.plan, self.current.t0, facts.graceful)
+        for i, strategy in enumerate(order):
             if strategy == "exit":
                 break
             if strategy != "dump" or ctx.plan.possible:
-                outcome = self.ctl.STRATEGIES[strategy].run(self.ctl, ctx)
+                outcome = self.core.strategies[strategy].run(self.core, ctx)
                 if outcome is not Outcome.FAILED:
                     return outcome is Outcome.RESUMED  # True: the job trains again; False: it ended
-            left = [s for s in rest[i + 1:] if s != "dump" or ctx.plan.possible]
+            left = [s for s in order[i + 1:] if s != "dump" or ctx.plan.possible]
             _log.error("%s failed; falling back to %s (remaining %s)", strategy, left[0], left)
             self.mindx_call("report_result", int(result_code(left)), f"{strategy} failed", self.error_ranks(), strategy)
             _logging.event("fallback", src=strategy, dst=left[0])
@@ -281,9 +332,9 @@ class IncidentFlow:
             dump.nothing_to_save(lock)
         elif ctx.plan.missing and "dump" in enabled:
             dump.no_writer(ctx.views, lock, ctx.plan.missing)
-        self.ctl.sm.fire(Result.FAIL if self.ctl.sm.state is State.DUMP else Result.EXIT,
-                         reason="nothing to save at step 0" if lock <= 0 and "dump" in enabled else
-                         "no dump possible" if ctx.plan.missing else "exit chosen")
+        self.core.sm.fire(Result.FAIL if self.core.sm.state is State.DUMP else Result.EXIT,
+                          reason="nothing to save at step 0" if lock <= 0 and "dump" in enabled else
+                          "no dump possible" if ctx.plan.missing else "exit chosen")
         self.exit(EXIT_CODE_FAULT)
         return False
 
@@ -308,11 +359,11 @@ class IncidentFlow:
         Seen under load: rank 3 of a killed node replied to the stop and died 50 ms later; recover was
         judged on rank 2 alone (not a whole node), found impossible, and the job dumped instead of moving
         node 1 to its standby."""
-        rep = self.ctl.replacements
+        rep = self.core.replacements
         if rep.possible("recover", dead):
             return True
-        with self.ctl._lock:
-            now = dead | frozenset(self.ctl.ranks.dead())
+        with self.core.lock:
+            now = dead | frozenset(self.core.ranks.dead())
         if now == dead or not rep.possible("recover", now):
             return False
         _log.info("recover judged on the ranks dead now %s (the stop round saw %s dead)", sorted(now)[:16],
@@ -321,35 +372,35 @@ class IncidentFlow:
 
     def views(self, replies: dict) -> list:
         """What the decision sees of every rank of the job after the stop round's ``replies``."""
-        with self.ctl._lock:
+        with self.core.lock:
             for rank, rep in replies.items():
                 if rep.ok:
-                    self.ctl.ranks[rank].step = rep.detail.get("step", self.ctl.ranks[rank].step)
-                    self.ctl.ranks[rank].data_status = rep.detail.get("data_status", 0)
+                    self.core.ranks[rank].step = rep.detail.get("step", self.core.ranks[rank].step)
+                    self.core.ranks[rank].data_status = rep.detail.get("data_status", 0)
             views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
-                                     tuple(r.replica)) for r in self.ctl.ranks.values()]
-        missing = sorted(set(self.ctl.elastic.job_ranks()) - set(self.ctl.ranks))  # without the removed ranks
+                                     tuple(r.replica)) for r in self.core.ranks.values()]
+        missing = sorted(set(self.core.elastic.job_ranks()) - set(self.core.ranks))  # without the removed ranks
         return views + [policy.RankView(r, alive=False, faulty=True) for r in missing]
 
     # ------------------------------------------------------------------ strategies
     def added_strategies(self, enabled: set, facts: policy.Incident) -> list:
         """Strategies of ``STRATEGIES`` that policy.py does not know and that say they are feasible."""
-        return [name for name, s in self.ctl.STRATEGIES.items()
-                if name not in policy.STRATEGY_ORDER and s.feasible(self.ctl, enabled, facts)]
+        return [name for name, s in self.core.strategies.items()
+                if name not in policy.STRATEGY_ORDER and s.feasible(self.core, enabled, facts)]
 
     def settle(self) -> None:
         """Before exiting a job that had no fault (requested dump, exit while paused): every rank tears its
         healthy process groups down and parks first (the ``clean`` action), so no rank leaves while a peer
         still destroys a group connected to it -- seen as ``terminate called`` (SIGABRT) at exit on gloo."""
-        live = sequence.live_ranks(self.ctl)
-        replies = self.ctl._call("clean", {"timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
+        live = sequence.live_ranks(self.core)
+        replies = self.core.call("clean", {"timeout": self.core.action_limit / 2}, live, self.core.action_limit)
         bad = [r for r in live if r not in replies or not replies[r].ok]
         if bad:
             _log.error("ranks %s did not tear down before the exit: %s", bad[:16],
                        {r: replies[r].detail for r in bad[:4] if r in replies})
 
     def negotiate(self, strategies: list[str]) -> str:
-        if "report_strategies" not in self.ctl.mindx:
+        if "report_strategies" not in self.core.mindx:
             return strategies[0]
         self.expect()
         self.mindx_call("report_strategies", self.error_ranks(), list(strategies))
@@ -368,25 +419,25 @@ class IncidentFlow:
         without the order it waited for a controller that ignored it -- forever when that controller
         lives in its own process (rank 0, issue 13), else MINDIO_CONTROLLER_LOST_EXIT s and the wrong
         code. The order stands: a rank heard later that has not confirmed it gets it again (:meth:`carry`)."""
-        if self.ctl.sm.state is not State.EXIT:
-            self.ctl.sm.fire(Result.EXIT if self.ctl.sm.can(Result.EXIT) else Result.SHUTDOWN, code=code)
-        self.ctl.exit_code = code
-        sn = self.ctl.actions.reserve()
-        with self.ctl._lock:  # a rank registering meanwhile is either a target or sees the order (carry)
+        if self.core.sm.state is not State.EXIT:
+            self.core.sm.fire(Result.EXIT if self.core.sm.can(Result.EXIT) else Result.SHUTDOWN, code=code)
+        self.core.exit_code = code
+        sn = self.core.actions.reserve()
+        with self.core.lock:  # a rank registering meanwhile is either a target or sees the order (carry)
             now = time.monotonic()
-            targets = [r.rank for r in self.ctl.ranks.values() if r.registered and r.ident]
+            targets = [r.rank for r in self.core.ranks.values() if r.registered and r.ident]
             self.told.update(dict.fromkeys(targets, now))
             self.order = (code, sn)
-        self.ctl.elastic.tell_standbys(code, sn)  # standbys are in no rank table (elastic_flow.py)
-        replies = self.ctl._call("exit", {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
-        with self.ctl._lock:
-            silent = [r for r in targets if r not in replies and (x := self.ctl.ranks.get(r)) is not None and x.alive]
-        if silent and not self.ctl._stop.is_set():  # (a controller closed meanwhile hears nobody)
+        self.core.elastic.tell_standbys(code, sn)  # standbys are in no rank table (elastic_flow.py)
+        replies = self.core.call("exit", {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
+        with self.core.lock:
+            silent = [r for r in targets if r not in replies and (x := self.core.ranks.get(r)) is not None and x.alive]
+        if silent and not self.core.stop.is_set():  # (a controller closed meanwhile hears nobody)
             _log.warning("exit order EXIT(%d): no confirmation from live ranks %s within 10 s (a fixed bound); each "
                          "gets the order again when heard from", code, silent[:16])
-        if self.ctl.sm.state is State.EXIT:
-            self.ctl.sm.fire(Result.OK)
-        self.ctl.final.set()
+        if self.core.sm.state is State.EXIT:
+            self.core.sm.fire(Result.OK)
+        self.core.final.set()
 
     def carry(self, rank: int) -> None:
         """(I/O thread) A frame of ``rank`` (a beat, a report, a registration) after the job's exit order:
@@ -397,12 +448,12 @@ class IncidentFlow:
         order = self.order
         if order is None or rank in self.carried:
             return
-        r = self.ctl.ranks.get(rank)
+        r = self.core.ranks.get(rank)
         if r is None or not r.registered or not r.ident:
             return
         now = time.monotonic()
         last = self.told.get(rank)
-        if last is not None and now - last < 2 * self.ctl.interval:
+        if last is not None and now - last < 2 * self.core.interval:
             return
         self.told[rank] = now
         why = "declared dead, its process lives" if not r.alive else \
@@ -410,7 +461,7 @@ class IncidentFlow:
         _log.warning("rank %d heard after the job's exit order without having confirmed it (%s): sending it "
                      "the order again, EXIT(%d)", rank, why, order[0])
         _logging.event("exit_order_resent", to_rank=rank, code=order[0], why=why)
-        self.ctl._send(rank, P.Action("exit", {"code": order[0]}), sn=order[1])
+        self.core.send(rank, P.Action("exit", {"code": order[0]}), sn=order[1])
 
     def confirmed(self, rank: int, sn: int) -> None:
         """(I/O thread) ``rank`` replied to action ``sn``: when that is the exit order, it has it."""
@@ -420,9 +471,9 @@ class IncidentFlow:
 
     # ------------------------------------------------------------------ cluster brain
     def notify_dump(self) -> int:
-        if self.ctl.sm.state is not State.NORMAL:
+        if self.core.sm.state is not State.NORMAL:
             return 1
-        self.open(None, None, cause="dump_request")
+        self.open(None, None, cause=Cause.DUMP_REQUEST)
         return 0
 
     def request_dump(self, why: str) -> None:
@@ -430,17 +481,17 @@ class IncidentFlow:
         at the current step, then EXIT(75) -- the incident of ``notify_dump``. Asked while another incident
         runs (or before every rank registered) it waits for the job to train again: a recovery that ends
         in a dump or an exit needs none, one that resumes training is followed by this dump."""
-        with self.ctl._lock:
+        with self.core.lock:
             inc = self.current
-            under_way = (inc is not None and inc.cause == "dump_request") or \
-                self.ctl.sm.state in (State.DUMP, State.EXIT, State.FINAL)
+            under_way = (inc is not None and inc.cause is Cause.DUMP_REQUEST) or \
+                self.core.sm.state in (State.DUMP, State.EXIT, State.FINAL)
         if under_way:
             _log.info("last-words checkpoint requested again (%s): one is under way", why)
             return
         if self.dump_wanted is None:
             _log.warning("last-words checkpoint requested (%s): every rank stops at its current step, the "
                          "ranks that hold each shard save it, then the job exits with %d", why, EXIT_CODE_DUMPED)
-            _logging.event("dump_requested", why=why, state=self.ctl.sm.state.value)
+            _logging.event("dump_requested", why=why, state=self.core.sm.state.value)
         self.dump_wanted = why
         self.serve_dump_request()
 
@@ -449,11 +500,11 @@ class IncidentFlow:
         and some rank finished a step in this run; else it stays asked for. Before the first step there
         is nothing newer than what the job started from, and a save then would label the loaded state
         step 0: the first heartbeat that carries a step serves it (controller.py)."""
-        if self.dump_wanted is None or self.ctl.sm.state is not State.NORMAL:
+        if self.dump_wanted is None or self.core.sm.state is not State.NORMAL:
             return
-        with self.ctl._lock:
-            trained = any(r.step > 0 for r in self.ctl.ranks.values() if r.alive)
-        if trained and self.open(None, None, cause="dump_request"):
+        with self.core.lock:
+            trained = any(r.step > 0 for r in self.core.ranks.values() if r.alive)
+        if trained and self.open(None, None, cause=Cause.DUMP_REQUEST):
             self.dump_wanted = None
 
     def notify_stop_train(self, fault_ranks: dict, wait: float | None = None) -> int:
@@ -462,10 +513,10 @@ class IncidentFlow:
         if wait is not None:
             self.mindx_wait = float(wait)
         for rank, kind in fault_ranks.items():
-            if int(rank) in self.ctl.ranks:
-                self.ctl.ranks[int(rank)].faulty = True
+            if int(rank) in self.core.ranks:
+                self.core.ranks[int(rank)].faulty = True
             self.open(int(rank), ReportState.RS_UCE if int(kind) == 0 else ReportState.RS_UNKNOWN,
-                      cause="cluster_brain")
+                      cause=Cause.CLUSTER_BRAIN)
         return 0
 
     def change_strategy(self, strategy: str) -> int:

@@ -32,7 +32,7 @@ import time
 
 from ... import _logging
 from . import policy, sequence
-from .._enums import EXIT_CODE_FAULT, ResultCode
+from .._enums import EXIT_CODE_FAULT, Cause, ResultCode
 from .dump import Dump
 from .states import Result, State
 from .strategy import Context
@@ -46,42 +46,42 @@ class PauseFlow:
     """The pause as the controller's part (``Controller.pause``): it owns the request in hand; the
     incident it runs in, and the cluster brain's answer, are the incident flow's (incident.py)."""
 
-    def __init__(self, ctl):
-        self.ctl = ctl
+    def __init__(self, core):
+        self.core = core
         self.req: dict | None = None  # {"timeout", "ranks"} of the pause asked for
 
     def notify_pause(self, fault_ranks: dict, timeout: float | None = None) -> int:
         """Cluster brain: pause every rank at one step; 1 when the job is not in NORMAL training."""
-        ctl = self.ctl
-        with ctl._lock:
-            if ctl.sm.state is not State.NORMAL or ctl.incidents.current is not None:
+        core = self.core
+        with core.lock:
+            if core.sm.state is not State.NORMAL or core.incidents.current is not None:
                 return 1
-            self.req = {"timeout": float(timeout) if timeout else float(ctl.action_limit),
+            self.req = {"timeout": float(timeout) if timeout else float(core.action_limit),
                         "ranks": {int(r): int(k) for r, k in (fault_ranks or {}).items()}}
-            ctl.incidents.expect()
-        ctl.incidents.open(None, None, cause="pause")
+            core.incidents.expect()
+        core.incidents.open(None, None, cause=Cause.PAUSE)
         return 0
 
     def end(self, live: list, why: str) -> bool:
         """Clear every limit (the ranks train on), PAUSE -CONTINUE-> NORMAL, close the incident."""
-        ctl, flow = self.ctl, self.ctl.incidents
-        ctl._call("pause_resume", {}, live, ctl.action_limit)
-        with ctl._lock:
+        core, flow = self.core, self.core.incidents
+        core.call("pause_resume", {}, live, core.action_limit)
+        with core.lock:
             faulted = flow.current is not None and bool(flow.current.primary)
             if not faulted:
-                ctl.sm.fire(Result.CONTINUE, why=why)
+                core.sm.fire(Result.CONTINUE, why=why)
                 flow.close()
         return flow.as_fault() if faulted else True
 
     def run(self, inc) -> bool:
         """(driver thread, incident.py) Run the pause incident ``inc``; whether the job goes on."""
-        ctl, flow = self.ctl, self.ctl.incidents
-        req = self.req or {"timeout": float(ctl.action_limit), "ranks": {}}
-        ctl.sm.fire(Result.PAUSE, ranks=sorted(req["ranks"])[:16])
-        live = sequence.live_ranks(ctl)
-        if len(live) < ctl.world_size or flow.faulted(inc):
+        core, flow = self.core, self.core.incidents
+        req = self.req or {"timeout": float(core.action_limit), "ranks": {}}
+        core.sm.fire(Result.PAUSE, ranks=sorted(req["ranks"])[:16])
+        live = sequence.live_ranks(core)
+        if len(live) < core.world_size or flow.faulted(inc):
             return flow.as_fault() if flow.faulted(inc) else self.end(live, "ranks missing")
-        caps = ctl._call("pause_query", {}, live, ctl.action_limit)
+        caps = core.call("pause_query", {}, live, core.action_limit)
         if flow.faulted(inc):
             return flow.as_fault()
         if any(r not in caps or not caps[r].ok for r in live):
@@ -89,8 +89,8 @@ class PauseFlow:
                             req["ranks"])
             return self.end(live, "pause_query failed")
         target = max(caps[r].detail["limit"] for r in live)
-        limit = ctl.action_limit
-        replies = ctl._call("pause_at", {"step": target, "timeout": limit / 2}, live, limit)
+        limit = core.action_limit
+        replies = core.call("pause_at", {"step": target, "timeout": limit / 2}, live, limit)
         if flow.faulted(inc):
             return flow.as_fault()
         bad = {r: (replies[r].detail if r in replies else "no reply") for r in live
@@ -137,10 +137,10 @@ class PauseFlow:
             flow.settle()
             flow.exit(EXIT_CODE_FAULT)
             return False
-        ctl.sm.fire(Result.DUMP, lock_step=target)
-        with ctl._lock:
+        core.sm.fire(Result.DUMP, lock_step=target)
+        with core.lock:
             views = [policy.RankView(r.rank, r.alive, r.faulty, target, 0, tuple(r.replica))
-                     for r in ctl.ranks.values()]
+                     for r in core.ranks.values()]
         plan = policy.select_dump_ranks(views, target)
-        Dump().run(ctl, Context(target, views, plan=plan, graceful=True))
+        Dump().run(core, Context(target, views, plan=plan, graceful=True))
         return False

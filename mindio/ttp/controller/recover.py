@@ -54,8 +54,8 @@ class Replacements:
     replacer, which ranks were replaced in which generation (their old processes' frames are refused),
     the replacements that died during a recovery, and the wait for the new processes to register."""
 
-    def __init__(self, ctl):
-        self.ctl = ctl
+    def __init__(self, core):
+        self.core = core
         self.replacer = None       # launcher side: replace(ranks, gen, strategy) / possible(ranks, strategy)
         self.timeout = 60.0        # seconds for a replacement to join, build and park
         self.stale_refused = 0
@@ -72,16 +72,16 @@ class Replacements:
     def died(self, rank: int, why: str) -> None:
         """(launcher, any thread) The process started to replace ``rank`` exited: the recovery step in
         flight fails now instead of at its deadline (survivors waiting in the rebuild are cleaned)."""
-        ctl = self.ctl
-        ctl.declare_dead([rank], "agent", reason=why)
-        if ctl.sm.state not in (State.ENV_CLEAR, State.REPAIR):
+        core = self.core
+        core.liveness.declare_dead([rank], "agent", reason=why)
+        if core.sm.state not in (State.ENV_CLEAR, State.REPAIR):
             return  # no recovery in flight: an ordinary death (the incident above handles it)
         _log.error("replacement process of rank %d %s: the recovery fails", rank, why)
         _logging.event("replacement_died", dead_rank=rank, reason=why)
-        with ctl._cond:
+        with core.cond:
             self.dead.add(rank)
-            ctl.actions.fail_pending()
-            ctl._cond.notify_all()
+            core.actions.fail_pending()
+            core.cond.notify_all()
 
     def possible(self, strategy: str, dead) -> bool:
         if self.replacer is None or not dead:
@@ -113,21 +113,21 @@ class Replacements:
     def wait_registered(self, ranks: list, gen: int, deadline: float) -> bool:
         """(driver thread) Block until every rank in ``ranks`` registered in generation >= ``gen`` and is
         alive."""
-        ctl = self.ctl
-        with ctl._cond:
+        core = self.core
+        with core.cond:
             while True:
-                ok = [r for r in ranks if ctl.ranks.get(r) is not None and ctl.ranks[r].alive
-                      and ctl.ranks[r].gen >= gen]
+                ok = [r for r in ranks if core.ranks.get(r) is not None and core.ranks[r].alive
+                      and core.ranks[r].gen >= gen]
                 if len(ok) == len(ranks):
                     return True
                 now = time.monotonic()
                 if self.dead:
                     return False
-                if now >= deadline or ctl._stop.is_set():
+                if now >= deadline or core.stop.is_set():
                     _log.error("recover: replacement rank(s) %s did not register in generation %d within "
                                "%.0f s", sorted(set(ranks) - set(ok)), gen, self.timeout)
                     return False
-                ctl._cond.wait(min(0.05, deadline - now))
+                core.cond.wait(min(0.05, deadline - now))
 
 class Replace(Strategy):
     """recover-in-place / recover (module docstring): new processes for the dead ranks, from the
@@ -136,25 +136,25 @@ class Replace(Strategy):
     def __init__(self, name: str):
         self.name = str(name)
 
-    def run(self, ctl, ctx: Context) -> Outcome:
-        with ctl._lock:
-            dead = ctl.ranks.dead()
-        dead += sorted(set(range(ctl.world_size)) - set(ctl.ranks))
-        if not ctl.replacements.possible(self.name, dead):
+    def run(self, core, ctx: Context) -> Outcome:
+        with core.lock:
+            dead = core.ranks.dead()
+        dead += sorted(set(range(core.world_size)) - set(core.ranks))
+        if not core.replacements.possible(self.name, dead):
             why = ("no launcher agent hosts this controller (run under mindio-run with --high-availability)"
-                   if ctl.replacements.replacer is None else f"the launcher cannot replace ranks {dead[:16]} this way")
+                   if core.replacements.replacer is None else f"the launcher cannot replace ranks {dead[:16]} this way")
             _log.error("%s not possible: %s", self.name, why)
             return Outcome.FAILED
-        return Outcome.RESUMED if self.steps(ctl, ctx.lock, ctx.views, ctx.t0) else self.fall_back(ctl, ctx)
+        return Outcome.RESUMED if self.steps(core, ctx.lock, ctx.views, ctx.t0) else self.fall_back(core, ctx)
 
-    def steps(self, ctl, lock: int, views: list, t_incident: float) -> bool:
+    def steps(self, core, lock: int, views: list, t_incident: float) -> bool:
         """Run the sequence of the module docstring; True when every rank trains again."""
-        strategy, rep = self.name, ctl.replacements
-        seq = Sequence(ctl, strategy, t_incident, label="recover", lost=lambda: rep.dead)
-        ctl.sm.fire(Result.RECOVER, lock_step=lock, strategy=strategy)
-        with ctl._lock:
-            dead, survivors = ctl.ranks.dead(), ctl.ranks.live()
-        dead += sorted(set(range(ctl.world_size)) - set(ctl.ranks))
+        strategy, rep = self.name, core.replacements
+        seq = Sequence(core, strategy, t_incident, label="recover", lost=lambda: rep.dead)
+        core.sm.fire(Result.RECOVER, lock_step=lock, strategy=strategy)
+        with core.lock:
+            dead, survivors = core.ranks.dead(), core.ranks.live()
+        dead += sorted(set(range(core.world_size)) - set(core.ranks))
         if not dead:
             _log.error("recover: no rank is dead")
             return seq.fail("lock step")
@@ -169,11 +169,11 @@ class Replace(Strategy):
         except ValueError as exc:
             _log.error("recover: %s", exc)
             return seq.fail("repair plan")
-        limit = ctl.action_limit
+        limit = core.action_limit
         if not seq.step("clean", {"timeout": limit}, survivors, watch=survivors, abandon=survivors):
             return False
-        ctl.gen += 1
-        gen = ctl.gen
+        core.gen += 1
+        gen = core.gen
         rep.dead.clear()
         for r in dead:
             rep.replaced[r] = gen
@@ -197,7 +197,7 @@ class Replace(Strategy):
                         timeout=max(1.0, deadline - time.monotonic()) + 2, watch=everyone, abandon=everyone,
                         mark="start"):
             return False
-        ctl.sm.fire(Result.OK, gen=gen)
+        core.sm.fire(Result.OK, gen=gen)
         status = {v.rank: v.data_status for v in views}
         pairs = [{"type": t, "src": src, "dst": dst} if dst in dead else
                  {"type": t, "src": src, "dst": dst, "repair_type": uce_repair_type(ReportState.RS_NORMAL, status[dst])}

@@ -6,9 +6,9 @@ the lock step, the ``<name>_done`` event and the cluster brain's report.
 
 A strategy (strategy.py) is a short script over a :class:`Sequence`::
 
-    seq = Sequence(ctl, "retry", ctx.t0)
+    seq = Sequence(core, "retry", ctx.t0)
     ok = (seq.step("clean", {"timeout": limit}, live)
-          and seq.step("rebuild", {"gen": ctl.next_gen()}, live)
+          and seq.step("rebuild", {"gen": core.gen + 1}, live)
           and seq.step("repair", params, involved, abandon=live)
           and seq.step("rollback", {"step": lock}, live, abandon=live))
     if ok:
@@ -31,35 +31,35 @@ __all__ = ["live_ranks", "abandon", "resume", "phases", "Sequence"]
 _log = logging.getLogger("mindio.ttp")
 
 
-def live_ranks(ctl) -> list[int]:
-    """The controller's live ranks, sorted (takes its lock; ranks.RankTable.live)."""
-    with ctl._lock:
-        return ctl.ranks.live()
+def live_ranks(core) -> list[int]:
+    """The job's live ranks, sorted (takes its lock; ranks.RankTable.live)."""
+    with core.lock:
+        return core.ranks.live()
 
 
-def abandon(ctl, ranks: list, failed: str) -> bool:
+def abandon(core, ranks: list, failed: str) -> bool:
     """A step after the rebuild failed: destroy the new generation's groups on ``ranks`` (a rank blocked
     in a transfer with a failed peer is released), then the state machine's FAIL; returns False."""
-    ctl._call("clean", {"timeout": 5.0}, ranks, 10.0)
-    ctl.sm.fire(Result.FAIL, failed=failed)
+    core.call("clean", {"timeout": 5.0}, ranks, 10.0)
+    core.sm.fire(Result.FAIL, failed=failed)
     return False
 
 
-def resume(ctl, lock: int, ranks: list, timeout: float, mark: list | None = None, close_incident: bool = True,
+def resume(core, lock: int, ranks: list, timeout: float, mark: list | None = None, close_incident: bool = True,
            **why) -> None:
     """The end of every in-process recovery: the state machine's OK at the lock step (``why`` goes to its
     log line), the incident closed (unless ``close_incident`` is False: an upgrade opened none, and a fault
     that arrived meanwhile must stay open), the ranks of ``mark`` (default: every live rank) healthy at
     ``lock``; then ``retry`` re-enters train() on ``ranks``."""
-    with ctl._lock:
-        ctl.sm.fire(Result.OK, lock_step=lock, **why)
+    with core.lock:
+        core.sm.fire(Result.OK, lock_step=lock, **why)
         if close_incident:
-            ctl.incidents.close()
-        records = [r for r in ctl.ranks.values() if r.alive] if mark is None else [ctl.ranks[r] for r in mark]
+            core.incidents.close()
+        records = [r for r in core.ranks.values() if r.alive] if mark is None else [core.ranks[r] for r in mark]
         for r in records:
             r.faulty = False
             r.step = lock
-    ctl._call("retry", {}, ranks, timeout)
+    core.call("retry", {}, ranks, timeout)
 
 
 def phases(t0: float, marks: dict, order) -> tuple[float, dict]:
@@ -74,7 +74,7 @@ def phases(t0: float, marks: dict, order) -> tuple[float, dict]:
 
 
 class Sequence:
-    """One run of a recovery sequence on controller ``ctl`` (driver thread).
+    """One run of a recovery sequence on controller ``core`` (driver thread).
 
     ``name``: the strategy (its ``<name>_done`` event unless ``done`` names another); ``label``: the
     word of its failure lines and ``<label>_failed`` events (default ``name``); ``t0``: when the
@@ -82,9 +82,9 @@ class Sequence:
     ``first`` names another); ``then``: what a failure leads to, for its log line; ``lost``: a callable
     returning ranks lost meanwhile besides the watched ones (a replacement that died)."""
 
-    def __init__(self, ctl, name: str, t0: float, label: str | None = None, first: str | None = "decide",
+    def __init__(self, core, name: str, t0: float, label: str | None = None, first: str | None = "decide",
                  then: str = "falling back", lost=None):
-        self.ctl, self.name, self.t0 = ctl, name, t0
+        self.core, self.name, self.t0 = core, name, t0
         self.label, self.then, self._lost = label or name, then, lost
         self.marks: dict = {first: time.monotonic()} if first else {}
 
@@ -94,12 +94,12 @@ class Sequence:
 
     def fail(self, failed: str) -> bool:
         """A step before the new generation existed failed: the state machine's FAIL; False."""
-        self.ctl.sm.fire(Result.FAIL, failed=failed)
+        self.core.sm.fire(Result.FAIL, failed=failed)
         return False
 
     def abandon(self, ranks: list, failed: str) -> bool:
         """A step after the rebuild failed: :func:`abandon` (clean on ``ranks``, FAIL); False."""
-        return abandon(self.ctl, ranks, failed)
+        return abandon(self.core, ranks, failed)
 
     def step(self, action: str, params: dict, ranks: list, *, timeout: float | None = None,
              watch: list | None = None, abandon: list | None = None, mark: str | None = None) -> bool:
@@ -108,12 +108,12 @@ class Sequence:
         (``mark``, default the action's name); on failure log it, write ``<label>_failed``, then
         :meth:`abandon` on ``abandon`` (after the rebuild) or :meth:`fail` (before it). Whether it
         succeeded."""
-        ctl = self.ctl
-        replies = ctl._call(action, params, ranks, ctl.action_limit if timeout is None else timeout, fail_fast=True)
+        core = self.core
+        replies = core.call(action, params, ranks, core.action_limit if timeout is None else timeout, fail_fast=True)
         lost: list = []
         if watch is not None or self._lost is not None:
-            with ctl._lock:
-                lost = [r for r in (watch or ()) if not ctl.ranks[r].alive]
+            with core.lock:
+                lost = [r for r in (watch or ()) if not core.ranks[r].alive]
                 lost += sorted(self._lost()) if self._lost is not None else []
         bad = {r: (replies[r].detail if r in replies else "no reply (dead or past the deadline)")
                for r in ranks if r not in replies or not replies[r].ok}
@@ -127,7 +127,7 @@ class Sequence:
 
     def resume(self, lock: int, ranks: list, mark: list | None = None, close_incident: bool = True, **why) -> None:
         """:func:`resume` (OK, incident closed, ranks healthy at ``lock``, ``retry`` to ``ranks``), marked."""
-        resume(self.ctl, lock, ranks, self.ctl.action_limit, mark=mark, close_incident=close_incident, **why)
+        resume(self.core, lock, ranks, self.core.action_limit, mark=mark, close_incident=close_incident, **why)
         self.mark("resume")
 
     def done(self, who: str, detail: str, report: tuple, event: str | None = None, **fields) -> float:
@@ -137,9 +137,9 @@ class Sequence:
         (rank dict, strategy name). Returns the total time."""
         total, parts = phases(self.t0, self.marks, list(self.marks))
         _log.warning("%s done: %s %.3f s after it began (%s), generation %d, lock step %d, %s",
-                     self.name, who, total, parts, self.ctl.gen, fields.get("lock_step", -1), detail)
-        _logging.event(event or f"{self.name.replace(' ', '_')}_done", total_s=round(total, 6), gen=self.ctl.gen,
+                     self.name, who, total, parts, self.core.gen, fields.get("lock_step", -1), detail)
+        _logging.event(event or f"{self.name.replace(' ', '_')}_done", total_s=round(total, 6), gen=self.core.gen,
                        **fields, **{f"{k}_s": v for k, v in parts.items()})
         ranks, strategy = report
-        self.ctl.incidents.mindx_call("report_result", 0, f"{self.name} done", ranks, strategy)
+        self.core.incidents.mindx_call("report_result", 0, f"{self.name} done", ranks, strategy)
         return total

@@ -5,8 +5,8 @@ after the stop round and the decision, found in ``Controller.STRATEGIES`` (contr
   reports, the dump plan, when it began, whether it is a requested (graceful) dump;
 * :class:`Outcome` -- what a strategy's ``run`` returns: RESUMED (every rank trains again), ENDED (the
   job ended: dump + exit) or FAILED (fall back to the next strategy of the incident's order);
-* :class:`Strategy` -- ``name``, ``run(ctl, ctx)``, and for a strategy that ``policy.py`` does not know
-  (one added by a new file) ``feasible(ctl, enabled, facts)`` and ``before`` (the strategy it is tried
+* :class:`Strategy` -- ``name``, ``run(core, ctx)``, and for a strategy that ``policy.py`` does not know
+  (one added by a new file) ``feasible(core, enabled, facts)`` and ``before`` (the strategy it is tried
   before in the fallback order).
 
 The steps themselves go through a :class:`mindio.ttp.controller.sequence.Sequence` (logging, events, timings,
@@ -45,17 +45,17 @@ class Strategy:
     name: str = ""
     before: str = "dump"  # a strategy policy.py does not know is tried right before this one (or "exit")
 
-    def feasible(self, ctl, enabled: set, facts: policy.Incident) -> bool:
+    def feasible(self, core, enabled: set, facts: policy.Incident) -> bool:
         """For a strategy policy.feasible_strategies does not know: may it run for this incident?
         ``enabled``: the job's strategies; ``facts``: what the decision knows (policy.Incident)."""
         return self.name in enabled
 
-    def run(self, ctl, ctx: Context) -> Outcome:
+    def run(self, core, ctx: Context) -> Outcome:
         raise NotImplementedError
 
-    def fall_back(self, ctl, ctx: Context) -> Outcome:
+    def fall_back(self, core, ctx: Context) -> Outcome:
         """A step failed: a rank may have died meanwhile, so the dump is planned again; FAILED."""
-        with ctl._lock:
-            dead_now = set(ctl.ranks.dead())
+        with core.lock:
+            dead_now = set(core.ranks.dead())
         ctx.replan_dump(dead_now)
         return Outcome.FAILED

@@ -35,8 +35,8 @@ class Liveness:
     which ranks were last heard (``seen``), the same-host pid probe, and what it logged of starved
     ranks; it reads the rank table and opens incidents through the controller."""
 
-    def __init__(self, ctl):
-        self.ctl = ctl
+    def __init__(self, core):
+        self.core = core
         # live ranks, least recently heard first: a frame moves its rank to the end, so the sweep looks
         # only at the front (O(expired) per sweep instead of O(world))
         self.seen: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -46,7 +46,7 @@ class Liveness:
         # the stalls compensated (stalled), latest last: (when the I/O thread resumed, stall in s); a reader
         # comparing wall time with a rank's window subtracts those that fall inside it
         self.stalls: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
-        self.hang = hangs.HangBound(ctl.hang_timeout, ctl.hang_fixed)  # the bound of a stall (hangs.py)
+        self.hang = hangs.HangBound(core.hang_timeout, core.hang_fixed)  # the bound of a stall (hangs.py)
         self.slow = slow.SlowScores()  # slow ranks from the step anatomy (slow.py)
 
     def touch(self, rank: int) -> None:
@@ -70,33 +70,33 @@ class Liveness:
                      "that time is not counted", gap)
         _logging.event("controller_stalled", stall_s=round(gap, 3))
         self.stalls.append((time.monotonic(), gap))
-        for r in list(self.ctl.ranks.values()):
+        for r in list(self.core.ranks.values()):
             r.last_seen += gap
 
     def sweep(self, now: float, check_hang: bool) -> None:
-        ctl = self.ctl
-        if not ctl.active:
+        core = self.core
+        if not core.active:
             self._forget_gone(now)
-            link = ctl._primary_link
-            n = ctl._registered
+            link = core.primary_link()
+            n = core.registered
             # more than half of the ranks, or the launcher's quorum (mindio/launch/backup.py: node 0 lost)
-            quorum = ctl.takeover_quorum if ctl.takeover_quorum is not None else ctl.world_size // 2 + 1
+            quorum = core.takeover_quorum if core.takeover_quorum is not None else core.world_size // 2 + 1
             if link is not None and link.failovers and not link.registered.is_set() and n >= quorum:
-                ctl._take_over(now, n)
+                core.take_over(now, n)
             return
-        limit = self.ctl.misses * self.ctl.interval
-        if now - self.ctl._drained_at > self.ctl.interval:
+        limit = self.core.misses * self.core.interval
+        if now - self.core.drained_at > self.core.interval:
             # our own inbound queue is behind: the missing heartbeats may be sitting in it. Never blame
             # ranks for the controller's backlog; declare deaths once we have caught up.
             if not self.lagging:
                 _log.warning("controller is %.1f s behind its inbound queue; liveness checks paused",
-                             now - self.ctl._drained_at)
+                             now - self.core.drained_at)
             self.lagging = True
             return
         self.lagging = False
         dead, starved = [], []
         while self.seen:
-            r = self.ctl.ranks[next(iter(self.seen))]
+            r = self.core.ranks[next(iter(self.seen))]
             if r.alive and now - r.last_seen <= limit:
                 break
             self.seen.popitem(last=False)
@@ -107,11 +107,11 @@ class Liveness:
         for rank in starved:  # looked at again once the ranks that beat meanwhile are behind it
             self.seen[rank] = None
         if dead:  # one log line for a mass death (a lost node or switch), one event per rank
-            _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.ctl.misses,
+            _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.core.misses,
                        now - dead[0].last_seen, [r.rank for r in dead[:16]], " ..." if len(dead) > 16 else "")
             self.declare_dead([r.rank for r in dead], "heartbeat", log=False,
                               silent_s={r.rank: round(now - r.last_seen, 3) for r in dead})
-        if check_hang and self.ctl.hang_timeout > 0 and self.ctl.sm.state is State.NORMAL:
+        if check_hang and self.core.hang_timeout > 0 and self.core.sm.state is State.NORMAL:
             self._check_hangs(now)
         if check_hang and self.slow.window > 0:  # once a heartbeat interval, as the hang check
             self.check_slow()
@@ -119,24 +119,24 @@ class Liveness:
     def check_slow(self) -> None:
         """(I/O thread: each heartbeat interval, and when a rank's beat says it timed a window's steps)
         Report a slow rank (slow.py); a window never spans a recovery or a pause."""
-        if self.ctl.sm.state is not State.NORMAL:
+        if self.core.sm.state is not State.NORMAL:
             self.slow.reset()
             return
-        for found in self.slow.check([r.rank for r in self.ctl.ranks.values() if r.alive and r.registered]):
+        for found in self.slow.check([r.rank for r in self.core.ranks.values() if r.alive and r.registered]):
             s = self.slow.scores.get(found.rank, {})
             _log.warning("rank %d is slow (cause %s): %.3f s of its own time per step (compute, or stopped from "
                          "outside), %.2fx its peers' median, while they wait for it (MINDIO_SLOW_WINDOW %d steps, "
                          "MINDIO_SLOW_RATIO %.2f, MINDIO_SLOW_K %d)", found.rank, found.cause, s.get("own_s", 0.0),
                          found.ratio, self.slow.window, self.slow.ratio, self.slow.k)
             _logging.event("rank_slow", slow_rank=found.rank, cause=found.cause, ratio=found.ratio,
-                           at_step=self.ctl.ranks[found.rank].step, **{k: v for k, v in s.items() if k != "wait"})
+                           at_step=self.core.ranks[found.rank].step, **{k: v for k, v in s.items() if k != "wait"})
             if self.slow.action == "switch":  # sub-healthy: to a new process, as a cluster brain would ask
                 threading.Thread(target=self._switch_out, args=(found.rank,), name="mindio-slow-switch",
                                  daemon=True).start()
 
     def _switch_out(self, rank: int) -> None:
         """(its own thread: the hot switch's request takes the controller's lock) Hot-switch a slow rank."""
-        rc = self.ctl.notify_prepare_action("hot switch", [rank])
+        rc = self.core.hot_switch.notify_prepare_action("hot switch", [rank])
         _log.warning("rank %d is sub-healthy (slow, MINDIO_SLOW_ACTION=switch): hot switch %s", rank,
                      "under way" if rc == 0 else "refused (reported only)")
         _logging.event("slow_switch", slow_rank=rank, accepted=rc == 0)
@@ -145,8 +145,8 @@ class Liveness:
         """(I/O thread, NORMAL) Kill the ranks stalled past the hang bound that the job waits for
         (hangs.py). The progress clock restarts when the state (re)enters NORMAL: a rank paused by a
         recovery, or whose last beat still carries the age from before it, is not hung."""
-        normal_for = now - self.ctl.sm.since
-        live = [r for r in self.ctl.ranks.values() if r.alive]
+        normal_for = now - self.core.sm.since
+        live = [r for r in self.core.ranks.values() if r.alive]
         bound = self.hang.current(r.step_p99 for r in live)
         views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
                   r.in_collective, r.step, r.coll_seq) for r in live]
@@ -158,11 +158,11 @@ class Liveness:
                        rank, bound, "" if self.hang.fixed else " from the job's step times", hung.why())
             _logging.event("rank_hung", hung_rank=rank, bound_s=round(bound, 3), group=hung.group, seq=hung.seq,
                            waiting=hung.waiting[:64])
-            self.ctl._send(rank, P.Action("kill", {"reason": "hung"}))
-            with self.ctl._cond:
-                self.ctl.ranks[rank].alive = False
-                self.ctl.ranks[rank].faulty = True
-            self.ctl.incidents.open(rank, None)
+            self.core.send(rank, P.Action("kill", {"reason": "hung"}))
+            with self.core.cond:
+                self.core.ranks[rank].alive = False
+                self.core.ranks[rank].faulty = True
+            self.core.incidents.open(rank, None)
 
     def _forget_gone(self, now: float) -> None:
         """(I/O thread, a passive backup) Ranks registered here -- their links failed over to us -- that
@@ -170,22 +170,22 @@ class Liveness:
         (wire/home.py), or died: they no longer count towards a takeover, their sessions end and their held
         reports are dropped (the primary has them). If this backup takes over later, it waits for them
         again and the sweep declares dead those that never come (``Controller._take_over``)."""
-        ctl, limit, gone = self.ctl, self.ctl.misses * self.ctl.interval, []
-        with ctl._cond:
+        core, limit, gone = self.core, self.core.misses * self.core.interval, []
+        with core.cond:
             while self.seen:
-                r = ctl.ranks[next(iter(self.seen))]
+                r = core.ranks[next(iter(self.seen))]
                 if now - r.last_seen <= limit:
                     break
                 self.seen.popitem(last=False)
                 if r.registered:
                     r.registered = False
-                    ctl._registered -= 1
+                    core.registered -= 1
                     if r.ident:
-                        ctl.sessions.close(r.ident)
+                        core.sessions.close(r.ident)
                     r.ident = b""
                     gone.append(r.rank)
             if gone:
-                ctl._held_reports = [h for h in ctl._held_reports if h[0] not in gone]
+                core.held_reports = [h for h in core.held_reports if h[0] not in gone]
         if gone:
             _log.info("passive backup: rank(s) %s not heard for %.1f s (MINDIO_HEARTBEAT_MISSES x "
                       "MINDIO_HEARTBEAT_INTERVAL): back with the primary, or gone; no longer counted for a takeover",
@@ -198,15 +198,15 @@ class Liveness:
         (0: no such grace). Past that it is SIGKILLed through its pidfd (a process whose link thread
         cannot run for that long is hung) and declared dead by the caller."""
         silent = now - r.last_seen
-        pid = self.probe.runnable(r.rank) if self.ctl.hang_timeout > 0 else 0
+        pid = self.probe.runnable(r.rank) if self.core.hang_timeout > 0 else 0
         if not pid:
             return False
-        if silent < self.ctl.hang_timeout:
+        if silent < self.core.hang_timeout:
             if self.starved_logged.get(r.rank) != r.last_seen:
                 self.starved_logged[r.rank] = r.last_seen
                 _log.warning("rank %d silent for %.1f s, but its process %d on this host is alive and not stopped: "
                              "starved of CPU, not dead (hung after MINDIO_HANG_TIMEOUT=%.0f s)", r.rank, silent,
-                             pid, self.ctl.hang_timeout)
+                             pid, self.core.hang_timeout)
                 _logging.event("rank_starved", starved_rank=r.rank, pid=pid, silent_s=round(silent, 3))
             return True
         _log.error("rank %d silent for %.0f s with its process %d alive: hung; SIGKILL", r.rank, silent, pid)
@@ -220,16 +220,16 @@ class Liveness:
         ``rank_dead`` event per rank and opens (or joins) the incident. Returns the ranks newly declared;
         ranks already dead or unknown are ignored, so several detectors may report the same death."""
         newly = []
-        with self.ctl._cond:
+        with self.core.cond:
             for rank in ranks:
-                r = self.ctl.ranks.get(rank)
+                r = self.core.ranks.get(rank)
                 if r is not None and r.alive:
                     r.alive, r.faulty = False, True
                     newly.append(rank)
             if newly:
-                self.ctl.actions.lost(newly)
-                self.ctl._cond.notify_all()
-        if newly and self.ctl.sm.state in (State.EXIT, State.FINAL):
+                self.core.actions.lost(newly)
+                self.core.cond.notify_all()
+        if newly and self.core.sm.state in (State.EXIT, State.FINAL):
             # the controller ordered every rank to exit: a process ending now carries that order out (no
             # fault, no incident); marked dead above only so that no action waits for its reply
             _log.info("rank(s) %s gone after the exit order (%s)", newly[:16], cause)
@@ -241,13 +241,13 @@ class Liveness:
         for rank in newly:
             _logging.event("rank_dead", dead_rank=rank, cause=cause, **common,
                            **{k: v[rank] for k, v in per_rank.items() if rank in v})
-            self.ctl.incidents.open(rank, None)
+            self.core.incidents.open(rank, None)
         return newly
 
     def heard(self, ranks, within: float) -> list[int]:
         """(any thread) Those of ``ranks`` that are alive, registered, and sent a frame in the last ``within``
         seconds (of this controller's observed time: see :meth:`stalled`)."""
         now = time.monotonic()
-        with self.ctl._lock:
-            return [r for r in ranks if (x := self.ctl.ranks.get(r)) is not None and x.alive and x.registered
+        with self.core.lock:
+            return [r for r in ranks if (x := self.core.ranks.get(r)) is not None and x.alive and x.registered
                     and now - x.last_seen <= within]

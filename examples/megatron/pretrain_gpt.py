@@ -96,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--inject", default=None, metavar="KIND:rank=R,step=S",
       help="fault injection for drills (mindio.drill): raise|uce|net|hang|kill|flip on rank R, or "
            "kill-node:node=N, while computing step S; once per job; ';' separates faults")
+    a("--log-samples", default=None, metavar="DIR",
+      help="data-order log: after every update, the sample indices the sampler gave this rank in that step, "
+           "one JSON line per step in DIR/samples-rank<R>.jsonl (appended; tests compare runs with it)")
     a("--check-replicas", action="store_true",
       help="after every step, check that all replicas of every optimizer shard are bit-identical")
     mio.add_high_availability_args(p)  # mindio: --enable-high-availability & co.
@@ -135,17 +138,56 @@ class CorpusDataset:
         return self.tokens[k:k + self.seq + 1]
 
 
-def batch_iterator(dataset, consumed_samples: int, args):
+def batch_iterator(dataset, consumed_samples: int, args, taken: list | None = None):
     """Megatron's pretraining sampler: each step takes ``global_batch_size`` consecutive samples;
-    each micro-batch of the step is ``mbs * dp`` of them, this DP rank takes its ``mbs`` slice."""
+    each micro-batch of the step is ``mbs * dp`` of them, this DP rank takes its ``mbs`` slice.
+    ``taken``: the sample indices yielded are appended to it (``--log-samples``)."""
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     i = consumed_samples
     while True:
         start = i + dp_rank * args.micro_batch_size
+        if taken is not None:
+            taken.extend(range(start, start + args.micro_batch_size))
         yield torch.stack([dataset[start + k] for k in range(args.micro_batch_size)])
         i += args.micro_batch_size * dp
+
+
+class SampleLog:
+    """``--log-samples DIR``: one line per committed update, ``{"iteration", "rank", "dp", "dp_rank",
+    "samples", "t"}``, the samples being what the sampler yielded to this rank during that step (model
+    chunk 0). A step that is retried, rolled back or recomputed logs again; the later line stands."""
+
+    def __init__(self):
+        self.taken: list = []
+        self.path: Path | None = None
+
+    def to(self, directory) -> None:
+        self.path = None if directory is None else Path(directory)
+
+    def iterators(self, dataset, consumed_samples: int, args, chunks: int):
+        """One sampler per model chunk, from ``consumed_samples``; only chunk 0's samples are logged
+        (the interleaved schedule reads the same micro-batch once per chunk)."""
+        its = [batch_iterator(dataset, consumed_samples, args, self.taken if c == 0 else None)
+               for c in range(chunks)]
+        return its if chunks > 1 else its[0]
+
+    def begin(self) -> None:
+        self.taken.clear()
+
+    def commit(self, iteration: int) -> None:
+        if self.path is None:
+            return
+        from megatron.core import parallel_state as ps
+
+        rank = dist.get_rank()
+        line = json.dumps({"iteration": iteration, "rank": rank, "dp": ps.get_data_parallel_world_size(),
+                           "dp_rank": ps.get_data_parallel_rank(), "samples": self.taken, "t": time.time()})
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / f"samples-rank{rank}.jsonl", "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+        self.taken.clear()
 
 
 # ------------------------------------------------------------------------- model and optimizer
@@ -270,6 +312,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     args = ctx.args
+    SAMPLES.begin()
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -285,6 +328,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if args.enable_high_availability:
         ttp.tft_end_updating_os(ctx.iteration)  # mindio: state is complete for this step
         ctx.record_step_rng()  # mindio: the RNG a rollback to this step restores on every stage
+    SAMPLES.commit(ctx.iteration)
     opt_param_scheduler.step(increment=args.global_batch_size)
     loss = torch.zeros(1)
     if ps.is_pipeline_last_stage():
@@ -313,6 +357,7 @@ def check_replicas(ctx) -> None:
                                    f"differs between DP positions {pos % shards} and {pos}")
 
 
+SAMPLES = SampleLog()  # --log-samples
 VERIFIED = VerifiedState()  # mindio: the replica cross-check's undo (MINDIO_CROSSCHECK_STEPS; 0: a no-op)
 
 
@@ -320,15 +365,13 @@ def train(forward_step_func, ctx, dataset):
     """The loop. Re-entered after an in-process recovery: everything is read from ``ctx``."""
     args = ctx.args
     # one iterator per model chunk (the interleaved schedule reads each chunk's micro-batches in turn)
-    chunks = [batch_iterator(dataset, ctx.consumed_samples, args) for _ in ctx.model]
-    data_iterator = chunks if len(chunks) > 1 else chunks[0]
+    data_iterator = SAMPLES.iterators(dataset, ctx.consumed_samples, args, len(ctx.model))
     while ctx.iteration < args.train_iters:
         t0 = time.perf_counter()
         loss, grad_norm, ok = train_step(forward_step_func, data_iterator, ctx.model,
                                          ctx.optimizer, ctx.scheduler, ctx)
         if VERIFIED.after_step(ctx):  # mindio: a replica mismatch rolled the job back to verified state
-            chunks = [batch_iterator(dataset, ctx.consumed_samples, args) for _ in ctx.model]
-            data_iterator = chunks if len(chunks) > 1 else chunks[0]
+            data_iterator = SAMPLES.iterators(dataset, ctx.consumed_samples, args, len(ctx.model))
             continue
         step_ms = (time.perf_counter() - t0) * 1000
         if args.check_replicas and ctx.replica_cnt > 1:
@@ -443,6 +486,7 @@ def initialize(args) -> None:
 
 def pretrain(args) -> str:
     prepare(args)
+    SAMPLES.to(args.log_samples)
     dataset = CorpusDataset(args.data_path, args.tokenizer_file, args.seq_length, args.seed)
     args.padded_vocab_size = dataset.vocab_size
     initialize(args)

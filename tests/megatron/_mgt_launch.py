@@ -138,18 +138,21 @@ def have_megatron() -> bool:
         return False
 
 
-def assert_relaunch_reproduces(ckpt: Path, it: int, args: list, out: str, workdir: Path, iters: int) -> None:
+def assert_relaunch_reproduces(ckpt: Path, it: int, args: list, out: str, workdir: Path, iters: int,
+                               samples: Path | None = None) -> None:
     """The checkpoint of iteration ``it`` under ``ckpt`` (Megatron's iter_XXXXXXX layout), relaunched
     alone with ``args``, reproduces ``out`` (the continuing run's output) bit for bit: the same loss at
     every later iteration and the same final state digest. The relaunch goes through mindio-run's fork
-    server, as :func:`reference_run` (the launcher is not what it tests and changes no number)."""
+    server, as :func:`reference_run` (the launcher is not what it tests and changes no number). ``samples``: the
+    relaunch appends its sample-id log there (``--log-samples``)."""
     import shutil
 
     again = workdir / "relaunch"
     again.mkdir()
     shutil.copytree(ckpt / f"iter_{it:07d}", again / f"iter_{it:07d}")
     (again / "latest_checkpointed_iteration.txt").write_text(str(it))
-    re_out = reference_run(PRETRAIN, list(args) + ["--load", again], timeout=400)
+    log = ["--log-samples", samples] if samples is not None else []  # appended to the first run's log
+    re_out = reference_run(PRETRAIN, list(args) + log + ["--load", again], timeout=400)
     assert f"loaded checkpoint iteration {it}" in re_out
     got, re_losses = losses(out), losses(re_out)
     assert sorted(re_losses) == list(range(it + 1, iters + 1))
@@ -191,7 +194,18 @@ def layout_reference(fault_free_run, layout: str) -> str:
     replica count: the flags that only switch on mindio (which strategies, which launcher) change no number."""
     args = layout_args(layout)
     key = (str(PRETRAIN), REFERENCE_LAUNCHER, tuple(map(str, args)))
-    return fault_free_run(key, lambda d: reference_run(PRETRAIN, args))
+    return fault_free_run(key, lambda d: Run(reference_run(PRETRAIN, args + ["--log-samples", d / "samples"]),
+                                             d / "samples"))
+
+
+class Run(str):
+    """A reference run's output; ``.samples``: the directory of its sample-id log (``--log-samples``,
+    tests/_samples.py), which the run's flags (the cache key) do not name."""
+
+    def __new__(cls, out: str, samples: Path):
+        self = super().__new__(cls, out)
+        self.samples = samples
+        return self
 
 
 HA_REFERENCE_ENV = {"HIGH_AVAILABILITY": "recover-in-place,dump"}
@@ -206,8 +220,9 @@ def ha_reference(fault_free_run, args) -> str:
     key = (str(PRETRAIN), REFERENCE_LAUNCHER, tuple(map(str, args)), tuple(sorted(HA_REFERENCE_ENV.items())))
 
     def run(d: Path) -> str:
-        return reference_run(PRETRAIN, args, timeout=330,
-                             env={**HA_REFERENCE_ENV, "MINDIO_EVENT_LOG": str(d / "ref.jsonl"),
-                                  "MINDIO_DRILL_DIR": str(d), "TTP_LOG_PATH": str(d / "logs")})
+        return Run(reference_run(PRETRAIN, list(args) + ["--log-samples", d / "samples"], timeout=330,
+                                 env={**HA_REFERENCE_ENV, "MINDIO_EVENT_LOG": str(d / "ref.jsonl"),
+                                      "MINDIO_DRILL_DIR": str(d), "TTP_LOG_PATH": str(d / "logs")}),
+                   d / "samples")
 
     return fault_free_run(key, run)

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from _mgt_launch import PRETRAIN, REFERENCE_LAUNCHER, digests, losses, reference_run, torchrun, SLOW_MEGATRON
+from _mgt_launch import PRETRAIN, REFERENCE_LAUNCHER, Run, digests, losses, reference_run, torchrun, SLOW_MEGATRON
+from tests._samples import assert_data_order
 
 pytestmark = SLOW_MEGATRON
 
@@ -18,14 +19,16 @@ ARGS = ["--use-distributed-optimizer", "--replica-cnt", 2, "--train-iters", 12]
 
 
 @pytest.fixture(scope="module")
-def fault_free():
-    return reference_run(PRETRAIN, ARGS, timeout=150)
+def fault_free(tmp_path_factory):
+    samples = tmp_path_factory.mktemp("fault-free") / "samples"
+    return Run(reference_run(PRETRAIN, ARGS + ["--log-samples", samples], timeout=150), samples)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("state", ["param", "exp_avg_sq"])
-def test_a_flipped_low_bit_is_found_and_undone(fault_free, state):
-    out = torchrun(PRETRAIN, ARGS + ["--inject", f"flip:rank=1,step=6,state={state},bit=0"], timeout=150,
+def test_a_flipped_low_bit_is_found_and_undone(fault_free, state, tmp_path):
+    out = torchrun(PRETRAIN, ARGS + ["--inject", f"flip:rank=1,step=6,state={state},bit=0",
+                                     "--log-samples", tmp_path / "s"], timeout=150,
                    launcher=REFERENCE_LAUNCHER, env={"MINDIO_CROSSCHECK_STEPS": str(EVERY)})
     assert re.search(rf"\[rank 1\] injecting flip at step 6: {state} of shard tensor \d+, element \d+, bit 0: ",
                      out), out[-3000:]
@@ -41,6 +44,7 @@ def test_a_flipped_low_bit_is_found_and_undone(fault_free, state):
     assert undo == [(str(at), str(at))], out[-3000:]
     assert losses(out) == losses(fault_free)
     assert digests(out)[-1] == digests(fault_free)[-1]
+    assert_data_order(tmp_path / "s", fault_free.samples, 12)  # steps 5.. recomputed on the same samples
 
 
 FAILED = re.compile(r"job failed: rank (\d+) \(node 0, vm\) exited with exit code 1: SubHealthyRank: rank \1 is "

@@ -34,6 +34,7 @@ from _mgt_launch import (PRETRAIN, REPO, LAYOUT_ITERS, _kill_tree, free_port, la
 
 from mindio.launch import forkserver
 from tests._exits import check_codes, injected, sent_by_faults
+from tests._samples import assert_data_order
 
 pytestmark = SLOW_MEGATRON
 
@@ -120,13 +121,14 @@ def _close(server) -> int:
 
 @pytest.mark.timeout(1500)
 def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
-    ref_out = reference_run(PRETRAIN, ARGS + ["--seed", 1234, "--no-dump"])
+    ref_out = reference_run(PRETRAIN, ARGS + ["--seed", 1234, "--no-dump", "--log-samples", tmp_path / "ref"])
     other_out = reference_run(PRETRAIN, ARGS + ["--seed", 1235, "--no-dump"])
     ref, other = losses(ref_out), losses(other_out)
 
     ckpt = tmp_path / "ckpt"
     run = _launch_elastic(tmp_path, ARGS + ["--seed", 1234, "--check-replicas", "--inject", "kill:rank=3,step=7",
-                                            "--save", ckpt], script=PACED, env_extra={"ELASTIC_TEST_PACE": "4"})
+                                            "--save", ckpt, "--log-samples", tmp_path / "s"],
+                          script=PACED, env_extra={"ELASTIC_TEST_PACE": "4"})
     out, evs = run["out"], run["events"]
     assert run["rc"] == [0, 0, 77, -9] and run["standby_rc"] == [0, 0], (run["rc"], run["standby_rc"], out[-4000:])
     down = [e for e in evs if e["kind"] == "downgrade_done"]
@@ -163,8 +165,12 @@ def test_downgrade_then_upgrade_then_relaunch_from_dump(tmp_path):
           f"upgrade {up[0]['total_s']:.3f} s at step {u}")
     assert mean_e <= 0.1 * mean_s and worst < 0.01, (mean_e, mean_s, worst)
 
+    # every global batch (DP=4, DP=2 x 2 micro-batches, DP=4 again) holds the fault-free run's samples
+    assert_data_order(tmp_path / "s", tmp_path / "ref", ITERS)
     # the dump right after the scale-out, relaunched, reproduces the continuing run bit for bit
-    assert_relaunch_reproduces(ckpt, u, ARGS + ["--seed", 1234, "--no-dump"], out, tmp_path, ITERS)
+    assert_relaunch_reproduces(ckpt, u, ARGS + ["--seed", 1234, "--no-dump"], out, tmp_path, ITERS,
+                               samples=tmp_path / "s")
+    assert_data_order(tmp_path / "s", tmp_path / "ref", ITERS)  # the relaunch's steps u+1.. supersede, same samples
 
 
 @pytest.mark.timeout(600)
@@ -214,8 +220,8 @@ def test_two_downgrades_4_to_3_to_2_with_renumbered_ranks(tmp_path):
     job rank 2 is torch rank 1 in the new world. Replicas stay identical after every step; the loss stays
     within 1 % of the fault-free run with the same global batch."""
     args = ARGS[:-1] + [20, "--seed", 1234, "--no-dump", "--replica-cnt", 4, "--global-batch-size", 24]
-    run = _launch_elastic(tmp_path, args + ["--check-replicas", "--inject", "kill:rank=3,step=7; raise:rank=1,step=12"],
-                          standbys=())
+    run = _launch_elastic(tmp_path, args + ["--check-replicas", "--inject", "kill:rank=3,step=7; raise:rank=1,step=12",
+                                            "--log-samples", tmp_path / "s"], standbys=())
     out, evs = run["out"], run["events"]
     assert run["rc"] == [0, 77, 0, -9], (run["rc"], out[-4000:])
     down = [e for e in evs if e["kind"] == "downgrade_done"]
@@ -224,7 +230,8 @@ def test_two_downgrades_4_to_3_to_2_with_renumbered_ranks(tmp_path):
     assert sorted(got) == list(range(1, 21))
     checked = {int(m) for m in re.findall(r"replicas-identical: iteration (\d+)", out)}
     assert checked == set(range(1, 21))
-    ref = losses(reference_run(PRETRAIN, args))
+    ref = losses(reference_run(PRETRAIN, args + ["--log-samples", tmp_path / "ref"]))
+    assert_data_order(tmp_path / "s", tmp_path / "ref", 20)  # DP 4 -> 3 -> 2: each global batch the same 24 samples
     worst = max(abs(got[i] - ref[i]) / ref[i] for i in range(1, 21))
     print(f"\ntwo downgrades: worst relative loss difference vs fault-free {worst:.2e}")
     assert worst < 0.01
@@ -240,8 +247,10 @@ def test_pipeline_parallel_downgrade_then_upgrade(tmp_path, fault_free_run):
     1 % of the fault-free run of the layout. While downgraded each step is paced (_elastic_paced.py, up to
     4 s, cut short at the upgrade's fence) so that the standbys come up in time on a loaded machine."""
     args = layout_args("tp1pp2dp2", "--enable-elastic-training")
-    ref = losses(layout_reference(fault_free_run, "tp1pp2dp2"))
-    run = _launch_elastic(tmp_path, args + ["--check-replicas", "--inject", "kill:rank=3,step=7"], standbys=(1, 3),
+    ref_run = layout_reference(fault_free_run, "tp1pp2dp2")
+    ref = losses(ref_run)
+    run = _launch_elastic(tmp_path, args + ["--check-replicas", "--inject", "kill:rank=3,step=7",
+                                            "--log-samples", tmp_path / "s"], standbys=(1, 3),
                           script=PACED, env_extra={"ELASTIC_TEST_PACE": "4", "MINDIO_DUMP_AFTER_UPGRADE": "0"})
     out, evs = run["out"], run["events"]
     assert run["rc"] == [0, 77, 0, -9] and run["standby_rc"] == [0, 0], (run["rc"], run["standby_rc"], out[-4000:])
@@ -255,6 +264,7 @@ def test_pipeline_parallel_downgrade_then_upgrade(tmp_path, fault_free_run):
     assert sorted(got) == list(range(1, LAYOUT_ITERS + 1))
     checked = {int(m) for m in re.findall(r"replicas-identical: iteration (\d+)", out)}
     assert checked == set(range(1, 7)) | set(range(u + 1, LAYOUT_ITERS + 1)), sorted(checked)
+    assert_data_order(tmp_path / "s", ref_run.samples, LAYOUT_ITERS)  # PP stages of a DP rank agree, too
     worst = max(abs(got[i] - ref[i]) / ref[i] for i in got)
     print(f"\nPP2 elastic: DP2 -> DP1 at step 6 ({down[0]['total_s']:.3f} s), back to DP2 at step {u} "
           f"({up[0]['total_s']:.3f} s); worst relative loss difference vs fault-free {worst:.2e}")

@@ -32,6 +32,8 @@ import pytest
 from _mgt_launch import (PRETRAIN, REPO, LAYOUT_ITERS, digests, layout_args, layout_reference, losses, torchrun,
                          SLOW_MEGATRON)
 
+from tests._samples import assert_data_order
+
 pytestmark = SLOW_MEGATRON
 
 # mindio-run: the three-fault job (its controller in node 0's agent), and the runs whose launcher is not what
@@ -54,15 +56,18 @@ def _events(path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _relaunch(ckpt, args, ref_out, it):
+def _relaunch(ckpt, args, ref_out, it, samples=None):
     """``--load ckpt`` (under mindio-run, LAUNCH): loads ``it`` and then reproduces ``ref_out`` (losses after
-    ``it``, digest)."""
-    out = torchrun(PRETRAIN, args + ["--load", ckpt], timeout=400, launcher=LAUNCH)
+    ``it``, digest); ``samples``: the relaunch appends its sample-id log there, checked against ``ref_out``'s."""
+    log = ["--log-samples", samples] if samples is not None else []
+    out = torchrun(PRETRAIN, args + log + ["--load", ckpt], timeout=400, launcher=LAUNCH)
     assert f"loaded checkpoint iteration {it}" in out, out[-3000:]
     got, ref = losses(out), losses(ref_out)
     assert sorted(got) == list(range(it + 1, LAYOUT_ITERS + 1))
     assert all(repr(got[i]) == repr(ref[i]) for i in got), [(i, got[i], ref[i]) for i in got if got[i] != ref[i]]
     assert digests(out)[-1] == digests(ref_out)[-1]
+    if samples is not None:  # every step trained, before and after the relaunch, on the fault-free batches
+        assert_data_order(samples, ref_out.samples, LAYOUT_ITERS)
     return out
 
 
@@ -77,7 +82,7 @@ def _three_faults(layout, tmp_path_factory):
         table.write_text(json.dumps(DUMP_UNKNOWN))
         ckpt = d / "ckpt"
         rc, out = torchrun(PRETRAIN, layout_args(layout, dump=True) + ["--enable-hbmfault-repair", "--save", ckpt,
-                                                            "--inject", FAULTS],
+                                                            "--inject", FAULTS, "--log-samples", d / "samples"],
                            timeout=500, launcher=LAUNCH, check=False,
                            env={"HIGH_AVAILABILITY": "recover-in-place,retry,dump", "MINDIO_FAULT_TABLE": str(table),
                                 "MINDIO_EVENT_LOG": str(d / "events.jsonl"), "MINDIO_DRILL_DIR": str(d),
@@ -108,7 +113,8 @@ def test_retry_recover_in_place_dump_relaunch_bitwise(layout, fault_free_run, tm
     assert {".metadata", "common.pt", "metadata.json"} <= files, files
     print(f"\n{layout}: retry {retry[0]['total_s']:.3f} s, recover-in-place {recover[0]['total_s']:.3f} s, dump "
           f"written by ranks {sorted(r for i in dump[0]['save_info'] for r in i['ranks'])}: {sorted(files)}")
-    again = _relaunch(ckpt, layout_args(layout), ref, 7)
+    # retry at 2, recover-in-place at 4, dump at 7, relaunch: the log goes on in the same directory
+    again = _relaunch(ckpt, layout_args(layout), ref, 7, samples=ckpt.parent / "samples")
     if layout == "tp1pp2dp2":
         _RUNS["tp1pp2dp2-loaded"] = re.search(r"loaded checkpoint iteration 7: state-digest: ([0-9a-f]{64})",
                                              again).group(1)
@@ -140,7 +146,8 @@ def test_no_replica_layout_falls_back_to_periodic_checkpoint(fault_free_run, tmp
     ckpt = tmp_path / "ckpt"
     events = tmp_path / "events.jsonl"
     rc, out = torchrun(PRETRAIN, layout_args(layout, dump=True) + ["--save", ckpt, "--save-interval", 4,
-                                                        "--inject", "raise:rank=1,step=7"],
+                                                        "--inject", "raise:rank=1,step=7",
+                                                        "--log-samples", tmp_path / "s"],
                        timeout=400, check=False,
                        env={"HIGH_AVAILABILITY": "dump", "MINDIO_EVENT_LOG": str(events),
                             "TTP_LOG_PATH": str(tmp_path / "logs")})
@@ -149,4 +156,4 @@ def test_no_replica_layout_falls_back_to_periodic_checkpoint(fault_free_run, tmp
     assert [(e["strategy"], e["lock_step"]) for e in decision] == [("exit", 6)]
     assert decision[0]["missing_shards"], decision  # rank 1's shard exists nowhere else
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
-    _relaunch(ckpt, layout_args(layout), ref, 4)
+    _relaunch(ckpt, layout_args(layout), ref, 4, samples=tmp_path / "s")  # steps 5, 6 trained again

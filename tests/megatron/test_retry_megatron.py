@@ -17,6 +17,7 @@ import os
 import pytest
 
 from _mgt_launch import PRETRAIN, digests, ha_reference, torchrun, SLOW_MEGATRON
+from tests._samples import assert_data_order
 
 pytestmark = SLOW_MEGATRON
 
@@ -27,8 +28,8 @@ BASE = ["--use-distributed-optimizer", "--enable-high-availability", "--no-dump"
 
 @pytest.fixture(scope="module")
 def reference(fault_free_run):
-    """The digest of the fault-free run (the same as test_recover_megatron.py's: one run per session)."""
-    return digests(ha_reference(fault_free_run, BASE))[-1]
+    """The fault-free run (the same as test_recover_megatron.py's: one run per session)."""
+    return ha_reference(fault_free_run, BASE)
 
 
 @pytest.mark.timeout(400)
@@ -40,7 +41,8 @@ def reference(fault_free_run):
 def test_retry_in_place_is_bitwise(reference, tmp_path, launcher, inject, retries):
     assert "HIGH_AVAILABILITY" not in os.environ  # script flags only
     events = tmp_path / "events.jsonl"
-    out = torchrun(PRETRAIN, BASE + ["--enable-hbmfault-repair", "--inject", inject], timeout=300, launcher=launcher,
+    out = torchrun(PRETRAIN, BASE + ["--enable-hbmfault-repair", "--inject", inject, "--log-samples", tmp_path / "s"],
+                   timeout=300, launcher=launcher,
                    env={"MINDIO_EVENT_LOG": str(events), "TTP_LOG_PATH": str(tmp_path / "logs")})
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     done = [e for e in evs if e["kind"] == "retry_done"]
@@ -51,7 +53,8 @@ def test_retry_in_place_is_bitwise(reference, tmp_path, launcher, inject, retrie
     took = max(e["t"] for e in resumed[:4]) - min(e["t"] for e in evs if e["kind"] == "fault_seen")
     print(f"\nmegatron {inject} ({launcher}): error -> every rank training again {took:.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
-    assert digests(out)[-1] == reference
+    assert digests(out)[-1] == digests(reference)[-1]
+    assert_data_order(tmp_path / "s", reference.samples, ITERS)  # the step retried on the same samples
 
 
 @pytest.mark.timeout(500)

@@ -23,6 +23,7 @@ from _mgt_launch import PRETRAIN, REPO, digests, losses, torchrun, SLOW_MEGATRON
 from test_hotswitch import assert_backup_registered_before_the_pause, pause_s  # noqa: E402
 
 from mindio.ttp.controller.hotswitch import EXIT_CODE_SWITCHED  # noqa: E402
+from tests._samples import assert_data_order  # noqa: E402
 
 pytestmark = SLOW_MEGATRON
 
@@ -36,10 +37,11 @@ def test_megatron_hot_switch_is_bitwise(tmp_path):
     env = {"HIGH_AVAILABILITY": "recover-in-place,dump", "TTP_LOG_PATH": str(tmp_path / "logs"),
            "PYTHONPATH": f"{REPO}:{HERE}", "HS_AT": "3",
            "MINDIO_HEARTBEAT_INTERVAL": "0.5", "MINDIO_HEARTBEAT_MISSES": "6"}  # steps seen soon; no false deaths
-    ref = torchrun(PRETRAIN, BASE, timeout=330, launcher="mindio.launch.cli", env=env)
+    ref = torchrun(PRETRAIN, BASE + ["--log-samples", tmp_path / "ref"], timeout=330, launcher="mindio.launch.cli", env=env)
     events = tmp_path / "events.jsonl"
     # rank 0 holds iteration 5 until the brain saw the backup registered (the job still trains meanwhile)
-    out = torchrun(PRETRAIN, BASE + ["--inject", "hold:rank=0,step=5,seconds=120"], timeout=330,
+    out = torchrun(PRETRAIN, BASE + ["--inject", "hold:rank=0,step=5,seconds=120", "--log-samples", tmp_path / "s"],
+                   timeout=330,
                    launcher="_hotswitch_brain", env={**env, "MINDIO_EVENT_LOG": str(events), "HS_SCENARIO": "switch",
                                                      "HS_OUT": str(tmp_path), "MINDIO_DRILL_DIR": str(tmp_path)})
     evs = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
@@ -59,3 +61,4 @@ def test_megatron_hot_switch_is_bitwise(tmp_path):
           f"{resumed - prep['t']:.3f} s, of which paused {pause_s(evs):.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
     assert digests(out)[-1] == digests(ref)[-1]
+    assert_data_order(tmp_path / "s", tmp_path / "ref", ITERS)  # the backup logs into rank 1's file

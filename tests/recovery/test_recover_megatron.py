@@ -23,6 +23,7 @@ from _mgt_launch import (PRETRAIN, assert_relaunch_reproduces, assert_steps_logg
 from test_recover_node import run_nodes  # noqa: E402
 
 from tests._faultplan import FaultPlan  # noqa: E402
+from tests._samples import assert_data_order  # noqa: E402
 
 pytestmark = SLOW_MEGATRON
 
@@ -53,7 +54,8 @@ def _reference(fault_free_run, layout):
                          ids=["dp4", "tp2xdp2"])
 def test_megatron_recover_in_place_is_bitwise(tmp_path, layout, fault_free_run):
     ref = _reference(fault_free_run, layout)
-    out, evs = _run(BASE + layout + ["--inject", "kill:rank=1,step=7"], tmp_path, "run")
+    out, evs = _run(BASE + layout + ["--inject", "kill:rank=1,step=7", "--log-samples", tmp_path / "s"],
+                    tmp_path, "run")
     assert "injecting kill at step 7" in out
     done = [e for e in evs if e["kind"] == "recover_done"]
     assert len(done) == 1, out[-6000:]
@@ -66,6 +68,7 @@ def test_megatron_recover_in_place_is_bitwise(tmp_path, layout, fault_free_run):
     print(f"\nmegatron {layout or 'dp4'}: kill -> every rank training again {resumed - fault_t:.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
     assert digests(out)[-1] == digests(ref)[-1]
+    assert_data_order(tmp_path / "s", ref.samples, ITERS)  # the replacement logs into the killed rank's file
 
 
 @pytest.mark.timeout(900)
@@ -76,7 +79,8 @@ def test_megatron_recover_node_is_bitwise(tmp_path, layout, fault_free_run):
     its ranks in the running round, repaired from their replicas on node 0 (DP=4 R=2: shards of 2, 3
     live on 0, 1; TP=2 x DP=2: ranks 2, 3 are DP replicas of 0, 1)."""
     ref = _reference(fault_free_run, layout)
-    tail = [str(PRETRAIN), *map(str, BASE + layout), "--inject", "kill-node:node=1,step=7"]
+    tail = [str(PRETRAIN), *map(str, BASE + layout), "--inject", "kill-node:node=1,step=7",
+            "--log-samples", str(tmp_path / "s")]
     res, evs = run_nodes(tmp_path / "run", FaultPlan(), "recover,dump", timeout=600, tail=tail,
                          env={"MINDIO_DRILL_DIR": str(tmp_path), "MINDIO_ACP_IDLE_EXIT": "20"})
     code0, out = res["node0"]
@@ -91,6 +95,7 @@ def test_megatron_recover_node_is_bitwise(tmp_path, layout, fault_free_run):
     print(f"\nmegatron {layout or 'dp4'}: kill node 1 -> every rank training again {resumed - fault_t:.3f} s; "
           f"{ {k: v for k, v in done[0].items() if k.endswith('_s')} }")
     assert digests(out)[-1] == digests(ref)[-1]
+    assert_data_order(tmp_path / "s", ref.samples, ITERS)
 
 
 @pytest.mark.timeout(900)
@@ -106,7 +111,8 @@ def test_dump_after_a_failed_recover_in_place_comes_from_the_replica_not_the_rep
     fault-free run."""
     ref = _reference(fault_free_run, [])
     ckpt = tmp_path / "ckpt"
-    args = [a for a in BASE if a != "--no-dump"] + ["--save", ckpt, "--inject", "kill:rank=0,step=7"]
+    args = [a for a in BASE if a != "--no-dump"] + ["--save", ckpt, "--inject", "kill:rank=0,step=7",
+                                                    "--log-samples", tmp_path / "s"]
     events = tmp_path / "run.jsonl"
     code, out = torchrun(FAULTY, args, timeout=330, launcher=LAUNCH, check=False,
                          env={"HIGH_AVAILABILITY": "recover-in-place,dump", "MINDIO_EVENT_LOG": str(events),
@@ -131,7 +137,8 @@ def test_dump_after_a_failed_recover_in_place_comes_from_the_replica_not_the_rep
     # replacement
     pieces = sorted(p.name for p in (ckpt / "iter_0000006").glob("__*.mindio.json"))
     assert pieces == ["__1.mindio.json", "__2.mindio.json"], pieces
-    assert_relaunch_reproduces(ckpt, 6, BASE, ref, tmp_path, ITERS)
+    assert_relaunch_reproduces(ckpt, 6, BASE, ref, tmp_path, ITERS, samples=tmp_path / "s")
+    assert_data_order(tmp_path / "s", ref.samples, ITERS)  # steps 1-6 before the dump, 7-10 after the relaunch
 
 
 @pytest.mark.timeout(600)

@@ -623,9 +623,12 @@ class Agent:
             time.sleep(min(0.05, self.cfg.monitor_interval))
 
     def _only_consequences(self, bad: dict) -> bool:
-        """Every failure of ``bad`` ({rank: code}) is a consequence of another (its error file says so)."""
+        """Every failure of ``bad`` ({rank: code}) is a consequence of another (its error file says so) or
+        a worker's exit after a last-words checkpoint (EXIT_CODE_DUMPED: the controller's exit order, which
+        its peers are carrying out too -- stopping them 1 s later would cut their own exit short)."""
         base = self.cfg.node_rank * self.cfg.nproc_per_node
-        return all(failures.read(r, c, self._logs.error_file(r - base)).secondary for r, c in bad.items())
+        return all(c == failures.EXIT_CODE_DUMPED or failures.read(r, c, self._logs.error_file(r - base)).secondary
+                   for r, c in bad.items())
 
     def _ha_tick(self, rnd: int, bad: dict) -> str | None:
         lead = self.leader

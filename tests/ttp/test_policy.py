@@ -30,6 +30,9 @@ def test_a_generic_exception_outside_the_update_window_is_retryable():
     assert policy.classify("ValueError: bad batch", outside_update=True, during_incident=True) \
         is ReportState.RS_UNKNOWN
     assert policy.classify("RuntimeError: UCE ERROR", outside_update=True) is ReportState.RS_UCE
+    # a corrupt model state found by the replica cross-check is never retried (it would train on from it)
+    for corrupt in ("ReplicaMismatch: rank 1 and rank 3 differ in bytes [0, 4096)", "SubHealthyRank: rank 3"):
+        assert policy.classify(corrupt, outside_update=True) is ReportState.RS_UNKNOWN
     assert policy.classify("x", [("x", ReportState.RS_UNKNOWN)], outside_update=True) is ReportState.RS_UNKNOWN
     inc = Incident(states={1: ReportState.RS_RETRY}, repair_possible=False, dump_possible=True)
     assert policy.feasible_strategies({"retry", "dump"}, inc) == ["retry", "dump", "exit"]

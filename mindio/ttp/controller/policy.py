@@ -45,6 +45,10 @@ REFERENCE_PATTERNS: tuple[tuple[str, ReportState], ...] = (
     ("SUSPECT REMOTE ERROR", ReportState.RS_HCCL_FAILED),
     ("UB LINK ERROR", ReportState.RS_HCCL_FAILED),
     ("HCCS LINK ERROR", ReportState.RS_HCCL_FAILED),
+    # the replica cross-check found the model state itself corrupt (mindio.adapter.crosscheck,
+    # mindio.megatron.verified): never a retry, which would train on from the corrupt shard
+    ("ReplicaMismatch:", ReportState.RS_UNKNOWN),
+    ("SubHealthyRank:", ReportState.RS_UNKNOWN),
 )
 # Secondary failures: this rank's collective failed because a *peer* died or tore down its groups.
 # Such a rank is healthy (treated like FORCE STOP): its optimizer state stays usable for dump/repair.

@@ -28,6 +28,8 @@ import queue
 import threading
 import time
 
+import msgpack
+import numpy as np
 import zmq
 
 from ... import _knobs, _logging
@@ -54,6 +56,16 @@ from ..wire.transport import Channel, Link, Waker, job_curve_keypair
 __all__ = ["Controller"]
 
 _log = logging.getLogger("mindio.ttp.controller")
+_SEND_SLICE_S = 0.05  # the longest the I/O thread sends queued frames before it reads again
+
+
+def _action_body(name: str, params: bytes, ranks: list) -> bytes:
+    """The packed body of ``P.Action(name, <params>, ranks)`` with ``params`` packed already (a map;
+    the decoder takes its fields in any order)."""
+    pack = msgpack.packb
+    return b"\x83" + pack("name") + pack(name, use_bin_type=True) + pack("ranks") + pack(ranks) + pack("params") + params
+
+
 # frames of a rank that show it is there: one that has not confirmed the job's exit order gets it (incident.py)
 _HEARD = (P.MsgType.HEARTBEAT, P.MsgType.REGISTER, P.MsgType.REPORT, P.MsgType.REQUEST)
 
@@ -126,7 +138,8 @@ class Controller:
         self._registered = 0
         self._drained_at = time.monotonic()
         self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval,
-                                    backlog=lambda: time.monotonic() - self._drained_at > 0.5)
+                                    backlog=lambda: time.monotonic() - self._drained_at > 0.5,
+                                    alive_of=self._alive_of)
         self._call = self.actions.call
         self._ack_version: tuple = ()
         self.liveness = Liveness(self)  # dead, starved and hung ranks; the pid probe (watch.py)
@@ -272,28 +285,46 @@ class Controller:
             ident = r.ident
             if mtype is P.MsgType.ACTION and ident in self._relays:
                 body = P.Action(body.name, body.params, [rank])
-        self._out.put(((ident,), P.Envelope(mtype, body, rank=rank, sn=sn)))
+        self._out.put(((ident,), P.Envelope(mtype, body, rank=rank, sn=sn), None))
         self._waker.wake()
 
     def _send_many(self, ranks, body: P.Action, sn: int) -> None:
         """(any thread) Broadcast one ACTION to many ranks: one frame (envelope rank -1), signed once, for
         all ranks with a connection of their own, and one frame per relay listing its ranks; a single
-        wake-up of the I/O thread. Signing per rank was most of a 10k-rank stop round."""
-        get, relay_idents = self.ranks.get, self._relays
-        direct, relays = [], {}
-        for rank in ranks:
-            r = get(rank)
-            if r is None or not r.ident:
-                continue
-            if r.ident in relay_idents:
-                relays.setdefault(r.ident, []).append(rank)
-            else:
-                direct.append(r.ident)
+        wake-up of the I/O thread. Signing per rank was most of a 10k-rank stop round. The ranks are
+        grouped by connection with the rank table's ``conn`` column (one sort, not a loop over records),
+        and the params are packed once: a relay's body is the packed params spliced with its rank list
+        (a dump's save_info names every saver: packed per relay it stalled the I/O thread for tens of s)."""
+        with self._lock:
+            t = self.ranks
+            idx = np.fromiter(ranks, np.int64)
+            idx = idx[(idx >= 0) & (idx < len(t.conn))]
+            cid = t.conn[idx]
+            keep = t.present[idx] & (cid >= 0)
+            idx, cid = idx[keep], cid[keep]
+            order = np.argsort(cid, kind="stable")
+            idx, cid = idx[order], cid[order]
+            starts = np.flatnonzero(np.r_[True, cid[1:] != cid[:-1]]) if len(cid) else np.zeros(0, np.int64)
+            groups = [(t.ident_of(int(cid[a])), idx[a:b].tolist())
+                      for a, b in zip(starts.tolist(), starts[1:].tolist() + [len(idx)])]
+        relay_idents = self._relays
+        direct = [ident for ident, _ in groups if ident not in relay_idents]
         if direct:
-            self._out.put((direct, P.Envelope(P.MsgType.ACTION, body, rank=-1, sn=sn)))
-        for ident, rs in relays.items():
-            self._out.put(((ident,), P.Envelope(P.MsgType.ACTION, P.Action(body.name, body.params, rs), rank=-1, sn=sn)))
+            self._out.put((direct, P.Envelope(P.MsgType.ACTION, body, rank=-1, sn=sn), None))
+        relayed = [(ident, rs) for ident, rs in groups if ident in relay_idents]
+        if relayed:
+            params = msgpack.packb(body.params, use_bin_type=True)
+            for ident, rs in relayed:
+                env = P.Envelope(P.MsgType.ACTION, P.Action(body.name, body.params, rs), rank=-1, sn=sn)
+                self._out.put(((ident,), env, _action_body(body.name, params, rs)))
         self._waker.wake()
+
+    def _alive_of(self, ranks) -> set:
+        """(under the lock) The live ones of ``ranks`` (the action engine's waiting set): one vector lookup."""
+        t = self.ranks
+        idx = np.fromiter(ranks, np.int64)
+        idx = idx[(idx >= 0) & (idx < len(t.present))]
+        return set(idx[t.present[idx] & t.col["alive"][idx]].tolist())
 
     def _io_loop(self) -> None:
         poller = self._poller = zmq.Poller()
@@ -311,15 +342,17 @@ class Controller:
             last_turn = now
             if self._waker.rfd in events:
                 self._waker.drain()
-            send_raw = self._chan.send_raw
-            while True:
+            send_raw, budget = self._chan.send_raw, time.monotonic() + _SEND_SLICE_S
+            while time.monotonic() < budget:  # a send storm (an action to 12,500 relays) yields to the inbound
                 try:
-                    idents, env = self._out.get_nowait()
+                    idents, env, body = self._out.get_nowait()
                 except queue.Empty:
                     break
-                frame = self._chan.frame(env)
+                frame = self._chan.frame(env, body)
                 for ident in idents:
                     send_raw(frame, ident)
+            else:
+                self._waker.wake()  # more to send: the next turn does not wait in poll
             if self._chan.sock in events:
                 for _ in range(100000):
                     try:
@@ -463,21 +496,15 @@ class Controller:
             self.incidents.carry(env.rank)  # the job's exit order, to a rank it has not reached (incident.py)
 
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
-        """A relay's heartbeats for many ranks: the same per-rank bookkeeping as HEARTBEAT, one ack."""
-        b, get, seen, unknown = env.body, self.ranks.get, self.liveness.seen, []
+        """A relay's heartbeats for many ranks: the same bookkeeping as HEARTBEAT, in a few slice
+        assignments of the rank table's columns (RankTable.beats), one ack; nothing per rank in Python."""
+        b, table = env.body, self.ranks
         replaced = self.replacements.replaced  # ranks replaced by a recovery (recover.py)
-        for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
-            r = get(rank)
-            if r is None or not r.registered or r.ident != ident:  # not (or no longer) through this relay
-                if r is None or not r.left:
-                    unknown.append(rank)
-                continue
-            if replaced and replaced.get(rank, -1) > env.gen:
-                continue  # a replaced rank's old process: refused (recover.py counts per-rank frames)
-            r.last_seen, r.step, r.data_status, r.in_collective, r.progress_age = now, step, status, coll, age
-            if r.alive:
-                seen[rank] = None
-                seen.move_to_end(rank)
+        # a replaced rank's old process: refused (recover.py counts per-rank frames)
+        skip = [r for r in b.ranks if replaced.get(r, -1) > env.gen] if replaced else ()
+        # no lock, as for HEARTBEAT: the driver thread reads these columns under it, never writes them
+        acc, unknown = table.beats(b.ranks, table.conn_id(ident), b.steps, b.status, b.coll, b.age, now, skip)
+        table.watched[acc[table.col["alive"][acc]]] = True
         if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
             self.incidents.serve_dump_request()
         if self.incidents.order is not None:  # the job's exit order, to ranks it has not reached (incident.py)

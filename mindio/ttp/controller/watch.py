@@ -18,8 +18,11 @@ import collections
 import logging
 import time
 
+import numpy as np
+
 from ... import _logging
 from . import hangs, slow
+from .ranks import Watched
 from ..wire import protocol as P
 from .pidprobe import PidProbe
 from .states import State
@@ -36,9 +39,9 @@ class Liveness:
 
     def __init__(self, ctl):
         self.ctl = ctl
-        # live ranks, least recently heard first: a frame moves its rank to the end, so the sweep looks
-        # only at the front (O(expired) per sweep instead of O(world))
-        self.seen: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # the ranks the sweep watches: the rank table's ``watched`` column (ranks.py), whose sweep is one
+        # vector comparison of the beat times (RankTable.expired)
+        self.seen = Watched(lambda: ctl.ranks)
         self.probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
         self.starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged
         self.lagging = False  # the controller's inbound queue is behind: no death declared meanwhile
@@ -50,9 +53,7 @@ class Liveness:
 
     def touch(self, rank: int) -> None:
         """(I/O thread) A frame of live ``rank`` arrived: it goes to the end of the order."""
-        seen = self.seen
-        seen[rank] = None
-        seen.move_to_end(rank)
+        self.ctl.ranks.watched[rank] = True
 
     def gap(self, rank: int, silent: float) -> None:
         """(I/O thread) Live ``rank`` beat again after ``silent`` s without a frame (more than 1.5
@@ -69,8 +70,7 @@ class Liveness:
                      "that time is not counted", gap)
         _logging.event("controller_stalled", stall_s=round(gap, 3))
         self.stalls.append((time.monotonic(), gap))
-        for r in list(self.ctl.ranks.values()):
-            r.last_seen += gap
+        self.ctl.ranks.shift_clock(gap)
 
     def sweep(self, now: float, check_hang: bool) -> None:
         ctl = self.ctl
@@ -93,18 +93,12 @@ class Liveness:
             self.lagging = True
             return
         self.lagging = False
-        dead, starved = [], []
-        while self.seen:
-            r = self.ctl.ranks[next(iter(self.seen))]
-            if r.alive and now - r.last_seen <= limit:
-                break
-            self.seen.popitem(last=False)
-            if r.alive and self._starved(r, now):
-                starved.append(r.rank)
-            elif r.alive:
+        dead, table = [], self.ctl.ranks
+        for rank in table.expired(now, limit).tolist():  # a vector comparison; the loop: the expired only
+            r = table[rank]
+            if not self._starved(r, now):  # a starved rank stays watched: looked at again next sweep
+                table.watched[rank] = False
                 dead.append(r)
-        for rank in starved:  # looked at again once the ranks that beat meanwhile are behind it
-            self.seen[rank] = None
         if dead:  # one log line for a mass death (a lost node or switch), one event per rank
             _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.ctl.misses,
                        now - dead[0].last_seen, [r.rank for r in dead[:16]], " ..." if len(dead) > 16 else "")
@@ -120,7 +114,7 @@ class Liveness:
         if self.ctl.sm.state is not State.NORMAL:
             self.slow.base.clear()
             return
-        for found in self.slow.check([r.rank for r in self.ctl.ranks.values() if r.alive and r.registered]):
+        for found in self.slow.check(self.ctl.ranks.ranks_where(alive=True, registered=True)):
             s = self.slow.scores.get(found.rank, {})
             _log.warning("rank %d is slow (cause %s): %.3f s of compute per step, %.2fx its peers' median, "
                          "while they wait for it (MINDIO_SLOW_WINDOW %d steps, MINDIO_SLOW_RATIO %.2f, "
@@ -133,9 +127,13 @@ class Liveness:
         """(I/O thread, NORMAL) Kill the ranks stalled past the hang bound that the job waits for
         (hangs.py). The progress clock restarts when the state (re)enters NORMAL: a rank paused by a
         recovery, or whose last beat still carries the age from before it, is not hung."""
-        normal_for = now - self.ctl.sm.since
-        live = [r for r in self.ctl.ranks.values() if r.alive]
-        bound = self.hang.current(r.step_p99 for r in live)
+        normal_for, table = now - self.ctl.sm.since, self.ctl.ranks
+        alive = table.mask(alive=True)
+        bound = self.hang.current(table.col["step_p99"][alive])
+        ages = table.col["progress_age"][alive]
+        if bound <= 0 or not np.any(np.minimum(ages, normal_for) >= bound):
+            return  # nobody stalled past the bound (a vector test): no culprit to look for
+        live = [table[r] for r in np.flatnonzero(alive).tolist()]
         views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
                   r.in_collective, r.step, r.coll_seq) for r in live]
         idle = {r.rank: r.idle_age for r in live}
@@ -160,11 +158,9 @@ class Liveness:
         again and the sweep declares dead those that never come (``Controller._take_over``)."""
         ctl, limit, gone = self.ctl, self.ctl.misses * self.ctl.interval, []
         with ctl._cond:
-            while self.seen:
-                r = ctl.ranks[next(iter(self.seen))]
-                if now - r.last_seen <= limit:
-                    break
-                self.seen.popitem(last=False)
+            for rank in ctl.ranks.expired(now, limit, alive=False).tolist():
+                r = ctl.ranks[rank]
+                ctl.ranks.watched[rank] = False
                 if r.registered:
                     r.registered = False
                     ctl._registered -= 1
@@ -237,5 +233,8 @@ class Liveness:
         seconds (of this controller's observed time: see :meth:`stalled`)."""
         now = time.monotonic()
         with self.ctl._lock:
-            return [r for r in ranks if (x := self.ctl.ranks.get(r)) is not None and x.alive and x.registered
-                    and now - x.last_seen <= within]
+            t = self.ctl.ranks
+            ranks = [r for r in ranks if r in t]
+            idx = np.asarray(ranks, np.int64)
+            ok = t.col["alive"][idx] & t.col["registered"][idx] & (now - t.col["last_seen"][idx] <= within)
+            return np.asarray(ranks, np.int64)[ok].tolist()

@@ -137,6 +137,7 @@ def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(rel
         for _ in range(20):
             for ident, env in frames:
                 ctl._on_beats(ident, env, time.monotonic())
+            ctl._flush_beats()
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()

@@ -57,6 +57,7 @@ __all__ = ["Controller"]
 
 _log = logging.getLogger("mindio.ttp.controller")
 _SEND_SLICE_S = 0.05  # the longest the I/O thread sends queued frames before it reads again
+_RECV_SLICE_S = 0.2  # the longest it reads frames before it sweeps and sends again
 
 
 def _action_body(name: str, params: bytes, ranks: list) -> bytes:
@@ -119,6 +120,7 @@ class Controller:
                                  else backups_allowed,
                                  relays=_knobs.get("MINDIO_RELAYS") if relays is None else relays)
         self._relays: set[bytes] = set()  # connections of relay sessions
+        self._beats: list = []  # BEATS frames read in this turn, applied together (_flush_beats)
         self.mindx: dict = {}
         self.address = ""
         self.final = threading.Event()
@@ -137,6 +139,7 @@ class Controller:
         self._ack_body: bytes = b""
         self._registered = 0
         self._drained_at = time.monotonic()
+        self.io_gap_max = 0.0  # the longest the I/O thread went without returning to its poll, s (bench/controller_scale.py)
         self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval,
                                     backlog=lambda: time.monotonic() - self._drained_at > 0.5,
                                     alive_of=self._alive_of)
@@ -339,6 +342,7 @@ class Controller:
             now = time.monotonic()
             if now - last_turn > period + self.interval:
                 liveness.stalled(now - last_turn - period)
+            self.io_gap_max = max(self.io_gap_max, now - last_turn)
             last_turn = now
             if self._waker.rfd in events:
                 self._waker.drain()
@@ -354,7 +358,8 @@ class Controller:
             else:
                 self._waker.wake()  # more to send: the next turn does not wait in poll
             if self._chan.sock in events:
-                for _ in range(100000):
+                budget = time.monotonic() + _RECV_SLICE_S
+                while True:  # at most _RECV_SLICE_S of frames per turn: the sweep and the sends run between
                     try:
                         got = self._chan.recv()
                     except zmq.Again:
@@ -362,6 +367,10 @@ class Controller:
                         break
                     if got is not None:
                         self._on_frame(*got)
+                    if time.monotonic() >= budget:
+                        self._waker.wake()  # more to read: the next turn does not wait in poll
+                        break
+                self._flush_beats()
             else:
                 self._drained_at = time.monotonic()
             now = time.monotonic()
@@ -413,6 +422,11 @@ class Controller:
 
     def _dispatch(self, ident: bytes, env: P.Envelope, relay: bool = False) -> None:
         body, now = env.body, time.monotonic()
+        if env.type is P.MsgType.BEATS:
+            self._on_beats(ident, env, now)
+            return
+        if self._beats:  # frames of other kinds see the beats read before them
+            self._flush_beats()
         if relay and env.rank >= 0 and env.type is not P.MsgType.REGISTER:
             r = self.ranks.get(env.rank)
             if r is None or r.ident != ident:  # a relay speaks only for the ranks that registered through it
@@ -487,8 +501,6 @@ class Controller:
             else:
                 _log.warning("rank %d asked for %r, which is no request this controller knows", env.rank,
                              env.body.name[:40])
-        elif env.type is P.MsgType.BEATS:
-            self._on_beats(ident, env, now)
         elif env.type is P.MsgType.BATCH:
             for item in body.items:
                 self._dispatch(ident, item, relay=True)
@@ -496,25 +508,51 @@ class Controller:
             self.incidents.carry(env.rank)  # the job's exit order, to a rank it has not reached (incident.py)
 
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
-        """A relay's heartbeats for many ranks: the same bookkeeping as HEARTBEAT, in a few slice
-        assignments of the rank table's columns (RankTable.beats), one ack; nothing per rank in Python."""
-        b, table = env.body, self.ranks
-        replaced = self.replacements.replaced  # ranks replaced by a recovery (recover.py)
-        # a replaced rank's old process: refused (recover.py counts per-rank frames)
-        skip = [r for r in b.ranks if replaced.get(r, -1) > env.gen] if replaced else ()
+        """A relay's heartbeats for many ranks: kept until the end of the I/O thread's read (or the next
+        frame of another kind), then applied with the turn's other BEATS frames (:meth:`_flush_beats`)."""
+        self._beats.append((ident, env, now))
+
+    def _flush_beats(self) -> None:
+        """Apply the BEATS frames read (the same bookkeeping as HEARTBEAT): one RankTable.beats call for
+        all of them -- a few slice assignments of the rank table's columns, nothing per rank in Python --
+        then one ack per frame, naming the ranks a frame spoke for that are not registered through it."""
+        frames, self._beats = self._beats, []
+        if not frames:
+            return
+        table, replaced = self.ranks, self.replacements.replaced  # ranks replaced by a recovery (recover.py)
+        ranks, steps, status, coll, age, conns, nows, ends, skip = [], [], [], [], [], [], [], [], []
+        for ident, env, now in frames:
+            b = env.body
+            ranks += b.ranks
+            steps += b.steps
+            status += b.status
+            coll += b.coll
+            age += b.age
+            conns.append(table.conn_id(ident))
+            nows.append(now)
+            ends.append(len(ranks))
+            if replaced:  # a replaced rank's old process: refused
+                skip += [r for r in b.ranks if replaced.get(r, -1) > env.gen]
+        counts = np.diff(np.asarray([0] + ends))
         # no lock, as for HEARTBEAT: the driver thread reads these columns under it, never writes them
-        acc, unknown = table.beats(b.ranks, table.conn_id(ident), b.steps, b.status, b.coll, b.age, now, skip)
+        acc, unknown = table.beats_at(ranks, np.repeat(np.asarray(conns, np.int32), counts), steps, status, coll, age,
+                                      np.repeat(np.asarray(nows), counts), skip)
         table.watched[acc[table.col["alive"][acc]]] = True
         if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
             self.incidents.serve_dump_request()
         if self.incidents.order is not None:  # the job's exit order, to ranks it has not reached (incident.py)
-            for rank in b.ranks:
+            for rank in ranks:
                 self.incidents.carry(rank)
+        strangers: dict[int, list] = {}  # frame -> the ranks it named that are not registered through it
+        if len(unknown):
+            for i, pos in zip(np.searchsorted(ends, unknown, side="right").tolist(), unknown.tolist()):
+                strangers.setdefault(i, []).append(ranks[pos])
         state = self.sm.state.value
-        if unknown:
-            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, unknown)), ident)
-        else:
-            self._ack(ident, -1, state)
+        for i, (ident, _env, _now) in enumerate(frames):
+            if i in strangers:
+                self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, strangers[i])), ident)
+            else:
+                self._ack(ident, -1, state)
 
     def register_ack(self) -> P.RegisterAck:
         """What a REGISTER is answered with: the generation, the beat interval, where to fail over to, and

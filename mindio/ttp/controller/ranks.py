@@ -242,34 +242,40 @@ class RankTable(dict):
     # ------------------------------------------------------------------ the I/O thread's hot paths
     def beats(self, ranks, conn: int, steps, status, coll, age, now: float, skip=()):
         """(I/O thread) One relay's BEATS frame (columns, wire/protocol.py ``Beats``) from connection
-        number ``conn``: the rows of its ranks that are registered through it get the beat's columns and
-        ``last_seen = now``, one slice assignment each; ranks in ``skip`` (a replaced rank's old process)
-        are left alone. Returns (the accepted ranks, an index array; the ranks named that are not registered
-        through this connection and did not leave, a list: the ack tells them to register)."""
+        number ``conn``: :meth:`beats_at`; returns (the accepted ranks, an index array; the ranks named that
+        are not registered through this connection and did not leave, a list: the ack tells them to register)."""
+        acc, unknown = self.beats_at(ranks, conn, steps, status, coll, age, now, skip)
+        return acc, [ranks[i] for i in unknown.tolist()]
+
+    def beats_at(self, ranks, conn, steps, status, coll, age, now, skip=()):
+        """(I/O thread) BEATS frames' columns, concatenated: the rows of the ranks registered through the
+        connection numbered ``conn`` (one per rank, or one for all) get the beat's columns and ``last_seen =
+        now`` (likewise), one slice assignment each; ranks in ``skip`` (a replaced rank's old process) are
+        left alone. Returns (the accepted ranks; the positions in ``ranks`` of those not registered through
+        their connection that did not leave), both index arrays."""
         idx = np.asarray(ranks, np.int64)
         inside = (idx >= 0) & (idx < len(self.present))
         j = np.where(inside, idx, 0)
-        ok = inside & self.present[j] & self.col["registered"][j] & (self.conn[j] == conn)
-        other = ~ok
-        if skip:
-            other &= ~np.isin(idx, np.fromiter(skip, np.int64))
-            ok &= np.isin(idx, np.fromiter(skip, np.int64), invert=True)
         col = self.col
-        if ok.all():  # the steady state: every rank of the frame is the relay's
+        ok = inside & self.present[j] & col["registered"][j] & (self.conn[j] == conn)
+        other = ~ok
+        if len(skip):
+            skipped = np.isin(idx, np.asarray(skip, np.int64))
+            ok &= ~skipped
+            other &= ~skipped
+        if ok.all():  # the steady state: every rank is its relay's
             acc = idx
             col["step"][acc], col["data_status"][acc], col["in_collective"][acc] = steps, status, coll
-            col["progress_age"][acc] = age
-        else:
-            acc = idx[ok]
-            col["step"][acc] = np.asarray(steps, np.int64)[ok]
-            col["data_status"][acc] = np.asarray(status, np.int64)[ok]
-            col["in_collective"][acc] = np.asarray(coll, np.bool_)[ok]
-            col["progress_age"][acc] = np.asarray(age, np.float64)[ok]
-        col["last_seen"][acc] = now
-        if not other.any():
-            return acc, []
+            col["progress_age"][acc], col["last_seen"][acc] = age, now
+            return acc, np.zeros(0, np.int64)
+        acc = idx[ok]
+        col["step"][acc] = np.asarray(steps, np.int64)[ok]
+        col["data_status"][acc] = np.asarray(status, np.int64)[ok]
+        col["in_collective"][acc] = np.asarray(coll, np.bool_)[ok]
+        col["progress_age"][acc] = np.asarray(age, np.float64)[ok]
+        col["last_seen"][acc] = now if np.ndim(now) == 0 else np.asarray(now)[ok]
         gone = inside & self.present[j] & col["left"][j]
-        return acc, idx[other & ~gone].tolist()
+        return acc, np.flatnonzero(other & ~gone)
 
     def expired(self, now: float, limit: float, alive: bool = True) -> np.ndarray:
         """(liveness sweep) Watched ranks (live ones only, unless ``alive=False``) silent for more than

@@ -49,6 +49,9 @@ def test_vector_queries():
     assert t.count(alive=False) == 2
     assert t.min_step(alive=True) == 2 and t.min_step([3, 5]) == 3 and t.min_step([], alive=True) is None
     assert t.column("step", [3, 0]) == [9, 2]
+    views = t.views({0: None, 2: None, 4: None})  # the decision's: alive only if it answered the stop round
+    assert [(v.rank, v.alive, v.step) for v in views] == [(0, True, 2), (1, False, 3), (2, True, 3), (3, False, 9),
+                                                          (4, False, 3), (5, False, 3)]
 
 
 def test_beats_update_the_relays_ranks_in_slices_and_name_the_strangers():

@@ -326,8 +326,7 @@ class IncidentFlow:
                 if rep.ok:
                     self.ctl.ranks[rank].step = rep.detail.get("step", self.ctl.ranks[rank].step)
                     self.ctl.ranks[rank].data_status = rep.detail.get("data_status", 0)
-            views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
-                                     tuple(r.replica)) for r in self.ctl.ranks.values()]
+            views = self.ctl.ranks.views(replies)  # from the rank table's columns (ranks.py)
         missing = sorted(set(self.ctl.elastic.job_ranks()) - set(self.ctl.ranks))  # without the removed ranks
         return views + [policy.RankView(r, alive=False, faulty=True) for r in missing]
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .policy import RankView
+
 __all__ = ["RankRecord", "RankTable", "infer_layout", "COLUMNS"]
 
 # column name -> (dtype, value of a new record); every one is a RankRecord attribute (a view of the row)
@@ -234,6 +236,16 @@ class RankTable(dict):
         else:
             idx = np.flatnonzero(self.mask(**conds))
         return int(self.col["step"][idx].min()) if len(idx) else None
+
+    def views(self, replied) -> list:
+        """The decision's view of every rank in the table (policy.RankView), alive only if it also
+        ``replied`` (the stop round's replies): built from the columns, not from record attributes."""
+        idx = np.flatnonzero(self.present)
+        col = self.col
+        alive = col["alive"][idx] & np.isin(idx, np.fromiter(replied, np.int64))
+        return [RankView(r, a, f, s, d, tuple(dict.__getitem__(self, r).replica)) for r, a, f, s, d in zip(
+            idx.tolist(), alive.tolist(), col["faulty"][idx].tolist(), col["step"][idx].tolist(),
+            col["data_status"][idx].tolist())]
 
     def column(self, name: str, ranks) -> list:
         """Column ``name`` of ``ranks`` as Python values."""

@@ -679,8 +679,8 @@ class Controller:
         """Live ranks whose processor registered with ``enable_uce=False``: the job's ranks did not
         allow step retry (a processor that sent no flags allows it, as the reference default does)."""
         with self._lock:
-            return sorted(r.rank for r in self.ranks.values()
-                          if r.alive and not r.features.get("uce", True))
+            alive = self.ranks.col["alive"]
+            return sorted(r.rank for r in self.ranks.values() if not r.features.get("uce", True) and alive[r.rank])
 
     def _ranks_ask(self) -> set:
         with self._lock:

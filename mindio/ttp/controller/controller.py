@@ -113,7 +113,7 @@ class Controller:
         self.provisional_dump = ""
         self.provisional_renamed = False  # whether the rename handler completed the provisional dump there
         self.backups: list[str] = []
-        self.ranks = RankTable()  # {rank: RankRecord} (ranks.py)
+        self.ranks = RankTable(capacity=world_size)  # {rank: RankRecord} over numpy columns (ranks.py)
         self.drops = P.DropCounter()
         self.sessions = Sessions(max_pending=2 * world_size + 64,
                                  backups=_knobs.get("MINDIO_BACKUP_CONTROLLERS") if backups_allowed is None

@@ -149,3 +149,61 @@ def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(rel
     monkeypatch.undo()
     assert all(ctl.ranks[r].step == 9 for r in range(n)) and ctl.ranks.count(watched=True) == n
     assert np.all(ctl.ranks.col["progress_age"][:n] == 0.5)
+
+
+def test_a_relays_beats_through_the_socket_keep_its_ranks_alive_and_silence_kills_them():
+    """End to end on a real socket, the controller's threads running: a relay (raw DEALER, protocol v3
+    session) registers 16 ranks and beats for them with BEATS frames; the ack names a rank it is not
+    registered for; when the relay stops beating for 8 of them, the sweep declares those dead (and only
+    those) after misses x interval."""
+    from mindio.ttp.wire.session import fresh
+    from tests.ttp._harness import free_port, until
+
+    n, port = 16, free_port()
+    ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=0.5, misses=4, hang_timeout=0,
+                     relays=True)
+    ctl.start("127.0.0.1", port)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sess, ctr = [0], [0]
+
+    def send(env):
+        ctr[0] += 1
+        sock.send(P.encode(env._replace(sess=sess[0], ctr=ctr[0]), KEY))
+
+    def recv(mtype, timeout=10.0):
+        end = time.monotonic() + timeout
+        while sock.poll(max(0, end - time.monotonic()) * 1000):
+            env = P.decode(sock.recv(), KEY)
+            if env.type is mtype:
+                return env
+        raise AssertionError(f"no {mtype.name} within {timeout} s")
+
+    def beats(ranks):
+        k = len(ranks)
+        send(P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ranks, steps=[4] * k, status=[0] * k, coll=[False] * k,
+                                                 age=[0.0] * k)))
+
+    try:
+        nonce = fresh()
+        sock.send(P.encode(P.Envelope(P.MsgType.HELLO, P.Hello(nonce), rank=-1), KEY))
+        sess[0] = recv(P.MsgType.CHALLENGE).body.session
+        send(P.Envelope(P.MsgType.REGISTER, P.Register(world_size=n, pid=1, host="h", role="relay")))
+        recv(P.MsgType.REGISTER_ACK)
+        send(P.Envelope(P.MsgType.BATCH, P.Batch([P.Envelope(P.MsgType.REGISTER, P.Register(
+            world_size=n, pid=100 + r, host="h"), rank=r) for r in range(n - 1)])))  # rank 15 never registers
+        assert until(lambda: len(ctl.ranks) == n - 1, 10)
+        beats(list(range(n)))
+        assert recv(P.MsgType.HEARTBEAT_ACK).body.unknown == [n - 1]
+        assert until(lambda: all(ctl.ranks[r].step == 4 for r in range(n - 1)), 5)
+        end = time.monotonic() + 15  # the silent half dies after 4 x 0.5 s (a sweep); the other half beats on
+        while time.monotonic() < end and ctl.ranks.dead() != list(range(8, n - 1)):
+            beats(list(range(8)))
+            time.sleep(0.05)
+        assert ctl.ranks.dead() == list(range(8, n - 1)) and ctl.ranks.live() == list(range(8))
+    finally:
+        sock.close(0)
+        ctx.term()
+        ctl.destroy()

@@ -8,6 +8,7 @@ per-relay relay connections; each round every relay's BEATS frame, signed as a r
 verified and decoded (wire/protocol.py) and handed to the controller's dispatch, which applies it and
 sends the ack (to a connection that is not there: zmq drops it after the send). Printed: process CPU ms
 per round (decode and dispatch apart), and the share of a core at 1 s beats. Not in the test suite.
+``MINDIO_SRC=DIR`` measures the mindio package in DIR instead (an older commit's: ``git archive C mindio``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.environ.get("MINDIO_SRC") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [p for p in (os.environ.get("MINDIO_SRC"), _ROOT) if p]  # MINDIO_SRC: another commit's mindio
 
 KEY = b"bench-secret-0123456789abcdef0123"
 
@@ -27,23 +29,11 @@ def main() -> None:
     p.add_argument("--per-relay", type=int, default=8, help="ranks per relay connection")
     p.add_argument("--rounds", type=int, default=5, help="heartbeat rounds measured")
     a = p.parse_args()
-    import zmq
-
-    from mindio.ttp.controller.controller import Controller
     from mindio.ttp.wire import protocol as P
-    from mindio.ttp.wire.transport import Channel
+    from tests.ttp._harness import threadless_controller  # real Controller and ROUTER, threads not started
 
     n, k = a.n, a.per_relay
-    ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=1.0, misses=3, hang_timeout=0,
-                     relays=True)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind_to_random_port("tcp://127.0.0.1")
-    ctl._chan = Channel(sock, KEY, ctl.drops, sess=ctl.sessions.epoch)
-    now = time.monotonic()
-    for r in range(n):
-        ctl._on_register(b"relay%d" % (r // k), r, P.Register(world_size=n, pid=1000 + r, host="h"), now)
+    ctl, close = threadless_controller(n, KEY, k)
     frames = []
     for c in range(0, n, k):
         ranks = list(range(c, min(n, c + k)))
@@ -68,8 +58,7 @@ def main() -> None:
     print(f"{n} ranks, {len(frames)} relays: {per * 1000:.1f} ms CPU per round ({per:.1%} of a core at 1 s beats): "
           f"verify+decode {decode_s / a.rounds * 1000:.1f} ms, dispatch+ack {dispatch_s / a.rounds * 1000:.1f} ms; "
           f"dead {dead}; load average {os.getloadavg()[0]:.1f}")
-    sock.close(0)
-    ctx.term()
+    close()
 
 
 if __name__ == "__main__":

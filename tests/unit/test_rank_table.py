@@ -13,7 +13,7 @@ import zmq
 from mindio.ttp.controller.controller import Controller, _action_body
 from mindio.ttp.controller.ranks import RankRecord, RankTable, Watched
 from mindio.ttp.wire import protocol as P
-from mindio.ttp.wire.transport import Channel
+from tests.ttp._harness import threadless_controller
 
 KEY = b"rank-table-test-secret-0123456789"
 
@@ -95,28 +95,18 @@ def test_a_relays_action_body_packed_once_decodes_as_the_action():
 def relay_controller():
     """A real Controller (no threads) with a real ROUTER socket, 4,096 ranks registered through 8 relays."""
     n = 4096
-    ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=1.0, misses=3, hang_timeout=0,
-                     relays=True)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind_to_random_port("tcp://127.0.0.1")
-    ctl._chan = Channel(sock, KEY, ctl.drops, sess=ctl.sessions.epoch)
-    now = time.monotonic()
-    for r in range(n):
-        ctl._on_register(b"relay%d" % (r % 8), r, P.Register(world_size=n, pid=1000 + r, host="h"), now)
+    ctl, close = threadless_controller(n, KEY, per_relay=n // 8)
     try:
         yield ctl, n
     finally:
-        sock.close(0)
-        ctx.term()
+        close()
 
 
 def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(relay_controller, monkeypatch):
     ctl, n = relay_controller
     frames = []
     for relay in range(8):
-        ranks = list(range(relay, n, 8))
+        ranks = list(range(relay * n // 8, (relay + 1) * n // 8))
         k = len(ranks)
         frames.append((b"relay%d" % relay, P.Envelope(P.MsgType.BEATS, P.Beats(
             ranks=ranks, steps=[9] * k, status=[0] * k, coll=[False] * k, age=[0.5] * k))))
@@ -185,6 +175,12 @@ def test_a_relays_beats_through_the_socket_keep_its_ranks_alive_and_silence_kill
         k = len(ranks)
         send(P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ranks, steps=[4] * k, status=[0] * k, coll=[False] * k,
                                                  age=[0.0] * k)))
+        while sock.poll(0):  # the incident the deaths open: every action answered at once, as a relay would
+            env = P.decode(sock.recv(), KEY)
+            if env.type is P.MsgType.ACTION:
+                detail = {"step": 4, "data_status": 0, "main": "parked"} if env.body.name == "stop" else {}
+                send(P.Envelope(P.MsgType.BATCH, P.Batch([P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail=detail),
+                                                                     rank=r, sn=env.sn) for r in env.body.ranks])))
 
     try:
         nonce = fresh()
@@ -203,6 +199,9 @@ def test_a_relays_beats_through_the_socket_keep_its_ranks_alive_and_silence_kill
             beats(list(range(8)))
             time.sleep(0.05)
         assert ctl.ranks.dead() == list(range(8, n - 1)) and ctl.ranks.live() == list(range(8))
+        while time.monotonic() < end + 20 and not ctl.final.is_set():  # the incident ends (dump, exit)
+            beats(list(range(8)))
+            time.sleep(0.05)
     finally:
         sock.close(0)
         ctx.term()

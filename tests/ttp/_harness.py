@@ -236,3 +236,32 @@ def assert_bitwise_equal(a: list, b: list) -> None:
         assert x["it"] == y["it"], (r, x["it"], y["it"])
         for key in ("flat", "master", "m", "v"):
             assert torch.equal(x[key], y[key]), f"rank {r}: {key} differs"
+
+
+def threadless_controller(n: int, key: bytes, per_relay: int = 8):
+    """A real Controller whose threads are not started, with a real ROUTER socket (its acks go out and
+    are dropped by zmq), and ``n`` ranks registered through relays ``b"relay<i>"`` of ``per_relay``
+    contiguous ranks: the I/O thread's handlers driven by hand (tests/unit/test_rank_table.py,
+    bench/beats_cpu.py). Returns (controller, close)."""
+    import zmq
+
+    from mindio.ttp.controller.controller import Controller
+    from mindio.ttp.wire import protocol as P
+    from mindio.ttp.wire.transport import Channel
+
+    ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=key, interval=1.0, misses=3, hang_timeout=0,
+                     relays=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind_to_random_port("tcp://127.0.0.1")
+    ctl._chan = Channel(sock, key, ctl.drops, sess=ctl.sessions.epoch)
+    now = time.monotonic()
+    for r in range(n):
+        ctl._on_register(b"relay%d" % (r // per_relay), r, P.Register(world_size=n, pid=1000 + r, host="h"), now)
+
+    def close() -> None:
+        sock.close(0)
+        ctx.term()
+
+    return ctl, close

@@ -49,8 +49,11 @@ class _Pending:
 
 class ActionEngine:
     def __init__(self, cond: threading.Condition, send_many: Callable[[set, P.Action, int], None],
-                 alive: Callable[[int], bool], interval: float, backlog: Callable[[], bool] = lambda: False):
+                 alive: Callable[[int], bool], interval: float, backlog: Callable[[], bool] = lambda: False,
+                 alive_of: Callable[[set], set] | None = None):
         self._cond, self._send_many, self._alive, self._backlog = cond, send_many, alive, backlog
+        # the live ones of a set of ranks (the controller's: one vector lookup in the rank table, ranks.py)
+        self._alive_of = alive_of or (lambda ranks: {r for r in ranks if alive(r)})
         self.resends = 0
         self.resend = 2 * interval
         self.sn = 0
@@ -104,7 +107,7 @@ class ActionEngine:
                 sn = self.sn
             # the caller is woken once every target alive now answered (a dead target -- the exit order goes to
             # every registered rank, incident.py -- never answers; one that does only wakes it once more)
-            alive = sum(1 for r in targets if self._alive(r))
+            alive = len(self._alive_of(targets))
             pend = self._pending = _Pending(sn, name, targets, outstanding=alive, fail_fast=fail_fast)
         body = P.Action(name, params)
         # an action that carries a timeout is answered within it: no resend before then
@@ -124,7 +127,7 @@ class ActionEngine:
                 last_send, due = now, False
             with self._cond:
                 # only the ranks still waiting are looked at again (a 100k-rank round shrinks quickly)
-                waiting = {r for r in waiting if r not in pend.replies and self._alive(r)}
+                waiting = self._alive_of(waiting.difference(pend.replies))
                 if not waiting or now - t0 >= timeout or pend.failed:
                     break
                 # resend due but our inbound queue is behind: look again in 0.25 s, not in a busy loop

@@ -28,6 +28,8 @@ import queue
 import threading
 import time
 
+import msgpack
+import numpy as np
 import zmq
 
 from ... import _knobs, _logging
@@ -56,6 +58,17 @@ from ..wire.transport import Channel, Link, Waker, job_curve_keypair
 __all__ = ["Controller"]
 
 _log = logging.getLogger("mindio.ttp.controller")
+_SEND_SLICE_S = 0.05  # the longest the I/O thread sends queued frames before it reads again
+_RECV_SLICE_S = 0.2  # the longest it reads frames before it sweeps and sends again
+
+
+def _action_body(name: str, params: bytes, ranks: list) -> bytes:
+    """The packed body of ``P.Action(name, <params>, ranks)`` with ``params`` packed already (a map;
+    the decoder takes its fields in any order)."""
+    pack = msgpack.packb
+    return b"\x83" + pack("name") + pack(name, use_bin_type=True) + pack("ranks") + pack(ranks) + pack("params") + params
+
+
 # frames of a rank that show it is there: one that has not confirmed the job's exit order gets it (incident.py)
 _HEARD = (P.MsgType.HEARTBEAT, P.MsgType.REGISTER, P.MsgType.REPORT, P.MsgType.REQUEST)
 
@@ -111,6 +124,7 @@ class Controller:
                                  else backups_allowed,
                                  relays=_knobs.get("MINDIO_RELAYS") if relays is None else relays)
         self._relays: set[bytes] = set()  # connections of relay sessions
+        self._beats: list = []  # BEATS frames read in this turn, applied together (_flush_beats)
         self.address = ""
         self.final = core.final
         self._lock, self._cond, self._stop = core.lock, core.cond, core.stop
@@ -119,8 +133,10 @@ class Controller:
         self._primary_link: Link | None = None
         self._threads: list[threading.Thread] = []
         self._ack_body: bytes = b""
+        self.io_gap_max = 0.0  # the longest the I/O thread went without returning to its poll, s (bench/controller_scale.py)
         self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval,
-                                    backlog=lambda: time.monotonic() - core.drained_at > 0.5)
+                                    backlog=lambda: time.monotonic() - core.drained_at > 0.5,
+                                    alive_of=self._alive_of)
         self._call = self.actions.call
         core.use_actions(self.actions)
         core.send, core.sessions = self._send, self.sessions
@@ -271,28 +287,46 @@ class Controller:
             ident = r.ident
             if mtype is P.MsgType.ACTION and ident in self._relays:
                 body = P.Action(body.name, body.params, [rank])
-        self._out.put(((ident,), P.Envelope(mtype, body, rank=rank, sn=sn)))
+        self._out.put(((ident,), P.Envelope(mtype, body, rank=rank, sn=sn), None))
         self._waker.wake()
 
     def _send_many(self, ranks, body: P.Action, sn: int) -> None:
         """(any thread) Broadcast one ACTION to many ranks: one frame (envelope rank -1), signed once, for
         all ranks with a connection of their own, and one frame per relay listing its ranks; a single
-        wake-up of the I/O thread. Signing per rank was most of a 10k-rank stop round."""
-        get, relay_idents = self.ranks.get, self._relays
-        direct, relays = [], {}
-        for rank in ranks:
-            r = get(rank)
-            if r is None or not r.ident:
-                continue
-            if r.ident in relay_idents:
-                relays.setdefault(r.ident, []).append(rank)
-            else:
-                direct.append(r.ident)
+        wake-up of the I/O thread. Signing per rank was most of a 10k-rank stop round. The ranks are
+        grouped by connection with the rank table's ``conn`` column (one sort, not a loop over records),
+        and the params are packed once: a relay's body is the packed params spliced with its rank list
+        (a dump's save_info names every saver: packed per relay it stalled the I/O thread for tens of s)."""
+        with self._lock:
+            t = self.ranks
+            idx = np.fromiter(ranks, np.int64)
+            idx = idx[(idx >= 0) & (idx < len(t.conn))]
+            cid = t.conn[idx]
+            keep = t.present[idx] & (cid >= 0)
+            idx, cid = idx[keep], cid[keep]
+            order = np.argsort(cid, kind="stable")
+            idx, cid = idx[order], cid[order]
+            starts = np.flatnonzero(np.r_[True, cid[1:] != cid[:-1]]) if len(cid) else np.zeros(0, np.int64)
+            groups = [(t.ident_of(int(cid[a])), idx[a:b].tolist())
+                      for a, b in zip(starts.tolist(), starts[1:].tolist() + [len(idx)])]
+        relay_idents = self._relays
+        direct = [ident for ident, _ in groups if ident not in relay_idents]
         if direct:
-            self._out.put((direct, P.Envelope(P.MsgType.ACTION, body, rank=-1, sn=sn)))
-        for ident, rs in relays.items():
-            self._out.put(((ident,), P.Envelope(P.MsgType.ACTION, P.Action(body.name, body.params, rs), rank=-1, sn=sn)))
+            self._out.put((direct, P.Envelope(P.MsgType.ACTION, body, rank=-1, sn=sn), None))
+        relayed = [(ident, rs) for ident, rs in groups if ident in relay_idents]
+        if relayed:
+            params = msgpack.packb(body.params, use_bin_type=True)
+            for ident, rs in relayed:
+                env = P.Envelope(P.MsgType.ACTION, P.Action(body.name, body.params, rs), rank=-1, sn=sn)
+                self._out.put(((ident,), env, _action_body(body.name, params, rs)))
         self._waker.wake()
+
+    def _alive_of(self, ranks) -> set:
+        """(under the lock) The live ones of ``ranks`` (the action engine's waiting set): one vector lookup."""
+        t = self.ranks
+        idx = np.fromiter(ranks, np.int64)
+        idx = idx[(idx >= 0) & (idx < len(t.present))]
+        return set(idx[t.present[idx] & t.col["alive"][idx]].tolist())
 
     def _io_loop(self) -> None:
         poller = self._poller = zmq.Poller()
@@ -307,20 +341,24 @@ class Controller:
             now = time.monotonic()
             if now - last_turn > period + self.interval:
                 liveness.stalled(now - last_turn - period)
+            self.io_gap_max = max(self.io_gap_max, now - last_turn)
             last_turn = now
             if self._waker.rfd in events:
                 self._waker.drain()
-            send_raw = self._chan.send_raw
-            while True:
+            send_raw, budget = self._chan.send_raw, time.monotonic() + _SEND_SLICE_S
+            while time.monotonic() < budget:  # a send storm (an action to 12,500 relays) yields to the inbound
                 try:
-                    idents, env = self._out.get_nowait()
+                    idents, env, body = self._out.get_nowait()
                 except queue.Empty:
                     break
-                frame = self._chan.frame(env)
+                frame = self._chan.frame(env, body)
                 for ident in idents:
                     send_raw(frame, ident)
+            else:
+                self._waker.wake()  # more to send: the next turn does not wait in poll
             if self._chan.sock in events:
-                for _ in range(100000):
+                budget = time.monotonic() + _RECV_SLICE_S
+                while True:  # at most _RECV_SLICE_S of frames per turn: the sweep and the sends run between
                     try:
                         got = self._chan.recv()
                     except zmq.Again:
@@ -328,6 +366,10 @@ class Controller:
                         break
                     if got is not None:
                         self._on_frame(*got)
+                    if time.monotonic() >= budget:
+                        self._waker.wake()  # more to read: the next turn does not wait in poll
+                        break
+                self._flush_beats()
             else:
                 self._drained_at = time.monotonic()
             now = time.monotonic()
@@ -379,6 +421,11 @@ class Controller:
 
     def _dispatch(self, ident: bytes, env: P.Envelope, relay: bool = False) -> None:
         body, now = env.body, time.monotonic()
+        if env.type is P.MsgType.BEATS:
+            self._on_beats(ident, env, now)
+            return
+        if self._beats:  # frames of other kinds see the beats read before them
+            self._flush_beats()
         if relay and env.rank >= 0 and env.type is not P.MsgType.REGISTER:
             r = self.ranks.get(env.rank)
             if r is None or r.ident != ident:  # a relay speaks only for the ranks that registered through it
@@ -454,8 +501,6 @@ class Controller:
             else:
                 _log.warning("rank %d asked for %r, which is no request this controller knows", env.rank,
                              env.body.name[:40])
-        elif env.type is P.MsgType.BEATS:
-            self._on_beats(ident, env, now)
         elif env.type is P.MsgType.BATCH:
             for item in body.items:
                 self._dispatch(ident, item, relay=True)
@@ -463,31 +508,51 @@ class Controller:
             self.incidents.carry(env.rank)  # the job's exit order, to a rank it has not reached (incident.py)
 
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
-        """A relay's heartbeats for many ranks: the same per-rank bookkeeping as HEARTBEAT, one ack."""
-        b, get, seen, unknown = env.body, self.ranks.get, self.liveness.seen, []
-        replaced = self.replacements.replaced  # ranks replaced by a recovery (recover.py)
-        for rank, step, status, coll, age in zip(b.ranks, b.steps, b.status, b.coll, b.age):
-            r = get(rank)
-            if r is None or not r.registered or r.ident != ident:  # not (or no longer) through this relay
-                if r is None or not r.left:
-                    unknown.append(rank)
-                continue
-            if replaced and replaced.get(rank, -1) > env.gen:
-                continue  # a replaced rank's old process: refused (recover.py counts per-rank frames)
-            r.last_seen, r.step, r.data_status, r.in_collective, r.progress_age = now, step, status, coll, age
-            if r.alive:
-                seen[rank] = None
-                seen.move_to_end(rank)
+        """A relay's heartbeats for many ranks: kept until the end of the I/O thread's read (or the next
+        frame of another kind), then applied with the turn's other BEATS frames (:meth:`_flush_beats`)."""
+        self._beats.append((ident, env, now))
+
+    def _flush_beats(self) -> None:
+        """Apply the BEATS frames read (the same bookkeeping as HEARTBEAT): one RankTable.beats call for
+        all of them -- a few slice assignments of the rank table's columns, nothing per rank in Python --
+        then one ack per frame, naming the ranks a frame spoke for that are not registered through it."""
+        frames, self._beats = self._beats, []
+        if not frames:
+            return
+        table, replaced = self.ranks, self.replacements.replaced  # ranks replaced by a recovery (recover.py)
+        ranks, steps, status, coll, age, conns, nows, ends, skip = [], [], [], [], [], [], [], [], []
+        for ident, env, now in frames:
+            b = env.body
+            ranks += b.ranks
+            steps += b.steps
+            status += b.status
+            coll += b.coll
+            age += b.age
+            conns.append(table.conn_id(ident))
+            nows.append(now)
+            ends.append(len(ranks))
+            if replaced:  # a replaced rank's old process: refused
+                skip += [r for r in b.ranks if replaced.get(r, -1) > env.gen]
+        counts = np.diff(np.asarray([0] + ends))
+        # no lock, as for HEARTBEAT: the driver thread reads these columns under it, never writes them
+        acc, unknown = table.beats_at(ranks, np.repeat(np.asarray(conns, np.int32), counts), steps, status, coll, age,
+                                      np.repeat(np.asarray(nows), counts), skip)
+        table.watched[acc[table.col["alive"][acc]]] = True
         if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
             self.incidents.serve_dump_request()
         if self.incidents.order is not None:  # the job's exit order, to ranks it has not reached (incident.py)
-            for rank in b.ranks:
+            for rank in ranks:
                 self.incidents.carry(rank)
+        strangers: dict[int, list] = {}  # frame -> the ranks it named that are not registered through it
+        if len(unknown):
+            for i, pos in zip(np.searchsorted(ends, unknown, side="right").tolist(), unknown.tolist()):
+                strangers.setdefault(i, []).append(ranks[pos])
         state = self.sm.state.value
-        if unknown:
-            self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, unknown)), ident)
-        else:
-            self._ack(ident, -1, state)
+        for i, (ident, _env, _now) in enumerate(frames):
+            if i in strangers:
+                self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, strangers[i])), ident)
+            else:
+                self._ack(ident, -1, state)
 
     def register_ack(self) -> P.RegisterAck:
         """What a REGISTER is answered with: the generation, the beat interval, where to fail over to, and

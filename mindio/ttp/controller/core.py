@@ -51,7 +51,7 @@ class Core:
         self.world_size, self.enabled, self.strategies = world_size, set(enabled), strategies
         self.interval, self.misses, self.action_limit = interval, misses, action_limit
         self.hang_timeout, self.hang_fixed = hang_timeout, hang_fixed
-        self.ranks = RankTable()  # {rank: RankRecord} (ranks.py)
+        self.ranks = RankTable(capacity=world_size)  # {rank: RankRecord} over numpy columns (ranks.py)
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.sm = StateMachine()
@@ -111,5 +111,5 @@ class Core:
     def uce_refused(self) -> list:
         """Live ranks whose processor registered with ``enable_uce=False``."""
         with self.lock:
-            return sorted(r.rank for r in self.ranks.values()
-                          if r.alive and not r.features.get("uce", True))
+            alive = self.ranks.col["alive"]
+            return sorted(r.rank for r in self.ranks.values() if not r.features.get("uce", True) and alive[r.rank])

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ... import _knobs, _logging
 from . import policy
 
@@ -54,10 +56,10 @@ class HangBound:
         """The bound now, from the live ranks' p99 step times ``p99s`` (-1: not known yet)."""
         if self.fixed or self.base <= 0:
             return self.base
-        p99s = list(p99s)
-        if not p99s or min(p99s) < 0:
+        p99s = p99s if isinstance(p99s, np.ndarray) else np.fromiter(p99s, np.float64)  # the table's column
+        if not len(p99s) or p99s.min() < 0:
             return self.derived if self.derived is not None else self.base
-        p99 = max(p99s)
+        p99 = float(p99s.max())
         self.derived = max(self.floor, self.k * p99)
         if not self.logged:
             self.logged = True

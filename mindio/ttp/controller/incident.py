@@ -377,8 +377,7 @@ class IncidentFlow:
                 if rep.ok:
                     self.core.ranks[rank].step = rep.detail.get("step", self.core.ranks[rank].step)
                     self.core.ranks[rank].data_status = rep.detail.get("data_status", 0)
-            views = [policy.RankView(r.rank, r.alive and r.rank in replies, r.faulty, r.step, r.data_status,
-                                     tuple(r.replica)) for r in self.core.ranks.values()]
+            views = self.core.ranks.views(replies)  # from the rank table's columns (ranks.py)
         missing = sorted(set(self.core.elastic.job_ranks()) - set(self.core.ranks))  # without the removed ranks
         return views + [policy.RankView(r, alive=False, faulty=True) for r in missing]
 

@@ -82,8 +82,9 @@ class Observer:
             elif kind == "decision":
                 strategy = record.get("strategy", "?")
                 self.incidents[strategy] += 1
-                steps = [r.step for r in list(self.ctl.ranks.values()) if r.registered]
-                lost = max(0, max(steps, default=0) - int(record.get("lock_step") or 0))
+                t = self.ctl.ranks  # the columns (ranks.py): no loop over 100k records inside the decision
+                steps = t.col["step"][t.mask(registered=True)]
+                lost = max(0, (int(steps.max()) if len(steps) else 0) - int(record.get("lock_step") or 0))
                 self.last.append({"t": record["t"], "strategy": strategy, "lock_step": record.get("lock_step"),
                                   "faulty": record.get("faulty"), "decide_s": round(record.get("latency_s", 0), 6),
                                   "steps_lost": lost, "result": "in progress", "phases": {}})
@@ -124,8 +125,9 @@ class Observer:
 
     def metrics(self) -> str:
         ctl, now = self.ctl, time.monotonic()
-        ranks = list(ctl.ranks.values())
-        live = [r for r in ranks if r.alive and r.registered]
+        t = ctl.ranks  # the rank table's columns (ranks.py)
+        live = t.mask(alive=True, registered=True)
+        steps, seen = t.col["step"][live], t.col["last_seen"][live]
         out: list[str] = []
 
         def metric(name, kind, help_text, samples):
@@ -139,15 +141,15 @@ class Observer:
 
         metric("world_size", "gauge", "Ranks of the job.", [({}, ctl.world_size)])
         metric("ranks_registered", "gauge", "Ranks registered with the controller.",
-               [({}, sum(r.registered for r in ranks))])
-        metric("ranks_alive", "gauge", "Registered ranks the controller hears from.", [({}, len(live))])
+               [({}, t.count(registered=True))])
+        metric("ranks_alive", "gauge", "Registered ranks the controller hears from.", [({}, int(live.sum()))])
         metric("controller_state", "gauge", "1 for the controller's current state.",
                [({"state": ctl.sm.state.value}, 1)])
         metric("step_max", "gauge", "Highest completed step of a live rank.",
-               [({}, max((r.step for r in live), default=0))])
+               [({}, int(steps.max()) if len(steps) else 0)])
         metric("step_min", "gauge", "Lowest completed step of a live rank.",
-               [({}, min((r.step for r in live), default=0))])
-        lags = [now - r.last_seen for r in live if r.last_seen]
+               [({}, int(steps.min()) if len(steps) else 0)])
+        lags = (now - seen[seen > 0]).tolist()
         metric("heartbeat_lag_max_seconds", "gauge", "Seconds since the oldest live rank's last frame.",
                [({}, round(max(lags, default=0.0), 3))])
         metric("hang_bound_seconds", "gauge", "Seconds of no progress after which a rank the job waits for is hung "

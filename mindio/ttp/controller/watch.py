@@ -19,8 +19,11 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from ... import _logging
 from . import hangs, slow
+from .ranks import Watched
 from ..wire import protocol as P
 from .pidprobe import PidProbe
 from .states import State
@@ -37,9 +40,9 @@ class Liveness:
 
     def __init__(self, core):
         self.core = core
-        # live ranks, least recently heard first: a frame moves its rank to the end, so the sweep looks
-        # only at the front (O(expired) per sweep instead of O(world))
-        self.seen: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # the ranks the sweep watches: the rank table's ``watched`` column (ranks.py), whose sweep is one
+        # vector comparison of the beat times (RankTable.expired)
+        self.seen = Watched(lambda: core.ranks)
         self.probe = PidProbe()  # same-host ranks: death seen through a pidfd (pidprobe.py)
         self.starved_logged: dict[int, float] = {}  # rank -> last_seen when its starvation was logged
         self.lagging = False  # the controller's inbound queue is behind: no death declared meanwhile
@@ -51,9 +54,7 @@ class Liveness:
 
     def touch(self, rank: int) -> None:
         """(I/O thread) A frame of live ``rank`` arrived: it goes to the end of the order."""
-        seen = self.seen
-        seen[rank] = None
-        seen.move_to_end(rank)
+        self.core.ranks.watched[rank] = True
 
     def gap(self, rank: int, silent: float) -> None:
         """(I/O thread) Live ``rank`` beat again after ``silent`` s without a frame (more than 1.5
@@ -70,8 +71,7 @@ class Liveness:
                      "that time is not counted", gap)
         _logging.event("controller_stalled", stall_s=round(gap, 3))
         self.stalls.append((time.monotonic(), gap))
-        for r in list(self.core.ranks.values()):
-            r.last_seen += gap
+        self.core.ranks.shift_clock(gap)
 
     def sweep(self, now: float, check_hang: bool) -> None:
         core = self.core
@@ -94,18 +94,12 @@ class Liveness:
             self.lagging = True
             return
         self.lagging = False
-        dead, starved = [], []
-        while self.seen:
-            r = self.core.ranks[next(iter(self.seen))]
-            if r.alive and now - r.last_seen <= limit:
-                break
-            self.seen.popitem(last=False)
-            if r.alive and self._starved(r, now):
-                starved.append(r.rank)
-            elif r.alive:
+        dead, table = [], self.core.ranks
+        for rank in table.expired(now, limit).tolist():  # a vector comparison; the loop: the expired only
+            r = table[rank]
+            if not self._starved(r, now):  # a starved rank stays watched: looked at again next sweep
+                table.watched[rank] = False
                 dead.append(r)
-        for rank in starved:  # looked at again once the ranks that beat meanwhile are behind it
-            self.seen[rank] = None
         if dead:  # one log line for a mass death (a lost node or switch), one event per rank
             _log.error("%d rank(s) missed %d heartbeats (%.2f s): declared dead: %s%s", len(dead), self.core.misses,
                        now - dead[0].last_seen, [r.rank for r in dead[:16]], " ..." if len(dead) > 16 else "")
@@ -122,7 +116,7 @@ class Liveness:
         if self.core.sm.state is not State.NORMAL:
             self.slow.reset()
             return
-        for found in self.slow.check([r.rank for r in self.core.ranks.values() if r.alive and r.registered]):
+        for found in self.slow.check(self.core.ranks.ranks_where(alive=True, registered=True)):
             s = self.slow.scores.get(found.rank, {})
             _log.warning("rank %d is slow (cause %s): %.3f s of its own time per step (compute, or stopped from "
                          "outside), %.2fx its peers' median, while they wait for it (MINDIO_SLOW_WINDOW %d steps, "
@@ -145,9 +139,13 @@ class Liveness:
         """(I/O thread, NORMAL) Kill the ranks stalled past the hang bound that the job waits for
         (hangs.py). The progress clock restarts when the state (re)enters NORMAL: a rank paused by a
         recovery, or whose last beat still carries the age from before it, is not hung."""
-        normal_for = now - self.core.sm.since
-        live = [r for r in self.core.ranks.values() if r.alive]
-        bound = self.hang.current(r.step_p99 for r in live)
+        normal_for, table = now - self.core.sm.since, self.core.ranks
+        alive = table.mask(alive=True)
+        bound = self.hang.current(table.col["step_p99"][alive])
+        ages = table.col["progress_age"][alive]
+        if bound <= 0 or not np.any(np.minimum(ages, normal_for) >= bound):
+            return  # nobody stalled past the bound (a vector test): no culprit to look for
+        live = [table[r] for r in np.flatnonzero(alive).tolist()]
         views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
                   r.in_collective, r.step, r.coll_seq) for r in live]
         idle = {r.rank: r.idle_age for r in live}
@@ -172,11 +170,9 @@ class Liveness:
         again and the sweep declares dead those that never come (``Controller._take_over``)."""
         core, limit, gone = self.core, self.core.misses * self.core.interval, []
         with core.cond:
-            while self.seen:
-                r = core.ranks[next(iter(self.seen))]
-                if now - r.last_seen <= limit:
-                    break
-                self.seen.popitem(last=False)
+            for rank in core.ranks.expired(now, limit, alive=False).tolist():
+                r = core.ranks[rank]
+                core.ranks.watched[rank] = False
                 if r.registered:
                     r.registered = False
                     core.registered -= 1
@@ -248,6 +244,9 @@ class Liveness:
         """(any thread) Those of ``ranks`` that are alive, registered, and sent a frame in the last ``within``
         seconds (of this controller's observed time: see :meth:`stalled`)."""
         now = time.monotonic()
-        with self.core.lock:
-            return [r for r in ranks if (x := self.core.ranks.get(r)) is not None and x.alive and x.registered
-                    and now - x.last_seen <= within]
+        with self.core._lock:
+            t = self.core.ranks
+            ranks = [r for r in ranks if r in t]
+            idx = np.asarray(ranks, np.int64)
+            ok = t.col["alive"][idx] & t.col["registered"][idx] & (now - t.col["last_seen"][idx] <= within)
+            return np.asarray(ranks, np.int64)[ok].tolist()

@@ -1,0 +1,65 @@
+"""The controller's CPU per heartbeat round, in one process, without simulators: the figure of
+bench/controller_scale.py that does not depend on how busy the machine is.
+
+    python bench/beats_cpu.py --n 100000 --per-relay 8
+
+A real Controller (its threads not started) with a real ROUTER socket; N ranks registered through N /
+per-relay relay connections; each round every relay's BEATS frame, signed as a relay signs it, is
+verified and decoded (wire/protocol.py) and handed to the controller's dispatch, which applies it and
+sends the ack (to a connection that is not there: zmq drops it after the send). Printed: process CPU ms
+per round (decode and dispatch apart), and the share of a core at 1 s beats. Not in the test suite.
+``MINDIO_SRC=DIR`` measures the mindio package in DIR instead (an older commit's: ``git archive C mindio``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [p for p in (os.environ.get("MINDIO_SRC"), _ROOT) if p]  # MINDIO_SRC: another commit's mindio
+
+KEY = b"bench-secret-0123456789abcdef0123"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=100000, help="ranks")
+    p.add_argument("--per-relay", type=int, default=8, help="ranks per relay connection")
+    p.add_argument("--rounds", type=int, default=5, help="heartbeat rounds measured")
+    a = p.parse_args()
+    from mindio.ttp.wire import protocol as P
+    from tests.ttp._harness import threadless_controller  # real Controller and ROUTER, threads not started
+
+    n, k = a.n, a.per_relay
+    ctl, close = threadless_controller(n, KEY, k)
+    frames = []
+    for c in range(0, n, k):
+        ranks = list(range(c, min(n, c + k)))
+        m = len(ranks)
+        env = P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ranks, steps=[5] * m, status=[0] * m, coll=[False] * m,
+                                                  age=[0.0] * m), sess=1, ctr=1)
+        frames.append((b"relay%d" % (c // k), P.encode(env, KEY)))
+    flush = getattr(ctl, "_flush_beats", lambda: None)  # (the controller before issue 34 had none)
+    decode_s = dispatch_s = 0.0
+    for i in range(a.rounds + 1):
+        c0 = time.process_time()
+        envs = [(ident, P.decode(frame, KEY)) for ident, frame in frames]
+        c1 = time.process_time()
+        for ident, env in envs:
+            ctl._dispatch(ident, env, relay=True)
+        flush()
+        c2 = time.process_time()
+        if i:  # the first round warms
+            decode_s, dispatch_s = decode_s + c1 - c0, dispatch_s + c2 - c1
+    dead = sum(1 for r in ctl.ranks.values() if not r.alive)
+    per = (decode_s + dispatch_s) / a.rounds
+    print(f"{n} ranks, {len(frames)} relays: {per * 1000:.1f} ms CPU per round ({per:.1%} of a core at 1 s beats): "
+          f"verify+decode {decode_s / a.rounds * 1000:.1f} ms, dispatch+ack {dispatch_s / a.rounds * 1000:.1f} ms; "
+          f"dead {dead}; load average {os.getloadavg()[0]:.1f}")
+    close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The controller's rank table as numpy columns (mindio/ttp/controller/ranks.py): the record view, the
+vector queries, a relay's BEATS as slice updates, the liveness sweep's vector comparison, and the ratchet
+that the heartbeat path touches no record (nothing per rank per frame in Python)."""
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+import zmq
+
+from mindio.ttp.controller.controller import Controller, _action_body
+from mindio.ttp.controller.ranks import RankRecord, RankTable, Watched
+from mindio.ttp.wire import protocol as P
+from tests.ttp._harness import threadless_controller
+
+KEY = b"rank-table-test-secret-0123456789"
+
+
+def _table(n: int, ident: bytes = b"relay") -> RankTable:
+    t = RankTable()
+    for r in range(n):
+        t[r] = RankRecord(r, ident, pid=100 + r, step=3, last_seen=10.0)
+    return t
+
+
+def test_a_record_in_the_table_is_a_view_of_its_row():
+    t = _table(4)
+    t[2].alive, t[2].step = False, 7
+    assert t.col["alive"].tolist()[:4] == [True, True, False, True] and t.col["step"][2] == 7
+    assert t[2].step == 7 and type(t[2].step) is int and type(t[2].alive) is bool  # Python values (JSON, status.py)
+    old = t[1]
+    t[1] = RankRecord(1, b"other", step=9)  # replaced: the old record keeps its values, the row the new ones
+    assert old.step == 3 and old.ident == b"relay" and t[1].step == 9 and t.ident_of(int(t.conn[1])) == b"other"
+    old.step = 11
+    assert t[1].step == 9
+    assert t.pop(3).pid == 103 and 3 not in t and not t.present[3]
+    t[40] = RankRecord(40, b"far")  # the columns grow
+    assert t[40].alive and t.live() == [0, 1, 40] and t.dead() == [2]
+
+
+def test_vector_queries():
+    t = _table(6)
+    t[1].alive = t[4].alive = False
+    t[5].registered = False
+    t[0].step, t[3].step = 2, 9
+    assert t.ranks_where(alive=True, registered=True) == [0, 2, 3]
+    assert t.count(alive=False) == 2
+    assert t.min_step(alive=True) == 2 and t.min_step([3, 5]) == 3 and t.min_step([], alive=True) is None
+    assert t.column("step", [3, 0]) == [9, 2]
+    views = t.views({0: None, 2: None, 4: None})  # the decision's: alive only if it answered the stop round
+    assert [(v.rank, v.alive, v.step) for v in views] == [(0, True, 2), (1, False, 3), (2, True, 3), (3, False, 9),
+                                                          (4, False, 3), (5, False, 3)]
+
+
+def test_beats_update_the_relays_ranks_in_slices_and_name_the_strangers():
+    t = _table(8)
+    t[6] = RankRecord(6, b"elsewhere")  # registered through another connection
+    t[7].left, t[7].registered = True, False  # said BYE: a late beat is no stranger
+    conn = t.conn_id(b"relay")
+    acc, unknown = t.beats([0, 1, 6, 7, 99], conn, [5, 6, 7, 8, 9], [1, 0, 0, 0, 0], [True, False, False, False, False],
+                           [0.5, 0.25, 0, 0, 0], now=20.0)
+    assert acc.tolist() == [0, 1] and unknown == [6, 99]
+    assert t[0].step == 5 and t[1].step == 6 and t[0].data_status == 1 and t[0].in_collective
+    assert t[0].last_seen == 20.0 and t[1].progress_age == 0.25 and t[2].last_seen == 10.0 and t[6].step == 0
+    acc, unknown = t.beats([0, 1], conn, [8, 8], [0, 0], [False, False], [0.0, 0.0], now=21.0, skip=[1])
+    assert acc.tolist() == [0] and unknown == [] and t[1].step == 6  # a replaced rank's old process: left alone
+
+
+def test_liveness_is_a_vector_comparison_least_recently_heard_first():
+    t = _table(5)
+    seen = Watched(lambda: t)
+    for r in range(5):
+        seen[r] = None
+    seen.pop(4)
+    t[0].last_seen, t[1].last_seen, t[2].last_seen, t[3].last_seen = 3.0, 1.0, 9.5, 2.0
+    t[3].alive = False
+    assert t.expired(now=10.0, limit=5.0).tolist() == [1, 0]  # alive, watched, silent > 5 s; oldest first
+    assert t.expired(now=10.0, limit=5.0, alive=False).tolist() == [1, 3, 0]
+    assert 4 not in seen and 0 in seen and len(seen) == 4 and sorted(seen) == [0, 1, 2, 3]
+    t.shift_clock(2.0)  # the controller stalled 2 s: nobody's fault
+    assert t.expired(now=10.0, limit=5.0).tolist() == [1]
+
+
+def test_a_relays_action_body_packed_once_decodes_as_the_action():
+    params = {"step": 5, "save_info": [{"type": 0, "ranks": list(range(50))}]}
+    env = P.Envelope(P.MsgType.ACTION, P.Action("save", params, [3, 4]), rank=-1, sn=7)
+    frame = P.encode(env, KEY, body=_action_body("save", __import__("msgpack").packb(params, use_bin_type=True),
+                                                  [3, 4]))
+    assert P.decode(frame, KEY).body == P.Action("save", params, [3, 4])
+
+
+@pytest.fixture
+def relay_controller():
+    """A real Controller (no threads) with a real ROUTER socket, 4,096 ranks registered through 8 relays."""
+    n = 4096
+    ctl, close = threadless_controller(n, KEY, per_relay=n // 8)
+    try:
+        yield ctl, n
+    finally:
+        close()
+
+
+def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(relay_controller, monkeypatch):
+    ctl, n = relay_controller
+    frames = []
+    for relay in range(8):
+        ranks = list(range(relay * n // 8, (relay + 1) * n // 8))
+        k = len(ranks)
+        frames.append((b"relay%d" % relay, P.Envelope(P.MsgType.BEATS, P.Beats(
+            ranks=ranks, steps=[9] * k, status=[0] * k, coll=[False] * k, age=[0.5] * k))))
+    touched, made = [0], [0]
+    plain_get, plain_init = RankRecord.__getattribute__, RankRecord.__init__
+
+    def counting_get(self, name):
+        touched[0] += 1
+        return plain_get(self, name)
+
+    def counting_init(self, *a, **kw):
+        made[0] += 1
+        plain_init(self, *a, **kw)
+
+    ctl._on_beats(*frames[0], time.monotonic())  # warm (the ack body is packed once per state)
+    monkeypatch.setattr(RankRecord, "__getattribute__", counting_get)
+    monkeypatch.setattr(RankRecord, "__init__", counting_init)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(20):
+            for ident, env in frames:
+                ctl._on_beats(ident, env, time.monotonic())
+            ctl._flush_beats()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert touched[0] == 0 and made[0] == 0  # 20 rounds x 4,096 beats: not one record read or made
+    assert grown < 64 * 1024, grown  # nothing kept per rank per frame
+    monkeypatch.undo()
+    assert all(ctl.ranks[r].step == 9 for r in range(n)) and ctl.ranks.count(watched=True) == n
+    assert np.all(ctl.ranks.col["progress_age"][:n] == 0.5)
+
+
+def test_a_relays_beats_through_the_socket_keep_its_ranks_alive_and_silence_kills_them():
+    """End to end on a real socket, the controller's threads running: a relay (raw DEALER, protocol v3
+    session) registers 16 ranks and beats for them with BEATS frames; the ack names a rank it is not
+    registered for; when the relay stops beating for 8 of them, the sweep declares those dead (and only
+    those) after misses x interval."""
+    from mindio.ttp.wire.session import fresh
+    from tests.ttp._harness import free_port, until
+
+    n, port = 16, free_port()
+    ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=0.5, misses=4, hang_timeout=0,
+                     relays=True)
+    ctl.start("127.0.0.1", port)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sess, ctr = [0], [0]
+
+    def send(env):
+        ctr[0] += 1
+        sock.send(P.encode(env._replace(sess=sess[0], ctr=ctr[0]), KEY))
+
+    def recv(mtype, timeout=10.0):
+        end = time.monotonic() + timeout
+        while sock.poll(max(0, end - time.monotonic()) * 1000):
+            env = P.decode(sock.recv(), KEY)
+            if env.type is mtype:
+                return env
+        raise AssertionError(f"no {mtype.name} within {timeout} s")
+
+    def beats(ranks):
+        k = len(ranks)
+        send(P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ranks, steps=[4] * k, status=[0] * k, coll=[False] * k,
+                                                 age=[0.0] * k)))
+        while sock.poll(0):  # the incident the deaths open: every action answered at once, as a relay would
+            env = P.decode(sock.recv(), KEY)
+            if env.type is P.MsgType.ACTION:
+                detail = {"step": 4, "data_status": 0, "main": "parked"} if env.body.name == "stop" else {}
+                send(P.Envelope(P.MsgType.BATCH, P.Batch([P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail=detail),
+                                                                     rank=r, sn=env.sn) for r in env.body.ranks])))
+
+    try:
+        nonce = fresh()
+        sock.send(P.encode(P.Envelope(P.MsgType.HELLO, P.Hello(nonce), rank=-1), KEY))
+        sess[0] = recv(P.MsgType.CHALLENGE).body.session
+        send(P.Envelope(P.MsgType.REGISTER, P.Register(world_size=n, pid=1, host="h", role="relay")))
+        recv(P.MsgType.REGISTER_ACK)
+        send(P.Envelope(P.MsgType.BATCH, P.Batch([P.Envelope(P.MsgType.REGISTER, P.Register(
+            world_size=n, pid=100 + r, host="h"), rank=r) for r in range(n - 1)])))  # rank 15 never registers
+        assert until(lambda: len(ctl.ranks) == n - 1, 10)
+        beats(list(range(n)))
+        assert recv(P.MsgType.HEARTBEAT_ACK).body.unknown == [n - 1]
+        assert until(lambda: all(ctl.ranks[r].step == 4 for r in range(n - 1)), 5)
+        end = time.monotonic() + 15  # the silent half dies after 4 x 0.5 s (a sweep); the other half beats on
+        while time.monotonic() < end and ctl.ranks.dead() != list(range(8, n - 1)):
+            beats(list(range(8)))
+            time.sleep(0.05)
+        assert ctl.ranks.dead() == list(range(8, n - 1)) and ctl.ranks.live() == list(range(8))
+        while time.monotonic() < end + 20 and not ctl.final.is_set():  # the incident ends (dump, exit)
+            beats(list(range(8)))
+            time.sleep(0.05)
+    finally:
+        sock.close(0)
+        ctx.term()
+        ctl.destroy()

@@ -104,6 +104,7 @@ class IncidentFlow:
         self.dump_wanted: str | None = None  # why a last-words checkpoint was requested, until one starts
         self.order: tuple[int, int] | None = None  # the job's exit order once given: (code, sn)
         self.told: dict = {}  # rank -> when it was last sent the exit order
+        self.resent_logged = (0.0, 0)  # (when carry() last logged, ranks sent the order again since)
         self.carried: set = set()  # ranks that confirmed the exit order (I/O thread)
 
     def expect(self) -> None:
@@ -457,8 +458,16 @@ class IncidentFlow:
         self.told[rank] = now
         why = "declared dead, its process lives" if not r.alive else \
             "registered after the order went out" if last is None else "no confirmation yet"
-        _log.warning("rank %d heard after the job's exit order without having confirmed it (%s): sending it "
-                     "the order again, EXIT(%d)", rank, why, order[0])
+        # one line per 2 heartbeat intervals, not one per rank: after a mass death (a lost switch) every
+        # live rank may need the order again, and 100k lines would stall the I/O thread
+        at, since = self.resent_logged
+        if now - at >= 2 * self.core.interval:
+            _log.warning("rank %d heard after the job's exit order without having confirmed it (%s): sending it "
+                         "the order again, EXIT(%d)%s", rank, why, order[0],
+                         f" (and {since} other rank(s) since the last such line)" if since else "")
+            self.resent_logged = (now, 0)
+        else:
+            self.resent_logged = (at, since + 1)
         _logging.event("exit_order_resent", to_rank=rank, code=order[0], why=why)
         self.core.send(rank, P.Action("exit", {"code": order[0]}), sn=order[1])
 

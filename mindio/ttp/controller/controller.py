@@ -478,6 +478,8 @@ class Controller:
             if r.alive:
                 seen[rank] = None
                 seen.move_to_end(rank)
+        if b.seq:  # the rest of each heartbeat (v4; hangs.py, slow.py), in a pass of its own
+            self._beat_extras(ident, b, env.gen)
         if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
             self.incidents.serve_dump_request()
         if self.incidents.order is not None:  # the job's exit order, to ranks it has not reached (incident.py)
@@ -488,6 +490,17 @@ class Controller:
             self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, unknown)), ident)
         else:
             self._ack(ident, -1, state)
+
+    def _beat_extras(self, ident: bytes, b: P.Beats, env_gen: int) -> None:
+        """BEATS' heartbeat extras (coll_seq, step_p99, idle_age, step_sums) for the ranks of this relay."""
+        get, observe, n = self.ranks.get, self.liveness.slow.observe, len(b.ranks)
+        replaced, gen = self.replacements.replaced, env_gen
+        idle, p99, sums = b.idle or [-1.0] * n, b.p99 or [-1.0] * n, b.sums or [[]] * n
+        for rank, seq, idle_age, step_p99, step_sums in zip(b.ranks, b.seq, idle, p99, sums):
+            r = get(rank)
+            if r is not None and r.registered and r.ident == ident and not (replaced and replaced.get(rank, -1) > gen):
+                r.coll_seq, r.step_p99, r.idle_age = seq, step_p99, idle_age
+                observe(rank, step_sums)
 
     def register_ack(self) -> P.RegisterAck:
         """What a REGISTER is answered with: the generation, the beat interval, where to fail over to, and

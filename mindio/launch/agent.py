@@ -56,7 +56,7 @@ import time
 
 from .. import _logging
 from ..errors import ConfigError
-from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, stores, switch, takeover
+from . import backup, elastic, failures, ha, liveness, netif, preempt, relay, secret, stores, switch, takeover
 from .config import LaunchConfig
 from .logs import WorkerLogs
 from .spares import Spares
@@ -103,7 +103,7 @@ class Agent:
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
         self._backup = None  # this round's backup controller (backup.py; opt-in, nodes 1..N)
-        self._relay = None  # this round's relay for this node's ranks (mindio/ttp/wire/relay.py; MINDIO_RELAYS)
+        self._relay = None  # this round's relay process for this node's ranks (relay.py; MINDIO_RELAYS)
         self._store_lost = False  # node 0's agents' store is unreachable (run)
         self.leader = None  # etcd: the controller's leader key this node holds (etcdstore.Leader; the beat thread refreshes it)
         self._leader_lost = False  # ... and could not refresh
@@ -346,7 +346,7 @@ class Agent:
                 self._hosted = ha.HostedController(self, rnd)
             self._wait_key(f"round/{rnd}/ttp", "the address of the controller it hosts", "node 0's agent")
             self._ttp = json.loads(self._store.get(f"round/{rnd}/ttp"))
-            self._relay = self._relay or ha.start_relay(self, self._ttp)
+            self._relay = self._relay or relay.start(self, self._ttp)
             if self._backup is None:
                 self._backup = backup.start(self, rnd, self._ttp)  # node 0's loss: backup.orphaned
         if gen is not None and self.takeover_kind == elastic.KIND:  # a vacant node after a downgrade

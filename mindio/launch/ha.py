@@ -55,7 +55,7 @@ from .view import WorkerView
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HostedController", "RoundWatch", "start_relay", "ttp_env", "wait_for_takeover"]
+__all__ = ["HostedController", "RoundWatch", "ttp_env", "wait_for_takeover"]
 
 
 NODE0_LOST = "node 0 (the controller's node) lost"  # RoundWatch.tick on the other nodes: its agent stopped beating
@@ -67,21 +67,6 @@ _BY_FEATURE = {"arf": ("recover-in-place", "recover")}
 def _reboot_type(strategy: str) -> str:
     """MINDIO_REBOOT_TYPE of a replacement (tft_get_reboot_type): "hot switch" or "arf"."""
     return "hot switch" if strategy == "hot switch" else "arf"
-
-
-def start_relay(agent: WorkerView, info: dict):
-    """This node's relay to the round's controller (mindio/ttp/wire/relay.py), or None with MINDIO_RELAYS=0."""
-    from .. import _knobs
-    from ..ttp.wire.relay import Relay
-
-    if not _knobs.get("MINDIO_RELAYS"):
-        return None
-    cfg = agent.cfg
-    relay = Relay(secret_key(agent.secret), f"tcp://{info['addr']}:{info['port']}",
-                  lambda: range(agent.cfg.node_rank * cfg.nproc_per_node, (agent.cfg.node_rank + 1) * cfg.nproc_per_node),
-                  cfg.world_size)
-    relay.start()
-    return relay
 
 
 def ttp_env(info: dict) -> dict:

@@ -3,8 +3,8 @@
 A node agent (``mindio-run --high-availability``, unless ``MINDIO_RELAYS=0``) starts one :class:`Relay` per
 round. Its ranks connect to it, not to the controller:
 
-* **Where.** A ZeroMQ ROUTER on an IPC socket in a directory the relay creates with mode 0700
-  (``tempfile.mkdtemp``): only the job's user reaches it. The workers get its address as
+* **Where.** A ZeroMQ ROUTER on an IPC socket in a directory created with mode 0700 (``tempfile.mkdtemp``):
+  only the job's user reaches it. Under mindio-run it runs in a process of its own (mindio/launch/relay.py). The workers get its address as
   ``MINDIO_RELAY_ADDR``; a rank's link (transport.Link) is unchanged -- to it the relay is its controller.
 * **Authentication, re-done here.** Every frame a rank sends is verified with the job secret (HMAC) and
   admitted only in the rank's own session, opened with the same HELLO / CHALLENGE / REGISTER handshake
@@ -23,8 +23,9 @@ round. Its ranks connect to it, not to the controller:
   REGISTER_ACK or HEARTBEAT_ACK for a rank goes to that rank (without the backup list: the relay, not the
   rank, fails over). A rank the controller does not know (BEATS' ack lists it, or this relay registered
   again, e.g. with a backup controller) is told UNKNOWN and registers again through the relay.
-* **Its death** (the agent is killed) is its node's loss: the ranks die with their agent
-  (PR_SET_PDEATHSIG) and the controller sees their beats stop, as for a node whose agent was lost.
+* **Its death** (the agent is killed) is its node's loss: the relay and the ranks die with their agent
+  (PR_SET_PDEATHSIG) and the controller sees their beats stop, as for a node whose agent was lost. A
+  stall of the agent alone is not: the relay is a process of its own.
 """
 from __future__ import annotations
 
@@ -57,10 +58,11 @@ class Relay(threading.Thread):
     """One node's relay (see the module docstring). ``ranks``: the ranks this node may register."""
 
     def __init__(self, key: bytes, controller: str, ranks: Callable[[], Collection[int]], world_size: int,
-                 interval: float | None = None, misses: int | None = None):
+                 interval: float | None = None, misses: int | None = None, dir: str = ""):
         super().__init__(name="mindio-relay", daemon=True)
         self.key, self.ranks = key, ranks
-        self.dir = tempfile.mkdtemp(prefix="mindio-relay-")  # mode 0700: only this user reaches the socket
+        # ``dir``: made by the caller with mode 0700 (mindio/launch/relay.py); else here (mkdtemp: 0700)
+        self.dir = dir or tempfile.mkdtemp(prefix="mindio-relay-")
         self.address = f"ipc://{self.dir}/s"
         self.drops = P.DropCounter()
         self.sessions = Sessions(max_pending=256, backups=0, relays=False)  # ranks only

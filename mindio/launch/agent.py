@@ -430,7 +430,7 @@ class Agent:
                 for r, p in sorted(procs.items())))
         self._workers = {}
         if self._relay is not None:  # after its ranks ended: their last words went through it
-            self._relay.close(1.0)
+            self._relay.close(5.0)
             self._relay = None
         if self._logs is not None:
             self._logs.stop()

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import types
 
 from .. import _knobs
 from .._secret import secret_key
@@ -70,12 +72,23 @@ def start(agent, info: dict) -> RelayProcess | None:
                         cfg.world_size)
 
 
+def _wire_only() -> None:
+    """Make ``mindio.ttp`` importable without its ``__init__``: that re-exports the whole API and imports
+    torch (seconds, at a round's start); the relay needs only mindio.ttp.wire (zmq, msgpack)."""
+    if "mindio.ttp" not in sys.modules:
+        pkg = types.ModuleType("mindio.ttp")
+        pkg.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ttp")]
+        sys.modules["mindio.ttp"] = pkg
+
+
 def main() -> int:
-    from .. import _logging
-    from ..ttp.wire.relay import Relay
     from ._bootstrap import _die_with_parent
 
     _die_with_parent()
+    _wire_only()
+    from .. import _logging
+    from ..ttp.wire.relay import Relay
+
     _logging.setup()
     conf = json.loads(sys.stdin.readline() or "{}")
     if not conf:

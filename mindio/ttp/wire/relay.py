@@ -75,6 +75,7 @@ class Relay(threading.Thread):
         self._beats: dict[int, P.Envelope] = {}  # rank -> its latest HEARTBEAT since the last BEATS
         self._lock = threading.Lock()        # _beats and _acked: the link's thread reads them (beat)
         self._up: list[P.Envelope] = []
+        self._registrations = 0  # of this relay with a controller (a failover or a return home: again)
         self._down: queue.SimpleQueue = queue.SimpleQueue()
         self._waker = Waker()
         self._halt = threading.Event()
@@ -210,6 +211,9 @@ class Relay(threading.Thread):
     def _down_one(self, env: P.Envelope | None) -> None:
         """One message from the controller (None: this relay registered again upstream)."""
         if env is None:
+            self._registrations += 1
+            if self._registrations == 1:
+                return  # the first: what the ranks sent meanwhile waited for it in the link's queue
             if self.routes:
                 _log.info("relay registered with %s: its ranks %s register again", self.link.address,
                           sorted(self.routes))

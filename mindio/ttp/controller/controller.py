@@ -354,20 +354,13 @@ class Controller:
 
     def _on_frame(self, ident: bytes, env: P.Envelope) -> None:
         """One authentic frame from connection ``ident``: admitted only within its session (session.py)."""
-        sessions = self.sessions
         try:
-            if env.type is P.MsgType.HELLO:
-                self._chan.send(P.Envelope(P.MsgType.CHALLENGE, P.Challenge(env.body.nonce, sessions.challenge(ident)),
-                                           rank=env.rank), ident)
-                return
-            s = sessions.by_ident.get(ident)
-            if env.type is P.MsgType.REGISTER and (s is None or s.sid != env.sess):
-                s = sessions.open(ident, env, self.backups)
-                if s.role == "relay":
-                    self._relays.add(ident)
-                    _log.info("relay %r registered", ident)
-            else:
-                s = sessions.admit(ident, env)
+            s = self.sessions.receive(ident, env, self.backups, self._chan.send)
+            if s is None:
+                return  # a HELLO, answered
+            if s.role == "relay" and env.type is P.MsgType.REGISTER and ident not in self._relays:
+                self._relays.add(ident)
+                _log.info("relay %r registered", ident)
             if s.role != "relay" and env.type in (P.MsgType.BEATS, P.MsgType.BATCH):
                 raise SessionError(f"{env.type.name} from a {s.role} session (only a relay may send it)", "refused")
         except SessionError as exc:

@@ -155,25 +155,18 @@ class Relay(threading.Thread):
 
     def _local(self, ident: bytes, env: P.Envelope) -> None:
         """One authentic frame from a rank's connection: admitted only in that rank's session."""
-        sessions = self.sessions
         try:
-            if env.type is P.MsgType.HELLO:
-                self._chan.send(P.Envelope(P.MsgType.CHALLENGE, P.Challenge(env.body.nonce, sessions.challenge(ident)),
-                                           rank=env.rank), ident)
-                return
-            s = sessions.by_ident.get(ident)
-            if env.type is P.MsgType.REGISTER and (s is None or s.sid != env.sess):
-                if env.rank not in self.ranks():
-                    raise SessionError(f"REGISTER for rank {env.rank}, which does not run on this node", "refused")
-                sessions.open(ident, env, [])
+            if env.type is P.MsgType.REGISTER and env.rank not in self.ranks():
+                raise SessionError(f"REGISTER for rank {env.rank}, which does not run on this node", "refused")
+            if self.sessions.receive(ident, env, [], self._chan.send) is None:
+                return  # a HELLO, answered
+            if env.type is P.MsgType.REGISTER:
                 old = self.routes.get(env.rank)
                 if old is not None and old != ident:
-                    sessions.close(old)  # the rank's older process speaks for it no more
+                    self.sessions.close(old)  # the rank's older process speaks for it no more
                 self.routes[env.rank] = ident
                 with self._lock:
                     self._acked.discard(env.rank)
-            else:
-                sessions.admit(ident, env)
             if env.type is not P.MsgType.HEARTBEAT and env.type not in _LOCAL_UP:
                 raise SessionError(f"{env.type.name} from rank {env.rank}: not a rank's message", "refused")
         except (SessionError, ProtocolError) as exc:

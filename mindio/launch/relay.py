@@ -32,13 +32,14 @@ __all__ = ["RelayProcess", "start"]
 class RelayProcess:
     """The agent's handle on its relay process."""
 
-    def __init__(self, secret: str, controller: str, ranks: range, world_size: int):
+    def __init__(self, secret: str, controller: str, ranks: range, world_size: int, node: int = 0):
         self.dir = tempfile.mkdtemp(prefix="mindio-relay-")  # mode 0700: only this user reaches the socket
         self.address = f"ipc://{self.dir}/s"
         self.proc = subprocess.Popen([sys.executable, "-m", "mindio.launch.relay"], stdin=subprocess.PIPE,
                                      text=True)
         self.proc.stdin.write(json.dumps({"secret": secret, "controller": controller, "dir": self.dir,
-                                          "ranks": [ranks.start, ranks.stop], "world_size": world_size}) + "\n")
+                                          "ranks": [ranks.start, ranks.stop], "world_size": world_size,
+                                          "node": node}) + "\n")
         self.proc.stdin.flush()
         log.info("relay (pid %d) for ranks %d-%d on %s -> controller %s (MINDIO_RELAYS)", self.proc.pid,
                  ranks.start, ranks.stop - 1, self.address, controller)
@@ -69,7 +70,7 @@ def start(agent, info: dict) -> RelayProcess | None:
     cfg = agent.cfg
     first = cfg.node_rank * cfg.nproc_per_node
     return RelayProcess(agent.secret, f"tcp://{info['addr']}:{info['port']}", range(first, first + cfg.nproc_per_node),
-                        cfg.world_size)
+                        cfg.world_size, cfg.node_rank)
 
 
 def _wire_only() -> None:
@@ -89,10 +90,11 @@ def main() -> int:
     from .. import _logging
     from ..ttp.wire.relay import Relay
 
-    _logging.setup()
     conf = json.loads(sys.stdin.readline() or "{}")
     if not conf:
         return 0  # the agent ended before it said anything
+    _logging.set_context(rank="relay", node=conf.get("node", "-"))  # its lines: [node/relay]
+    _logging.setup()
     lo, hi = conf["ranks"]
     relay = Relay(secret_key(conf["secret"]), conf["controller"], lambda: range(lo, hi), conf["world_size"],
                   dir=conf["dir"])

@@ -224,9 +224,14 @@ _ALL = [
          "checkpoint is never made the latest (mindio.megatron writes it under <save>/mindio-provisional; "
          "other save handlers where they write, their rename handler not run; mindio/launch/backup.py). "
          "Set (1, 2) on the TCPStore: full backups, whose checkpoint is the latest.", min=0, max=2),
-    Knob("MINDIO_RELAYS", _bool, False,
-         "1: the controller accepts relays (one connection carrying the heartbeats and messages of many ranks, "
-         "protocol v2 BEATS/BATCH); 0: refused."),
+    Knob("MINDIO_RELAYS", _bool, True,
+         "1 (default): under mindio-run --high-availability each node agent relays its ranks' control traffic "
+         "(one authenticated connection per node carrying their beats, reports and acknowledgements; "
+         "mindio/ttp/wire/relay.py), and a controller accepts relays; 0: every rank connects to the controller "
+         "itself, and a controller refuses relays."),
+    Knob("MINDIO_RELAY_ADDR", str, "",
+         "Set by mindio-run for its workers: the IPC address of their node agent's relay (MINDIO_RELAYS).",
+         internal=True),
     Knob("HIGH_AVAILABILITY", _ha_list, (),
          "Comma list of strategies to enable (the job's recover-strategy list): dump, retry, recover, "
          "recover-in-place, elastic-training, exit."),

@@ -56,7 +56,7 @@ import time
 
 from .. import _logging
 from ..errors import ConfigError
-from . import backup, elastic, failures, ha, liveness, netif, preempt, secret, stores, switch, takeover
+from . import backup, elastic, failures, ha, liveness, netif, preempt, relay, secret, stores, switch, takeover
 from .config import LaunchConfig
 from .logs import WorkerLogs
 from .spares import Spares
@@ -103,6 +103,7 @@ class Agent:
         self._lock = threading.Lock()  # _workers: the controller's driver thread replaces ranks too
         self._hosted: ha.HostedController | None = None
         self._backup = None  # this round's backup controller (backup.py; opt-in, nodes 1..N)
+        self._relay = None  # this round's relay process for this node's ranks (relay.py; MINDIO_RELAYS)
         self._store_lost = False  # node 0's agents' store is unreachable (run)
         self.leader = None  # etcd: the controller's leader key this node holds (etcdstore.Leader; the beat thread refreshes it)
         self._leader_lost = False  # ... and could not refresh
@@ -312,6 +313,7 @@ class Agent:
             "MINDIO_AGENT_PID": os.getpid(),  # the node's agent: mindio.drill's kill-node target
             "MINDIO_SECRET": self.secret,  # through the spare's stdin pipe, never a store (secret.py)
             **(ha.ttp_env(self._ttp) if self._ttp else {}),
+            **({"MINDIO_RELAY_ADDR": self._relay.address} if self._relay is not None else {}),
         }
         if cfg.virtual_local_rank:  # as torchrun: LOCAL_RANK 0, and only this worker's device visible
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -344,6 +346,7 @@ class Agent:
                 self._hosted = ha.HostedController(self, rnd)
             self._wait_key(f"round/{rnd}/ttp", "the address of the controller it hosts", "node 0's agent")
             self._ttp = json.loads(self._store.get(f"round/{rnd}/ttp"))
+            self._relay = self._relay or relay.start(self, self._ttp)
             if self._backup is None:
                 self._backup = backup.start(self, rnd, self._ttp)  # node 0's loss: backup.orphaned
         if gen is not None and self.takeover_kind == elastic.KIND:  # a vacant node after a downgrade
@@ -426,6 +429,9 @@ class Agent:
                 f"rank {r}: {failures.describe(p.returncode)}{' (stopped by this agent)' if p in live else ''}"
                 for r, p in sorted(procs.items())))
         self._workers = {}
+        if self._relay is not None:  # after its ranks ended: their last words went through it
+            self._relay.close(5.0)
+            self._relay = None
         if self._logs is not None:
             self._logs.stop()
         return ended

@@ -293,6 +293,8 @@ def tft_start_processor(master_ip: str, port: int, local_ip=''):
     if not 1024 <= int(port) <= 65535:
         raise ConfigError(f"controller port {port} must be in [1024, 65535]")
     addr = f"tcp://{master_ip}:{int(port)}"
+    if _hosted_elsewhere() and _knobs.get("MINDIO_RELAY_ADDR"):  # through the node agent's relay (wire/relay.py)
+        addr = _knobs.get("MINDIO_RELAY_ADDR")
     _proc().start(addr, transport.job_secret(create=False, controller=addr))
     preempt.install()  # MINDIO_PREEMPT_SIGNAL (SIGTERM) -> a last-words checkpoint (preempt.py)
 

@@ -126,13 +126,14 @@ def test_launcher_secret_stays_off_the_store_unless_several_nodes_have_none(tmp_
     assert "published in the agent store" in caplog.text and "MINDIO_SECRET_FILE" in caplog.text
 
 
-def test_backup_and_relay_registrations_are_refused_unless_enabled():
-    """With the job secret but without MINDIO_BACKUP_CONTROLLERS / MINDIO_RELAYS, a backup controller's and
+def test_backup_and_relay_registrations_are_refused_unless_enabled(monkeypatch):
+    """With the job secret but without MINDIO_BACKUP_CONTROLLERS, or with MINDIO_RELAYS=0, a backup controller's and
     a relay's registrations are refused, logged with the reason, and nothing is advertised."""
     from mindio.ttp.wire import protocol as P
     from mindio.ttp.controller.controller import Controller
     from mindio.ttp.wire.transport import Link
 
+    monkeypatch.setenv("MINDIO_RELAYS", "0")
     key, port = b"r" * 32, free_port()
     ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=key, interval=0.2, misses=5, hang_timeout=0)
     ctl.start("127.0.0.1", port)

@@ -395,20 +395,13 @@ class Controller:
 
     def _on_frame(self, ident: bytes, env: P.Envelope) -> None:
         """One authentic frame from connection ``ident``: admitted only within its session (session.py)."""
-        sessions = self.sessions
         try:
-            if env.type is P.MsgType.HELLO:
-                self._chan.send(P.Envelope(P.MsgType.CHALLENGE, P.Challenge(env.body.nonce, sessions.challenge(ident)),
-                                           rank=env.rank), ident)
-                return
-            s = sessions.by_ident.get(ident)
-            if env.type is P.MsgType.REGISTER and (s is None or s.sid != env.sess):
-                s = sessions.open(ident, env, self.backups)
-                if s.role == "relay":
-                    self._relays.add(ident)
-                    _log.info("relay %r registered", ident)
-            else:
-                s = sessions.admit(ident, env)
+            s = self.sessions.receive(ident, env, self.backups, self._chan.send)
+            if s is None:
+                return  # a HELLO, answered
+            if s.role == "relay" and env.type is P.MsgType.REGISTER and ident not in self._relays:
+                self._relays.add(ident)
+                _log.info("relay %r registered", ident)
             if s.role != "relay" and env.type in (P.MsgType.BEATS, P.MsgType.BATCH):
                 raise SessionError(f"{env.type.name} from a {s.role} session (only a relay may send it)", "refused")
         except SessionError as exc:
@@ -538,6 +531,9 @@ class Controller:
         acc, unknown = table.beats_at(ranks, np.repeat(np.asarray(conns, np.int32), counts), steps, status, coll, age,
                                       np.repeat(np.asarray(nows), counts), skip)
         table.watched[acc[table.col["alive"][acc]]] = True
+        for ident, env, _now in frames:  # the rest of each heartbeat (v4; hangs.py, slow.py): per rank, in Python
+            if env.body.seq:
+                self._beat_extras(ident, env.body, env.gen)
         if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
             self.incidents.serve_dump_request()
         if self.incidents.order is not None:  # the job's exit order, to ranks it has not reached (incident.py)
@@ -553,6 +549,20 @@ class Controller:
                 self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, strangers[i])), ident)
             else:
                 self._ack(ident, -1, state)
+
+    def _beat_extras(self, ident: bytes, b: P.Beats, env_gen: int) -> None:
+        """BEATS' heartbeat extras (coll_seq, step_p99, idle_age, step_sums) for the ranks of this relay."""
+        get, observe, n = self.ranks.get, self.liveness.slow.observe, len(b.ranks)
+        replaced, gen = self.replacements.replaced, env_gen
+        idle, p99, sums = b.idle or [-1.0] * n, b.p99 or [-1.0] * n, b.sums or [[]] * n
+        closed = False
+        for rank, seq, idle_age, step_p99, step_sums in zip(b.ranks, b.seq, idle, p99, sums):
+            r = get(rank)
+            if r is not None and r.registered and r.ident == ident and not (replaced and replaced.get(rank, -1) > gen):
+                r.coll_seq, r.step_p99, r.idle_age = seq, step_p99, idle_age
+                closed = observe(rank, step_sums) or closed
+        if closed:  # slow.py: a window closed, as for a rank's own heartbeat
+            self.liveness.check_slow()
 
     def register_ack(self) -> P.RegisterAck:
         """What a REGISTER is answered with: the generation, the beat interval, where to fail over to, and

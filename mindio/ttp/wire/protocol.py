@@ -23,6 +23,12 @@ its ranks, or the scale benchmark's multiplexer; relays are off unless enabled, 
   own (a bad item drops the whole frame); used for many REPLY / REGISTER / REPORT at once.
 * ACTION.ranks: a relay delivers the action to these ranks (empty: to the recipient itself).
 
+Version 4 carries the whole heartbeat through a relay: BEATS gained the columns ``seq`` (each rank's
+``coll_seq`` map), ``idle`` (``idle_age``), ``p99`` (``step_p99``) and ``sums`` (``step_sums``), so that
+hang culprits (controller/hangs.py) and slow ranks (controller/slow.py) work behind a node agent's relay
+(mindio/ttp/wire/relay.py). A peer of another version is refused: its frames are dropped with a line
+naming both versions.
+
 Version 3 added sessions (mindio/ttp/wire/session.py): a connection says HELLO (a fresh nonce), the controller
 answers CHALLENGE (that nonce, and a fresh session number), the REGISTER carries the session number as its
 ``sess``; only then does the connection speak for a rank, and every later frame carries that ``sess`` and a
@@ -56,7 +62,7 @@ __all__ = [
     "pack_body", "decode", "DropCounter", "BODY_TYPES",
 ]
 
-VERSION = 3
+VERSION = 4
 MAX_FRAME = 1 << 20  # 1 MiB: control messages are small; anything bigger is an attack or a bug
 _MAC_LEN = 32
 _log = logging.getLogger("mindio.ttp.protocol")
@@ -151,6 +157,10 @@ class Beats:
     status: list
     coll: list
     age: list
+    seq: list = field(default_factory=list)    # coll_seq maps (v4; empty: none sent, else one per rank)
+    idle: list = field(default_factory=list)   # idle_age
+    p99: list = field(default_factory=list)    # step_p99
+    sums: list = field(default_factory=list)   # step_sums
 
 
 @dataclass(frozen=True)
@@ -202,6 +212,8 @@ _NAMES = {cls: frozenset(name for name, *_ in spec) for cls, spec in _SPECS.item
 _ITEM_TYPES = {int(t): t for t in MsgType
                if t not in (MsgType.BEATS, MsgType.BATCH, MsgType.HELLO, MsgType.CHALLENGE)}
 _BEAT_COLS = (("steps", {int}, "int"), ("status", {int}, "int"), ("coll", {bool}, "bool"), ("age", {float, int}, "float"))
+_BEAT_EXTRAS = (("seq", {dict}, "map"), ("idle", {float, int}, "float"), ("p99", {float, int}, "float"),
+                ("sums", {list}, "list"))
 
 
 def _body_from(mtype: MsgType, raw: Any):
@@ -237,6 +249,12 @@ def _check_beats(raw: dict) -> None:
         if len(col) != len(ranks):
             raise ProtocolError(f"BEATS.{name} has {len(col)} entries for {len(ranks)} ranks")
         if not set(map(type, col)) <= ok:
+            raise ProtocolError(f"BEATS.{name} entries must be {tname}")
+    for name, ok, tname in _BEAT_EXTRAS:  # optional columns (v4): absent, or one entry per rank
+        col = raw.get(name)
+        if col and len(col) != len(ranks):
+            raise ProtocolError(f"BEATS.{name} has {len(col)} entries for {len(ranks)} ranks")
+        if col and not set(map(type, col)) <= ok:
             raise ProtocolError(f"BEATS.{name} entries must be {tname}")
 
 
@@ -294,7 +312,8 @@ def decode(frame: bytes, key: bytes) -> Envelope:
     if not isinstance(items, list) or not items:
         raise ProtocolError("envelope must be an array [v, type, sn, rank, gen, sess, ctr, body]")
     if items[0] != VERSION:
-        raise ProtocolError(f"protocol version {items[0]!r} is not supported (this side speaks {VERSION})")
+        raise ProtocolError(f"protocol version {items[0]!r} is not supported (this side speaks {VERSION}): the peer "
+                            "runs another mindio release; run the same mindio on every node")
     if len(items) != 8:
         raise ProtocolError("envelope must be an 8-element array [v, type, sn, rank, gen, sess, ctr, body]")
     v, mtype, sn, rank, gen, sess, ctr, body = items

@@ -95,6 +95,19 @@ class Sessions:
         s = self.by_ident[ident] = Session(env.sess, role, -1 if role == "relay" else env.rank, env.ctr)
         return s
 
+    def receive(self, ident: bytes, env: P.Envelope, backups: list, send) -> Session | None:
+        """The session a frame from ``ident`` belongs to, or SessionError: a HELLO is answered here
+        (``send(envelope, ident)``, a CHALLENGE; returns None), a REGISTER outside the connection's session
+        opens one (:meth:`open`), anything else must be admitted (:meth:`admit`). The controller and a
+        node's relay (relay.py) both receive through this."""
+        if env.type is P.MsgType.HELLO:
+            send(P.Envelope(P.MsgType.CHALLENGE, P.Challenge(env.body.nonce, self.challenge(ident)), rank=env.rank), ident)
+            return None
+        s = self.by_ident.get(ident)
+        if env.type is P.MsgType.REGISTER and (s is None or s.sid != env.sess):
+            return self.open(ident, env, backups)
+        return self.admit(ident, env)
+
     def admit(self, ident: bytes, env: P.Envelope) -> Session:
         """The session of ``ident`` if ``env`` belongs to it and is new; else SessionError."""
         s = self.by_ident.get(ident)

@@ -327,12 +327,16 @@ class Link(threading.Thread):
     def __init__(self, rank: int, key: bytes, addrs: list[str], hello: Callable[[], P.Register],
                  beat: Callable[[], P.Heartbeat], on_message: Callable[[P.Envelope], None],
                  curve: dict | None = None, interval: float | None = None, misses: int | None = None,
-                 on_registered: Callable[[], None] | None = None, follow_backups: bool = True):
+                 on_registered: Callable[[], None] | None = None, follow_backups: bool = True,
+                 relay: bool = False):
         super().__init__(name=f"mindio-link-{rank}", daemon=True)
         self.rank, self.key, self.addrs = rank, key, list(addrs)
         self.hello, self.beat, self.on_message = hello, beat, on_message
         self.curve = with_client_keys(curve or {}, key)
         self.on_registered = on_registered
+        # a node agent's relay (relay.py): what it sends keeps its own rank and generation, ``beat`` returns
+        # the envelopes to send (BEATS), and the messages for its ranks go to ``on_message``
+        self.relay = relay
         self.follow_backups = follow_backups  # False for a backup controller's own link to the primary
         self.home = self.addrs[0] if follow_backups else ""  # the primary: a passive backup sends us back (home.py)
         self._passive = False  # the controller we are with is a backup that has not taken over
@@ -391,7 +395,7 @@ class Link(threading.Thread):
                 env, done = self._out.get_nowait()
             except queue.Empty:
                 return bye
-            chan.send(P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
+            chan.send(env if self.relay else P.Envelope(env.type, env.body, rank=self.rank, sn=env.sn, gen=self.gen))
             if done is not None:
                 done.set()
             bye = bye or env.type is P.MsgType.BYE
@@ -401,7 +405,7 @@ class Link(threading.Thread):
         """A new DEALER connection to ``addr`` (its own channel; no session yet)."""
         sock = self._ctx.socket(zmq.DEALER)  # no identity of our own: zmq names the connection
         sock.setsockopt(zmq.LINGER, 0)
-        for opt, val in self.curve.items():
+        for opt, val in self.curve.items() if not addr.startswith("ipc://") else ():  # a relay: local, private
             sock.setsockopt(opt, val)
         sock.connect(addr)
         return Channel(sock, self.key, self.drops)
@@ -479,7 +483,9 @@ class Link(threading.Thread):
                 next_beat = min(next_beat, last_beat + self.interval)  # the controller may set a shorter interval
                 if now >= next_beat:
                     if chan.sess:
-                        chan.send(P.Envelope(P.MsgType.HEARTBEAT, self.beat(), rank=self.rank, gen=self.gen))
+                        for env in self.beat() if self.relay else (
+                                P.Envelope(P.MsgType.HEARTBEAT, self.beat(), rank=self.rank, gen=self.gen),):
+                            chan.send(env)
                     last_beat, next_beat = now, now + self.interval
                 if now - last_rx > self.misses * self.interval + self.interval / 2:
                     poller.unregister(chan.sock)
@@ -575,6 +581,11 @@ class Link(threading.Thread):
     def _handle(self, chan: Channel, env: P.Envelope) -> None:
         if env.type is P.MsgType.CHALLENGE:
             return  # the session opened in _accept
+        if self.relay and (env.rank >= 0 or env.type not in (P.MsgType.REGISTER_ACK, P.MsgType.HEARTBEAT_ACK)):
+            self.on_message(env)  # for the relay's ranks
+            return
+        if self.relay and env.type is P.MsgType.HEARTBEAT_ACK and env.body.unknown:
+            self.on_message(env)  # ranks the controller does not know (the relay's own ack is handled below)
         if env.type is P.MsgType.REGISTER_ACK:
             self.gen = env.body.gen
             self.interval = env.body.interval

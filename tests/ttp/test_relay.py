@@ -1,0 +1,132 @@
+"""A node's relay (mindio/ttp/wire/relay.py) between real ranks' links and a real controller, in this process
+over real sockets (IPC below the relay, TCP above it): what goes up (beats with every heartbeat field,
+registrations, reports, acknowledgements), what comes down (one ACTION fanned out to the ranks), and what a
+rank cannot do through it (speak for another rank, register a rank of another node)."""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from mindio.errors import ProtocolError
+from mindio.ttp.controller.controller import Controller
+from mindio.ttp.wire import protocol as P
+from mindio.ttp.wire.relay import Relay
+from mindio.ttp.wire.session import fresh
+from mindio.ttp.wire.transport import Link, context
+
+from ._harness import free_port, until
+
+KEY = b"k" * 32
+
+
+class _Rank:
+    """A rank's link to the relay (the processor's transport.Link) and what it was sent."""
+
+    def __init__(self, rank: int, relay: Relay, world: int):
+        self.got: list = []
+        self.link = Link(rank, KEY, [relay.address], lambda: P.Register(world_size=world, pid=os.getpid(), host="h"),
+                         lambda: P.Heartbeat(step=3 + rank, data_status=0, coll_seq={"dp": 10 + rank},
+                                             idle_age=0.5 + rank, step_p99=0.25, step_sums=[4, 2.0 + rank, 1.0]),
+                         self.got.append, interval=0.1)
+
+
+@pytest.fixture
+def plane(monkeypatch):
+    monkeypatch.setenv("MINDIO_SLOW_WINDOW", "5")  # slow-rank scoring on: the controller keeps the step sums
+    port = free_port()
+    ctl = Controller(rank=-1, world_size=2, enabled={"dump"}, key=KEY, interval=0.1, misses=30, hang_timeout=0)
+    ctl.start("127.0.0.1", port)
+    relay = Relay(KEY, f"tcp://127.0.0.1:{port}", lambda: (0, 1), world_size=2)
+    relay.start()
+    ranks = [_Rank(r, relay, 2) for r in (0, 1)]
+    for r in ranks:
+        r.link.start()
+    try:
+        yield ctl, relay, ranks
+    finally:
+        for r in ranks:
+            r.link.close(2)
+        relay.close(2)
+        ctl.destroy()
+
+
+def test_ranks_register_and_beat_through_one_relay_with_every_heartbeat_field(plane):
+    ctl, relay, ranks = plane
+    assert stat.S_IMODE(os.stat(relay.dir).st_mode) == 0o700  # only this user reaches the relay's socket
+    assert until(lambda: ctl.registered == 2 and all(ctl.ranks[r].step == 3 + r for r in (0, 1)))
+    assert len(ctl._relays) == 1 and {ctl.ranks[r].ident for r in (0, 1)} == ctl._relays  # one connection
+    assert until(lambda: all(ctl.ranks[r].coll_seq == {"dp": 10 + r} for r in (0, 1)))  # hangs.py's culprits
+    assert [ctl.ranks[r].idle_age for r in (0, 1)] == [0.5, 1.5] and ctl.ranks[1].step_p99 == 0.25
+    assert until(lambda: ctl.liveness.slow.last.get(1, (0,))[0] == 4)  # slow.py's step sums
+    assert all(r.link.registered.is_set() for r in ranks)
+    assert ranks[0].link.addrs == [relay.address]  # a rank never learns (nor fails over to) the controllers
+
+
+def test_one_action_is_fanned_out_to_the_ranks_and_their_replies_come_back(plane):
+    ctl, relay, ranks = plane
+    assert until(lambda: ctl.registered == 2)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(ctl.actions.call("probe", {}, [0, 1], timeout=10)))
+    t.start()
+    assert until(lambda: all(any(e.type is P.MsgType.ACTION for e in r.got) for r in ranks))
+    for r in ranks:
+        act = next(e for e in r.got if e.type is P.MsgType.ACTION)
+        assert act.body.name == "probe" and act.rank == r.link.rank
+        r.link.send(P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail={"me": r.link.rank}), sn=act.sn))
+    t.join(15)
+    assert not t.is_alive()
+    assert sorted(result) == [0, 1] and all(result[r].ok and result[r].detail == {"me": r} for r in (0, 1)), result
+
+
+def _raw_session(relay: Relay, rank: int):
+    """A hand-made connection to the relay holding the job secret: HELLO, CHALLENGE, REGISTER as ``rank``."""
+    sock = context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(relay.address)
+    nonce = fresh()
+    sock.send(P.encode(P.Envelope(P.MsgType.HELLO, P.Hello(nonce), rank=rank), KEY))
+    assert sock.poll(10000)
+    ch = P.decode(sock.recv(), KEY)
+    assert ch.type is P.MsgType.CHALLENGE and ch.body.nonce == nonce
+    sess = ch.body.session
+    sock.send(P.encode(P.Envelope(P.MsgType.REGISTER, P.Register(world_size=2, pid=1, host="x"), rank=rank,
+                                  sess=sess, ctr=1), KEY))
+    return sock, sess
+
+
+def test_a_rank_cannot_speak_for_another_rank_or_register_a_rank_of_another_node(plane):
+    ctl, relay, _ranks = plane
+    assert until(lambda: ctl.registered == 2)
+    sock, sess = _raw_session(relay, 1)  # rank 1 again: its newer process, say
+    # in rank 1's session, a report claiming to be rank 0's: dropped at the relay, never reaches the controller
+    sock.send(P.encode(P.Envelope(P.MsgType.REPORT, P.Report(state=3, message="forged", step=1), rank=0,
+                                  sess=sess, ctr=2), KEY))
+    assert until(lambda: relay.drops.snapshot().get("session", 0) >= 1), relay.drops.snapshot()
+    assert not ctl.ranks[0].faulty and ctl.incidents.order is None
+    other, _ = _raw_session(relay, 5)  # not a rank of this node
+    assert until(lambda: relay.drops.snapshot().get("refused", 0) >= 1), relay.drops.snapshot()
+    assert 5 not in relay.routes
+    sock.close(0)
+    other.close(0)
+
+
+def test_beats_extras_are_checked_and_another_protocol_version_is_refused_by_name():
+    cols = dict(ranks=[1, 2], steps=[1, 1], status=[0, 0], coll=[False, False], age=[0.0, 0.0])
+    good = P.Envelope(P.MsgType.BEATS, P.Beats(**cols, seq=[{}, {"dp": 1}], idle=[1.0, 2.0], p99=[-1.0, 0.1],
+                                               sums=[[], [3, 1.0, 0.5]]))
+    assert P.decode(P.encode(good, KEY), KEY).body.seq == [{}, {"dp": 1}]
+    with pytest.raises(ProtocolError, match="BEATS.idle has 1 entries for 2 ranks"):
+        P.decode(P.encode(P.Envelope(P.MsgType.BEATS, P.Beats(**cols, idle=[1.0])), KEY), KEY)
+    with pytest.raises(ProtocolError, match="BEATS.seq entries must be map"):
+        P.decode(P.encode(P.Envelope(P.MsgType.BEATS, P.Beats(**cols, seq=[1, 2])), KEY), KEY)
+    # a peer of protocol v3 (before the columns): one line naming both versions
+    old = msgpack.packb([3, int(P.MsgType.HEARTBEAT), 0, 0, 0, 0, 0, {"step": 1, "data_status": 0}])
+    import hmac
+    with pytest.raises(ProtocolError, match=r"protocol version 3 is not supported \(this side speaks 4\): the peer "
+                                            r"runs another mindio release"):
+        P.decode(old + hmac.digest(KEY, old, "sha256"), KEY)

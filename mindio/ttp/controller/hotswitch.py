@@ -51,7 +51,7 @@ from ...vocab import HOT_SWITCH_ACTIONS
 from .dump import Dump
 from .recover import Replace
 from .strategy import Context
-from .._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
+from .._enums import ActionName, EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, OsStatus, ResultCode
 from .states import Result, State
 
 __all__ = ["HotSwitch", "EXIT_CODE_SWITCHED", "ACTIONS"]
@@ -112,10 +112,10 @@ class HotSwitch:
         live = sequence.live_ranks(self.ctl)
         if len(live) < self.ctl.world_size or self.ctl.incidents.faulted(inc):
             return self._fault_now() if self.ctl.incidents.faulted(inc) else self._cancel_switch(live, "ranks missing")
-        caps = self.ctl._call("pause_query", {}, live, self.ctl.action_limit)
+        caps = self.ctl._call(ActionName.PAUSE_QUERY, {}, live, self.ctl.action_limit)
         target = max((c.detail["limit"] for c in caps.values() if c.ok), default=0)
         replies = {} if len(caps) < len(live) else self.ctl._call(
-            "pause_at", {"step": target, "timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
+            ActionName.PAUSE_AT, {"step": target, "timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
         if self.ctl.incidents.faulted(inc):
             return self._fault_now()
         bad = sorted(r for r in live if r not in replies or not replies[r].ok)
@@ -238,7 +238,7 @@ class HotSwitch:
     def _switch(self, ranks: list, target: int, t0: float) -> bool:
         self.ctl.sm.fire(Result.MIGRATE, lock_step=target, ranks=ranks[:16])
         everyone = sequence.live_ranks(self.ctl)
-        replies = self.ctl._call("clean", {"timeout": self.ctl.action_limit}, everyone, self.ctl.action_limit)
+        replies = self.ctl._call(ActionName.CLEAN, {"timeout": self.ctl.action_limit}, everyone, self.ctl.action_limit)
         bad = sorted(r for r in everyone if r not in replies or not replies[r].ok)
         with self.ctl._lock:  # the switched ranks count as dead: the repair takes their shards from replicas
             views = [policy.RankView(r.rank, r.alive and r.rank not in ranks, r.rank in ranks, target,
@@ -249,7 +249,7 @@ class HotSwitch:
             self._dismiss()
             bad = everyone
         if not bad:
-            self.ctl._call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
+            self.ctl._call(ActionName.EXIT, {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
             with self.ctl._cond:
                 for r in ranks:  # gone on purpose: dead for the recover sequence, never declared dead
                     self.ctl.replacements.replaced[r] = self.ctl.gen + 1  # its last frames are refused, never re-registered

@@ -38,7 +38,7 @@ from ... import _knobs, _logging
 from . import dump, policy, sequence
 from ..wire import protocol as P
 from .brain import RankFault, fault_key, result_code
-from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, ReportState, ResultCode
+from .._enums import ActionName, EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, ReportState, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome
 
@@ -342,7 +342,7 @@ class IncidentFlow:
         healthy process groups down and parks first (the ``clean`` action), so no rank leaves while a peer
         still destroys a group connected to it -- seen as ``terminate called`` (SIGABRT) at exit on gloo."""
         live = sequence.live_ranks(self.ctl)
-        replies = self.ctl._call("clean", {"timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
+        replies = self.ctl._call(ActionName.CLEAN, {"timeout": self.ctl.action_limit / 2}, live, self.ctl.action_limit)
         bad = [r for r in live if r not in replies or not replies[r].ok]
         if bad:
             _log.error("ranks %s did not tear down before the exit: %s", bad[:16],
@@ -378,7 +378,7 @@ class IncidentFlow:
             self.told.update(dict.fromkeys(targets, now))
             self.order = (code, sn)
         self.ctl.elastic.tell_standbys(code, sn)  # standbys are in no rank table (elastic_flow.py)
-        replies = self.ctl._call("exit", {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
+        replies = self.ctl._call(ActionName.EXIT, {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
         with self.ctl._lock:
             silent = [r for r in targets if r not in replies and (x := self.ctl.ranks.get(r)) is not None and x.alive]
         if silent and not self.ctl._stop.is_set():  # (a controller closed meanwhile hears nobody)
@@ -410,7 +410,7 @@ class IncidentFlow:
         _log.warning("rank %d heard after the job's exit order without having confirmed it (%s): sending it "
                      "the order again, EXIT(%d)", rank, why, order[0])
         _logging.event("exit_order_resent", to_rank=rank, code=order[0], why=why)
-        self.ctl._send(rank, P.Action("exit", {"code": order[0]}), sn=order[1])
+        self.ctl._send(rank, P.Action(ActionName.EXIT, {"code": order[0]}), sn=order[1])
 
     def confirmed(self, rank: int, sn: int) -> None:
         """(I/O thread) ``rank`` replied to action ``sn``: when that is the exit order, it has it."""

@@ -32,7 +32,7 @@ import time
 
 from ... import _logging
 from . import policy, sequence
-from .._enums import EXIT_CODE_FAULT, ResultCode
+from .._enums import ActionName, EXIT_CODE_FAULT, ResultCode
 from .dump import Dump
 from .states import Result, State
 from .strategy import Context
@@ -65,7 +65,7 @@ class PauseFlow:
     def end(self, live: list, why: str) -> bool:
         """Clear every limit (the ranks train on), PAUSE -CONTINUE-> NORMAL, close the incident."""
         ctl, flow = self.ctl, self.ctl.incidents
-        ctl._call("pause_resume", {}, live, ctl.action_limit)
+        ctl._call(ActionName.PAUSE_RESUME, {}, live, ctl.action_limit)
         with ctl._lock:
             faulted = flow.current is not None and bool(flow.current.primary)
             if not faulted:
@@ -81,7 +81,7 @@ class PauseFlow:
         live = sequence.live_ranks(ctl)
         if len(live) < ctl.world_size or flow.faulted(inc):
             return flow.as_fault() if flow.faulted(inc) else self.end(live, "ranks missing")
-        caps = ctl._call("pause_query", {}, live, ctl.action_limit)
+        caps = ctl._call(ActionName.PAUSE_QUERY, {}, live, ctl.action_limit)
         if flow.faulted(inc):
             return flow.as_fault()
         if any(r not in caps or not caps[r].ok for r in live):
@@ -90,7 +90,7 @@ class PauseFlow:
             return self.end(live, "pause_query failed")
         target = max(caps[r].detail["limit"] for r in live)
         limit = ctl.action_limit
-        replies = ctl._call("pause_at", {"step": target, "timeout": limit / 2}, live, limit)
+        replies = ctl._call(ActionName.PAUSE_AT, {"step": target, "timeout": limit / 2}, live, limit)
         if flow.faulted(inc):
             return flow.as_fault()
         bad = {r: (replies[r].detail if r in replies else "no reply") for r in live

@@ -34,7 +34,7 @@ import time
 from ... import _knobs, _logging, vocab
 from . import policy, sequence
 from ..wire import protocol as P
-from .._enums import MainState, OsStatus, RepairType, ReportState
+from .._enums import ActionName, MainState, OsStatus, RepairType, ReportState
 from .sequence import Sequence
 from .states import Result
 from .strategy import Context, Outcome, Strategy
@@ -105,7 +105,7 @@ class StopRound:
 
         {rank: Reply} (the latest reply of each rank)."""
         grace = min(params["timeout"], STOP_GRACE_S)
-        replies = self.ctl._call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace), interrupt=True),
+        replies = self.ctl._call(ActionName.STOP, dict(params, timeout=grace, look=min(STOP_LOOK_S, grace), interrupt=True),
                                  live, self.ctl.action_limit)
         if not params.get("stop_clean"):  # torn down at the stop (TTP_STOP_CLEAN_BEFORE_DUMP): held as they are
             self._advance(replies, grace)
@@ -122,9 +122,9 @@ class StopRound:
                      "made or started; letting them finish it%s", behind[:16], step,
                      f" (ranks {running[:16]} were running)" if running else "")
         _logging.event("advance", step=step, ranks=behind[:64], running=running[:64])
-        replies.update(self.ctl._call("advance", {"step": step, "timeout": grace}, behind, self.ctl.action_limit))
+        replies.update(self.ctl._call(ActionName.ADVANCE, {"step": step, "timeout": grace}, behind, self.ctl.action_limit))
         if running:
-            replies.update(self.ctl._call("wait_quiet", {"timeout": grace}, running, self.ctl.action_limit))
+            replies.update(self.ctl._call(ActionName.WAIT_QUIET, {"timeout": grace}, running, self.ctl.action_limit))
 
     def _release_running(self, replies: dict, params: dict) -> dict:
         """Steps 2 and 3 of :meth:`run` for the ranks ``replies`` says still run."""
@@ -133,14 +133,14 @@ class StopRound:
             _log.warning("stop: ranks %s still running after the stop while %s wait at the fence; tearing the "
                          "fenced ranks down so that a collective between them fails", running[:16], fenced[:16])
             _logging.event("stop_release_fenced", running=running[:64], fenced=fenced[:64])
-            replies.update(self.ctl._call("teardown", {}, fenced, self.ctl.action_limit))
+            replies.update(self.ctl._call(ActionName.TEARDOWN, {}, fenced, self.ctl.action_limit))
             running, _ = _split(replies)
         if running:
             running = self._unblock(running, replies, params["timeout"])
         if running:
             running = self._kill_stuck(running, params, replies)
         if running:
-            replies.update(self.ctl._call("wait_quiet", {"timeout": params["timeout"]}, running, self.ctl.action_limit))
+            replies.update(self.ctl._call(ActionName.WAIT_QUIET, {"timeout": params["timeout"]}, running, self.ctl.action_limit))
         return replies
 
     def _unblock(self, running: list, replies: dict, timeout: float) -> list:
@@ -159,7 +159,7 @@ class StopRound:
         _log.warning("stop: ranks %s still blocked in a collective (dead ranks %s); releasing them from their "
                      "collective connections", inside[:16], dead[:16])
         t0 = time.monotonic()
-        more = self.ctl._call("unblock", {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.ctl.action_limit)
+        more = self.ctl._call(ActionName.UNBLOCK, {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.ctl.action_limit)
         replies.update(more)
         still = sorted(r for r in running if replies[r].ok and replies[r].detail.get("main") == MainState.RUNNING)
         _logging.event("stop_unblocked", ranks=inside[:64], dead=dead[:64], still=still[:64],
@@ -184,7 +184,7 @@ class StopRound:
         if any(not rep.ok for r, rep in replies.items() if r not in running):
             return running  # some rank did not confirm its stop: nothing says the others are released
         for _ in range(len(running)):
-            more = self.ctl._call("wait_quiet", {"timeout": window}, running, self.ctl.action_limit)
+            more = self.ctl._call(ActionName.WAIT_QUIET, {"timeout": window}, running, self.ctl.action_limit)
             replies.update(more)
             still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == MainState.RUNNING)
             outside = [r for r in still if not more[r].detail.get("in_collective")]
@@ -205,7 +205,7 @@ class StopRound:
                        "outside a collective" if outside else "all inside a collective")
             _logging.event("stop_stuck_killed", ranks=victims[:64], window_s=window, in_collective=not outside)
             for rank in victims:
-                self.ctl._send(rank, P.Action("kill", {"reason": "still running after the stop"}))
+                self.ctl._send(rank, P.Action(ActionName.KILL, {"reason": "still running after the stop"}))
             self.ctl.declare_dead(victims, "stuck", log=False)  # watch.py
             running = [r for r in still if r not in victims]
             if not running:
@@ -263,10 +263,10 @@ class Retry(Strategy):
                          "they are repaired from replicas too", stale[:16], lock,
                          {v.rank: (v.step, v.data_status) for v in views if v.rank in stale[:8]})
         targets = sorted(set(uce) | set(stale))
-        if not seq.step("clean", {"timeout": ctl.action_limit}, live):
+        if not seq.step(ActionName.CLEAN, {"timeout": ctl.action_limit}, live):
             return False
         ctl.gen += 1
-        if not seq.step("rebuild", {"gen": ctl.gen, "fault_ranks": sorted(primary), "same_layout": True}, live):
+        if not seq.step(ActionName.REBUILD, {"gen": ctl.gen, "fault_ranks": sorted(primary), "same_layout": True}, live):
             return False
         ctl.sm.fire(Result.OK, gen=ctl.gen)
         kinds: dict = {}
@@ -284,12 +284,12 @@ class Retry(Strategy):
             involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
             _log.warning("retry: repairing %s (%s) from replicas %s", targets, kinds,
                          {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
-            if not seq.step("repair", {"step": lock, "error_ranks": targets, "pairs": pairs}, involved,
+            if not seq.step(ActionName.REPAIR, {"step": lock, "error_ranks": targets, "pairs": pairs}, involved,
                             abandon=live):
                 return False
         else:
             seq.mark("repair")
-        if not seq.step("rollback", {"step": lock}, live, abandon=live):
+        if not seq.step(ActionName.ROLLBACK, {"step": lock}, live, abandon=live):
             return False
         seq.resume(lock, live)
         seq.done("every rank trains again", f"repaired {uce}, stale {stale}",

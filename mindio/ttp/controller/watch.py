@@ -21,6 +21,7 @@ import time
 from ... import _logging
 from . import hangs, slow
 from ..wire import protocol as P
+from .._enums import ActionName
 from .pidprobe import PidProbe
 from .states import State
 
@@ -146,7 +147,7 @@ class Liveness:
                        rank, bound, "" if self.hang.fixed else " from the job's step times", hung.why())
             _logging.event("rank_hung", hung_rank=rank, bound_s=round(bound, 3), group=hung.group, seq=hung.seq,
                            waiting=hung.waiting[:64])
-            self.ctl._send(rank, P.Action("kill", {"reason": "hung"}))
+            self.ctl._send(rank, P.Action(ActionName.KILL, {"reason": "hung"}))
             with self.ctl._cond:
                 self.ctl.ranks[rank].alive = False
                 self.ctl.ranks[rank].faulty = True

@@ -80,6 +80,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "_job.py"
 STRATEGIES = ("baseline", "dump", "retry", "retry-raise", "recover-in-place", "recover")
 REFERENCE = "reference"  # the fault-free run
+DECIDES = {"retry-raise": "retry"}  # a bench row whose controller decision has another name
 TIMEOUT_S = {"tiny": 300, "128m": 450, "1g": 900}  # per run, default of --timeout (generous: a shared machine)
 EXIT_GRACE_S = 15.0
 PHASES = ("detect", "stop", "dump", "clean", "rebuild", "start", "repair", "rollback", "resume", "exit",
@@ -458,7 +459,7 @@ def report(results: Dict[str, dict], a) -> str:
                         f"{r.get('wall_s')} s{', timed out' if r.get('timed_out') else ''})")
             continue
         ratio = "1.00x" if name == "baseline" else f"{base / r['again_s']:.2f}x" if base else "-"
-        label = name if r.get("decision") in (None, name) else f"{name}->{r['decision']}"
+        label = name if r.get("decision") in (None, name, DECIDES.get(name)) else f"{name}->{r['decision']}"
         mv = r.get("moved", [])
         total = sum(m["bytes"] for m in mv) if mv else None
         rate = min((m["gbps"] for m in mv if m.get("gbps")), default=None)

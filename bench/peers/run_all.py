@@ -394,7 +394,10 @@ def raise_targets(res: dict) -> List[str]:
     for d, f, ms, mv, ps, pv, _ in rows(res):
         if d != "rank 1 raises" or not ms.startswith("retry"):
             continue
-        if isinstance(mv, (int, float)) and isinstance(pv, (int, float)) and pv:
+        decided = res.get("recovery", {}).get("retry-raise", {}).get("decision")
+        if decided not in (None, "retry"):
+            out.append(f"FAIL: rank 1 raises, {f} vs {ps}: the controller decided {decided}, not the retry")
+        elif isinstance(mv, (int, float)) and isinstance(pv, (int, float)) and pv:
             out.append(f"{'PASS' if mv < pv else 'FAIL'}: rank 1 raises, {f}: mindio retry {mv:.2f} s < {ps} "
                        f"{pv:.2f} s")
         else:

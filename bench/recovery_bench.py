@@ -22,6 +22,8 @@ dump               mindio today: ``--enable-high-availability`` under ``mindio-r
                    1``; the controller dumps the last-words checkpoint at the lock step, the job
                    exits 75, mindio-run relaunches it (warm interpreters), it loads the dump
 retry              in-process step retry after ``UCE ERROR`` (processes stay up)
+retry-raise        rank 1 raises a generic exception outside the optimizer update: retried in place
+                   once (HIGH_AVAILABILITY=retry,dump; a repeat would end in the dump)
 recover-in-place   only the SIGKILLed process is replaced, its state repaired from a replica
 recover            a SIGKILLed node's ranks move to a ``--standby`` agent
 =================  ===========================================================================
@@ -76,12 +78,13 @@ import _sizes  # noqa: E402  (bench/_sizes.py)
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "bench" / "_job.py"
-STRATEGIES = ("baseline", "dump", "retry", "recover-in-place", "recover")
+STRATEGIES = ("baseline", "dump", "retry", "retry-raise", "recover-in-place", "recover")
 REFERENCE = "reference"  # the fault-free run
+DECIDES = {"retry-raise": "retry"}  # a bench row whose controller decision has another name
 TIMEOUT_S = {"tiny": 300, "128m": 450, "1g": 900}  # per run, default of --timeout (generous: a shared machine)
 EXIT_GRACE_S = 15.0
 PHASES = ("detect", "stop", "dump", "clean", "rebuild", "start", "repair", "rollback", "resume", "exit",
-          "restart", "imports", "init+load", "first step")
+          "restart", "imports", "init+build", "load", "first step")
 # controller actions (``action`` events, logged when every reply is in) -> phase they end
 _ACTION_PHASE = {"stop": "stop", "save": "dump", "rename": "dump", "clean": "clean",
                  "rebuild": "rebuild", "repair": "repair", "rollback": "rollback", "retry": "resume",
@@ -106,6 +109,7 @@ def implemented() -> tuple:
         declared = controller.Controller.implemented_strategies(controller.Controller)  # class-level probe
     if declared is None:
         declared = ("dump",) + (("retry",) if importlib.util.find_spec("mindio.ttp.controller.retry") else ())
+    declared = tuple(declared) + (("retry-raise",) if "retry" in declared else ())  # the retry of a raise
     return ("baseline",) + tuple(s for s in STRATEGIES if s in declared and s != "baseline")
 
 
@@ -151,6 +155,9 @@ def scenario(name: str, a, work: Path) -> Scenario:
     if name == "retry":
         cmd = run + [str(JOB), *common, *ha, "--enable-hbmfault-repair"]
         return Scenario(name, [cmd], {**env, "HIGH_AVAILABILITY": "retry,dump"}, f"uce:rank=1,step={F}")
+    if name == "retry-raise":
+        cmd = run + [str(JOB), *common, *ha]
+        return Scenario(name, [cmd], {**env, "HIGH_AVAILABILITY": "retry,dump"}, f"raise:rank=1,step={F}")
     if name == "recover-in-place":
         cmd = run + [str(JOB), *common, *ha, "--enable-worker-reboot"]
         return Scenario(name, [cmd], {**env, "HIGH_AVAILABILITY": "recover-in-place,dump"},
@@ -396,8 +403,11 @@ def analyse(run: Run, fault_step: int) -> dict:
     steps = [("detect", points["detected"])]
     steps += [(_ACTION_PHASE[e["action"]], e["t"]) for e in ev if e["kind"] == "action"
               and e.get("action") in _ACTION_PHASE and fault <= e["t"] <= end]
+    # the relaunch's checkpoint read: rank 0's timed load_checkpoint (bench/_job.py) ends at "loaded"
+    read = transfers([(t, s) for t, s in after if t <= (loaded_t or 0.0)]).get("load", [])
+    points["building"] = loaded_t - read[-1][2] if loaded_t and read else None
     steps += [("exit", points["exited"]), ("restart", points["restarted"]),
-              ("imports", points["imported"]), ("init+load", points["loaded"]),
+              ("imports", points["imported"]), ("init+build", points["building"]), ("load", points["loaded"]),
               ("first step", points["first_step"])]
     phases, prev = {}, fault
     for phase, t in steps:
@@ -449,7 +459,7 @@ def report(results: Dict[str, dict], a) -> str:
                         f"{r.get('wall_s')} s{', timed out' if r.get('timed_out') else ''})")
             continue
         ratio = "1.00x" if name == "baseline" else f"{base / r['again_s']:.2f}x" if base else "-"
-        label = name if r.get("decision") in (None, name) else f"{name}->{r['decision']}"
+        label = name if r.get("decision") in (None, name, DECIDES.get(name)) else f"{name}->{r['decision']}"
         mv = r.get("moved", [])
         total = sum(m["bytes"] for m in mv) if mv else None
         rate = min((m["gbps"] for m in mv if m.get("gbps")), default=None)
@@ -531,6 +541,14 @@ def targets(results: Dict[str, dict]) -> List[str]:
     if r.get("ok"):
         out.append(f"{verdict(r['steps_lost'] <= 1 and same(r))}: dump + relaunch lost {r['steps_lost']} "
                    f"step(s) <= 1, final state {'bitwise equal to' if same(r) else 'NOT equal to'} the fault-free run")
+    r = results.get("dump", {})
+    rate = min((m["gbps"] for m in r.get("moved", []) if m["what"] == "dump write" and m.get("gbps")),
+               default=None)
+    if r.get("ok") and rate:
+        out.append(f"{verdict(rate >= 5)}: dump write rate {rate:.2f} GB/s per rank (slowest rank) >= 5 GB/s")
+    if r.get("ok") and base:
+        out.append(f"{verdict(r['again_s'] / base <= 0.4)}: dump + relaunch {r['again_s']:.2f} s = "
+                   f"{r['again_s'] / base:.2f}x the whole-job restart ({base:.2f} s) <= 0.4x")
     for name in ("dump", "retry", "recover-in-place"):
         r = results.get(name, {})
         if r.get("ok") and base:

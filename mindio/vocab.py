@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode", "ExitCode",
+__all__ = ["ReportState", "RepairType", "Action", "ActionName", "OptimizerType", "OsStatus", "ResultCode", "ExitCode",
            "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_CODE_REPEATED",
            "EXIT_MEANINGS",
            "Strategy", "HA_STRATEGIES", "STRATEGY_ORDER", "MINDX_STRATEGIES", "REPLACING", "HOT_SWITCH_ACTIONS",
@@ -87,6 +87,46 @@ REPLACING = (S.RECOVER_IN_PLACE.value, S.RECOVER.value)
 # tft_notify_controller_prepare_action's hot-switch actions
 HOT_SWITCH_ACTIONS = (S.HOT_SWITCH.value, "stop switch")
 del S
+
+
+# ----------------------------------------------------------------------------- the controller's actions
+class ActionName(str, enum.Enum):
+    """The ACTION frames' names: the controller sends them (actions.py ``call``), a rank's processor runs
+    them (``Processor.ACTIONS``). A member *is* its string, as :class:`MainState`'s are: the wire is unchanged."""
+    # the stop round (controller/retry.py), checkpoints, lifecycle (processor.py)
+    STOP = "stop"
+    WAIT_QUIET = "wait_quiet"
+    TEARDOWN = "teardown"
+    UNBLOCK = "unblock"
+    ADVANCE = "advance"
+    SAVE = "save"
+    RENAME = "rename"
+    EXIT = "exit"
+    KILL = "kill"
+    UNHOLD = "unhold"
+    PING = "ping"
+    PAUSE_QUERY = "pause_query"
+    PAUSE_AT = "pause_at"
+    PAUSE_RESUME = "pause_resume"
+    # retry and the recoveries (processor/inplace.py, reboot.py)
+    CLEAN = "clean"
+    REBUILD = "rebuild"
+    REPAIR = "repair"
+    ROLLBACK = "rollback"
+    RETRY = "retry"
+    PREREPAIR = "prerepair"
+    # elastic training (processor/elastic_rank.py)
+    ZIT_REBUILD = "zit_rebuild"
+    ZIT_REPAIR = "zit_repair"
+    ZIT_ROLLBACK = "zit_rollback"
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 # ----------------------------------------------------------------------------- a rank's main thread

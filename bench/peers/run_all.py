@@ -256,17 +256,21 @@ def rows(res: dict) -> List[tuple]:
                     mio("recover-in-place"), f"torchft {st}", peer(k, "survivors_s"), "s"))
         out.append(("kill rank 1", "killed rank back, with its state", "recover-in-place",
                     mio("recover-in-place"), f"torchft {st}", peer(k, "back_s"), "s"))
+    # a generic exception raised outside the optimizer update is retried in place (issue 33); the dump
+    # (a repeat, or one inside the update) is its own row
+    raise_ = (("retry (raise outside update)", "retry-raise"), ("dump (any error)", "dump"))
     for st in ("default", "tuned"):
         n = pr.get(f"nvrx-raise-{st}", {})
-        for strategy, name in (("dump (any error)", "dump"), ("retry (UCE / network error)", "retry")):
+        for strategy, name in raise_:
             out.append(("rank 1 raises", "every rank training again", strategy, mio(name),
                         f"NVRx in-process {st}", peer(n, "back_s"), "s"))
     for st in ("default", "tuned"):
         k = pr.get(f"torchft-raise-{st}", {})
-        out.append(("rank 1 raises", "survivors commit a step again", "dump (any error)", mio("dump"),
-                    f"torchft {st}", peer(k, "survivors_s"), "s"))
-        out.append(("rank 1 raises", "raising rank back, with its state", "dump (any error)", mio("dump"),
-                    f"torchft {st}", peer(k, "back_s"), "s"))
+        for strategy, name in raise_:
+            out.append(("rank 1 raises", "survivors commit a step again", strategy, mio(name),
+                        f"torchft {st}", peer(k, "survivors_s"), "s"))
+            out.append(("rank 1 raises", "raising rank back, with its state", strategy, mio(name),
+                        f"torchft {st}", peer(k, "back_s"), "s"))
     on = ha.get("configs", {}).get("on", {}).get("ratio", FAILED if ha else None)
     ddp = pr.get("steady-ddp", {}).get("median_ms")
     for ft, label in (("torchft", "torchft DDP + Manager"), ("nvrx", "NVRx Wrapper")):
@@ -332,6 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--peer-runs", default="", help="only these peer runs (comma list of: steady, "
                    "torchft-kill-default, torchft-kill-tuned, torchft-raise-default, torchft-raise-tuned, "
                    "nvrx-raise-default, nvrx-raise-tuned); default: all")
+    p.add_argument("--only", default=",".join(recovery_bench.STRATEGIES),
+                   help="the recovery bench's strategies (comma list; default: all)")
     p.add_argument("--json", default=None, help="write every figure here")
     a = p.parse_args(argv)
     big = a.size == "1g"
@@ -348,7 +354,7 @@ def main(argv=None) -> int:
     if "recovery" not in skip:
         ra = recovery_bench.parser().parse_args(["--size", a.size, "--fault-step", str(a.fault_step),
                                                  "--steps", str(a.fault_step + 2)])
-        res["recovery"] = recovery_bench.run_all(list(recovery_bench.STRATEGIES), ra)
+        res["recovery"] = recovery_bench.run_all([x for x in a.only.split(",") if x], ra)
         res["recovery_text"] = recovery_bench.report(res["recovery"], ra)
         print(res["recovery_text"], flush=True)
     if "ha" not in skip:
@@ -371,14 +377,32 @@ def main(argv=None) -> int:
     print("details:\n" + details(res))
     targets = [x for key in ("recovery_text", "ha_text") for x in res.get(key, "").splitlines()
                if x.startswith("target ")]
+    targets += [f"target {x}" for x in raise_targets(res)]
     if targets:
-        print("targets (issue 18; for an idle machine):\n" + "\n".join(f"  {x[7:]}" for x in targets))
+        print("targets (issues 18, 33; for an idle machine):\n" + "\n".join(f"  {x[7:]}" for x in targets))
     if a.json:
         Path(a.json).write_text(json.dumps({k: v for k, v in res.items()}, indent=1, default=str))
     failed = [d + ": " + f for d, f, _, mv, _, pv, _ in rows(res) if FAILED in (mv, pv)]
     if failed:
         print(f"{len(failed)} figure(s) FAILED: see the details and the [bench] / [peers] lines above")
     return 1 if failed else 0
+
+
+def raise_targets(res: dict) -> List[str]:
+    """Issue 33: every "rank 1 raises" row has mindio's retry ahead of the peer (PASS / FAIL per row)."""
+    out = []
+    for d, f, ms, mv, ps, pv, _ in rows(res):
+        if d != "rank 1 raises" or not ms.startswith("retry"):
+            continue
+        decided = res.get("recovery", {}).get("retry-raise", {}).get("decision")
+        if decided not in (None, "retry"):
+            out.append(f"FAIL: rank 1 raises, {f} vs {ps}: the controller decided {decided}, not the retry")
+        elif isinstance(mv, (int, float)) and isinstance(pv, (int, float)) and pv:
+            out.append(f"{'PASS' if mv < pv else 'FAIL'}: rank 1 raises, {f}: mindio retry {mv:.2f} s < {ps} "
+                       f"{pv:.2f} s")
+        else:
+            out.append(f"n/a: rank 1 raises, {f} vs {ps}: no figure ({mv}, {pv})")
+    return out
 
 
 def peers(a) -> dict:

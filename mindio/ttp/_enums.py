@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from ..vocab import (EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REMOVED, EXIT_CODE_SWITCHED, EXIT_CODE_REPEATED,
                      EXIT_MEANINGS,
-                     Action, Cause, ExitCode, MainState, OptimizerType, OsStatus, RepairType, ReportState, ResultCode,
-                     Strategy)
+                     Action, ActionName, Cause, ExitCode, MainState, OptimizerType, OsStatus, RepairType, ReportState,
+                     ResultCode, Strategy)
 
-__all__ = ["ReportState", "RepairType", "Action", "OptimizerType", "OsStatus", "ResultCode", "ExitCode", "Strategy",
-           "MainState", "Cause",
+__all__ = ["ReportState", "RepairType", "Action", "ActionName", "OptimizerType", "OsStatus", "ResultCode", "ExitCode",
+           "Strategy", "MainState", "Cause",
            "EXIT_CODE_DUMPED", "EXIT_CODE_FAULT", "EXIT_CODE_REMOVED", "EXIT_CODE_SWITCHED", "EXIT_CODE_REPEATED",
            "EXIT_MEANINGS"]

@@ -47,7 +47,7 @@ def main():
         proc.teardown(is_uce=False)
         proc.teardown(is_uce=False)
         assert ctx._parked is not None and ctx._parked[0] is model, "the second clean lost the kept model"
-        inplace.rebuild(proc, gen=1, fault_ranks=[], same_layout=True)
+        inplace.rebuild(proc.state, gen=1, fault_ranks=[], same_layout=True)
         assert ctx.model is model and len(ctx.shard_groups()) == 1, "the kept model was not taken back"
         say("kept across two cleans")
         adapter.rollback(ctx.iteration)

@@ -33,9 +33,9 @@ def test_clean_force_stops_a_fenced_rank_and_retry_releases_it():
     while proc._main != "fenced" and time.monotonic() < end:
         time.sleep(0.01)
     assert proc._main == "fenced"
-    assert inplace.clean(proc, timeout=5) == {"main": "parked", "destroyed": 0}
+    assert inplace.clean(proc.state, timeout=5) == {"main": "parked", "destroyed": 0}
     assert seen["error"].startswith("FORCE STOP")
-    inplace.retry(proc)
+    inplace.retry(proc.state)
     t.join(5)
     assert seen["next"] == (Action.RETRY, 0)
     assert not proc._hold and proc._main == "running"
@@ -45,12 +45,12 @@ def test_clean_force_stops_a_fenced_rank_and_retry_releases_it():
 def test_clean_times_out_on_a_busy_rank():
     proc = Processor(0, 1)  # main thread "running" (e.g. stuck in a long computation)
     with pytest.raises(TimeoutError, match="still running"):
-        inplace.clean(proc, timeout=0.2)
+        inplace.clean(proc.state, timeout=0.2)
 
 
 def test_retry_refuses_a_rank_that_is_not_parked():
     with pytest.raises(RuntimeError, match="not parked"):
-        inplace.retry(Processor(0, 1))
+        inplace.retry(Processor(0, 1).state)
 
 
 def _repair_proc(rank: int) -> tuple:
@@ -64,10 +64,10 @@ def _repair_proc(rank: int) -> tuple:
 def test_repair_passes_the_controllers_repair_type_and_need_rebuild(kind, rebuild):
     pairs = [{"type": 0, "src": 3, "dst": 1, "repair_type": kind}]
     dst, got = _repair_proc(1)
-    assert inplace.repair(dst, 6, [1], pairs) == {"done": [kind]}
+    assert inplace.repair(dst.state, 6, [1], pairs) == {"done": [kind]}
     assert got == [(rebuild, kind)]
     src, sent = _repair_proc(3)
-    inplace.repair(src, 6, [1], pairs)
+    inplace.repair(src.state, 6, [1], pairs)
     assert sent == [(False, "RT_SEND")]  # the source sends from its intact state either way
 
 

@@ -80,7 +80,7 @@ def test_one_rebuild_and_one_rollback_in_the_processor():
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                     if node.func.attr in ("init_default_group", "reinit"):
                         rebuilds.append((path.name, fn.name, node.func.attr))
-                    calls_handler |= node.func.attr == "_callback"
+                    calls_handler |= node.func.attr in ("_callback", "callback")
                 if isinstance(node, ast.Assign):  # a rollback: a handler, then the rank's step set back
                     attrs = {t.attr for target in node.targets for t in ast.walk(target) if isinstance(t, ast.Attribute)}
                     sets_step |= {"step", "data_status"} <= attrs
@@ -103,3 +103,58 @@ def test_main_thread_states_are_named_by_the_enum():
              for node in ast.walk(ast.parse(path.read_text(), str(path)))
              if isinstance(node, ast.Constant) and node.value in values]
     assert not found, found
+
+
+def test_action_names_are_the_enum_on_both_sides_of_the_wire():
+    """Issue 33: ACTION names are vocab.ActionName on both sides: the controller sends members
+    (``_call``, ``P.Action``, ``Sequence.step``), the processor's tables are keyed by them; no bare
+    action-name literal there; every member has a handler, and the wire value is the member's string."""
+    import ast
+    from pathlib import Path
+
+    from mindio.ttp.processor.processor import Processor
+    from mindio.ttp.wire import protocol as P
+    from mindio.vocab import ActionName
+
+    assert set(Processor.ACTIONS) | {ActionName.KILL} == set(ActionName)  # kill: answered before any table
+    assert all(isinstance(k, ActionName) for k in Processor.ACTIONS)
+    body = P.Envelope(P.MsgType.ACTION, P.Action(ActionName.CLEAN, {}), sn=1)
+    assert P.pack_body(body) == P.pack_body(P.Envelope(P.MsgType.ACTION, P.Action("clean", {}), sn=1))
+    values = {m.value for m in ActionName}
+    root = Path(__file__).resolve().parents[2] / "mindio" / "ttp"
+    bare = []
+    for path in sorted(root.glob("controller/*.py")) + sorted(root.glob("processor/*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and node.args:  # sent: ctl._call(name, ..), P.Action(name, ..), seq.step(name, ..)
+                f = node.func
+                callee = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                first = node.args[0]
+                if callee in ("_call", "call", "Action", "step") and isinstance(first, ast.Constant) \
+                        and first.value in values:
+                    bare.append((path.name, node.lineno, first.value))
+            if isinstance(node, ast.Dict):  # dispatched: the ACTIONS tables
+                bare += [(path.name, k.lineno, k.value) for k in node.keys
+                         if isinstance(k, ast.Constant) and k.value in values and
+                         any(isinstance(v, (ast.Name, ast.Attribute)) for v in node.values)]
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "name":
+                bare += [(path.name, c.lineno, c.value) for c in node.comparators
+                         if isinstance(c, ast.Constant) and c.value in values]
+    assert not bare, f"action names written as literals, not vocab.ActionName: {bare}"
+
+
+def test_action_handlers_reach_the_rank_through_its_state_object():
+    """Issue 33: the action handlers outside processor.py get a RankState (rank_state.py) and touch no
+    private field of what they are given; only rank_state.py holds the processor."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "mindio" / "ttp" / "processor"
+    private = []
+    for name in ("inplace.py", "reboot.py", "elastic_rank.py"):
+        tree = ast.parse((root / name).read_text(), name)
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.args.args):
+            first = fn.args.args[0].arg
+            private += [(name, fn.name, n.attr) for n in ast.walk(fn) if isinstance(n, ast.Attribute)
+                        and isinstance(n.value, ast.Name) and n.value.id in (first, "proc", "p")
+                        and n.attr.startswith("_")]
+    assert not private, f"handlers reaching into the processor's private fields: {private}"

@@ -17,7 +17,7 @@ import logging
 
 from ... import _logging, vocab
 from . import policy
-from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ResultCode
+from .._enums import ActionName, EXIT_CODE_DUMPED, EXIT_CODE_FAULT, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome, Strategy
 
@@ -43,7 +43,7 @@ def save(core, lock: int, plan: policy.DumpPlan, views=()) -> bool:
         params = {"step": lock, "save_info": plan.save_info}
         if core.provisional_dump:  # a backup that cannot rule out a partition (mindio/launch/backup.py)
             params["provisional"] = core.provisional_dump
-        saved = core.call("save", params, plan.ranks, core.action_limit)
+        saved = core.call(ActionName.SAVE, params, plan.ranks, core.action_limit)
         with core.lock:
             dead = set(core.ranks.dead())
         bad = {r: (_why(saved[r].detail) if r in saved else "died" if r in dead else "no reply in time")
@@ -68,7 +68,7 @@ def save(core, lock: int, plan: policy.DumpPlan, views=()) -> bool:
                      "(new writers %s)", lock, sorted(bad)[:16], list(plan.ranks[:16]))
         _logging.event("dump_replanned", step=lock, unable=sorted(unable)[:64], ranks=list(plan.ranks[:64]))
     params = {"step": lock, "provisional": core.provisional_dump} if core.provisional_dump else {"step": lock}
-    renamed = core.call("rename", params, [plan.ranks[0]], core.action_limit)
+    renamed = core.call(ActionName.RENAME, params, [plan.ranks[0]], core.action_limit)
     ok = plan.ranks[0] in renamed and renamed[plan.ranks[0]].ok
     if ok and core.provisional_dump:
         core.provisional_renamed = bool(renamed[plan.ranks[0]].detail.get("renamed"))

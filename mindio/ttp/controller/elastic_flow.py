@@ -49,7 +49,7 @@ import time
 
 from ... import _knobs, _logging
 from . import dump, policy, sequence
-from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
+from .._enums import ActionName, EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REMOVED, OsStatus
 from ... import vocab
 from .ranks import RankRecord
 from .sequence import Sequence
@@ -186,7 +186,7 @@ class Elastic:
         self._told[rank] = now
         _log.warning("the job ended (EXIT(%d)): the standby for removed rank %d leaves with that code", code, rank)
         _logging.event("exit_order_to_standby", standby_rank=rank, code=code)
-        self.core.send(rank, P.Action("exit", {"code": code}), sn=sn, ident=ident)
+        self.core.send(rank, P.Action(ActionName.EXIT, {"code": code}), sn=sn, ident=ident)
 
     def _standby_seen(self, rank: int, body) -> None:
         _log.warning("standby for removed rank %d registered (pid %d on %s); waiting for %s", rank, body.pid,
@@ -221,7 +221,7 @@ class Elastic:
         survivors, new = self.job_ranks(), sorted(self.removed)
         self.core.sm.fire(Result.UPGRADE, ranks=new)
         for attempt in range(UPGRADE_STOP_TRIES):
-            replies = self.core.call("stop", {"timeout": 2.0}, survivors, self.core.action_limit)
+            replies = self.core.call(ActionName.STOP, {"timeout": 2.0}, survivors, self.core.action_limit)
             steps = {r: (rep.detail.get("step"), rep.detail.get("data_status")) for r, rep in replies.items()
                      if rep.ok}
             lock = max((s for s, _ in steps.values()), default=0)
@@ -233,7 +233,7 @@ class Elastic:
             _log.warning("upgrade: the stop caught the survivors at different points (%s); releasing the "
                          "fence and stopping again", {r: steps.get(r) for r in survivors[:8]})
             _logging.event("upgrade_stop_again", steps={str(r): steps.get(r) for r in survivors[:64]})
-            self.core.call("unhold", {}, survivors, self.core.action_limit)
+            self.core.call(ActionName.UNHOLD, {}, survivors, self.core.action_limit)
             time.sleep(0.1 * (attempt + 1))
         seq.mark("stop")
         # what a failed upgrade can still dump: the survivors at the lock step with complete state
@@ -243,7 +243,7 @@ class Elastic:
             _log.error("upgrade: survivors %s did not stop at step %d with complete state (%s)", stale[:16], lock,
                        {r: steps.get(r) for r in stale[:8]})
             return self._upgrade_failed(survivors, "stop", ended)
-        if not seq.step("clean", {"timeout": self.core.action_limit}, survivors, abandon=survivors):
+        if not seq.step(ActionName.CLEAN, {"timeout": self.core.action_limit}, survivors, abandon=survivors):
             return ended()
         with self.core.cond:
             for r in new:
@@ -255,17 +255,17 @@ class Elastic:
             self.members = None if full == list(range(self.core.world_size)) else full
             self.removed = tuple(sorted(set(self.removed) - set(new)))
         self.core.gen += 1
-        if not seq.step("zit_rebuild", {"gen": self.core.gen, "members": full, "kind": "upgrade", "rank_list": new},
+        if not seq.step(ActionName.ZIT_REBUILD, {"gen": self.core.gen, "members": full, "kind": "upgrade", "rank_list": new},
                         full, abandon=full, mark="rebuild"):
             return ended()
         pairs = _repair_pairs(self.layout or {}, survivors, new)
         if pairs is None:
             return self._upgrade_failed(full, "repair plan", ended)
         involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
-        if not seq.step("zit_repair", {"step": lock, "error_ranks": new, "pairs": pairs}, involved, abandon=full,
+        if not seq.step(ActionName.ZIT_REPAIR, {"step": lock, "error_ranks": new, "pairs": pairs}, involved, abandon=full,
                         mark="repair"):
             return ended()
-        if not seq.step("zit_rollback", {"step": lock}, full, abandon=full, mark="rollback"):
+        if not seq.step(ActionName.ZIT_ROLLBACK, {"step": lock}, full, abandon=full, mark="rollback"):
             return ended()
         if _knobs.get("MINDIO_DUMP_AFTER_UPGRADE"):
             views = self._lock_views(lock, full, full)
@@ -349,17 +349,17 @@ class Downgrade(Strategy):
             return seq.fail("survivors")
         _log.warning("downgrade: removing ranks %s (DP slices of faulty %s); %d ranks go on", removed[:16],
                      faulty[:16], len(survivors))
-        if not seq.step("clean", {"timeout": core.action_limit}, survivors):
+        if not seq.step(ActionName.CLEAN, {"timeout": core.action_limit}, survivors):
             return False
         leaving = sorted(r for r in removed if r in live)
         if leaving:
-            core.call("exit", {"code": EXIT_CODE_REMOVED}, leaving, 10.0)
+            core.call(ActionName.EXIT, {"code": EXIT_CODE_REMOVED}, leaving, 10.0)
         core.elastic.remove_ranks(removed, survivors, replicas)
         core.gen += 1
         params = {"gen": core.gen, "members": survivors, "kind": "downgrade", "dp_groups": dp_groups}
-        if not seq.step("zit_rebuild", params, survivors, abandon=survivors, mark="rebuild"):
+        if not seq.step(ActionName.ZIT_REBUILD, params, survivors, abandon=survivors, mark="rebuild"):
             return False
-        if not seq.step("rollback", {"step": lock}, survivors, abandon=survivors):
+        if not seq.step(ActionName.ROLLBACK, {"step": lock}, survivors, abandon=survivors):
             return False
         seq.resume(lock, survivors, mark=survivors, world=len(survivors))
         seq.done(f"{len(survivors)} ranks train again", f"removed {removed[:16]}",

@@ -51,7 +51,7 @@ from ...vocab import HOT_SWITCH_ACTIONS
 from .dump import Dump
 from .recover import Replace
 from .strategy import Context
-from .._enums import EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, Cause, OsStatus, ResultCode
+from .._enums import ActionName, EXIT_CODE_FAULT, EXIT_CODE_SWITCHED, Cause, OsStatus, ResultCode
 from .states import Result, State
 
 __all__ = ["HotSwitch", "EXIT_CODE_SWITCHED", "ACTIONS"]
@@ -112,10 +112,10 @@ class HotSwitch:
         live = sequence.live_ranks(self.core)
         if len(live) < self.core.world_size or self.core.incidents.faulted(inc):
             return self._fault_now() if self.core.incidents.faulted(inc) else self._cancel_switch(live, "ranks missing")
-        caps = self.core.call("pause_query", {}, live, self.core.action_limit)
+        caps = self.core.call(ActionName.PAUSE_QUERY, {}, live, self.core.action_limit)
         target = max((c.detail["limit"] for c in caps.values() if c.ok), default=0)
         replies = {} if len(caps) < len(live) else self.core.call(
-            "pause_at", {"step": target, "timeout": self.core.action_limit / 2}, live, self.core.action_limit)
+            ActionName.PAUSE_AT, {"step": target, "timeout": self.core.action_limit / 2}, live, self.core.action_limit)
         if self.core.incidents.faulted(inc):
             return self._fault_now()
         bad = sorted(r for r in live if r not in replies or not replies[r].ok)
@@ -238,7 +238,7 @@ class HotSwitch:
     def _switch(self, ranks: list, target: int, t0: float) -> bool:
         self.core.sm.fire(Result.MIGRATE, lock_step=target, ranks=ranks[:16])
         everyone = sequence.live_ranks(self.core)
-        replies = self.core.call("clean", {"timeout": self.core.action_limit}, everyone, self.core.action_limit)
+        replies = self.core.call(ActionName.CLEAN, {"timeout": self.core.action_limit}, everyone, self.core.action_limit)
         bad = sorted(r for r in everyone if r not in replies or not replies[r].ok)
         with self.core.lock:  # the switched ranks count as dead: the repair takes their shards from replicas
             views = [policy.RankView(r.rank, r.alive and r.rank not in ranks, r.rank in ranks, target,
@@ -249,7 +249,7 @@ class HotSwitch:
             self._dismiss()
             bad = everyone
         if not bad:
-            self.core.call("exit", {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
+            self.core.call(ActionName.EXIT, {"code": EXIT_CODE_SWITCHED}, ranks, 10.0)
             with self.core.cond:
                 for r in ranks:  # gone on purpose: dead for the recover sequence, never declared dead
                     self.core.replacements.replaced[r] = self.core.gen + 1  # its last frames are refused, never re-registered

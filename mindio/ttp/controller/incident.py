@@ -38,7 +38,7 @@ from ... import _knobs, _logging
 from . import dump, policy, sequence
 from ..wire import protocol as P
 from .brain import RankFault, fault_key, result_code
-from .._enums import EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, Cause, ReportState, ResultCode
+from .._enums import ActionName, EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, Cause, ReportState, ResultCode
 from .states import Result, State
 from .strategy import Context, Outcome
 
@@ -393,7 +393,7 @@ class IncidentFlow:
         healthy process groups down and parks first (the ``clean`` action), so no rank leaves while a peer
         still destroys a group connected to it -- seen as ``terminate called`` (SIGABRT) at exit on gloo."""
         live = sequence.live_ranks(self.core)
-        replies = self.core.call("clean", {"timeout": self.core.action_limit / 2}, live, self.core.action_limit)
+        replies = self.core.call(ActionName.CLEAN, {"timeout": self.core.action_limit / 2}, live, self.core.action_limit)
         bad = [r for r in live if r not in replies or not replies[r].ok]
         if bad:
             _log.error("ranks %s did not tear down before the exit: %s", bad[:16],
@@ -429,7 +429,7 @@ class IncidentFlow:
             self.told.update(dict.fromkeys(targets, now))
             self.order = (code, sn)
         self.core.elastic.tell_standbys(code, sn)  # standbys are in no rank table (elastic_flow.py)
-        replies = self.core.call("exit", {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
+        replies = self.core.call(ActionName.EXIT, {"code": code}, targets, 10.0, sn=sn)  # waits only for the live ones
         with self.core.lock:
             silent = [r for r in targets if r not in replies and (x := self.core.ranks.get(r)) is not None and x.alive]
         if silent and not self.core.stop.is_set():  # (a controller closed meanwhile hears nobody)
@@ -469,7 +469,7 @@ class IncidentFlow:
         else:
             self.resent_logged = (at, since + 1)
         _logging.event("exit_order_resent", to_rank=rank, code=order[0], why=why)
-        self.core.send(rank, P.Action("exit", {"code": order[0]}), sn=order[1])
+        self.core.send(rank, P.Action(ActionName.EXIT, {"code": order[0]}), sn=order[1])
 
     def confirmed(self, rank: int, sn: int) -> None:
         """(I/O thread) ``rank`` replied to action ``sn``: when that is the exit order, it has it."""

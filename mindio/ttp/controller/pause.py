@@ -32,7 +32,7 @@ import time
 
 from ... import _logging
 from . import policy, sequence
-from .._enums import EXIT_CODE_FAULT, Cause, ResultCode
+from .._enums import ActionName, EXIT_CODE_FAULT, Cause, ResultCode
 from .dump import Dump
 from .states import Result, State
 from .strategy import Context
@@ -65,7 +65,7 @@ class PauseFlow:
     def end(self, live: list, why: str) -> bool:
         """Clear every limit (the ranks train on), PAUSE -CONTINUE-> NORMAL, close the incident."""
         core, flow = self.core, self.core.incidents
-        core.call("pause_resume", {}, live, core.action_limit)
+        core.call(ActionName.PAUSE_RESUME, {}, live, core.action_limit)
         with core.lock:
             faulted = flow.current is not None and bool(flow.current.primary)
             if not faulted:
@@ -81,7 +81,7 @@ class PauseFlow:
         live = sequence.live_ranks(core)
         if len(live) < core.world_size or flow.faulted(inc):
             return flow.as_fault() if flow.faulted(inc) else self.end(live, "ranks missing")
-        caps = core.call("pause_query", {}, live, core.action_limit)
+        caps = core.call(ActionName.PAUSE_QUERY, {}, live, core.action_limit)
         if flow.faulted(inc):
             return flow.as_fault()
         if any(r not in caps or not caps[r].ok for r in live):
@@ -90,7 +90,7 @@ class PauseFlow:
             return self.end(live, "pause_query failed")
         target = max(caps[r].detail["limit"] for r in live)
         limit = core.action_limit
-        replies = core.call("pause_at", {"step": target, "timeout": limit / 2}, live, limit)
+        replies = core.call(ActionName.PAUSE_AT, {"step": target, "timeout": limit / 2}, live, limit)
         if flow.faulted(inc):
             return flow.as_fault()
         bad = {r: (replies[r].detail if r in replies else "no reply") for r in live

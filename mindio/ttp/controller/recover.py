@@ -37,7 +37,7 @@ import time
 from ... import _logging, vocab
 from . import policy
 from ..wire import protocol as P
-from .._enums import RepairType, ReportState
+from .._enums import ActionName, RepairType, ReportState
 from .retry import uce_repair_type
 from .sequence import Sequence
 from .states import Result, State
@@ -170,7 +170,7 @@ class Replace(Strategy):
             _log.error("recover: %s", exc)
             return seq.fail("repair plan")
         limit = core.action_limit
-        if not seq.step("clean", {"timeout": limit}, survivors, watch=survivors, abandon=survivors):
+        if not seq.step(ActionName.CLEAN, {"timeout": limit}, survivors, watch=survivors, abandon=survivors):
             return False
         core.gen += 1
         gen = core.gen
@@ -185,7 +185,7 @@ class Replace(Strategy):
         seq.mark("replace")
         deadline = time.monotonic() + rep.timeout
         moved = getattr(rep.replacer, "store_moved", "")  # node 0 lost: the job's store moved (launch/takeover.py)
-        if not seq.step("rebuild", {"gen": gen, "fault_ranks": dead, "same_layout": True,
+        if not seq.step(ActionName.REBUILD, {"gen": gen, "fault_ranks": dead, "same_layout": True,
                                     **({"store": moved} if moved else {})},
                         survivors, timeout=rep.timeout,
                         watch=survivors, abandon=survivors):
@@ -193,7 +193,7 @@ class Replace(Strategy):
         if not rep.wait_registered(dead, gen, deadline):
             return seq.abandon(survivors, "register")
         everyone = sorted(survivors + dead)
-        if not seq.step("prerepair", {"timeout": max(1.0, deadline - time.monotonic())}, dead,
+        if not seq.step(ActionName.PREREPAIR, {"timeout": max(1.0, deadline - time.monotonic())}, dead,
                         timeout=max(1.0, deadline - time.monotonic()) + 2, watch=everyone, abandon=everyone,
                         mark="start"):
             return False
@@ -205,11 +205,11 @@ class Replace(Strategy):
         involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
         _log.warning("recover: repairing %s from replicas %s", sorted(dead + stale),
                      {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
-        if not seq.step("repair", {"step": lock, "error_ranks": sorted(dead + stale), "pairs": pairs,
+        if not seq.step(ActionName.REPAIR, {"step": lock, "error_ranks": sorted(dead + stale), "pairs": pairs,
                                    "dst_type": RepairType.RT_RECV_REPAIR.name}, involved, watch=everyone,
                         abandon=everyone):
             return False
-        if not seq.step("rollback", {"step": lock}, everyone, watch=everyone, abandon=everyone):
+        if not seq.step(ActionName.ROLLBACK, {"step": lock}, everyone, watch=everyone, abandon=everyone):
             return False
         seq.resume(lock, everyone)
         seq.done("every rank trains again", f"replaced {dead}", ({r: 1 for r in dead}, strategy),

@@ -32,7 +32,7 @@ import logging
 
 from ... import _logging, vocab
 from . import policy, sequence
-from .._enums import OsStatus, RepairType, ReportState
+from .._enums import ActionName, OsStatus, RepairType, ReportState
 from .sequence import Sequence
 from .states import Result
 from .strategy import Context, Outcome, Strategy
@@ -88,10 +88,10 @@ class Retry(Strategy):
                          "they are repaired from replicas too", stale[:16], lock,
                          {v.rank: (v.step, v.data_status) for v in views if v.rank in stale[:8]})
         targets = sorted(set(uce) | set(stale))
-        if not seq.step("clean", {"timeout": core.action_limit}, live):
+        if not seq.step(ActionName.CLEAN, {"timeout": core.action_limit}, live):
             return False
         core.gen += 1
-        if not seq.step("rebuild", {"gen": core.gen, "fault_ranks": sorted(primary), "same_layout": True}, live):
+        if not seq.step(ActionName.REBUILD, {"gen": core.gen, "fault_ranks": sorted(primary), "same_layout": True}, live):
             return False
         core.sm.fire(Result.OK, gen=core.gen)
         kinds: dict = {}
@@ -109,12 +109,12 @@ class Retry(Strategy):
             involved = sorted({p["src"] for p in pairs} | {p["dst"] for p in pairs})
             _log.warning("retry: repairing %s (%s) from replicas %s", targets, kinds,
                          {f"{p['dst']}/{p['type']}": p["src"] for p in pairs[:16]})
-            if not seq.step("repair", {"step": lock, "error_ranks": targets, "pairs": pairs}, involved,
+            if not seq.step(ActionName.REPAIR, {"step": lock, "error_ranks": targets, "pairs": pairs}, involved,
                             abandon=live):
                 return False
         else:
             seq.mark("repair")
-        if not seq.step("rollback", {"step": lock}, live, abandon=live):
+        if not seq.step(ActionName.ROLLBACK, {"step": lock}, live, abandon=live):
             return False
         seq.resume(lock, live)
         seq.done("every rank trains again", f"repaired {uce}, stale {stale}",

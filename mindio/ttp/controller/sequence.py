@@ -7,10 +7,10 @@ the lock step, the ``<name>_done`` event and the cluster brain's report.
 A strategy (strategy.py) is a short script over a :class:`Sequence`::
 
     seq = Sequence(core, "retry", ctx.t0)
-    ok = (seq.step("clean", {"timeout": limit}, live)
-          and seq.step("rebuild", {"gen": core.gen + 1}, live)
-          and seq.step("repair", params, involved, abandon=live)
-          and seq.step("rollback", {"step": lock}, live, abandon=live))
+    ok = (seq.step(ActionName.CLEAN, {"timeout": limit}, live)
+          and seq.step(ActionName.REBUILD, {"gen": core.gen + 1}, live)
+          and seq.step(ActionName.REPAIR, params, involved, abandon=live)
+          and seq.step(ActionName.ROLLBACK, {"step": lock}, live, abandon=live))
     if ok:
         seq.resume(lock, live)
         seq.done("every rank trains again", f"repaired {uce}", report=({...}, "retry"), lock_step=lock)
@@ -24,6 +24,7 @@ import logging
 import time
 
 from ... import _logging
+from .._enums import ActionName
 from .states import Result
 
 __all__ = ["live_ranks", "abandon", "resume", "phases", "Sequence"]
@@ -40,7 +41,7 @@ def live_ranks(core) -> list[int]:
 def abandon(core, ranks: list, failed: str) -> bool:
     """A step after the rebuild failed: destroy the new generation's groups on ``ranks`` (a rank blocked
     in a transfer with a failed peer is released), then the state machine's FAIL; returns False."""
-    core.call("clean", {"timeout": 5.0}, ranks, 10.0)
+    core.call(ActionName.CLEAN, {"timeout": 5.0}, ranks, 10.0)
     core.sm.fire(Result.FAIL, failed=failed)
     return False
 
@@ -59,7 +60,7 @@ def resume(core, lock: int, ranks: list, timeout: float, mark: list | None = Non
         for r in records:
             r.faulty = False
             r.step = lock
-    core.call("retry", {}, ranks, timeout)
+    core.call(ActionName.RETRY, {}, ranks, timeout)
 
 
 def phases(t0: float, marks: dict, order) -> tuple[float, dict]:

@@ -15,7 +15,7 @@ import time
 from ... import _knobs, _logging
 from . import policy
 from ..wire import protocol as P
-from .._enums import MainState
+from .._enums import ActionName, MainState
 
 __all__ = ["StopRound", "STOP_GRACE_S", "STOP_LOOK_S"]
 
@@ -71,7 +71,7 @@ class StopRound:
 
         {rank: Reply} (the latest reply of each rank)."""
         grace = min(params["timeout"], STOP_GRACE_S)
-        replies = self.core.call("stop", dict(params, timeout=grace, look=min(STOP_LOOK_S, grace), interrupt=True),
+        replies = self.core.call(ActionName.STOP, dict(params, timeout=grace, look=min(STOP_LOOK_S, grace), interrupt=True),
                                  live, self.core.action_limit)
         if not params.get("stop_clean"):  # torn down at the stop (TTP_STOP_CLEAN_BEFORE_DUMP): held as they are
             self._advance(replies, grace)
@@ -88,9 +88,9 @@ class StopRound:
                      "made or started; letting them finish it%s", behind[:16], step,
                      f" (ranks {running[:16]} were running)" if running else "")
         _logging.event("advance", step=step, ranks=behind[:64], running=running[:64])
-        replies.update(self.core.call("advance", {"step": step, "timeout": grace}, behind, self.core.action_limit))
+        replies.update(self.core.call(ActionName.ADVANCE, {"step": step, "timeout": grace}, behind, self.core.action_limit))
         if running:
-            replies.update(self.core.call("wait_quiet", {"timeout": grace}, running, self.core.action_limit))
+            replies.update(self.core.call(ActionName.WAIT_QUIET, {"timeout": grace}, running, self.core.action_limit))
 
     def _release_running(self, replies: dict, params: dict) -> dict:
         """Steps 2 and 3 of :meth:`run` for the ranks ``replies`` says still run."""
@@ -99,14 +99,14 @@ class StopRound:
             _log.warning("stop: ranks %s still running after the stop while %s wait at the fence; tearing the "
                          "fenced ranks down so that a collective between them fails", running[:16], fenced[:16])
             _logging.event("stop_release_fenced", running=running[:64], fenced=fenced[:64])
-            replies.update(self.core.call("teardown", {}, fenced, self.core.action_limit))
+            replies.update(self.core.call(ActionName.TEARDOWN, {}, fenced, self.core.action_limit))
             running, _ = _split(replies)
         if running:
             running = self._unblock(running, replies, params["timeout"])
         if running:
             running = self._kill_stuck(running, params, replies)
         if running:
-            replies.update(self.core.call("wait_quiet", {"timeout": params["timeout"]}, running, self.core.action_limit))
+            replies.update(self.core.call(ActionName.WAIT_QUIET, {"timeout": params["timeout"]}, running, self.core.action_limit))
         return replies
 
     def _unblock(self, running: list, replies: dict, timeout: float) -> list:
@@ -125,7 +125,7 @@ class StopRound:
         _log.warning("stop: ranks %s still blocked in a collective (dead ranks %s); releasing them from their "
                      "collective connections", inside[:16], dead[:16])
         t0 = time.monotonic()
-        more = self.core.call("unblock", {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.core.action_limit)
+        more = self.core.call(ActionName.UNBLOCK, {"timeout": timeout, "look": STOP_GRACE_S}, inside, self.core.action_limit)
         replies.update(more)
         still = sorted(r for r in running if replies[r].ok and replies[r].detail.get("main") == MainState.RUNNING)
         _logging.event("stop_unblocked", ranks=inside[:64], dead=dead[:64], still=still[:64],
@@ -150,7 +150,7 @@ class StopRound:
         if any(not rep.ok for r, rep in replies.items() if r not in running):
             return running  # some rank did not confirm its stop: nothing says the others are released
         for _ in range(len(running)):
-            more = self.core.call("wait_quiet", {"timeout": window}, running, self.core.action_limit)
+            more = self.core.call(ActionName.WAIT_QUIET, {"timeout": window}, running, self.core.action_limit)
             replies.update(more)
             still = sorted(r for r in running if r in more and more[r].ok and more[r].detail.get("main") == MainState.RUNNING)
             outside = [r for r in still if not more[r].detail.get("in_collective")]
@@ -171,7 +171,7 @@ class StopRound:
                        "outside a collective" if outside else "all inside a collective")
             _logging.event("stop_stuck_killed", ranks=victims[:64], window_s=window, in_collective=not outside)
             for rank in victims:
-                self.core.send(rank, P.Action("kill", {"reason": "still running after the stop"}))
+                self.core.send(rank, P.Action(ActionName.KILL, {"reason": "still running after the stop"}))
             self.core.liveness.declare_dead(victims, "stuck", log=False)  # watch.py
             running = [r for r in still if r not in victims]
             if not running:

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from ... import _logging
+from .._enums import ActionName
 from . import hangs, slow
 from .ranks import Watched
 from ..wire import protocol as P
@@ -156,7 +157,7 @@ class Liveness:
                        rank, bound, "" if self.hang.fixed else " from the job's step times", hung.why())
             _logging.event("rank_hung", hung_rank=rank, bound_s=round(bound, 3), group=hung.group, seq=hung.seq,
                            waiting=hung.waiting[:64])
-            self.core.send(rank, P.Action("kill", {"reason": "hung"}))
+            self.core.send(rank, P.Action(ActionName.KILL, {"reason": "hung"}))
             with self.core.cond:
                 self.core.ranks[rank].alive = False
                 self.core.ranks[rank].faulty = True

@@ -9,14 +9,14 @@ import logging
 import time
 
 from . import inplace
-from .._enums import RepairType
+from .._enums import ActionName, RepairType
 
 __all__ = ["ACTIONS", "is_standby", "job_rank"]
 
 _log = logging.getLogger("mindio.ttp.elastic")
 
 
-# ===================================================================== processor side (p: the Processor)
+# ============================================ processor side (p: the rank's RankState, rank_state.py)
 def torch_rank(p, job_rank: int | None = None) -> int:
     """Position of ``job_rank`` (default: processor ``p``'s rank) in the current torch world."""
     r = p.rank if job_rank is None else job_rank
@@ -31,11 +31,11 @@ def zit_rebuild(p, gen: int, members: list, kind: str, dp_groups: list | None = 
     p.members = None if members == list(range(p.world_size)) else members
     t0 = inplace.new_world(p, gen, torch_rank(p), len(members))
     if kind == "downgrade":
-        func, ctx = p._callback("zit_downgrade_rebuild")
+        func, ctx = p.callback("zit_downgrade_rebuild")
         dp = next((g for g in dp_groups or () if p.rank in g), [])
         func(list(dp), members, p.step_args, ctx)
     else:
-        func, ctx = p._callback("zit_upgrade_rebuild")
+        func, ctx = p.callback("zit_upgrade_rebuild")
         func(list(rank_list or ()), p.step_args, ctx)
     ms = (time.monotonic() - t0) * 1000
     _log.info("%s: world of %d ranks rebuilt (generation %d, torch rank %d) in %.1f ms", kind, len(members),
@@ -55,7 +55,8 @@ def zit_rollback(p, step: int) -> dict:
 
 
 # the processor's handlers for the zit actions (Processor.ACTIONS takes them in)
-ACTIONS = {"zit_rebuild": zit_rebuild, "zit_repair": zit_repair, "zit_rollback": zit_rollback}
+ACTIONS = {ActionName.ZIT_REBUILD: zit_rebuild, ActionName.ZIT_REPAIR: zit_repair,
+           ActionName.ZIT_ROLLBACK: zit_rollback}
 
 
 def is_standby() -> bool:

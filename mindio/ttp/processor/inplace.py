@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ... import _logging
 from . import device
-from .._enums import Action, MainState, OsStatus, RepairType
+from .._enums import ActionName, MainState, OsStatus, RepairType
 
 __all__ = ["World", "ACTIONS", "clean", "new_world", "rebuild", "repair", "repair_pairs", "roll_back", "rollback",
            "retry"]
@@ -99,16 +99,9 @@ class World:
                                 device_id=settings.get("device_id"))
 
 
-# ---------------------------------------------------------------------- the actions (p: the Processor)
+# ----------------------------------------------- the actions (p: the rank's RankState, rank_state.py)
 def clean(p, timeout: float = 60.0) -> dict:
-    end = time.monotonic() + timeout
-    with p._cond:
-        if p._main == MainState.FENCED:
-            p._force = True
-            p._cond.notify_all()
-        while p._main != MainState.PARKED and time.monotonic() < end:
-            p._cond.wait(0.01)
-        main = p._main
+    main = p.wait_parked(timeout, force=True)
     if main != MainState.PARKED:
         raise TimeoutError(f"main thread still {main} after {timeout:.0f} s; cannot clean this rank")
     destroyed = device.backend_for().clean() if dist.is_initialized() else 0
@@ -156,7 +149,7 @@ def repair_pairs(p, callback: str, step: int, error_ranks: list, pairs: list, re
     """Call the ``callback`` repair handler once for each pair ``{type, src, dst}`` this rank is in:
     ``RT_SEND`` as the source, ``recv_kind(pair)`` as the destination; ranks in the handler's
     arguments are ``torch_rank(r)`` (the elastic world renumbers them)."""
-    func, ctx = p._callback(callback)
+    func, ctx = p.callback(callback)
     done = []
     for pair in pairs:
         if p.rank == pair["src"]:
@@ -179,7 +172,7 @@ def roll_back(p, step: int, callback: str = "rollback", repair_type: str = "retr
     ``zit_upgrade_rollback``, elastic_rank.zit_rollback): the framework's handler puts iteration,
     scheduler, data position and params back to ``step``; this rank's step becomes ``step``, its optimizer
     state UPDATED, and ``tft_get_repair_type`` answers ``repair_type``."""
-    func, ctx = p._callback(callback)
+    func, ctx = p.callback(callback)
     func(step, p.step_args, ctx)
     p.step, p.data_status = step, OsStatus.UPDATED
     p.repair_type, p.repair_step = repair_type, step
@@ -192,16 +185,10 @@ def rollback(p, step: int) -> dict:
 
 
 def retry(p) -> dict:
-    with p._cond:
-        if p._main != MainState.PARKED:
-            raise RuntimeError(f"main thread is {p._main}, not parked: cannot re-enter train()")
-        p._hold, p._allow, p._limit = False, None, None
-        if p._progress_t is not None:  # training resumes: the time parked by the recovery is no hang
-            p._progress_t = time.monotonic()
-        p._next = (Action.RETRY, 0)
-        p._cond.notify_all()
+    p.resume()
     return {}
 
 
 # the processor's handlers for these actions (Processor.ACTIONS takes them in)
-ACTIONS = {"clean": clean, "rebuild": rebuild, "repair": repair, "rollback": rollback, "retry": retry}
+ACTIONS = {ActionName.CLEAN: clean, ActionName.REBUILD: rebuild, ActionName.REPAIR: repair,
+           ActionName.ROLLBACK: rollback, ActionName.RETRY: retry}

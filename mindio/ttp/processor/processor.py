@@ -44,10 +44,11 @@ from ... import _knobs, _logging
 from ...errors import ConfigError, NoController, describe
 from ..wire import protocol as P
 from ..controller.pidprobe import host_token
-from .._enums import EXIT_CODE_FAULT, Action, MainState, OsStatus, ReportState
+from .._enums import ActionName, EXIT_CODE_FAULT, Action, MainState, OsStatus, ReportState
 from .._runtime import state as _rt
 from .. import shutdown
 from . import collectives, device, elastic_rank, inplace, preempt, reboot
+from .rank_state import RankState
 from .reboot import adopt as _adopt_reboot
 from ..wire.transport import Link
 
@@ -116,6 +117,7 @@ class Processor:
         self.world = inplace.World()  # the job's store, backend, timeout: what a rebuild needs
         self._force = False  # clean asked a fenced main thread to leave with FORCE STOP
         self.members: list | None = None  # the job ranks of the current torch world (None: all; elastic_rank.py)
+        self.state = RankState(self)  # what the handlers of inplace, reboot, elastic_rank see (rank_state.py)
         self._exit_watched = False  # the exit order's watch started (_watch_exit)
         self._left = False  # destroy() ran
 
@@ -330,12 +332,12 @@ class Processor:
             return
         if env.sn in self._busy:
             return
-        if env.body.name == "kill":
+        if env.body.name == ActionName.KILL:
             _log.error("controller ordered SIGKILL: %s", env.body.params)  # hung, or running after the stop
             _logging.event("killed_as_hung", **env.body.params)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
-        if env.body.name == "exit":  # reply before the main thread can leave, then hand it EXIT
+        if env.body.name == ActionName.EXIT:  # reply before the main thread can leave, then hand it EXIT
             self._replies[env.sn] = P.Reply(ok=True)
             self.link.send(P.Envelope(P.MsgType.REPLY, self._replies[env.sn], sn=env.sn))
             self._do_exit(**env.body.params)
@@ -350,7 +352,9 @@ class Processor:
         try:
             if handler is None:
                 raise LookupError(f"unknown action {name!r}")
-            reply = P.Reply(ok=True, detail=handler(self, **params) or {})
+            # this module's handlers are its methods; the others get the rank's state (rank_state.py)
+            target = self if name in self.OWN_ACTIONS else self.state
+            reply = P.Reply(ok=True, detail=handler(target, **params) or {})
         except Exception as exc:
             _log.exception("action %s failed", name)
             reply = P.Reply(ok=False, code=1, detail={"error": describe(exc)[:2000]})
@@ -362,6 +366,29 @@ class Processor:
         link = self.link
         if link is not None:
             link.send(P.Envelope(P.MsgType.REPLY, reply, sn=env.sn))
+
+    def wait_parked(self, timeout: float, force: bool = False) -> MainState:
+        """(action thread) RankState.wait_parked: wait up to ``timeout`` s for the main thread to park;
+        ``force``: a main thread held at its fence gets FORCE STOP first."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            if force and self._main == MainState.FENCED:
+                self._force = True
+                self._cond.notify_all()
+            while self._main != MainState.PARKED and time.monotonic() < end:
+                self._cond.wait(0.01)
+            return self._main
+
+    def resume_parked(self) -> None:
+        """(action thread) RankState.resume: the parked main thread re-enters train() (RETRY)."""
+        with self._cond:
+            if self._main != MainState.PARKED:
+                raise RuntimeError(f"main thread is {self._main}, not parked: cannot re-enter train()")
+            self._hold, self._allow, self._limit = False, None, None
+            if self._progress_t is not None:  # training resumes: the time parked by the recovery is no hang
+                self._progress_t = time.monotonic()
+            self._next = (Action.RETRY, 0)
+            self._cond.notify_all()
 
     def _callback(self, name: str):
         if name not in self.callbacks:
@@ -590,12 +617,18 @@ class Processor:
     # The controller's actions this processor runs (protocol.py ACTION frames, by name): an explicit
     # table, {name: handler}; a handler takes the frame's params and returns the reply's detail.
     # ``kill`` is answered before any table (_on_message); ``exit`` there too, then by its handler.
+    OWN_ACTIONS = {
+        # this module: the stop round, checkpoints, pause, lifecycle (methods: they get the processor)
+        ActionName.STOP: _do_stop, ActionName.WAIT_QUIET: _do_wait_quiet, ActionName.TEARDOWN: _do_teardown,
+        ActionName.UNBLOCK: _do_unblock, ActionName.ADVANCE: _do_advance,
+        ActionName.SAVE: _do_save, ActionName.RENAME: _do_rename, ActionName.EXIT: _do_exit,
+        ActionName.UNHOLD: _do_unhold, ActionName.PING: _do_ping,
+        ActionName.PAUSE_QUERY: _do_pause_query, ActionName.PAUSE_AT: _do_pause_at,
+        ActionName.PAUSE_RESUME: _do_pause_resume,
+    }
     ACTIONS = {
-        # this module: the stop round, checkpoints, pause, lifecycle
-        "stop": _do_stop, "wait_quiet": _do_wait_quiet, "teardown": _do_teardown, "unblock": _do_unblock,
-        "advance": _do_advance,
-        "save": _do_save, "rename": _do_rename, "exit": _do_exit, "unhold": _do_unhold, "ping": _do_ping,
-        "pause_query": _do_pause_query, "pause_at": _do_pause_at, "pause_resume": _do_pause_resume,
+        **OWN_ACTIONS,
+        # the others get the rank's state (RankState)
         # inplace.py: retry (and the recoveries' clean, rebuild, repair, rollback, retry)
         **inplace.ACTIONS,
         # reboot.py: a replacement process (prerepair)

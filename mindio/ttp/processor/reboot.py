@@ -36,7 +36,7 @@ import os
 import time
 
 from ... import _knobs
-from .._enums import MainState
+from .._enums import ActionName, MainState
 
 __all__ = ["install", "is_reboot", "reboot_type", "reboot_gen", "await_switch", "adopt", "should_park",
            "ACTIONS", "prerepair"]
@@ -173,13 +173,9 @@ def should_park(proc) -> bool:
 
 
 def prerepair(p, timeout: float = 60.0) -> dict:
-    """(processor ``p``'s action) Wait until the main thread parked before train() (model and optimizer
+    """(an action; ``p``: the rank's RankState) Wait until the main thread parked before train() (model and optimizer
     built, groups made): the action only a replacement process receives."""
-    end = time.monotonic() + timeout
-    with p._cond:
-        while p._main != MainState.PARKED and time.monotonic() < end:
-            p._cond.wait(0.01)
-        main = p._main
+    main = p.wait_parked(timeout)
     if main != MainState.PARKED:
         raise TimeoutError(f"replacement rank {p.rank} did not reach train() within {timeout:.0f} s "
                            f"(main thread {main})")
@@ -187,4 +183,4 @@ def prerepair(p, timeout: float = 60.0) -> dict:
     return {"gen": p.gen, "pid": os.getpid()}
 
 
-ACTIONS = {"prerepair": prerepair}  # the processor's handler (Processor.ACTIONS takes it in)
+ACTIONS = {ActionName.PREREPAIR: prerepair}  # the processor's handler (Processor.ACTIONS takes it in)

@@ -245,7 +245,7 @@ class Liveness:
         """(any thread) Those of ``ranks`` that are alive, registered, and sent a frame in the last ``within``
         seconds (of this controller's observed time: see :meth:`stalled`)."""
         now = time.monotonic()
-        with self.core._lock:
+        with self.core.lock:
             t = self.core.ranks
             ranks = [r for r in ranks if r in t]
             idx = np.asarray(ranks, np.int64)

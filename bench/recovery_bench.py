@@ -105,8 +105,9 @@ def implemented() -> tuple:
     except ImportError:
         return ("baseline",)
     declared = getattr(controller, "IMPLEMENTED_STRATEGIES", None)
-    if declared is None and hasattr(controller.Controller, "implemented_strategies"):
-        declared = controller.Controller.implemented_strategies(controller.Controller)  # class-level probe
+    if declared is None and hasattr(controller.Controller, "STRATEGIES"):  # its strategy table, in policy's order
+        from mindio.ttp.controller import policy
+        declared = tuple(s for s in policy.STRATEGY_ORDER if s in controller.Controller.STRATEGIES)
     if declared is None:
         declared = ("dump",) + (("retry",) if importlib.util.find_spec("mindio.ttp.controller.retry") else ())
     declared = tuple(declared) + (("retry-raise",) if "retry" in declared else ())  # the retry of a raise

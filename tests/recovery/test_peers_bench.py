@@ -51,13 +51,13 @@ def test_steady_state_uses_rank_0_after_the_warmup_with_every_rank_in():
 
 def test_table_has_every_comparison_and_the_ratio_mindio_over_peer():
     res = {"recovery": {"recover-in-place": {"ok": True, "recovery_s": 2.0}, "dump": {"ok": True, "recovery_s": 8.0},
-                        "retry": {"ok": False}},
+                        "retry-raise": {"ok": False}},
            "ha": {"configs": {"on": {"ratio": 1.04}}},
            "peers": {"torchft-kill-default": {"survivors_s": 5.0, "back_s": 20.0},
                      "nvrx-raise-tuned": {"ok": True, "back_s": 4.0},
                      "steady-ddp": {"median_ms": 100.0}, "steady-torchft": {"median_ms": 130.0}}}
     rows = ra.rows(res)
-    assert len(rows) == 14
+    assert len(rows) == 18  # 4 kill, 12 raise (retry and dump against NVRx, torchft's survivors and its raising rank), 2 steady
     text = ra.table(res)
     assert "2.00 s recover-in-place" in text and "5.00 s torchft default" in text
     kill = [line for line in text.splitlines() if "survivors" in line and "kill" in line]
@@ -71,7 +71,7 @@ def test_table_has_every_comparison_and_the_ratio_mindio_over_peer():
 def test_a_peer_that_recovered_then_hung_is_marked_in_the_table():
     """Seen at 1g (2026-11-26): NVRx tuned brought every rank back in 15.9 s, then all 4 ranks hung in
     its store barrier until the run's bound killed them; the figure stays, marked, with the reason."""
-    res = {"recovery": {"retry": {"ok": True, "recovery_s": 16.5}},
+    res = {"recovery": {"retry-raise": {"ok": True, "recovery_s": 16.5}},
            "peers": {"nvrx-raise-tuned": {"ok": True, "back_s": 15.92,
                                           "ended": "hung: killed at this run's 900 s bound, final states not all written"}}}
     text = ra.table(res)

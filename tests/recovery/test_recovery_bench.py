@@ -28,7 +28,7 @@ def test_dump_relaunch_timeline_and_steps_lost():
     assert r["ok"] and r["steps_lost"] == 0 and r["first_step_after"] == 8
     assert r["recovery_s"] == 8.0 and r["decision"] == "dump" and r["loaded_iteration"] == 7
     assert r["phases"] == {"detect": 0.01, "stop": 0.49, "dump": 1.0, "restart": 3.0, "imports": 0.1,
-                           "init+load": 2.4, "first step": 1.0}
+                           "load": 2.4, "first step": 1.0}
     assert r["final_digest"] == "ab12"
 
 

@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 
-__all__ = ["Pulses"]
+__all__ = ["Pulses", "read_pulsed"]
 
 
 class Pulses(threading.Thread):
@@ -33,3 +33,28 @@ class Pulses(threading.Thread):
     def halt(self) -> None:
         self._halt.set()
         self.join(5)
+
+
+def read_pulsed(proc, deadline: float, pid_to_pulse) -> list:
+    """The lines of ``proc``'s stdout until it ends or ``deadline`` (time.monotonic()); after each line,
+    ``pid_to_pulse(line, lines)`` is called (every line) and may name a pid to pulse (:class:`Pulses`) from
+    then on (the first pid named; later ones are ignored). The pulses are
+    always halted and the process, if still running, killed with its session (SIGKILL) and reaped."""
+    lines, pulses = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            pid = pid_to_pulse(line, lines)
+            if pid is not None and pulses is None:
+                pulses = Pulses(pid)
+                pulses.start()
+            if time.monotonic() > deadline:
+                break
+        proc.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        if pulses is not None:
+            pulses.halt()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return lines

@@ -20,7 +20,7 @@ import pytest
 from test_recover_inplace import _port, digest
 
 from tests._exits import assert_no_signal_deaths, check_codes
-from tests._outside import Pulses
+from tests._outside import read_pulsed
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -40,27 +40,20 @@ def _job(out: Path, slow_rank: int = -1, from_step: int = 3):
            "--steps", str(STEPS), "--step-sleep", "0.15"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
-    lines, at, pulses, deadline = [], {}, None, time.monotonic() + 120
-    try:
-        for line in p.stdout:
-            lines.append(line)
-            m = re.search(r"\[rank 0\] iteration (\d+)", line)
-            if m:
-                at[int(m.group(1))] = time.monotonic()
-            if slow_rank >= 0 and pulses is None and m and int(m.group(1)) >= from_step:
-                pids = [e["pid"] for e in _events(out) if e.get("rank") == slow_rank and "pid" in e]
-                assert pids, "".join(lines[-40:])
-                pulses = Pulses(pids[0])
-                pulses.start()
-            if time.monotonic() > deadline:
-                break
-        p.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        if pulses is not None:
-            pulses.halt()
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-            p.wait()
+    at, pulsed = {}, []
+
+    def pulse_from(line, lines):
+        m = re.search(r"\[rank 0\] iteration (\d+)", line)
+        if m:
+            at[int(m.group(1))] = time.monotonic()
+        if slow_rank >= 0 and not pulsed and m and int(m.group(1)) >= from_step:
+            pids = [e["pid"] for e in _events(out) if e.get("rank") == slow_rank and "pid" in e]
+            assert pids, "".join(lines[-40:])
+            pulsed.append(pids[0])
+            return pids[0]
+        return None
+
+    lines = read_pulsed(p, time.monotonic() + 120, pulse_from)
     text = "".join(lines)
     check_codes({"mindio-run": p.returncode}, what="process", context=text[-6000:])
     assert_no_signal_deaths(text)

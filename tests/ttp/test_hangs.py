@@ -145,3 +145,20 @@ def test_the_main_thread_is_idle_while_it_sleeps_and_working_while_it_computes()
     while time.monotonic() < end:
         pass
     assert act.idle_age() < 0.05  # it used CPU since the last read
+
+
+def test_a_member_whose_beat_predates_the_stall_is_heard_again_before_the_culprit_is_named():
+    """Ranks 0 and 1 entered collective #9; rank 2 never did. Rank 1's last beat was sent just before it
+    entered (0.9 s ago, before rank 0's 1.2 s stall began 1.3 s ago): it still says #8. The decision waits
+    for rank 1's next beat, which names the waiters right -- or finds rank 1 hung before the collective too,
+    and names both in one decision."""
+    stale = [_view(0, 1.2, {"0": 9}), _view(1, 0.05, {"0": 8}), _view(2, 1.5, {"0": 8})]
+    heard = {0: 0.1, 1: 1.4, 2: 0.2}
+    assert hangs.find_culprits(stale, 1.0, heard_ago=heard) == []
+    fresh = [_view(0, 1.9, {"0": 9}), _view(1, 1.5, {"0": 9}), _view(2, 2.2, {"0": 8})]
+    got = hangs.find_culprits(fresh, 1.0, heard_ago={0: 0.1, 1: 0.3, 2: 0.2})
+    assert [(h.rank, h.waiting) for h in got] == [(2, [0, 1])]
+    both = [_view(0, 1.9, {"0": 9}), _view(1, 1.6, {"0": 8}), _view(2, 2.2, {"0": 8})]
+    assert [h.rank for h in hangs.find_culprits(both, 1.0, heard_ago={0: 0.1, 1: 0.3, 2: 0.2})] == [1, 2]
+    # without the ages of the beats (None), as before: every beat counts as fresh
+    assert [h.rank for h in hangs.find_culprits(stale, 1.0)] == [2]

@@ -21,6 +21,13 @@ a rank whose main thread is still working (its heartbeat's ``idle_age``: the thr
 storage within the bound: one rank writing a checkpoint alone) is not stalled: it gets the bound given
 (``MINDIO_HANG_TIMEOUT``'s, 300 s by default). A rank hung while spinning (a busy loop, a spinning device
 wait) therefore takes that long, as before the job-derived bound; one that sleeps or blocks is found fast.
+
+Evidence must be fresh: a member of the culprit's group that is behind but not stalled, and whose last
+beat predates the stall of the peers waiting in the collective, may have entered it since (its beat was
+sent just before it did). The decision waits for its next beat (one heartbeat interval at most; a member
+that never beats again is declared dead by the liveness sweep), so that the rank named, and the ranks said
+to wait, are what the group's members reported after the stall began -- and a second rank hung before the
+collective is named in the same decision, not in a second incident.
 """
 from __future__ import annotations
 
@@ -95,7 +102,7 @@ def _seqs(raw) -> dict:
 
 
 def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict | None = None,
-                  patient: float = 0.0) -> list[Hung]:
+                  patient: float = 0.0, heard_ago: dict | None = None) -> list[Hung]:
     """Ranks to kill as hung (module docstring). ``views``: (rank, progress_age_s, in_collective, step,
     {group: seq}) of live ranks; a negative age: not armed yet. ``need_waiter`` (a bound derived from
     the job's steps, seconds not minutes): the stack rule blames nobody unless a stalled rank is inside
@@ -103,7 +110,9 @@ def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict |
     ({rank: seconds since its main thread last ran or waited on storage, -1 unknown}) with ``patient``
     (the bound given, MINDIO_HANG_TIMEOUT's): under a derived bound a rank whose main thread is working --
     rank 0 alone writing a checkpoint while its peers wait in the next collective -- is stalled only after
-    ``patient`` s without a step."""
+    ``patient`` s without a step. ``heard_ago`` ({rank: seconds since its last beat}): a culprit is named
+    only once every member of its group behind with it has beaten since the waiters' stall began (module
+    docstring: fresh evidence); None: every beat counts as fresh."""
     if timeout <= 0:
         return []
     idle = idle or {}
@@ -135,8 +144,21 @@ def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict |
     blamed = sorted(r for r in behind if r in stalled and r not in inside) \
         or sorted(r for r in behind if r in stalled)  # a cycle: every one behind is blamed
     if blamed:
-        return [Hung(r, *behind[r]) for r in blamed]
+        ages = {r: age for r, age, *_ in views}
+        return [Hung(r, *behind[r]) for r in blamed
+                if _fresh(behind[r][2], [m for m, s in groups[behind[r][0]] if s < behind[r][1] and m not in blamed],
+                          ages, heard_ago)]
     rest = [(r, age, c, s) for r, age, c, s, _ in views if r not in inside]
     if need_waiter and not any(c for r, age, c, _ in rest if r in stalled):
         return []
     return [Hung(r) for r in policy.find_hung_ranks(rest, timeout)]
+
+
+def _fresh(waiting: list, others: list, ages: dict, heard_ago: dict | None) -> bool:
+    """Has every rank of ``others`` (behind in the group, not blamed) beaten since the ranks ``waiting`` in
+    its collective stalled? A waiter's stall began ``heard_ago + progress_age`` s ago; the latest of them
+    counts (module docstring: fresh evidence)."""
+    if heard_ago is None or not others:
+        return True
+    began_ago = min(heard_ago.get(w, 0.0) + max(ages.get(w, 0.0), 0.0) for w in waiting)
+    return all(heard_ago.get(m, 0.0) < began_ago for m in others)

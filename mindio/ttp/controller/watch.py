@@ -150,8 +150,9 @@ class Liveness:
         views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
                   r.in_collective, r.step, r.coll_seq) for r in live]
         idle = {r.rank: r.idle_age for r in live}
+        heard_ago = {r.rank: now - r.last_seen for r in live}
         for hung in hangs.find_culprits(views, bound, need_waiter=not self.hang.fixed, idle=idle,
-                                        patient=self.hang.base):
+                                        patient=self.hang.base, heard_ago=heard_ago):
             rank = hung.rank
             _log.error("rank %d hung: no step progress for %.1f s (hang bound%s) and %s: ordering SIGKILL",
                        rank, bound, "" if self.hang.fixed else " from the job's step times", hung.why())

@@ -17,7 +17,7 @@ Actions (ACTION name -> what this rank does; every reply is cached by sn, a repe
              (parked in the decorator or blocked at the fence), or ``timeout``, or ``look`` s inside a
              collective; reply {step, data_status, main, in_collective, missing handlers}; with
              ``stop_clean`` (TTP_STOP_CLEAN_BEFORE_DUMP) a fenced rank runs stop+clean too.
-* ``teardown``, ``wait_quiet``, ``advance``: the rest of the stop round (retry.StopRound): a
+* ``teardown``, ``wait_quiet``, ``advance``: the rest of the stop round (stopround.StopRound): a
              fenced rank tears its groups down; wait for a running one; a rank held before an update
              every other holder of its shards made finishes it.
 * ``save``   run the save-ckpt callback ``func(step, save_info, args, ctx)``.
@@ -399,7 +399,7 @@ class Processor:
                  interrupt: bool = False) -> dict:
         """Hold the fence; reply once the main thread is quiet, or after ``timeout`` s, or -- with
         ``look`` -- as soon as it has been running that long and is inside a collective (blocked, most
-        likely waiting for a rank the fence holds: retry.StopRound). With ``interrupt`` (an incident's
+        likely waiting for a rank the fence holds: stopround.StopRound). With ``interrupt`` (an incident's
         stop), a main thread computing outside its optimizer update is asked to leave its step now
         (:meth:`_interrupt`) rather than compute to its next collective, which a faulty peer fails."""
         with self._cond:
@@ -436,7 +436,7 @@ class Processor:
     def _do_teardown(self) -> dict:
         """(after ``stop``) A rank held at its fence releases its collectives (stop + clean callbacks,
         every group destroyed), its main thread staying at the fence: a peer that passed its own fence
-        and waits for this rank in a collective fails at once (retry.StopRound)."""
+        and waits for this rank in a collective fails at once (stopround.StopRound)."""
         if self._main == MainState.FENCED:
             self.teardown(is_uce=False)
         return self._stop_reply(self._main)
@@ -504,7 +504,7 @@ class Processor:
         """What the controller decides from: step, optimizer-state status, where the main thread is
         (and, running, whether inside a collective), and the recovery handlers this rank lacks."""
         reply = {"step": self.step, "data_status": int(self.data_status), "main": main}
-        if main == MainState.RUNNING:  # where it runs: retry.StopRound._kill_stuck blames ranks outside a collective
+        if main == MainState.RUNNING:  # where it runs: stopround.StopRound._kill_stuck blames ranks outside a collective
             reply["in_collective"] = self._main_in_collective()
         missing = [name for name in IN_PLACE_CALLBACKS if name not in self.callbacks]
         if missing:  # retry / recover need them on every rank (policy.Incident.in_place_possible)

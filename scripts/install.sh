@@ -30,4 +30,9 @@ if ! command -v slurmd >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; t
     echo "install.sh: no slurmd/munged (not root, or no apt): the Slurm tests will be skipped"
   fi
 fi
+# bytecode for the project's own sources: an editable install compiles none, and where PYTHONDONTWRITEBYTECODE
+# is set (this project's CI and dev images) every interpreter that imports mindio compiled its ~90 modules
+# again (~0.1 CPU-s per process; the suite starts well over a thousand). Stale .pyc files are ignored by
+# their timestamps, so an edited source is still what runs.
+.venv/bin/python -m compileall -q -j 0 mindio examples tests bench >/dev/null
 .venv/bin/python -c "import mindio, mindio._native as n; print('mindio', mindio.__version__, 'installed; native core:', n.BACKEND)"

@@ -9,9 +9,13 @@ Every rank holds the whole model (a 2-layer MLP) and its Adam state; gradients a
 ``dist.all_reduce`` a step (gloo, timeout 60 s). The job tells mindio that the optimizer state lives on
 2 replicas of the 4-rank DP group (``replica_cnt=2``: ranks 0/2 and 1/3 hold one shard each; one copy
 when the job has a single rank). ``--device cuda``: model, optimizer and batches on ``cuda:LOCAL_RANK``,
-the default group on NCCL bound to that device (``device_id``). The
-batch of step ``s`` is derived from ``s``, so a resumed or repaired run sees the batches an
-uninterrupted run saw.
+the default group on NCCL bound to that device (``device_id``). The data come as a newcomer writes it:
+a ``DataLoader`` over a map-style dataset of ``4 x world x 4`` samples with a shuffling ``DistributedSampler``
+(4 steps an epoch, ``set_epoch`` each epoch, batches of 4 per rank). The loop finds the batch of step ``s``
+from ``s`` alone (epoch ``(s-1) // 4``, that epoch's ``(s-1) % 4``-th batch: the iterator is rebuilt and
+fast-forwarded when the step is not the one it holds next, as a resume does), so a resumed, retried or
+repaired run sees the batches an uninterrupted run saw. Each committed step appends the sample ids it
+trained on to ``DIR/samples-rank<r>.jsonl`` (tests/_samples.py reads them).
 
 Handlers: save (``DIR/ckpt/step_<s>/rank<r>.pt``) and rename (``DIR/ckpt/latest``, one line appended to
 ``DIR/renames``); with ``--repair``, repair (the replica sends its model and optimizer state to the rank
@@ -33,6 +37,7 @@ longer step, for a test that signals the job mid-training).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -50,6 +55,24 @@ from mindio.ttp import (RepairType, tft_destroy_controller, tft_destroy_processo
                         tft_start_processor, tft_start_updating_os)
 
 
+STEPS_PER_EPOCH = 4
+
+
+class Samples(torch.utils.data.Dataset):
+    """``n`` samples (x, y = sin(sum x), id), fixed by a seed."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.sin(self.x.sum(1, keepdim=True))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
 class Job:
     """The loop's state: model, optimizer, the last finished step."""
 
@@ -65,6 +88,11 @@ class Job:
         self.model.to(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.step = 0
+        data = Samples(4 * self.world * STEPS_PER_EPOCH)
+        self.sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=self.world, rank=self.rank,
+                                                                       shuffle=True, seed=0, drop_last=True)
+        self.loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=self.sampler)
+        self.batches, self.next_at = None, None  # the loader's iterator and the (epoch, index) it yields next
 
     def resume(self) -> None:
         """Load the checkpoint ``DIR/ckpt/latest`` names, if any (written by save + rename)."""
@@ -78,15 +106,20 @@ class Job:
         self.step = state["step"]
 
     def batch(self, step: int):
-        g = torch.Generator().manual_seed(1000 + step)
-        x = torch.randn(4 * self.world, 8, generator=g)
-        y = torch.sin(x.sum(1, keepdim=True))
-        rows = slice(4 * self.rank, 4 * (self.rank + 1))
-        return x[rows].to(self.device), y[rows].to(self.device)
+        """The batch of ``step``: the ``(step-1) % STEPS_PER_EPOCH``-th of epoch ``(step-1) // STEPS_PER_EPOCH``."""
+        at = divmod(step - 1, STEPS_PER_EPOCH)
+        if self.next_at != at:  # a resume, a rollback: start the epoch again and skip what came before
+            self.sampler.set_epoch(at[0])
+            self.batches = iter(self.loader)
+            for _ in range(at[1]):
+                next(self.batches)
+        x, y, ids = next(self.batches)
+        self.next_at = (at[0], at[1] + 1) if at[1] + 1 < STEPS_PER_EPOCH else None  # None: the epoch is over
+        return x.to(self.device), y.to(self.device), ids.tolist()
 
     def train_step(self) -> None:
         step = self.step + 1
-        x, y = self.batch(step)
+        x, y, ids = self.batch(step)
         self.maybe_fault(step)
         loss = ((self.model(x) - y) ** 2).mean()
         self.opt.zero_grad()
@@ -104,6 +137,9 @@ class Job:
         tft_end_updating_os(step)
         with open(os.path.join(self.args.out, f"trained_rank{self.rank}"), "a") as f:
             f.write(f"{step} {time.time()!r}\n")
+        with open(os.path.join(self.args.out, f"samples-rank{self.rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"iteration": step, "dp": self.world, "dp_rank": self.rank, "rank": self.rank,
+                                "samples": ids, "t": time.time()}) + "\n")
         time.sleep(self.args.step_sleep)
 
     def maybe_fault(self, step: int) -> None:

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from mindio._ports import free_port
+from tests._samples import assert_data_order
 
 HERE = Path(__file__).resolve().parent
 LOOP = HERE / "plain_loop.py"
@@ -97,9 +98,23 @@ def reference(fault_free_run):
     def run(directory):
         r = Run(Path(directory), ["--repair"])
         assert r.code == 0, r.tail()
-        return r.final()
+        return Reference(r.final(), samples=r.out)
 
     return fault_free_run((str(LOOP), "torchrun", STEPS, "--repair"), run)
+
+
+class Reference(list):
+    """The final state of every rank of the fault-free run; ``samples``: the directory of its sample-id logs."""
+
+    def __init__(self, final: list, samples: Path):
+        super().__init__(final)
+        self.samples = samples
+
+
+def assert_same_data(run: "Run", reference: Reference) -> None:
+    """Every step of ``run`` trained on the samples the fault-free run's did, each sample once an epoch
+    (the loop's DataLoader + DistributedSampler: plain_loop.STEPS_PER_EPOCH steps an epoch)."""
+    assert_data_order(run.out, reference.samples, STEPS, steps_per_epoch=4)
 
 
 def assert_bitwise(got: list, want: list) -> None:
@@ -154,6 +169,7 @@ def test_uce_is_retried_from_the_replica_and_bitwise(tmp_path, reference):
     for r in range(4):  # the user's handlers ran; mindio finished the teardown they left
         assert "stop" in (run.out / f"handlers_rank{r}").read_text()
     assert_bitwise(run.final(), reference)
+    assert_same_data(run, reference)  # step 6 trained again on its own batch, every sample once an epoch
     fault_t = float((run.out / "fault_t").read_text())
     resumed = max(e["t"] for e in run.events("train_resumed"))
     print(f"\nUCE on rank 1: every rank training again {resumed - fault_t:.3f} s after the fault "
@@ -174,6 +190,7 @@ def test_killed_ranks_are_replaced_in_place_under_mindio_run(tmp_path, reference
     assert [(d["strategy"], d["replaced"], d["lock_step"]) for d in done] == [
         ("recover-in-place", [1], 3), ("recover-in-place", [2], 7)], done
     assert_bitwise(run.final(), reference)
+    assert_same_data(run, reference)  # the replacements found their steps' batches in the DataLoader
 
 
 @pytest.mark.timeout(200)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests._exits import assert_no_signal_deaths, check_codes
-from tests.dropin.test_plain_loop import STEPS, Run, assert_bitwise, reference  # noqa: F401 (fixture)
+from tests.dropin.test_plain_loop import STEPS, Run, assert_bitwise, assert_same_data, reference  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 GRACE_S = 30.0  # Kubernetes' terminationGracePeriodSeconds and Slurm's KillWait default
@@ -117,6 +117,7 @@ def test_sigterm_to_mindio_run_checkpoints_the_current_step_and_the_rerun_resume
     steps = [int(line.split()[0]) for line in (out / "trained_rank0").read_text().splitlines()]
     assert steps[len(steps) - (STEPS - step):] == list(range(step + 1, STEPS + 1)), steps  # resumed after it
     assert_bitwise(rerun.final(), reference)
+    assert_same_data(rerun, reference)  # the rerun's DataLoader went on where the checkpoint left it
 
 
 @pytest.mark.timeout(400)
@@ -148,6 +149,7 @@ def test_sigterm_to_a_worker_checkpoints_and_max_restarts_resumes_bitwise(tmp_pa
     steps = [int(line.split()[0]) for line in (out / "trained_rank2").read_text().splitlines()]
     assert steps[len(steps) - (STEPS - step):] == list(range(step + 1, STEPS + 1)), steps
     assert_bitwise(run.final(), reference)
+    assert_same_data(run, reference)
 
 
 @pytest.mark.timeout(300)

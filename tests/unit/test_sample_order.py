@@ -56,3 +56,30 @@ def test_a_sample_twice_or_skipped_or_another_batch_is_named(tmp_path):
     _log(missing, [(50 + r, r, 3, 2, r, _step(3, 2)[r]) for r in (0,)])  # a DP=2 attempt of which rank 1 never logged
     with pytest.raises(AssertionError, match="iteration 3: DP size 2, logged DP ranks \\[0\\]"):
         read_sample_log(missing)
+
+
+def _epochs(directory, order, t0=0.0, swap=None) -> None:
+    """A DataLoader + DistributedSampler: 2 ranks, 2 samples each a step, 2 steps an epoch over samples 0..7
+    in ``order[epoch]``; ``swap`` ({step: (i, sample)}): rank 0 of that step trains on ``sample`` at place i."""
+    lines = []
+    for it in range(1, 2 * len(order) + 1):
+        perm = order[(it - 1) // 2]
+        at = ((it - 1) % 2) * 4
+        for r in range(2):
+            samples = list(perm[at + 2 * r: at + 2 * r + 2])
+            if swap and it in swap and r == 0:
+                samples[swap[it][0]] = swap[it][1]
+            lines.append((t0 + it, r, it, 2, r, samples))
+    _log(directory, lines)
+
+
+def test_per_epoch_each_sample_once_and_every_sample_in_a_complete_epoch(tmp_path):
+    order = [[3, 1, 7, 0, 5, 2, 6, 4], [6, 0, 2, 5, 1, 7, 4, 3], [1, 2, 3, 4, 5, 6, 7, 0]]
+    _epochs(tmp_path / "ref", order)
+    _epochs(tmp_path / "ok", order)
+    assert_data_order(tmp_path / "ok", tmp_path / "ref", 6, steps_per_epoch=2)  # samples again each epoch
+    with pytest.raises(AssertionError, match="more than one step"):
+        assert_data_order(tmp_path / "ok", tmp_path / "ref", 6)  # without epochs: every sample once per run
+    _epochs(tmp_path / "twice", order, swap={4: (0, 6)})  # epoch 1 trains sample 6 twice (steps 3 and 4)
+    with pytest.raises(AssertionError):
+        assert_data_order(tmp_path / "twice", tmp_path / "ref", 6, steps_per_epoch=2)

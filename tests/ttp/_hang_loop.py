@@ -1,11 +1,13 @@
 """A user's loop that hangs on one rank: torchrun, gloo, the reference ``tft_*`` API and nothing of
 mindio's internals.
 
-    torchrun --nproc-per-node 3 tests/ttp/_hang_loop.py --out DIR [--ddp] [--steps 40] [--hang RANK:STEP]
+    torchrun --nproc-per-node 3 tests/ttp/_hang_loop.py --out DIR [--ddp | --fsdp] [--steps 40] [--hang RANK:STEP]
              [--step-sleep 0.1] [--work RANK:STEP:SECONDS] [--spin RANK:STEP:SECONDS]
 
 ``--ddp``: the model is wrapped in ``DistributedDataParallel`` (its all-reduce runs from autograd,
-inside ``loss.backward()``); else the gradients are summed with one ``dist.all_reduce`` a step.
+inside ``loss.backward()``); ``--fsdp``: each layer and the model are sharded with FSDP2's ``fully_shard``
+(its all-gathers run from forward hooks, its reduce-scatters from backward ones); else the gradients are
+summed with one ``dist.all_reduce`` a step.
 ``--hang RANK:STEP``: that rank ``time.sleep``s for 600 s at the start of STEP (its time to
 ``DIR/hang_t``). ``--work RANK:STEP:SECONDS``: that rank alone writes a checkpoint for SECONDS at the
 start of STEP (``torch.save`` of fresh tensors to ``DIR/work.pt``, again and again), while its peers wait
@@ -34,6 +36,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--ddp", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--hang", default="", help="RANK:STEP")
     p.add_argument("--step-sleep", type=float, default=0.1)
@@ -52,6 +55,13 @@ def main() -> int:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     model = DistributedDataParallel(net) if args.ddp else net
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     state = {"step": 0}
     hang_rank, hang_step = map(int, args.hang.split(":")) if args.hang else (-1, -1)
@@ -94,7 +104,7 @@ def main() -> int:
             loss = (model(x) - torch.sin(x.sum(1, keepdim=True))).pow(2).mean()
             opt.zero_grad()
             loss.backward()
-            if not args.ddp:
+            if not (args.ddp or args.fsdp):
                 for prm in net.parameters():
                     dist.all_reduce(prm.grad)
             tft_start_updating_os(-1)

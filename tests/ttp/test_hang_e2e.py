@@ -1,9 +1,9 @@
 """Issue #30.1 / #31: a rank of a user's loop hangs (``time.sleep`` in its main thread) under torchrun,
 with no hang knob set. The job's 0.1 s steps set the hang bound (1 s, the floor); the controller
 names the rank that never entered the collective its peers wait in -- in a DDP loop, where the peers
-wait inside ``loss.backward()`` (no ``torch/distributed`` on their stacks), and in a plain
-``dist.all_reduce`` loop -- within 3 s of the hang, kills only it, and the survivors dump the last
-step. Real processes, real gloo; nothing of mindio's internals in the loop (_hang_loop.py)."""
+wait inside ``loss.backward()`` (no ``torch/distributed`` on their stacks), in a plain
+``dist.all_reduce`` loop, and in an FSDP2 (``fully_shard``) loop, where the peers wait in the forward's
+all-gather -- within 3 s of the hang, kills only it, and the survivors dump the last step. Real processes, real gloo; nothing of mindio's internals in the loop (_hang_loop.py)."""
 from __future__ import annotations
 
 import json
@@ -33,14 +33,14 @@ def _env(out: Path) -> dict:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("ddp,culprit", [(True, 1), (False, 2)], ids=["ddp", "all_reduce"])
-def test_a_hung_rank_is_named_within_3_s_and_only_it_is_killed(tmp_path, ddp, culprit):
+@pytest.mark.parametrize("mode,culprit", [("ddp", 1), ("all_reduce", 2), ("fsdp", 1)], ids=["ddp", "all_reduce", "fsdp"])
+def test_a_hung_rank_is_named_within_3_s_and_only_it_is_killed(tmp_path, mode, culprit):
     out = tmp_path / "run"
     out.mkdir()
     env = _env(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(HERE / "_hang_loop.py"), "--out", str(out), "--steps", "40",
-           "--hang", f"{culprit}:{HANG_STEP}", *(["--ddp"] if ddp else [])]
+           "--hang", f"{culprit}:{HANG_STEP}", *([f"--{mode}"] if mode != "all_reduce" else [])]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:

@@ -156,7 +156,9 @@ def _preload(target: str, is_module: bool) -> list[str]:
             pass
     for name in wanted:
         try:  # the script's directory is not on sys.path yet: only installed packages are found
-            importlib.import_module(name)
+            module = importlib.import_module(name)
+            for public in getattr(module, "__all__", ()):  # a package that loads its names on first use
+                getattr(module, public, None)  # (PEP 562: mindio.ttp) loads them now, in the warm parent
             done.append(name)
         except Exception:  # the script will raise the same error itself, with its own context
             pass

@@ -297,12 +297,12 @@ def test_a_lost_node_with_no_spare_ends_the_job_at_the_join_timeout(job):
     start, results = job
     port = str(_free_port())
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", port, "--max-restarts", "1"]
-    a0, a1 = _lose_node_1(start, results, common, {"STEPS": "40"}, node0=("--rdzv-conf", "join_timeout=20"))
+    a0, a1 = _lose_node_1(start, results, common, {"STEPS": "40"}, node0=("--rdzv-conf", "join_timeout=8"))
     t0 = time.monotonic()
     out0, _ = a0.communicate(timeout=90)
     a1.communicate(timeout=10)
     assert a0.returncode == 1, out0
-    assert "node(s) [1] lost and 0 standby node(s) joined within 20 s (--rdzv-conf join_timeout=S)" in out0
+    assert "node(s) [1] lost and 0 standby node(s) joined within 8 s (--rdzv-conf join_timeout=S)" in out0
     assert time.monotonic() - t0 < 60, out0
 
 

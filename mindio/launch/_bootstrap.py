@@ -152,6 +152,9 @@ def _preload(target: str, is_module: bool) -> list[str]:
             from mindio._lazy_compile import import_megatron_core
 
             import_megatron_core()
+            from mindio.megatron import torch_dist
+
+            torch_dist.warm()  # what a dump imports (the adapter would, in every rank)
         except Exception:  # not installed or broken: the script raises the same error itself
             pass
     for name in wanted:

@@ -367,6 +367,8 @@ class MegatronAdapter(FrameworkAdapter):
         # worker thread still destroying the last work at Py_FinalizeEx aborts the process, SIGABRT)
         from mindio.ttp import shutdown
         shutdown.on_exit(self.release)
+        from . import torch_dist
+        torch_dist.warm()  # a dump's imports now, not on the critical path of the last words
 
     def stop(self) -> None:
         self.ctx.stop_requested.set()

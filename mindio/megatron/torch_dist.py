@@ -226,6 +226,22 @@ def _crc32(on: bool):
         torch.serialization.set_crc32_options(before)
 
 
+def _signature(t: torch.Tensor) -> tuple:
+    """What the size of ``torch.save(t)`` depends on: its record layout (one storage of exactly these bytes,
+    the pickled rebuild arguments), not its values. Tensors of one signature -- the same weight of every
+    layer -- are sized once; the write pass checks every item's size against it all the same."""
+    return (type(t), t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes(),
+            t.requires_grad, t.is_conj(), t.is_neg())
+
+
+def warm() -> None:
+    """Import what a dump's :func:`write_local` needs (megatron's dist_checkpointing strategies: ~0.3 CPU-s
+    cold) now, at start-up, instead of on the critical path of the job's last words (the adapter calls it;
+    mindio-run's fork server does it once for every rank it forks)."""
+    from megatron.core.dist_checkpointing import state_dict_utils  # noqa: F401
+    from megatron.core.dist_checkpointing.strategies import torch as _strategies  # noqa: F401
+
+
 def _exact(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU with a storage of exactly its own bytes (torch.save writes a tensor's whole
     storage): a contiguous view of a bigger buffer (a distributed optimizer's shard) is aliased, not
@@ -261,15 +277,18 @@ def _write_pooled(final: SavePlan, planner, directory: Path, rank: int, crc: boo
         [i for i in final.items if i.type != WriteItemType.BYTE_IO]
     datas = [planner.resolve_data(i) if i.type == WriteItemType.BYTE_IO else _exact(planner.resolve_data(i))
              for i in items]
-    sizes = []
+    sizes, sized = [], {}  # torch.save's size of each tensor signature (_signature): sized once
     with _crc32(crc):
         for data in datas:
             if isinstance(data, io.BytesIO):
                 sizes.append(data.getbuffer().nbytes)
-            else:
+                continue
+            key = _signature(data)
+            if key not in sized:
                 counter = _Counter()
                 torch.save(data, counter)
-                sizes.append(counter.n)
+                sized[key] = counter.n
+            sizes.append(sized[key])
         results: list = []
 
         def write(buf, copy_many):

@@ -447,6 +447,7 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    t_plan = time.perf_counter()
     sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
     with _default_group(rank, world):  # no default group after mindio's teardown: a stand-in
@@ -461,6 +462,7 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
         plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_"))
         final = planner.finish_plan(plan)
         t0 = time.perf_counter()
+        t_plan = t0 - t_plan
         pooled_crcs: list = []
         results = _write_pooled(final, planner, directory, rank, crc=not last_words, crcs=pooled_crcs) \
             if _acp() is not None else None
@@ -469,11 +471,7 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
             results = writer.write_data(final, planner).wait()
         took = time.perf_counter() - t0
     nbytes = sum(r.storage_data.length for r in results)
-    (_log.warning if last_words else _log.info)(  # a dump's rate is printed: it is the job's last words
-        "rank %d wrote %d B of %s data in %.3f s (%.2f GB/s)%s", rank, nbytes,
-        "last-words checkpoint" if last_words else "checkpoint", took,
-        nbytes / max(took, 1e-9) / 1e9, " into the store's pool" if pooled else "")
-    _logging.event("data_written", bytes=nbytes, s=round(took, 6), pooled=pooled, last_words=last_words)
+    t_index = time.perf_counter()
     written = [_result_to_json(r) for r in results]
     if pooled:  # the CRC-32 of each item's bytes in the region (_write_pooled), else of the bytes DCP wrote
         for raw, crc in zip(written, pooled_crcs):
@@ -484,6 +482,13 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
     piece = {"save_id": save_id, "rank": rank, "writers": sorted(set(int(w) for w in writers)),
              "items": [_item_to_json(i) for i in final.items], "results": written}
     _atomic_write(directory / _PIECE.format(rank=rank), json.dumps(piece).encode())
+    t_index = time.perf_counter() - t_index
+    (_log.warning if last_words else _log.info)(  # a dump's rate is printed: it is the job's last words
+        "rank %d wrote %d B of %s data in %.3f s (%.2f GB/s)%s; its plan (%d items) took %.3f s before, its "
+        "index %.3f s after", rank, nbytes, "last-words checkpoint" if last_words else "checkpoint", took,
+        nbytes / max(took, 1e-9) / 1e9, " into the store's pool" if pooled else "", len(results), t_plan, t_index)
+    _logging.event("data_written", bytes=nbytes, s=round(took, 6), pooled=pooled, last_words=last_words,
+                   plan_s=round(t_plan, 6), index_s=round(t_index, 6), items=len(results))
     return common
 
 

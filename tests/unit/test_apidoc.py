@@ -28,3 +28,16 @@ def test_every_tft_function_documents_its_arguments_and_return():
             assert "Args:" in doc, f"{name}: no Args section"
             for p in params:
                 assert p in doc, f"{name}: argument {p} not documented"
+
+
+def test_the_lazy_package_names_every_api_function_and_loads_without_torch():
+    """mindio.ttp loads its API on first use (PEP 562): its name list is the API's, and importing the
+    package -- or a part of it such as the relay's wire -- imports neither torch nor the processor."""
+    from mindio.ttp import api
+
+    assert sorted(ttp._API) == sorted(api.__all__)
+    assert all(getattr(ttp, name) is getattr(api, name) for name in api.__all__)
+    code = ("import sys, mindio.ttp, mindio.ttp.wire.relay, mindio.ttp.controller.controller; "
+            "print(sorted(m for m in ('torch', 'mindio.ttp.api', 'mindio.ttp.processor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])

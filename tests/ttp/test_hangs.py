@@ -133,18 +133,31 @@ def test_under_the_job_derived_bound_a_working_main_thread_gets_the_bound_given(
 
 
 def test_the_main_thread_is_idle_while_it_sleeps_and_working_while_it_computes():
+    """Read as the processor's link thread reads it: from another thread, while the main thread sleeps
+    (blocked: idle), then while it computes (CPU used, runnable: working)."""
     import time
     from mindio.ttp.processor.collectives import MainActivity
 
     act = MainActivity()
-    time.sleep(0.3)
-    act.idle_age()
-    time.sleep(0.3)
-    assert act.idle_age() >= 0.25  # asleep: idle since the first read
-    end = time.monotonic() + 0.3
+    got: list = []
+
+    def read_after(delays):
+        for d in delays:
+            time.sleep(d)
+            got.append(act.idle_age())
+
+    reader = threading.Thread(target=read_after, args=([0.3, 0.3],))
+    reader.start()
+    time.sleep(0.8)  # the main thread blocked for both reads
+    reader.join(5)
+    assert got[1] >= 0.25, got  # asleep: idle since before the first read
+    reader = threading.Thread(target=read_after, args=([0.3],))
+    reader.start()
+    end = time.monotonic() + 0.5
     while time.monotonic() < end:
         pass
-    assert act.idle_age() < 0.05  # it used CPU since the last read
+    reader.join(5)
+    assert got[2] < 0.05, got  # it used CPU (and was runnable) since the last read
 
 
 def test_a_member_whose_beat_predates_the_stall_is_heard_again_before_the_culprit_is_named():

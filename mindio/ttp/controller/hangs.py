@@ -17,8 +17,8 @@ counters) the older rule holds (policy.find_hung_ranks: a stalled rank whose mai
 all-reduce runs from autograd, so the stack of a rank waiting in it shows no ``torch/distributed``.
 Under a bound derived from the job's steps that rule also needs a stalled rank inside a collective:
 every rank stalled outside one at once (a checkpoint all ranks write) is no hang. And under such a bound
-a rank whose main thread is still working (its heartbeat's ``idle_age``: the thread used CPU or waited on
-storage within the bound: one rank writing a checkpoint alone) is not stalled: it gets the bound given
+a rank whose main thread is still working (its heartbeat's ``idle_age``: the thread used CPU, waited on
+storage or was runnable -- starved of CPU -- within the bound: one rank writing a checkpoint alone) is not stalled: it gets the bound given
 (``MINDIO_HANG_TIMEOUT``'s, 300 s by default). A rank hung while spinning (a busy loop, a spinning device
 wait) therefore takes that long, as before the job-derived bound; one that sleeps or blocks is found fast.
 

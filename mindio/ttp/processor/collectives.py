@@ -113,8 +113,8 @@ class StepTimes:
 class MainActivity:
     """How long the main thread has been idle (:meth:`idle_age`, read by the link thread at each beat): it
     is working while it uses CPU (at least ``share`` of the time between two reads: its CPU clock,
-    ``pthread_getcpuclockid``) or waits on storage (state ``D`` in ``/proc/self/task/<tid>/stat``, an
-    fsync). A main thread waiting in a collective, sleeping or blocked on a lock is idle. The controller
+    ``pthread_getcpuclockid``), waits on storage (state ``D`` in ``/proc/self/task/<tid>/stat``, an
+    fsync) or is runnable (state ``R``: it wants a CPU that other processes hold -- starved, not blocked). A main thread waiting in a collective, sleeping or blocked on a lock is idle. The controller
     gives a stalled rank whose main thread works the bound given, not the job's (controller/hangs.py)."""
 
     def __init__(self, share: float = 0.05):
@@ -129,9 +129,11 @@ class MainActivity:
         self._t = self._active = time.monotonic()
 
     def _waits_on_storage(self) -> bool:
+        """Is the main thread waiting on storage (``D``) or runnable (``R``: running, or waiting for a CPU
+        on a machine whose cores other processes hold)? Either way it works: it is not blocked."""
         try:
             with open(self._stat, "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] == b"D"
+                return f.read().rsplit(b")", 1)[1].split()[0] in (b"D", b"R")
         except (OSError, IndexError):
             return False
 

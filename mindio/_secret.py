@@ -93,7 +93,13 @@ def share(store, key: str, text: str, where: str) -> None:
 
 def shared(value: str) -> str:
     """The secret from what :func:`share` put in the store: the private file's content, or the text."""
-    return read_secret_file(value[len(_FILE):]) if value.startswith(_FILE) else value
+    if not value.startswith(_FILE):
+        return value
+    path = value[len(_FILE):]
+    if not os.path.lexists(path):  # removed when the controller's process ended
+        raise ConfigError(f"the job secret's file {path}, which the controller's rank wrote, is gone: that "
+                          "process has ended (see its error); restart the job")
+    return read_secret_file(path)
 
 
 def _remove(path: str) -> None:

@@ -447,7 +447,7 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    t_plan = time.perf_counter()
+    t_begin = time.perf_counter()
     sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
     with _default_group(rank, world):  # no default group after mindio's teardown: a stand-in
@@ -462,7 +462,7 @@ def write_local(sharded_state_dict: dict, directory: Path, rank: int, save_id: s
         plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_"))
         final = planner.finish_plan(plan)
         t0 = time.perf_counter()
-        t_plan = t0 - t_plan
+        t_plan = t0 - t_begin
         pooled_crcs: list = []
         results = _write_pooled(final, planner, directory, rank, crc=not last_words, crcs=pooled_crcs) \
             if _acp() is not None else None

@@ -163,6 +163,7 @@ def _start(bind_ip, port, enable_tls, tls_info, primary=None):
                      **_rt.controller_init)
     ctl.brain = Brain(table)
     ctl.start(bind_ip, int(port), primary=primary)
+    transport.publish_secret()  # only once it listens: see job_secret
     _rt.controller = ctl
 
 

@@ -84,6 +84,38 @@ def test_zero_config_secret_is_a_private_file_on_one_node_and_one_line_on_severa
     assert len(lines[0]) < 200, lines
 
 
+def test_a_controller_that_cannot_listen_publishes_no_secret(monkeypatch):
+    """CI stop 37: a controller whose port was taken published the secret's file, failed, and its exit
+    removed the file while rank 1 was about to read it -- rank 1 failed first, on a missing file, and
+    torchrun named that as the job's root cause. The secret is published only once the controller listens;
+    a file that went away anyway says whose process ended."""
+    import socket
+    import torch.distributed as dist
+    from mindio.ttp.wire import transport
+
+    store = dist.HashStore()
+    monkeypatch.setattr(transport, "_default_store", lambda: store)
+    for name in ("MINDIO_SECRET", "MINDIO_SECRET_FILE"):  # restored after: job_secret sets MINDIO_SECRET
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    from mindio.ttp.controller.controller import Controller
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ctl = Controller(0, 2, {"dump"}, key=transport.job_secret(create=True))
+        with pytest.raises(ConfigError, match="already in use"):
+            ctl.start("127.0.0.1", held.getsockname()[1])
+    assert not store.check([transport._STORE_KEY])  # nothing for rank 1 to read
+    transport.publish_secret()  # as tft_start_controller does once the controller listens
+    value = store.get(transport._STORE_KEY).decode()
+    assert shared(value) == os.environ["MINDIO_SECRET"]
+    os.unlink(value.removeprefix("file:"))
+    with pytest.raises(ConfigError, match="the controller's rank wrote, is gone: that process has ended"):
+        shared(value)
+
+
 def test_launcher_secret_stays_off_the_store_unless_several_nodes_have_none(tmp_path, monkeypatch, caplog):
     """mindio/launch/secret.py with a real agent store: a single node keeps a secret of its own; several
     nodes given a file share it through the file; several nodes given nothing fall back to the store (and

@@ -18,9 +18,10 @@ all-reduce runs from autograd, so the stack of a rank waiting in it shows no ``t
 Under a bound derived from the job's steps that rule also needs a stalled rank inside a collective:
 every rank stalled outside one at once (a checkpoint all ranks write) is no hang. And under such a bound
 a rank whose main thread is still working (its heartbeat's ``idle_age``: the thread used CPU, waited on
-storage or was runnable -- starved of CPU -- within the bound: one rank writing a checkpoint alone) is not stalled: it gets the bound given
-(``MINDIO_HANG_TIMEOUT``'s, 300 s by default). A rank hung while spinning (a busy loop, a spinning device
-wait) therefore takes that long, as before the job-derived bound; one that sleeps or blocks is found fast.
+storage or was runnable -- starved of CPU -- within the bound: one rank writing a checkpoint alone) is not
+stalled: it gets the bound given (``MINDIO_HANG_TIMEOUT``'s, 300 s by default). A rank hung while
+spinning (a busy loop, a spinning device wait) therefore takes that long, as before the job-derived bound;
+one that sleeps or blocks is found fast.
 
 Evidence must be fresh: a member of the culprit's group that is behind but not stalled, and whose last
 beat predates the stall of the peers waiting in the collective, may have entered it since (its beat was

@@ -114,8 +114,9 @@ class MainActivity:
     """How long the main thread has been idle (:meth:`idle_age`, read by the link thread at each beat): it
     is working while it uses CPU (at least ``share`` of the time between two reads: its CPU clock,
     ``pthread_getcpuclockid``), waits on storage (state ``D`` in ``/proc/self/task/<tid>/stat``, an
-    fsync) or is runnable (state ``R``: it wants a CPU that other processes hold -- starved, not blocked). A main thread waiting in a collective, sleeping or blocked on a lock is idle. The controller
-    gives a stalled rank whose main thread works the bound given, not the job's (controller/hangs.py)."""
+    fsync) or is runnable (state ``R``: it wants a CPU that other processes hold -- starved, not blocked).
+    A main thread waiting in a collective, sleeping or blocked on a lock is idle. The controller gives a
+    stalled rank whose main thread works the bound given, not the job's (controller/hangs.py)."""
 
     def __init__(self, share: float = 0.05):
         main = threading.main_thread()
@@ -128,7 +129,7 @@ class MainActivity:
         self._stat = f"/proc/self/task/{main.native_id}/stat"
         self._t = self._active = time.monotonic()
 
-    def _waits_on_storage(self) -> bool:
+    def _not_blocked(self) -> bool:
         """Is the main thread waiting on storage (``D``) or runnable (``R``: running, or waiting for a CPU
         on a machine whose cores other processes hold)? Either way it works: it is not blocked."""
         try:
@@ -146,7 +147,7 @@ class MainActivity:
             cpu = time.clock_gettime(self._clock)
         except OSError:  # the main thread ended
             return -1.0
-        if cpu - self._cpu >= self.share * (now - self._t) or self._waits_on_storage():
+        if cpu - self._cpu >= self.share * (now - self._t) or self._not_blocked():
             self._active = now
         self._cpu, self._t = cpu, now
         return now - self._active

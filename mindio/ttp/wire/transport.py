@@ -46,7 +46,7 @@ from .. import shutdown
 from .home import HomeProbe
 from .session import fresh
 
-__all__ = ["job_secret", "published_secret", "user_secret", "read_secret_file", "job_curve_keypair",
+__all__ = ["job_secret", "publish_secret", "published_secret", "user_secret", "read_secret_file", "job_curve_keypair",
            "curve_options", "context", "close_context", "Channel", "Waker", "Link"]
 
 _log = logging.getLogger("mindio.ttp.transport")
@@ -116,13 +116,17 @@ def _store_address(store) -> str:
 
 def job_secret(create: bool, controller: str = "") -> bytes:
     """The 32-byte key that signs control frames (see module docstring for where it comes from).
-    ``controller``: the address a processor will connect to, named when no controller publishes one."""
+    ``controller``: the address a processor will connect to, named when no controller publishes one.
+    A controller's new secret (``create``) is published by :func:`publish_secret` once it listens: a
+    controller that cannot start publishes nothing, so its peers wait for it (MINDIO_CONTROLLER_WAIT) and
+    are stopped by the launcher, rather than failing on a secret file its failed process removed."""
+    global _unpublished
     text = user_secret()
     store = None if text else _default_store()
     if store is not None:
         if create:
             text = secrets.token_hex(32)
-            share(store, _STORE_KEY, text, _store_address(store))  # one node: only a private file's path
+            _unpublished = (store, text)
         else:
             text = published_secret(store, controller)
     if not text:
@@ -132,6 +136,19 @@ def job_secret(create: bool, controller: str = "") -> bytes:
         text = secrets.token_hex(32)
     os.environ["MINDIO_SECRET"] = text  # children (and later calls in this process) use the same secret
     return secret_key(text)
+
+
+_unpublished: tuple | None = None  # (store, secret) a starting controller publishes once it listens
+
+
+def publish_secret() -> None:
+    """(the controller, once it listens) Hand the secret :func:`job_secret` made to the job's other ranks
+    through the torch.distributed store; nothing when the user gave one or it is published already."""
+    global _unpublished
+    if _unpublished is not None:
+        store, text = _unpublished
+        _unpublished = None
+        share(store, _STORE_KEY, text, _store_address(store))  # one node: only a private file's path
 
 
 def job_curve_keypair(key: bytes) -> tuple[bytes, bytes]:

@@ -157,9 +157,11 @@ _ALL = [
     Knob("MINDIO_SLOW_RATIO", float, 1.2,
          "A rank is slow when its own time per step (its step's wall time less the time its main thread "
          "waited: compute, or stopped/throttled from outside) is at least this many times its peers' median "
-         "(and its peers wait for it: MINDIO_SLOW_MIN_WAIT).", min=1.05, max=1000),
+         "(and its peers wait for it: MINDIO_SLOW_MIN_WAIT); a process group's communication is slow when each "
+         "member waits in its collectives at least this many times the group's floor.", min=1.05, max=1000),
     Knob("MINDIO_SLOW_MIN_WAIT", float, 0.1,
-         "A slow rank's peers must wait (per step) at least this share of its step time more than it does.",
+         "A slow rank's peers must wait (per step) at least this share of its step time more than it does; a "
+         "slow group's members, this share of a step more than its floor.",
          min=0.0, max=1.0),
     Knob("MINDIO_SLOW_ACTION", str, "report",
          "What the controller does with a rank named slow (MINDIO_SLOW_WINDOW > 0): report it only, or switch "

@@ -96,6 +96,9 @@ def _status(args) -> int:
               f"{r['host']}/{r['pid']}")
     if (info.get("slow") or {}).get("slow"):  # controller/slow.py
         print(f"slow: rank {info['slow']['slow']['rank']} (cause {info['slow']['slow']['cause']})")
+    if (info.get("slow") or {}).get("slow_group"):
+        g = info["slow"]["slow_group"]
+        print(f"slow: process group {g['group']} (ranks {g['ranks']}; cause {g['cause']})")
     for i in info["incidents"]:
         phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in i["phases"].items() if isinstance(v, (int, float)))
         when = time.strftime("%H:%M:%S", time.localtime(i["t"]))

@@ -3,6 +3,7 @@ mindio's internals.
 
     torchrun --nproc-per-node 3 tests/ttp/_hang_loop.py --out DIR [--ddp | --fsdp] [--steps 40] [--hang RANK:STEP]
              [--step-sleep 0.1] [--work RANK:STEP:SECONDS] [--spin RANK:STEP:SECONDS]
+             [--slow-link RANK,RANK:STEP:SECONDS]
 
 ``--ddp``: the model is wrapped in ``DistributedDataParallel`` (its all-reduce runs from autograd,
 inside ``loss.backward()``); ``--fsdp``: each layer and the model are sharded with FSDP2's ``fully_shard``
@@ -12,8 +13,12 @@ summed with one ``dist.all_reduce`` a step.
 ``DIR/hang_t``). ``--work RANK:STEP:SECONDS``: that rank alone writes a checkpoint for SECONDS at the
 start of STEP (``torch.save`` of fresh tensors to ``DIR/work.pt``, again and again), while its peers wait
 in the step's collective: slow, not hung. ``--spin RANK:STEP:SECONDS``: from STEP on, that rank computes
-SECONDS more (CPU: matrix products) every step, a straggler its peers wait for. Save and rename handlers write ``DIR/ckpt/step_<s>/rank<r>.pt`` and ``DIR/ckpt/latest``;
-every rank holds the whole state (``replica_cnt`` = world size).
+SECONDS more (CPU: matrix products) every step, a straggler its peers wait for. ``--slow-link
+RANK,RANK:STEP:SECONDS``: those ranks form a process group and all-reduce their loss in it every step;
+from STEP on, each of them takes SECONDS more in that collective (it sleeps after it: a slow link between
+them, as their main threads see it), and the other ranks wait for them in the next world collective.
+Save and rename handlers write ``DIR/ckpt/step_<s>/rank<r>.pt`` and ``DIR/ckpt/latest``; every rank holds
+the whole state (``replica_cnt`` = world size).
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.1)
     p.add_argument("--work", default="", help="RANK:STEP:SECONDS")
     p.add_argument("--spin", default="", help="RANK:STEP:SECONDS")
+    p.add_argument("--slow-link", default="", help="RANK,RANK:STEP:SECONDS")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
@@ -70,6 +76,11 @@ def main() -> int:
 
     spin_rank, spin_step, spin_s = (int(args.spin.split(":")[0]), int(args.spin.split(":")[1]),
                                     float(args.spin.split(":")[2])) if args.spin else (-1, -1, 0.0)
+
+    link = args.slow_link.split(":") if args.slow_link else ()
+    link_ranks = [int(r) for r in link[0].split(",")] if link else []
+    link_group = dist.new_group(link_ranks) if link else None  # every rank creates it
+    link_step, link_s = (int(link[1]), float(link[2])) if link else (-1, 0.0)
 
     def save(step, save_info, _args, _ctx):
         d = os.path.join(args.out, "ckpt", f"step_{step}")
@@ -107,6 +118,10 @@ def main() -> int:
             if not (args.ddp or args.fsdp):
                 for prm in net.parameters():
                     dist.all_reduce(prm.grad)
+            if rank in link_ranks:
+                dist.all_reduce(loss.detach().clone(), group=link_group)
+                if step >= link_step:
+                    time.sleep(link_s)
             tft_start_updating_os(-1)
             opt.step()
             state["step"] = step

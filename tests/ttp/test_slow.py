@@ -77,11 +77,58 @@ def test_no_straggler_when_cpu_is_uneven_but_nobody_waits_or_the_machine_is_busy
     assert _feed(sc, {0: (0.2, 0.02), 1: (0.2, 0.02)}, 4) == []  # a window closes when every rank timed 5
 
 
+def _feed_groups(sc, per_rank, steps):
+    """Like :func:`_feed`, with each rank's wait per step charged to process groups: ``per_rank`` =
+    {rank: (wall, own, {group: wait per step})}, the rank's whole wait being the groups' sum."""
+    for r, (wall, own, groups) in per_rank.items():
+        n, w, c, q = sc.last.get(r, (0, 0.0, 0.0, 0.0))
+        g = dict(sc.glast.get(r, {}))
+        for k, v in groups.items():
+            g[k] = g.get(k, 0.0) + steps * v
+        sc.observe(r, [n + steps, w + steps * wall, c + steps * own, q + steps * (wall - own), g])
+    return sc.check(list(per_rank))
+
+
+def test_a_group_whose_members_all_wait_in_it_is_named_slow_communication_not_its_waiters():
+    """4 ranks, world group "w" and data-parallel groups "a" = {0, 2}, "b" = {1, 3}. Group a's collectives
+    slow down (a link): ranks 0 and 2 wait 60 ms a step in them, ranks 1 and 3 wait for them in w. Only a
+    is named, cause communication, after K windows; a straggler (rank 2 computing) or a busy machine (every
+    rank's own time up) names no group."""
+    sc = slow.SlowScores(window=5, ratio=1.2, min_wait=0.1, k=3)
+    even = {r: (0.1, 0.08, {"w": 0.01, "a" if r % 2 == 0 else "b": 0.01}) for r in range(4)}
+    assert _feed_groups(sc, even, 0) == [] and _feed_groups(sc, even, 5) == []
+    slow_a = {0: (0.15, 0.08, {"w": 0.01, "a": 0.06}), 2: (0.15, 0.08, {"w": 0.01, "a": 0.06}),
+              1: (0.15, 0.08, {"w": 0.06, "b": 0.01}), 3: (0.15, 0.08, {"w": 0.06, "b": 0.01})}
+    assert _feed_groups(sc, slow_a, 5) == [] and _feed_groups(sc, slow_a, 5) == []
+    got = _feed_groups(sc, slow_a, 5)
+    assert [(f.rank, f.cause, f.group, f.ranks, f.ratio) for f in got] == [(-1, "communication", "a", (0, 2), 6.0)]
+    assert _feed_groups(sc, slow_a, 5) == []  # once while it lasts
+    st = sc.status()
+    assert st["slow_group"] == {"group": "a", "ranks": [0, 2], "cause": "communication"} and st["slow"] is None
+    assert st["groups"]["a"]["wait_s"] == pytest.approx(0.06)
+    assert st["groups"]["a"]["floor_wait_s"] == pytest.approx(0.01)
+    for _ in range(3):
+        assert _feed_groups(sc, even, 5) == []
+    assert sc.status()["slow_group"] is None  # cleared after K windows without it
+    # a straggler: rank 2 computes 60 ms more, everyone else waits for it in w -- a rank, not a group
+    sc = slow.SlowScores(window=5, ratio=1.2, min_wait=0.1, k=1)
+    assert _feed_groups(sc, even, 0) == [] and _feed_groups(sc, even, 5) == []
+    straggler = {r: (0.16, 0.08, {"w": 0.07, "a" if r % 2 == 0 else "b": 0.01}) for r in (0, 1, 3)}
+    straggler[2] = (0.16, 0.14, {"w": 0.01, "a": 0.01})
+    assert [(f.rank, f.cause) for f in _feed_groups(sc, straggler, 5)] == [(2, "compute")]
+    # a busy machine: every rank's own time and its waits grow alike -- nobody, no group
+    sc = slow.SlowScores(window=5, ratio=1.2, min_wait=0.1, k=1)
+    assert _feed_groups(sc, even, 0) == [] and _feed_groups(sc, even, 5) == []
+    busy = {r: (0.25, 0.17, {"w": 0.05, "a" if r % 2 == 0 else "b": 0.03}) for r in range(4)}
+    assert _feed_groups(sc, busy, 5) == []
+
+
 def test_bad_or_missing_sums_are_ignored_and_off_by_default(monkeypatch):
     monkeypatch.delenv("MINDIO_SLOW_WINDOW", raising=False)
     assert slow.SlowScores().window == 0
     sc = slow.SlowScores(window=1, k=1)
-    for raw in (None, [], [1, 2], ["1", 2.0, 1.0], [-1, 1.0, 1.0], {"n": 1}, [1, 1.0, 1.0, "x"], [1, 2.0, 1.0, 1.0, 0]):
+    for raw in (None, [], [1, 2], ["1", 2.0, 1.0], [-1, 1.0, 1.0], {"n": 1}, [1, 1.0, 1.0, "x"], [1, 2.0, 1.0, 1.0, 0],
+                [1, 2.0, 1.0, 1.0, {"g": "x"}], [1, 2.0, 1.0, 1.0, {"g": -1.0}], [1, 2.0, 1.0, 1.0, {1: 1.0}]):
         sc.observe(0, raw)
     assert sc.last == {} and sc.check([0, 1]) == []
     off = slow.SlowScores(window=0)
@@ -116,6 +163,20 @@ def test_a_rank_computing_more_is_named_slow_within_20_steps(tmp_path):
     assert [(e["slow_rank"], e["cause"]) for e in found] == [(2, "compute")], text[-6000:]
     assert found[0]["ratio"] >= 1.5 and found[0]["at_step"] <= 30, found
     assert re.search(r"rank 2 is slow \(cause compute\)", text), text[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_group_whose_collectives_slow_down_is_named_slow_communication(tmp_path):
+    """Ranks 0 and 1 of a user's 3-rank loop all-reduce in a group of their own; from step 15 on each takes
+    0.1 s more in that collective (a slow link between them); rank 2 waits for them in the world group.
+    The controller names that group, ranks [0, 1], cause communication, within 20 steps; no rank."""
+    out = tmp_path / "run"
+    out.mkdir()
+    text, found = _run(out, ["--steps", "45", "--step-sleep", "0.05", "--slow-link", "0,1:15:0.1"])
+    assert [(e["cause"], e["ranks"]) for e in found] == [("communication", [0, 1])], text[-6000:]
+    assert found[0]["ratio"] >= 1.5 and found[0]["at_step"] <= 35, found
+    assert re.search(r"process group \S+ \(ranks \[0, 1\]\) is slow \(cause communication\)", text), text[-6000:]
 
 
 @pytest.mark.slow
@@ -184,6 +245,43 @@ def test_the_wait_clock_counts_a_waiting_main_thread_not_a_spinning_one():
     finally:
         clock.stop()
     assert waited >= 0.15 and spun <= 0.05, (waited, spun)
+
+
+ATTRIBUTE = """
+import json, sys, time
+import torch, torch.distributed as dist
+from mindio.ttp.processor import collectives
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+sub = dist.new_group([0])
+keys = {dist.distributed_c10d._world.pg_names[pg]: k for pg, k in zip(*collectives._groups())}
+clock = collectives.WaitClock(100).start()
+time.sleep(1.1)  # the clock's first refresh of the group list
+t = torch.zeros(1)
+for _ in range(5):  # a wait after entering sub's collective (a slow link, as the main thread sees it)
+    dist.all_reduce(t, group=sub)
+    time.sleep(0.05)
+for _ in range(5):  # a world collective, then compute, then a wait in no collective (a data loader)
+    dist.all_reduce(t)
+    end = time.thread_time() + 0.03
+    while time.thread_time() < end:
+        pass
+    time.sleep(0.05)
+clock.stop()
+print(json.dumps({"sub": clock.groups.get(keys[dist.distributed_c10d._world.pg_names[sub]], 0.0),
+                  "world": clock.groups.get(keys[dist.distributed_c10d._world.pg_names[dist.group.WORLD]], 0.0),
+                  "total": clock.total}))
+dist.destroy_process_group()
+"""
+
+
+def test_the_wait_clock_charges_a_wait_to_the_group_whose_collective_came_last():
+    """The "communication" cause's input (processor/collectives.py WaitClock.groups): a wait right after a
+    group's collective is that group's; a wait after compute is no group's. A real 1-rank gloo world."""
+    p = subprocess.run([sys.executable, "-c", ATTRIBUTE, str(free_port())], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["sub"] >= 0.15 and got["world"] <= 0.05 and got["total"] >= 0.3, got
 
 
 def test_a_process_stopped_from_outside_is_not_waiting():

@@ -13,14 +13,23 @@ windows without it); ``MINDIO_SLOW_ACTION=switch`` then hot-switches it (control
 elsewhere on the machine slows every rank alike: no straggler (but on an oversubscribed machine the
 scheduler holds single ranks back for a while: docs/recovery.md, false alarms).
 
-Limits. The wait clock tells a main thread that waits from one that runs; it cannot tell a wait in a
-collective from a sleep or a data-loader wait in the loop, so no "communication" cause is named (that needs
-the time spent inside the collectives). On CUDA the main thread spins while it waits for the device: its
-own time is no measure of compute there (the extension point is StepTimes.anatomy: CUDA events / NCCL
-completion hooks).
+Slow communication. The wait clock also charges each wait to the process group whose collective the main
+thread entered last (a fifth item of ``step_sums``: {group key: s}). With no straggler in a window, a group
+is slow (cause "communication") when *every* member waited in its collectives, per step, at least
+``MINDIO_SLOW_RATIO`` times the least that group's members waited in a window so far (its floor, the
+least of the per-window minimums) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their step time more, while
+their own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times its floor or grew by
+less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). The minimum over the members is what tells the group that is slow from the groups that wait for
+it: the members of a slow group all wait in it; a group whose members wait for a rank busy in another
+group's collective has that rank not waiting in it. ``MINDIO_SLOW_K`` windows in a row report it once.
 
-Per beat: :meth:`SlowScores.observe` stores one tuple (O(1)); :meth:`SlowScores.check` is O(ranks) per
-closed window.
+Limits. A wait that follows a collective with no compute in between (a sleep, a data loader right after
+the step's last all-reduce) is charged to that collective's group; a steady one raises the group's floor
+and names nothing. On CUDA the main thread spins while it waits for the device: its own time is no measure
+of compute there (the extension point is StepTimes.anatomy: CUDA events / NCCL completion hooks).
+
+Per beat: :meth:`SlowScores.observe` stores one tuple (O(1)); :meth:`SlowScores.check` is O(ranks x their
+groups) per closed window.
 """
 from __future__ import annotations
 
@@ -35,21 +44,30 @@ __all__ = ["SlowScores", "Slow"]
 
 @dataclass
 class Slow:
-    """A finding: ``rank``, ``cause`` ("compute"), ``ratio``: its own time per step over its peers' median."""
+    """A finding: ``rank``, ``cause`` ("compute"), ``ratio``: its own time per step over its peers' median;
+    or (cause "communication", ``rank`` -1) the process ``group`` whose collectives are slow, its
+    ``ranks``, ``ratio``: their least wait in it per step over the group's floor."""
     rank: int
     cause: str
     ratio: float
+    group: str = ""
+    ranks: tuple = ()
 
 
 def _sane(raw) -> tuple | None:
-    """``(steps, wall, cpu, wait)`` of a beat's sums; an older rank's three (no wait clock): wait = wall - CPU."""
-    if raw.__class__ is not list or len(raw) not in (3, 4):
+    """``((steps, wall, cpu, wait), {group: s waited} or None)`` of a beat's sums; an older rank's three (no
+    wait clock): wait = wall - CPU."""
+    if raw.__class__ is not list or len(raw) not in (3, 4, 5):
         return None
-    n, *xs = raw
+    groups = raw[4] if len(raw) == 5 else None
+    if groups is not None and (groups.__class__ is not dict or len(groups) > 4096 or not all(
+            k.__class__ is str and v.__class__ in (int, float) and v >= 0 for k, v in groups.items())):
+        return None
+    n, *xs = raw[:4]
     if n.__class__ is not int or not all(x.__class__ in (int, float) for x in xs) or n < 0 or xs[0] < 0:
         return None
     wall, cpu = float(xs[0]), float(xs[1])
-    return n, wall, cpu, float(xs[2]) if len(xs) == 3 else max(0.0, wall - cpu)
+    return (n, wall, cpu, float(xs[2]) if len(xs) == 3 else max(0.0, wall - cpu)), groups
 
 
 class SlowScores:
@@ -68,20 +86,33 @@ class SlowScores:
         # {rank: (steps, wall s, wait s)} each
         self.streak: tuple = (None, 0)     # ((rank, cause), windows in a row)
         self.reported: tuple | None = None
+        # slow communication: each rank's {group: s waited in its collectives} (latest, at the window's
+        # opening), per group the last window's figures and its floors, the streak and what was reported
+        self.glast: dict[int, dict] = {}
+        self.gbase: dict[int, dict] = {}
+        self.groups: dict[str, dict] = {}  # group -> {"ranks", "wait_s", "own_s", "floor_wait_s", ...}
+        self.floors: dict[str, tuple] = {}  # group -> (least wait per step, least own per step) so far
+        self.gstreak: tuple = (None, 0)
+        self.greported: str | None = None
 
     def observe(self, rank: int, raw) -> bool:
         """(I/O thread, each beat) Keep the rank's latest cumulative sums; True when this rank has just
         timed the open window's steps (the window may close: call :meth:`check`)."""
         if self.window <= 0:  # off: nothing kept, nothing checked
             return False
-        got = _sane(raw)
-        if got is None:
+        sane = _sane(raw)
+        if sane is None:
             return False
+        got, groups = sane
         if rank in self.last and got[0] < self.last[rank][0]:  # a new process (a replacement): start over
             self.base.pop(rank, None)
+            self.gbase.pop(rank, None)
             self.ready.discard(rank)
         self.last[rank] = got
+        if groups is not None:
+            self.glast[rank] = groups
         base = self.base.setdefault(rank, got)  # its first window opens at its first sums
+        self.gbase.setdefault(rank, self.glast.get(rank, {}))
         if rank in self.ready or got[0] - base[0] < self.window:
             return False
         self.ready.add(rank)
@@ -90,9 +121,10 @@ class SlowScores:
     def reset(self) -> None:
         """A recovery or a pause: the next window opens at the next beats."""
         self.base.clear()
+        self.gbase.clear()
         self.ready.clear()
         self.history.clear()
-        self.streak = (None, 0)
+        self.streak = self.gstreak = (None, 0)
 
     def check(self, ranks) -> list[Slow]:
         """The findings to report now, given the ranks alive (once each; empty while a window is open)."""
@@ -104,9 +136,10 @@ class SlowScores:
         for r in ranks:
             if r not in self.base:
                 self.base[r] = self.last[r]
+                self.gbase[r] = self.glast.get(r, {})
         if len(self.ready) < len(ranks) or any(self.last[r][0] - self.base[r][0] < self.window for r in ranks):
             return []
-        window = {}
+        window, waited = {}, {}
         for r in ranks:
             (n0, w0, c0, q0), (n1, w1, c1, q1) = self.base[r], self.last[r]
             n, wall = n1 - n0, max(w1 - w0, 1e-9)
@@ -115,10 +148,14 @@ class SlowScores:
             self.scores[r] = {"wall_s": round(wall / n, 6), "own_s": round((wall - wait) / n, 6),
                               "compute_s": round(cpu / n, 6), "wait_s": round(wait / n, 6),
                               "wait": round(wait / wall, 4)}
-            self.base[r] = self.last[r]
+            g0, g1 = self.gbase.get(r, {}), self.glast.get(r, {})
+            waited[r] = {g: (v - g0.get(g, 0.0)) / n for g, v in g1.items()}
+            self.base[r], self.gbase[r] = self.last[r], g1
         self.ready.clear()
         self.history.append(window)
-        return self._decide(ranks)
+        found = self._decide(ranks)
+        comm = self._decide_groups(ranks, waited)
+        return found or comm
 
     def _decide(self, ranks) -> list[Slow]:
         """The straggler is the rank its peers wait for: it waits least, their median wait per step exceeds its
@@ -146,7 +183,49 @@ class SlowScores:
             ratio = own[r] / max(statistics.median(peers), 1e-9)
         return [Slow(r, "compute", round(ratio, 2))]
 
+    def _decide_groups(self, ranks, waited: dict) -> list[Slow]:
+        """Slow communication (module docstring): with no straggler this window, the group whose members
+        all wait in its collectives ``ratio`` times its floor and ``min_wait`` of a step more, their own
+        time not grown; ``k`` windows in a row report it once (again only after ``k``
+        windows without it)."""
+        members: dict[str, list] = {}
+        for r in ranks:
+            for g in waited[r]:
+                members.setdefault(g, []).append(r)
+        s, flagged = self.scores, []
+        self.groups = {}
+        for g, rs in members.items():
+            if len(rs) < 2:  # a group of one waits for nobody (or only some members ever waited in it)
+                continue
+            wait = min(waited[r][g] for r in rs)
+            own = statistics.median(s[r]["own_s"] for r in rs)
+            wall = statistics.median(s[r]["wall_s"] for r in rs)
+            fw, fo = self.floors.get(g, (wait, own))
+            self.groups[g] = {"ranks": sorted(rs), "wait_s": round(wait, 6), "own_s": round(own, 6),
+                              "floor_wait_s": round(fw, 6), "floor_own_s": round(fo, 6)}
+            if wait >= self.ratio * fw and wait - fw >= self.min_wait * wall and (
+                    own < self.ratio * fo or own - fo < self.min_wait * wall):  # their compute did not grow
+                flagged.append((wait - fw, g))
+            self.floors[g] = (min(fw, wait), min(fo, own))
+        key = max(flagged)[1] if flagged and self.streak[0] is None else None
+        n = self.gstreak[1] + 1 if key == self.gstreak[0] else 1
+        self.gstreak = (key, n)
+        if self.greported is not None and self.greported != key and (key is not None or n >= self.k):
+            self.greported = None  # it cleared (k windows without it), or another group is slow now
+        if key is None or n < self.k or self.greported == key:
+            return []
+        self.greported = key
+        got = self.groups[key]
+        ratio = got["wait_s"] / max(got["floor_wait_s"], 1e-4)
+        return [Slow(-1, "communication", round(ratio, 2), group=key, ranks=tuple(got["ranks"]))]
+
     def status(self) -> dict:
-        """For ``mindio status --json``: the last window's scores per rank and what was reported."""
+        """For ``mindio status --json``: the last window's scores per rank and per process group, and what
+        was reported."""
         return {"window": self.window, "scores": {str(r): s for r, s in sorted(self.scores.items())},
-                "slow": None if self.reported is None else {"rank": self.reported[0], "cause": self.reported[1]}}
+                "groups": dict(sorted(self.groups.items(),  # the 16 that waited most above their floor
+                                      key=lambda kv: kv[1]["floor_wait_s"] - kv[1]["wait_s"])[:16]),
+                "slow": None if self.reported is None else {"rank": self.reported[0], "cause": self.reported[1]},
+                "slow_group": None if self.greported is None else {
+                    "group": self.greported, "ranks": self.groups.get(self.greported, {}).get("ranks", []),
+                    "cause": "communication"}}

@@ -15,6 +15,7 @@ controller's address with two read-only endpoints.
   ``heartbeat_lag_max_seconds``                       gauge      the oldest live rank's time since a frame
   ``hang_bound_seconds``                              gauge      the hang bound in force (controller/hangs.py)
   ``rank_wait_fraction{rank}``                        gauge      last slow-rank window's wait share (slow.py)
+  ``group_collective_wait_seconds{group,of}``          gauge      a group's least member wait per step (slow.py)
   ``faults_total{kind}``                              counter    RS_UCE, RS_UNKNOWN, ... (reports), DEAD, HUNG
   ``incidents_total{strategy}``                       counter    decisions, by the strategy chosen
   ``recoveries_total{strategy}``                      counter    recoveries that got every rank training again
@@ -52,6 +53,11 @@ __all__ = ["Observer", "serve"]
 _log = logging.getLogger("mindio.ttp.status")
 DONE_KINDS = ("retry_done", "recover_done", "downgrade_done", "upgrade_done")
 
+
+
+def _label(value) -> str:
+    """A Prometheus label value, escaped (a group key comes from a rank's beat: authentic, not sane)."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 class Observer:
     """Counts a controller's incidents from mindio's events and reads its rank table on request."""
@@ -136,7 +142,7 @@ class Observer:
             out.append(f"# TYPE mindio_{name} {kind}")
             for sample in samples:
                 suffix, labels, value = sample if len(sample) == 3 else ("", *sample)
-                text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                text = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
                 out.append(f"mindio_{name}{suffix}{{{text}}} {value}" if text else f"mindio_{name}{suffix} {value}")
 
         metric("world_size", "gauge", "Ranks of the job.", [({}, ctl.world_size)])
@@ -158,6 +164,12 @@ class Observer:
         waits = [({"rank": str(r)}, s["wait"]) for r, s in sorted(ctl.liveness.slow.scores.items())]
         metric("rank_wait_fraction", "gauge", "Share of a rank's last scoring window's wall time its main thread "
                "waited (its wait clock: on-time ticks with no CPU used); the straggler waits least (controller/slow.py).", waits)
+        groups = ctl.liveness.slow.status()["groups"]  # the 16 waiting most above their floor
+        metric("group_collective_wait_seconds", "gauge", "Per step of the last scoring window: the least wait of a "
+               "process group's members in its collectives (its floor: the least so far); all of them high: its "
+               "communication is slow (controller/slow.py).",
+               [({"group": g, "of": kind}, v[key]) for g, v in groups.items()
+                for kind, key in (("window", "wait_s"), ("floor", "floor_wait_s"))])
         with self._lock:
             metric("faults_total", "counter", "Faults seen, by kind (report state, DEAD, HUNG).",
                    [({"kind": k}, v) for k, v in sorted(self.faults.items())])

@@ -118,6 +118,9 @@ class Liveness:
             self.slow.reset()
             return
         for found in self.slow.check(self.core.ranks.ranks_where(alive=True, registered=True)):
+            if found.group:  # cause communication: a process group, not a rank
+                self._slow_group(found)
+                continue
             s = self.slow.scores.get(found.rank, {})
             _log.warning("rank %d is slow (cause %s): %.3f s of its own time per step (compute, or stopped from "
                          "outside), %.2fx its peers' median, while they wait for it (MINDIO_SLOW_WINDOW %d steps, "
@@ -128,6 +131,22 @@ class Liveness:
             if self.slow.action == "switch":  # sub-healthy: to a new process, as a cluster brain would ask
                 threading.Thread(target=self._switch_out, args=(found.rank,), name="mindio-slow-switch",
                                  daemon=True).start()
+
+    def _slow_group(self, found) -> None:
+        """Report a process group whose collectives are slow (slow.py): a link or a switch, not a rank --
+        nothing to hot-switch; the operator (or a cluster brain reading the event) acts."""
+        g = self.slow.groups.get(found.group, {})
+        _log.warning("process group %s (ranks %s%s) is slow (cause communication): its members wait %.3f s per "
+                     "step in its collectives, %.2fx the least seen (%.3f s), while their own time per step is "
+                     "as before (MINDIO_SLOW_WINDOW %d steps, MINDIO_SLOW_RATIO %.2f, MINDIO_SLOW_K %d)%s",
+                     found.group, list(found.ranks[:16]), " ..." if len(found.ranks) > 16 else "",
+                     g.get("wait_s", 0.0), found.ratio, g.get("floor_wait_s", 0.0), self.slow.window,
+                     self.slow.ratio, self.slow.k,
+                     "; not switched: no rank is slow" if self.slow.action == "switch" else "")
+        steps = [self.core.ranks[r].step for r in found.ranks if r in self.core.ranks]
+        _logging.event("rank_slow", cause="communication", ratio=found.ratio, group=found.group,
+                       ranks=list(found.ranks), at_step=max(steps, default=-1),
+                       **{k: v for k, v in g.items() if k != "ranks"})
 
     def _switch_out(self, rank: int) -> None:
         """(its own thread: the hot switch's request takes the controller's lock) Hot-switch a slow rank."""

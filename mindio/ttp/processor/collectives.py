@@ -59,6 +59,37 @@ def snapshot() -> dict:
     return out
 
 
+def _groups() -> tuple[list, list]:
+    """([process group], [its key]) of this process, as :func:`snapshot` names them; empty lists when
+    there are none (yet)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return [], []
+    try:
+        items = list(dist.distributed_c10d._world.pg_names.items())
+        return [pg for pg, _ in items], [_key(pg, str(name)) for pg, name in items]
+    except (AttributeError, KeyError, RuntimeError, ValueError):  # torch without the registry, or destroyed
+        return [], []
+
+
+def _count() -> int:
+    """How many process groups this process has (a dict's length: no lock, no copy)."""
+    try:
+        return len(dist.distributed_c10d._world.pg_names)
+    except (AttributeError, RuntimeError):
+        return 0
+
+
+def _seqs(pgs: list) -> list:
+    """The groups' sequence numbers (-1 for a group being destroyed)."""
+    out = []
+    for pg in pgs:
+        try:
+            out.append(pg._get_sequence_number_for_group())
+        except (AttributeError, RuntimeError, ValueError):
+            out.append(-1)
+    return out
+
+
 class StepTimes:
     """This rank's recent step times (the time between two ``tft_end_updating_os``), for the
     controller's hang bound (controller/hangs.py): :meth:`p99` once ``min_steps`` were seen. A step
@@ -72,7 +103,7 @@ class StepTimes:
         # step anatomy (controller/slow.py): steps timed, their wall time, the main thread's CPU time in them
         # and the part of their wall time the main thread waited (WaitClock; without one, wall - CPU)
         self.waits = waits
-        self.sums = [0, 0.0, 0.0, 0.0]
+        self.sums = [0, 0.0, 0.0, 0.0] + ([{}] if waits is not None else [])
         self._cpu = self._wait = 0.0
 
     def restart(self) -> None:
@@ -88,15 +119,18 @@ class StepTimes:
             self._dirty = True
             dw = wait - self._wait if self.waits is not None else max(0.0, now - self.last - (cpu - self._cpu))
             s = self.sums
-            self.sums = [s[0] + 1, s[1] + now - self.last, s[2] + cpu - self._cpu, s[3] + dw]
+            self.sums = [s[0] + 1, s[1] + now - self.last, s[2] + cpu - self._cpu, s[3] + dw] + (
+                [dict(self.waits.groups)] if self.waits is not None else [])  # a copy: the clock's thread adds
         self.last, self._cpu, self._wait = now, cpu, wait
 
     def anatomy(self) -> list:
         """(link thread) ``[steps timed, their wall s, the main thread's CPU s in them, the wall s it waited
-        in them]`` since the start, cumulative (one list replaced whole by the main thread: a consistent
-        read). The wait comes from :class:`WaitClock`. On CUDA the main thread waits for the device by
-        spinning (its CPU runs) and only launches kernels: this is where device-side timings (CUDA events
-        around the step's compute, NCCL completion hooks around its collectives) would plug in."""
+        in them]`` and, with a wait clock, ``{group key: s of that wait after entering its collective}``
+        (its count at the last step's end), since the start, cumulative (one list replaced whole by the
+        main thread: a consistent read). The wait comes from :class:`WaitClock`. On CUDA the main thread
+        waits for the device by spinning (its CPU runs) and only launches kernels: this is where device-side
+        timings (CUDA events around the step's compute, NCCL completion hooks around its collectives) would
+        plug in."""
         return self.sums
 
     def p99(self, min_steps: int) -> float:
@@ -163,12 +197,23 @@ class WaitClock:
     own time, like its compute. So a rank slowed from outside shows more own time than its peers while
     they wait for it; a wall - CPU split would count its stopped time as waiting.
 
-    Cost: one ``clock_gettime`` and a few float operations per tick on its own thread (O(1)), nothing
-    on the main thread; ``bench/ha_overhead.py`` measures the step time with it on and off."""
+    Each waiting interval is also charged to the process group whose collective the main thread entered
+    last, when it entered one since it last computed (:attr:`groups`: {group key: seconds}, for the
+    "communication" cause of controller/slow.py): the tick reads every group's sequence number
+    (:func:`snapshot`'s counters; the list of groups is looked up again once a second and when their number
+    changes), and the group whose
+    number moved last is the collective the main thread waits in. A wait that follows compute with no new
+    collective (a sleep, a data loader) is charged to no group.
+
+    Cost: one ``clock_gettime``, a counter read per process group (~0.2 us each) and a few float
+    operations per tick on its own thread, nothing on the main thread; ``bench/ha_overhead.py`` measures
+    the step time with it on and off."""
 
     def __init__(self, hz: float = 100.0, late: float = 2.0, share: float = 0.1):
         self.period, self.late, self.share = 1.0 / hz, late, share
         self.total = 0.0  # seconds the main thread waited, cumulative (one float: read from any thread)
+        self.groups: dict[str, float] = {}  # of which, per process group: seconds waited after entering its
+        # collective (cumulative; only this thread writes it, the main thread copies it at a step's end)
         self._halt = threading.Event()
         try:
             self._clock = time.pthread_getcpuclockid(threading.main_thread().ident)
@@ -192,6 +237,8 @@ class WaitClock:
     def _run(self) -> None:
         clock, period, on_time, share = self._clock, self.period, self.late * self.period, self.share
         t0, c0 = time.monotonic(), time.clock_gettime(clock)
+        pgs, keys, seqs, refresh = [], [], [], 0
+        current = None  # the group whose collective the main thread entered last, since it last computed
         while not self._halt.is_set():
             time.sleep(period)  # cheaper than Event.wait(period): no lock, no condition
             t = time.monotonic()
@@ -199,7 +246,21 @@ class WaitClock:
                 c = time.clock_gettime(clock)
             except OSError:  # the main thread ended
                 return
+            if t >= refresh or len(pgs) != _count():  # groups come and go (Megatron builds its own, a
+                pgs, keys = _groups()  # recovery rebuilds them): looked up again once a second, or now
+                seqs, refresh = _seqs(pgs), t + 1.0
+                entered = None
+            else:
+                now = _seqs(pgs)
+                moved = [i for i, (a, b) in enumerate(zip(seqs, now)) if a != b]
+                entered = keys[moved[-1]] if moved else None  # several in one tick: the last in the list
+                seqs = now
             dt = t - t0
             if dt <= on_time and c - c0 < share * dt:
                 self.total += dt
+                current = entered or current
+                if current is not None:
+                    self.groups[current] = self.groups.get(current, 0.0) + dt
+            else:  # it computed (or was held from outside): a later wait is in no earlier collective
+                current = entered
             t0, c0 = t, c

@@ -43,6 +43,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from mindio._ports import free_port as _free_port  # outside the ephemeral range (mindio/_ports.py)
@@ -103,7 +104,10 @@ def _run_once(nproc: int, iters: int, extra, timeout: float, script: Path, env: 
         proc.communicate(timeout=30)
         raise RuntimeError(f"run {extra} timed out")
     if proc.returncode:
-        raise RuntimeError(f"run {extra} failed ({proc.returncode}):\n{out[-3000:]}")
+        fd, path = tempfile.mkstemp(prefix="mindio-ha-overhead-", suffix=".log")  # the whole output, kept
+        with os.fdopen(fd, "w") as f:
+            f.write(out)
+        raise RuntimeError(f"run {extra} failed ({proc.returncode}; its whole output: {path}):\n{out[-3000:]}")
     return out
 
 

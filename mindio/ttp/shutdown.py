@@ -17,8 +17,9 @@ work destructor has run.
 once. It runs after the atexit handlers registered later (the training script's; the decorator's fast
 exit, which ends the process before) and before the interpreter shuts down:
 
-1. control plane: every running controller and processor link of this process stops, its threads are
-   joined and its sockets closed; then mindio's own zmq context is terminated (never the application's);
+1. control plane: every running controller and processor link of this process (and a processor's wait
+   clock, which reads the groups' counters in torch's C++) stops, its threads are joined and its sockets
+   closed; then mindio's own zmq context is terminated (never the application's);
 2. torch.distributed: the frameworks drop their references (:func:`on_exit`, e.g. ``FrameworkAdapter.release``),
    ``destroy_process_group()`` (every group), torch's references released in parallel
    (``device.release``; each destructor joins its group's threads), awaited within MINDIO_EXIT_TIMEOUT s;
@@ -77,7 +78,7 @@ def install() -> None:
 
 
 def track(part) -> None:
-    """Remember a started Controller or Link (anything with ``close(timeout) -> bool``); installs."""
+    """Remember a started Controller, Link or WaitClock (anything with ``close(timeout) -> bool``); installs."""
     install()
     _live.add(part)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mindio._ports import free_port
+from tests._exits import assert_no_signal_deaths
 from tests._outside import read_pulsed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +72,7 @@ def run_example(out: Path, iters: int, slow_rank: int = -1, from_step: int = 10,
     text = "".join(lines)
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
     assert proc.returncode == 0 and set(codes) <= {"0"}, text[-6000:]  # every rank exited 0
+    assert_no_signal_deaths(text)  # nor aborted at exit (the wait clock's thread once did)
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x]
     return text, [e for e in events if e["kind"] == "rank_slow"]
 

@@ -22,6 +22,8 @@ import zlib
 
 import torch.distributed as dist
 
+from .. import shutdown
+
 __all__ = ["snapshot", "StepTimes", "MainActivity", "WaitClock"]
 
 
@@ -60,13 +62,13 @@ def snapshot() -> dict:
 
 
 def _groups() -> tuple[list, list]:
-    """([process group], [its key]) of this process, as :func:`snapshot` names them; empty lists when
-    there are none (yet)."""
+    """([weak reference to a process group], [its key]) of this process, as :func:`snapshot` names them;
+    empty lists when there are none (yet). Weak: a destroyed group must not be kept alive (device.release)."""
     if not dist.is_available() or not dist.is_initialized():
         return [], []
     try:
         items = list(dist.distributed_c10d._world.pg_names.items())
-        return [pg for pg, _ in items], [_key(pg, str(name)) for pg, name in items]
+        return [weakref.ref(pg) for pg, _ in items], [_key(pg, str(name)) for pg, name in items]
     except (AttributeError, KeyError, RuntimeError, ValueError):  # torch without the registry, or destroyed
         return [], []
 
@@ -79,12 +81,13 @@ def _count() -> int:
         return 0
 
 
-def _seqs(pgs: list) -> list:
-    """The groups' sequence numbers (-1 for a group being destroyed)."""
+def _seqs(refs: list) -> list:
+    """The groups' sequence numbers (-1 for a group destroyed or being destroyed)."""
     out = []
-    for pg in pgs:
+    for ref in refs:
+        pg = ref()
         try:
-            out.append(pg._get_sequence_number_for_group())
+            out.append(pg._get_sequence_number_for_group() if pg is not None else -1)
         except (AttributeError, RuntimeError, ValueError):
             out.append(-1)
     return out
@@ -229,10 +232,21 @@ class WaitClock:
     def start(self) -> "WaitClock":
         if self._clock is not None:
             self._thread.start()
+            shutdown.track(self)  # stopped and joined at process exit, before the groups are destroyed
         return self
 
     def stop(self) -> None:
         self._halt.set()
+
+    def close(self, timeout: float) -> bool:
+        """Stop the thread and wait for it (at most ``timeout`` s); True once it ended. It must end while
+        the interpreter is whole: it calls into torch's C++ (the groups' counters), and a daemon thread
+        ended inside C++ by the interpreter's shutdown aborts the process (SIGABRT, "terminate called
+        without an active exception", as mindio/ttp/shutdown.py describes for gloo's threads)."""
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         clock, period, on_time, share = self._clock, self.period, self.late * self.period, self.share

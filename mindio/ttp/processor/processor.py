@@ -143,7 +143,7 @@ class Processor:
             self._left = True  # nothing of this processor acts any more (_watch_exit)
             self._cond.notify_all()
         if self.step_times.waits is not None:
-            self.step_times.waits.stop()  # the wait clock's thread (controller/slow.py)
+            self.step_times.waits.close(1.0)  # the wait clock's thread (controller/slow.py): one tick at most
         if self.link is not None:
             if reason:
                 self.link.send(P.Envelope(P.MsgType.BYE, P.Bye(reason)))

@@ -160,6 +160,20 @@ def test_the_main_thread_is_idle_while_it_sleeps_and_working_while_it_computes()
     assert got[2] < 0.05, got  # it used CPU (and was runnable) since the last read
 
 
+def test_a_culprit_whose_own_beat_is_stale_is_heard_again_before_it_is_named():
+    """The Megatron hang test under the full suite's load: rank 2 hung; rank 3 waits for it in group "b" =
+    {2, 3} (#11), but its last beat, sent just before it entered, says #10 there -- so by that beat rank 3
+    is inside nothing and behind in the replica group "a" = {1, 3}, where rank 1 waits in #25. Rank 3 was
+    killed. Its evidence must come from a beat sent at least half the bound after rank 1's stall began:
+    the next one shows it inside "b", and rank 2 is named."""
+    stale = [_view(1, 1.1, {"a": 25}), _view(2, 1.2, {"b": 10}), _view(3, 1.05, {"a": 24, "b": 10})]
+    heard = {1: 0.1, 2: 0.2, 3: 0.9}  # rank 3's beat left 0.9 s ago, 0.3 s after rank 1's stall began
+    assert hangs.find_culprits(stale, 1.0, heard_ago=heard) == []
+    fresh = [_view(1, 1.6, {"a": 25}), _view(2, 1.7, {"b": 10}), _view(3, 1.5, {"a": 24, "b": 11})]
+    got = hangs.find_culprits(fresh, 1.0, heard_ago={1: 0.1, 2: 0.2, 3: 0.1})
+    assert [(h.rank, h.group, h.waiting) for h in got] == [(2, "b", [3])]
+
+
 def test_a_member_whose_beat_predates_the_stall_is_heard_again_before_the_culprit_is_named():
     """Ranks 0 and 1 entered collective #9; rank 2 never did. Rank 1's last beat was sent just before it
     entered (0.9 s ago, before rank 0's 1.2 s stall began 1.3 s ago): it still says #8. The decision waits

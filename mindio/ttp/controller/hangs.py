@@ -23,12 +23,17 @@ stalled: it gets the bound given (``MINDIO_HANG_TIMEOUT``'s, 300 s by default). 
 spinning (a busy loop, a spinning device wait) therefore takes that long, as before the job-derived bound;
 one that sleeps or blocks is found fast.
 
-Evidence must be fresh: a member of the culprit's group that is behind but not stalled, and whose last
-beat predates the stall of the peers waiting in the collective, may have entered it since (its beat was
-sent just before it did). The decision waits for its next beat (one heartbeat interval at most; a member
-that never beats again is declared dead by the liveness sweep), so that the rank named, and the ranks said
-to wait, are what the group's members reported after the stall began -- and a second rank hung before the
-collective is named in the same decision, not in a second incident.
+Evidence must be fresh: the culprit, and every member of its group behind with it that is not blamed,
+must have beaten at least half the bound after the stall of the peers waiting in the collective began. A
+member whose last beat is older may have entered the collective since (its beat was sent just before it
+did); a culprit whose beat is older may since have entered *another* collective, where it waits for the
+real culprit (the Megatron hang test, under the full suite's load: rank 3, stale, looked behind in the
+replica group {1, 3} while it already waited for the hung rank 2 in {2, 3}; rank 3 was killed). Half the
+bound is at least 2.5 step times when the bound comes from the job's steps: every healthy rank has reached
+the collective it blocks in by then. The decision waits for the next beats (one heartbeat interval at
+most; a member that never beats again is declared dead by the liveness sweep), so that the rank named, and
+the ranks said to wait, are what the group's members reported once the stall settled -- and a second rank
+hung before the collective is named in the same decision, not in a second incident.
 """
 from __future__ import annotations
 
@@ -112,8 +117,8 @@ def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict |
     (the bound given, MINDIO_HANG_TIMEOUT's): under a derived bound a rank whose main thread is working --
     rank 0 alone writing a checkpoint while its peers wait in the next collective -- is stalled only after
     ``patient`` s without a step. ``heard_ago`` ({rank: seconds since its last beat}): a culprit is named
-    only once every member of its group behind with it has beaten since the waiters' stall began (module
-    docstring: fresh evidence); None: every beat counts as fresh."""
+    only once it and every member of its group behind with it have beaten ``timeout / 2`` s or more after
+    the waiters' stall began (module docstring: fresh evidence); None: every beat counts as fresh."""
     if timeout <= 0:
         return []
     idle = idle or {}
@@ -146,20 +151,20 @@ def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict |
         or sorted(r for r in behind if r in stalled)  # a cycle: every one behind is blamed
     if blamed:
         ages = {r: age for r, age, *_ in views}
+        with_it = {r: [m for m, s in groups[behind[r][0]] if s < behind[r][1] and m not in blamed] for r in blamed}
         return [Hung(r, *behind[r]) for r in blamed
-                if _fresh(behind[r][2], [m for m, s in groups[behind[r][0]] if s < behind[r][1] and m not in blamed],
-                          ages, heard_ago)]
+                if _fresh(behind[r][2], [r] + with_it[r], ages, heard_ago, settle=timeout / 2)]
     rest = [(r, age, c, s) for r, age, c, s, _ in views if r not in inside]
     if need_waiter and not any(c for r, age, c, _ in rest if r in stalled):
         return []
     return [Hung(r) for r in policy.find_hung_ranks(rest, timeout)]
 
 
-def _fresh(waiting: list, others: list, ages: dict, heard_ago: dict | None) -> bool:
-    """Has every rank of ``others`` (behind in the group, not blamed) beaten since the ranks ``waiting`` in
-    its collective stalled? A waiter's stall began ``heard_ago + progress_age`` s ago; the latest of them
-    counts (module docstring: fresh evidence)."""
-    if heard_ago is None or not others:
+def _fresh(waiting: list, members: list, ages: dict, heard_ago: dict | None, settle: float = 0.0) -> bool:
+    """Has every rank of ``members`` (the culprit, and the members behind with it that are not blamed)
+    beaten at least ``settle`` s after the ranks ``waiting`` in its collective stalled? A waiter's stall
+    began ``heard_ago + progress_age`` s ago; the latest of them counts (module docstring: fresh evidence)."""
+    if heard_ago is None or not members:
         return True
     began_ago = min(heard_ago.get(w, 0.0) + max(ages.get(w, 0.0), 0.0) for w in waiting)
-    return all(heard_ago.get(m, 0.0) < began_ago for m in others)
+    return all(heard_ago.get(m, 0.0) < began_ago - settle for m in members)

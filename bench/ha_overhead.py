@@ -11,7 +11,9 @@ ratios against the baseline:
               of 1/N of the shard and one all-gather per step, a verified copy every N steps); its row is
               also compared with 'replicas', the cost of the check alone
     slow      (with ``--slow W``) 'on' + MINDIO_SLOW_WINDOW=W: each rank's wait clock (a 100 Hz sampler of its
-              main thread's CPU clock) and a beat per window, the controller's scoring; compared with 'on'
+              main thread's CPU clock and of its groups' counters) and a beat per window, the controller's
+              scoring; compared with 'on', and the wait clock thread's own CPU per rank (its ``wait_clock``
+              event at exit): the step-time ratio on a shared 2-core machine varies by +-5 % run to run
 
 Step time = median of the per-step times printed by rank 0, warm-up steps excluded.
 Memory: optimizer-state bytes of rank 0 (fp32 main params + Adam moments) measured from the live
@@ -138,9 +140,17 @@ def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int
     steps = {k: [] for k in todo}
     per_round = {k: [] for k in todo}
     mem, rss = {}, {}
+    clock: list = []  # (CPU s, wall s) of every rank's wait clock thread in the 'slow' runs
     for r in range(rounds):
         for name, (extra, env) in todo.items():
+            if name == "slow":
+                fd, events = tempfile.mkstemp(prefix="mindio-ha-overhead-events-", suffix=".jsonl")
+                os.close(fd)
+                env = {**env, "MINDIO_EVENT_LOG": events}
             s, m, x = parse(run(nproc, iters, flags + extra, env=env), warmup)
+            if name == "slow":
+                clock += _clock_costs(events)
+                os.unlink(events)
             steps[name] += s
             per_round[name].append(statistics.median(s))
             mem[name], rss[name] = m, x
@@ -148,11 +158,20 @@ def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int
     base, best = statistics.median(steps["off"]), min(per_round["off"])
     out = {"size": size, "nproc": nproc, "pp": pp, "iters": iters, "warmup": warmup, "rounds": rounds,
            "configs": {}, "mem": mem, "rss": rss, "load": os.getloadavg()[0], "crosscheck": crosscheck,
-           "slow": slow}
+           "slow": slow, "clock": clock}
     for name in todo:
         med, fast = statistics.median(steps[name]), min(per_round[name])
         out["configs"][name] = {"median_ms": med, "ratio": med / base, "best_ms": fast, "best_ratio": fast / best}
     return out
+
+
+def _clock_costs(events: str) -> list:
+    """(CPU s, wall s) of each rank's wait clock thread in a run (its ``wait_clock`` event at exit)."""
+    import json
+
+    with open(events) as f:
+        return [(e["cpu_s"], e["wall_s"]) for e in map(json.loads, filter(str.strip, f))
+                if e.get("kind") == "wait_clock" and e.get("wall_s", 0) > 0]
 
 
 def report(res: dict) -> str:
@@ -170,6 +189,13 @@ def report(res: dict) -> str:
             cost, best = c["median_ms"] / b["median_ms"] - 1, c["best_ms"] / b["best_ms"] - 1
             rows.append(f"  {what} vs {base}: {100 * cost:+.2f} % of the step time (median) | {100 * best:+.2f} % "
                         f"(best round); target <= {100 * target:g} %: {'PASS' if cost <= target else 'FAIL'} (median)")
+    if res.get("clock"):  # the anatomy's own work, not the noise of a shared machine's step times
+        shares = sorted(cpu / wall for cpu, wall in res["clock"])
+        mean = sum(shares) / len(shares)
+        rows.append(f"  slow-rank anatomy, its wait clock thread's CPU per rank ({len(shares)} ranks x runs): "
+                    f"{100 * mean:.2f} % of one core (max {100 * shares[-1]:.2f} %) = at most that share of the "
+                    f"step time, if it took the rank's own core; target <= 0.5 %: "
+                    f"{'PASS' if mean <= 0.005 else 'FAIL'} (mean)")
     rows.append("optimizer state of rank 0, measured vs 12*P*R/d:")
     for name in CONFIGS:
         b, p, r, d = res["mem"][name]

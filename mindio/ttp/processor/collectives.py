@@ -22,6 +22,7 @@ import zlib
 
 import torch.distributed as dist
 
+from ... import _logging
 from .. import shutdown
 
 __all__ = ["snapshot", "StepTimes", "MainActivity", "WaitClock"]
@@ -215,6 +216,8 @@ class WaitClock:
     def __init__(self, hz: float = 100.0, late: float = 2.0, share: float = 0.1):
         self.period, self.late, self.share = 1.0 / hz, late, share
         self.total = 0.0  # seconds the main thread waited, cumulative (one float: read from any thread)
+        self.cost: tuple | None = None  # (CPU s its own thread used, wall s it ran), once it ended
+        self._reported = False
         self.groups: dict[str, float] = {}  # of which, per process group: seconds waited after entering its
         # collective (cumulative; only this thread writes it, the main thread copies it at a step's end)
         self._halt = threading.Event()
@@ -246,9 +249,20 @@ class WaitClock:
         self._halt.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.cost is not None and not self._reported:  # its cost, for bench/ha_overhead.py (issue 31)
+            self._reported = True
+            _logging.event("wait_clock", cpu_s=round(self.cost[0], 6), wall_s=round(self.cost[1], 3),
+                           hz=round(1 / self.period, 1))
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        began = time.monotonic()
+        try:
+            self._tick()
+        finally:
+            self.cost = (time.thread_time(), time.monotonic() - began)  # this thread's CPU clock
+
+    def _tick(self) -> None:
         clock, period, on_time, share = self._clock, self.period, self.late * self.period, self.share
         t0, c0 = time.monotonic(), time.clock_gettime(clock)
         pgs, keys, seqs, refresh = [], [], [], 0

@@ -54,6 +54,28 @@ class Slow:
     ranks: tuple = ()
 
 
+class _Streak:
+    """The same finding ``k`` windows in a row is reported once; again only after ``k`` windows without it
+    (or once another finding took its place)."""
+
+    def __init__(self, k: int):
+        self.k, self.key, self.n, self.reported = k, None, 0, None
+
+    def see(self, key) -> bool:
+        """This window's finding (None: none): True when it is to be reported now."""
+        self.n = self.n + 1 if key == self.key else 1
+        self.key = key
+        if self.reported is not None and self.reported != key and (key is not None or self.n >= self.k):
+            self.reported = None  # it cleared (k windows without it), or another one is found now
+        if key is None or self.n < self.k or self.reported == key:
+            return False
+        self.reported = key
+        return True
+
+    def restart(self) -> None:
+        self.key, self.n = None, 0
+
+
 def _sane(raw) -> tuple | None:
     """``((steps, wall, cpu, wait), {group: s waited} or None)`` of a beat's sums; an older rank's three (no
     wait clock): wait = wall - CPU."""
@@ -84,16 +106,14 @@ class SlowScores:
         self.scores: dict[int, dict] = {}  # rank -> {"wall_s", "own_s", "wait_s", ...} per step, last window
         self.history: collections.deque = collections.deque(maxlen=max(1, self.k))  # closed windows:
         # {rank: (steps, wall s, wait s)} each
-        self.streak: tuple = (None, 0)     # ((rank, cause), windows in a row)
-        self.reported: tuple | None = None
+        self.streak = _Streak(max(1, self.k))  # (rank, cause) found, windows in a row, what was reported
         # slow communication: each rank's {group: s waited in its collectives} (latest, at the window's
         # opening), per group the last window's figures and its floors, the streak and what was reported
         self.glast: dict[int, dict] = {}
         self.gbase: dict[int, dict] = {}
         self.groups: dict[str, dict] = {}  # group -> {"ranks", "wait_s", "own_s", "floor_wait_s", ...}
         self.floors: dict[str, tuple] = {}  # group -> (least wait per step, least own per step) so far
-        self.gstreak: tuple = (None, 0)
-        self.greported: str | None = None
+        self.gstreak = _Streak(max(1, self.k))  # the same for a group
 
     def observe(self, rank: int, raw) -> bool:
         """(I/O thread, each beat) Keep the rank's latest cumulative sums; True when this rank has just
@@ -124,7 +144,8 @@ class SlowScores:
         self.gbase.clear()
         self.ready.clear()
         self.history.clear()
-        self.streak = self.gstreak = (None, 0)
+        self.streak.restart()
+        self.gstreak.restart()
 
     def check(self, ranks) -> list[Slow]:
         """The findings to report now, given the ranks alive (once each; empty while a window is open)."""
@@ -166,13 +187,8 @@ class SlowScores:
         held = statistics.median(s[p]["wait_s"] for p in ranks if p != r) - s[r]["wait_s"]
         ratio = s[r]["own_s"] / max(statistics.median(s[p]["own_s"] for p in ranks if p != r), 1e-9)
         key = (r, "compute") if held >= self.min_wait * s[r]["wall_s"] and ratio >= self.ratio else None
-        n = self.streak[1] + 1 if key == self.streak[0] else 1
-        self.streak = (key, n)
-        if self.reported is not None and self.reported != key and (key is not None or n >= self.k):
-            self.reported = None  # it cleared (k windows without it), or another rank is slow now
-        if key is None or n < self.k or self.reported == key:
+        if not self.streak.see(key):
             return []
-        self.reported = key
         own = {}  # its own time per step over the last k windows against its peers' (the ranks in all of them)
         for q in ranks:
             got = [w[q] for w in list(self.history)[-self.k:] if q in w]
@@ -207,14 +223,9 @@ class SlowScores:
                     own < self.ratio * fo or own - fo < self.min_wait * wall):  # their compute did not grow
                 flagged.append((wait - fw, g))
             self.floors[g] = (min(fw, wait), min(fo, own))
-        key = max(flagged)[1] if flagged and self.streak[0] is None else None
-        n = self.gstreak[1] + 1 if key == self.gstreak[0] else 1
-        self.gstreak = (key, n)
-        if self.greported is not None and self.greported != key and (key is not None or n >= self.k):
-            self.greported = None  # it cleared (k windows without it), or another group is slow now
-        if key is None or n < self.k or self.greported == key:
+        key = max(flagged)[1] if flagged and self.streak.key is None else None
+        if not self.gstreak.see(key):
             return []
-        self.greported = key
         got = self.groups[key]
         ratio = got["wait_s"] / max(got["floor_wait_s"], 1e-4)
         return [Slow(-1, "communication", round(ratio, 2), group=key, ranks=tuple(got["ranks"]))]
@@ -222,10 +233,10 @@ class SlowScores:
     def status(self) -> dict:
         """For ``mindio status --json``: the last window's scores per rank and per process group, and what
         was reported."""
+        rank, group = self.streak.reported, self.gstreak.reported
         return {"window": self.window, "scores": {str(r): s for r, s in sorted(self.scores.items())},
                 "groups": dict(sorted(self.groups.items(),  # the 16 that waited most above their floor
                                       key=lambda kv: kv[1]["floor_wait_s"] - kv[1]["wait_s"])[:16]),
-                "slow": None if self.reported is None else {"rank": self.reported[0], "cause": self.reported[1]},
-                "slow_group": None if self.greported is None else {
-                    "group": self.greported, "ranks": self.groups.get(self.greported, {}).get("ranks", []),
-                    "cause": "communication"}}
+                "slow": None if rank is None else {"rank": rank[0], "cause": rank[1]},
+                "slow_group": None if group is None else {
+                    "group": group, "ranks": self.groups.get(group, {}).get("ranks", []), "cause": "communication"}}

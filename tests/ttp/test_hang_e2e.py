@@ -66,6 +66,7 @@ def test_a_hung_rank_is_named_within_3_s_and_only_it_is_killed(tmp_path, mode, c
     # seven suites on 2 cores), and so does the bound: within bound + 2 s then.
     delay = hung[0]["t"] - float((out / "hang_t").read_text())
     assert delay <= max(3.0, bound[0]["bound_s"] + 2.0), (delay, bound, text[-6000:])
+    print(f"\nhang on rank {culprit} named {delay:.2f} s after it began (bound {bound[0]['bound_s']} s)")
     assert re.search(rf"rank {culprit} hung: .* never entered collective #\d+ of process group", text), text[-6000:]
     decision = [e for e in events if e["kind"] == "decision"]
     assert len(decision) == 1 and decision[0]["strategy"] == "dump" and decision[0]["faulty"] == [culprit]

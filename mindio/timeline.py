@@ -159,7 +159,7 @@ def _rank_mark(e: dict):
         return "x", "#d62728", e.get("state", ""), f"{e.get('state')}: {e.get('message', '')[:300]}"
     if k in ("rank_dead", "rank_hung", "killed_as_hung"):
         return "x", "#7f0000", k.replace("_", " "), f"{k}: {e.get('cause', '')}"
-    if k == "rank_slow" and e.get("cause") == "communication":  # controller/slow.py: a group, on each member
+    if k == "rank_slow" and e.get("cause") == "communication":  # controller/slow.py: a group (controller's lane)
         return "dot", "#ff7f0e", "slow comm", (f"slow communication in process group {e.get('group')}: its members "
                                                f"wait {e.get('wait_s')} s per step in it, {e.get('ratio')}x its "
                                                f"floor ({e.get('floor_wait_s')} s)")

@@ -19,14 +19,18 @@ is slow (cause "communication") when *every* member waited in its collectives, p
 ``MINDIO_SLOW_RATIO`` times the least that group's members waited in a window so far (its floor, the
 least of the per-window minimums) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their step time more, while
 their own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times its floor or grew by
-less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). The minimum over the members is what tells the group that is slow from the groups that wait for
-it: the members of a slow group all wait in it; a group whose members wait for a rank busy in another
-group's collective has that rank not waiting in it. ``MINDIO_SLOW_K`` windows in a row report it once.
+less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). The minimum over the
+members is what tells the group that is slow from the groups that wait for it: the members of a slow group
+all wait in it; a group whose members wait for a rank busy in another group's collective has that rank not
+waiting in it. ``MINDIO_SLOW_K`` windows in a row report it once.
 
 Limits. A wait that follows a collective with no compute in between (a sleep, a data loader right after
 the step's last all-reduce) is charged to that collective's group; a steady one raises the group's floor
-and names nothing. On CUDA the main thread spins while it waits for the device: its own time is no measure
-of compute there (the extension point is StepTimes.anatomy: CUDA events / NCCL completion hooks).
+and names nothing. Collectives of several groups entered within one tick are ordered by the groups'
+creation, not by time: on Megatron (~10 collectives a step) the wait goes to the wrong group and nothing is
+named (docs/recovery.md, "Slow communication"). On CUDA the main thread spins while it waits for the
+device: its own time is no measure of compute there (the extension point is StepTimes.anatomy: CUDA
+events / NCCL completion hooks).
 
 Per beat: :meth:`SlowScores.observe` stores one tuple (O(1)); :meth:`SlowScores.check` is O(ranks x their
 groups) per closed window.
@@ -202,8 +206,7 @@ class SlowScores:
     def _decide_groups(self, ranks, waited: dict) -> list[Slow]:
         """Slow communication (module docstring): with no straggler this window, the group whose members
         all wait in its collectives ``ratio`` times its floor and ``min_wait`` of a step more, their own
-        time not grown; ``k`` windows in a row report it once (again only after ``k``
-        windows without it)."""
+        time not grown; ``k`` windows in a row report it once (again only after ``k`` windows without it)."""
         members: dict[str, list] = {}
         for r in ranks:
             for g in waited[r]:

@@ -54,10 +54,10 @@ _log = logging.getLogger("mindio.ttp.status")
 DONE_KINDS = ("retry_done", "recover_done", "downgrade_done", "upgrade_done")
 
 
-
 def _label(value) -> str:
     """A Prometheus label value, escaped (a group key comes from a rank's beat: authentic, not sane)."""
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
 
 class Observer:
     """Counts a controller's incidents from mindio's events and reads its rank table on request."""

@@ -47,31 +47,28 @@ def snapshot() -> dict:
     """{group key: sequence number of the last collective entered} of this process's groups; empty
     before ``init_process_group``, after the groups were destroyed, or for a backend without counters.
     Safe from any thread while the main thread is blocked in a collective (a plain counter read)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return {}
-    out = {}
-    try:
-        items = list(dist.distributed_c10d._world.pg_names.items())
-    except (AttributeError, RuntimeError):  # torch without the registry, or destroyed meanwhile
-        return {}
-    for pg, name in items:
-        try:
-            out[_key(pg, str(name))] = int(pg._get_sequence_number_for_group())
-        except (AttributeError, KeyError, RuntimeError, ValueError):  # no counter, or being destroyed
-            continue
-    return out
+    refs, keys = _groups()
+    return {k: s for k, s in zip(keys, _seqs(refs)) if s >= 0}
 
 
 def _groups() -> tuple[list, list]:
-    """([weak reference to a process group], [its key]) of this process, as :func:`snapshot` names them;
-    empty lists when there are none (yet). Weak: a destroyed group must not be kept alive (device.release)."""
+    """([weak reference to a process group], [its key]) of this process's groups; empty lists before
+    ``init_process_group`` or without torch's registry. Weak: a destroyed group must not be kept alive
+    (device.release)."""
     if not dist.is_available() or not dist.is_initialized():
         return [], []
     try:
         items = list(dist.distributed_c10d._world.pg_names.items())
-        return [weakref.ref(pg) for pg, _ in items], [_key(pg, str(name)) for pg, name in items]
-    except (AttributeError, KeyError, RuntimeError, ValueError):  # torch without the registry, or destroyed
+    except (AttributeError, RuntimeError):  # torch without the registry, or destroyed meanwhile
         return [], []
+    refs, keys = [], []
+    for pg, name in items:
+        try:
+            keys.append(_key(pg, str(name)))
+        except (AttributeError, KeyError, RuntimeError, ValueError):  # being destroyed
+            continue
+        refs.append(weakref.ref(pg))
+    return refs, keys
 
 
 def _count() -> int:
@@ -88,8 +85,8 @@ def _seqs(refs: list) -> list:
     for ref in refs:
         pg = ref()
         try:
-            out.append(pg._get_sequence_number_for_group() if pg is not None else -1)
-        except (AttributeError, RuntimeError, ValueError):
+            out.append(int(pg._get_sequence_number_for_group()) if pg is not None else -1)
+        except (AttributeError, KeyError, RuntimeError, ValueError):  # no counter, or being destroyed
             out.append(-1)
     return out
 
@@ -204,10 +201,9 @@ class WaitClock:
     Each waiting interval is also charged to the process group whose collective the main thread entered
     last, when it entered one since it last computed (:attr:`groups`: {group key: seconds}, for the
     "communication" cause of controller/slow.py): the tick reads every group's sequence number
-    (:func:`snapshot`'s counters; the list of groups is looked up again once a second and when their number
-    changes), and the group whose
-    number moved last is the collective the main thread waits in. A wait that follows compute with no new
-    collective (a sleep, a data loader) is charged to no group.
+    (:func:`snapshot`'s counters; the list of groups is looked up again once a second and when their
+    number changes), and the group whose number moved last is the collective the main thread waits in. A
+    wait that follows compute with no new collective (a sleep, a data loader) is charged to no group.
 
     Cost: one ``clock_gettime``, a counter read per process group (~0.2 us each) and a few float
     operations per tick on its own thread, nothing on the main thread; ``bench/ha_overhead.py`` measures

@@ -289,7 +289,7 @@ def test_the_wait_clock_charges_a_wait_to_the_group_whose_collective_came_last()
 def test_the_wait_clock_is_joined_by_the_exit_teardown_before_the_groups_go():
     """It calls into torch's C++ each tick (the groups' counters): left running into the interpreter's
     shutdown, a daemon thread ended inside C++ aborts the process ("terminate called without an active
-    exception": 2 of ~9 runs of the Megatron example with slow ranks scored, before this). The exit
+    exception": 4 of 10 runs of the Megatron example with slow ranks scored, before this). The exit
     teardown (mindio/ttp/shutdown.py, step 1) stops and joins it."""
     from mindio.ttp import shutdown
 

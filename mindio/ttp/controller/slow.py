@@ -27,7 +27,7 @@ waiting in it. ``MINDIO_SLOW_K`` windows in a row report it once.
 Limits. A wait that follows a collective with no compute in between (a sleep, a data loader right after
 the step's last all-reduce) is charged to that collective's group; a steady one raises the group's floor
 and names nothing. Collectives of several groups entered within one tick are ordered by the groups'
-creation, not by time: on Megatron (~10 collectives a step) the wait goes to the wrong group and nothing is
+creation, not by time: on Megatron (several collectives a tick) the wait goes to the wrong group and nothing is
 named (docs/recovery.md, "Slow communication"). On CUDA the main thread spins while it waits for the
 device: its own time is no measure of compute there (the extension point is StepTimes.anatomy: CUDA
 events / NCCL completion hooks).

@@ -175,8 +175,12 @@ class Liveness:
             rank = hung.rank
             _log.error("rank %d hung: no step progress for %.1f s (hang bound%s) and %s: ordering SIGKILL",
                        rank, bound, "" if self.hang.fixed else " from the job's step times", hung.why())
+            seen = {v[0]: v for v in views}  # the evidence the decision rests on, for the culprit and 8 waiters
             _logging.event("rank_hung", hung_rank=rank, bound_s=round(bound, 3), group=hung.group, seq=hung.seq,
-                           waiting=hung.waiting[:64])
+                           waiting=hung.waiting[:64], evidence={
+                               str(q): {"age_s": round(seen[q][1], 3), "heard_ago_s": round(heard_ago[q], 3),
+                                        "idle_s": round(idle[q], 3), "seqs": seen[q][4]}
+                               for q in [rank] + hung.waiting[:8] if q in seen})
             self.core.send(rank, P.Action(ActionName.KILL, {"reason": "hung"}))
             with self.core.cond:
                 self.core.ranks[rank].alive = False

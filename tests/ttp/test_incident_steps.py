@@ -51,3 +51,24 @@ def test_a_requested_dump_is_decided_without_asking_and_a_repeated_fault_is_not_
     again.add(2, ReportState.RS_REPEATED, "the same exception at the same step")
     facts = flow.facts(again, _stopped())
     assert facts.repeated == [2] and facts.incident is None and facts.feasible == []  # run() ends the job
+
+
+def test_a_rank_that_dies_while_the_facts_are_gathered_is_judged_faulty():
+    """CI, stop 37: rank 3 of a killed node answered the stop, then died during the launcher's check of
+    the silent node (up to 1 s); the decision named rank 2 alone and kept rank 3 in the dump plan."""
+    ctl = Controller(0, 4, {"recover", "dump"}, b"k" * 32)
+    for r in range(4):
+        ctl.ranks[r] = RankRecord(r, b"id%d" % r, step=7, data_status=U, replica=[ENTRY])
+    ctl.sm.fire(Result.ALL_REGISTERED, ranks=4)
+    ctl.declare_dead([2], "pid")
+
+    class Launcher:  # its check of the silent node takes long enough for the pid probe to see rank 3 end
+        def possible(self, ranks, strategy):
+            ctl.declare_dead([3], "pid")
+            return False
+
+    ctl.replacements.attach(Launcher())
+    inc = ctl.incidents.current
+    facts = ctl.incidents.facts(inc, {r: _stopped()[r] for r in (0, 1, 3)})  # rank 3 replied before it died
+    assert facts.faulty == [2, 3] and sorted(facts.incident.dead) == [2, 3]
+    assert sorted(facts.plan.ranks) == [0, 1], facts.plan  # nobody plans a save on the dead rank 3

@@ -234,7 +234,26 @@ class IncidentFlow:
     def facts(self, inc: Incident, replies: dict) -> Facts:
         """What the decision is made on, after the stop round's ``replies``: the ranks' views, the lock step
         (the highest with a usable copy of every shard), the dump plan, the faulty ranks and whether
-        they can be repaired, the incident's reports, and policy's feasible strategies."""
+        they can be repaired, the incident's reports, and policy's feasible strategies.
+
+        Judged again when a rank was declared dead while they were gathered (at most once per rank of
+        the job): the launcher's check of a silent node takes up to 1 s (:meth:`spare_available`), and a
+        rank of a lost node can answer the stop and die within it (seen in CI: rank 3 of a killed node
+        replied, died 50 ms later, and the decision named rank 2 alone as faulty and kept rank 3 in the
+        dump plan)."""
+        for _ in range(len(self.core.ranks) + 1):
+            with self.core.lock:
+                before = frozenset(self.core.ranks.dead())
+            facts = self._facts(inc, replies)
+            with self.core.lock:
+                after = frozenset(self.core.ranks.dead())
+            if after == before:
+                return facts
+            _log.info("rank(s) %s declared dead while the decision's facts were gathered: judged again",
+                      sorted(after - before)[:16])
+        return facts
+
+    def _facts(self, inc: Incident, replies: dict) -> Facts:
         graceful = inc.cause is Cause.DUMP_REQUEST
         views = self.views(replies)
         lock = policy.choose_lock_step(views)

@@ -166,10 +166,11 @@ def test_a_culprit_whose_own_beat_is_stale_is_heard_again_before_it_is_named():
     is inside nothing and behind in the replica group "a" = {1, 3}, where rank 1 waits in #25. Rank 3 was
     killed. Its evidence must come from a beat sent at least half the bound after rank 1's stall began:
     the next one shows it inside "b", and rank 2 is named."""
-    stale = [_view(1, 1.1, {"a": 25}), _view(2, 1.2, {"b": 10}), _view(3, 1.05, {"a": 24, "b": 10})]
+    # (ages as of now: a beat's age plus the time since it was heard)
+    stale = [_view(1, 1.2, {"a": 25}), _view(2, 1.4, {"b": 10}), _view(3, 1.95, {"a": 24, "b": 10})]
     heard = {1: 0.1, 2: 0.2, 3: 0.9}  # rank 3's beat left 0.9 s ago, 0.3 s after rank 1's stall began
     assert hangs.find_culprits(stale, 1.0, heard_ago=heard) == []
-    fresh = [_view(1, 1.6, {"a": 25}), _view(2, 1.7, {"b": 10}), _view(3, 1.5, {"a": 24, "b": 11})]
+    fresh = [_view(1, 1.7, {"a": 25}), _view(2, 1.9, {"b": 10}), _view(3, 1.6, {"a": 24, "b": 11})]
     got = hangs.find_culprits(fresh, 1.0, heard_ago={1: 0.1, 2: 0.2, 3: 0.1})
     assert [(h.rank, h.group, h.waiting) for h in got] == [(2, "b", [3])]
 
@@ -179,13 +180,39 @@ def test_a_member_whose_beat_predates_the_stall_is_heard_again_before_the_culpri
     entered (0.9 s ago, before rank 0's 1.2 s stall began 1.3 s ago): it still says #8. The decision waits
     for rank 1's next beat, which names the waiters right -- or finds rank 1 hung before the collective too,
     and names both in one decision."""
-    stale = [_view(0, 1.2, {"0": 9}), _view(1, 0.05, {"0": 8}), _view(2, 1.5, {"0": 8})]
+    stale = [_view(0, 1.3, {"0": 9}), _view(1, 1.45, {"0": 8}), _view(2, 1.7, {"0": 8})]  # (ages as of now)
     heard = {0: 0.1, 1: 1.4, 2: 0.2}
     assert hangs.find_culprits(stale, 1.0, heard_ago=heard) == []
-    fresh = [_view(0, 1.9, {"0": 9}), _view(1, 1.5, {"0": 9}), _view(2, 2.2, {"0": 8})]
+    fresh = [_view(0, 2.0, {"0": 9}), _view(1, 1.8, {"0": 9}), _view(2, 2.4, {"0": 8})]
     got = hangs.find_culprits(fresh, 1.0, heard_ago={0: 0.1, 1: 0.3, 2: 0.2})
     assert [(h.rank, h.waiting) for h in got] == [(2, [0, 1])]
-    both = [_view(0, 1.9, {"0": 9}), _view(1, 1.6, {"0": 8}), _view(2, 2.2, {"0": 8})]
+    both = [_view(0, 2.0, {"0": 9}), _view(1, 1.9, {"0": 8}), _view(2, 2.4, {"0": 8})]
     assert [h.rank for h in hangs.find_culprits(both, 1.0, heard_ago={0: 0.1, 1: 0.3, 2: 0.2})] == [1, 2]
-    # without the ages of the beats (None), as before: every beat counts as fresh
-    assert [h.rank for h in hangs.find_culprits(stale, 1.0)] == [2]
+    # without the ages of the beats (None), as before: every beat counts as fresh (rank 1 progressed 0.05 s ago)
+    unaged = [_view(0, 1.2, {"0": 9}), _view(1, 0.05, {"0": 8}), _view(2, 1.5, {"0": 8})]
+    assert [h.rank for h in hangs.find_culprits(unaged, 1.0)] == [2]
+
+
+def test_a_rank_waiting_inside_a_collective_is_not_blamed_while_the_chain_ends_at_a_working_rank():
+    """The Megatron hang test under the full suite's load (4 ranks, replica groups {0, 2} "r0" and {1, 3}
+    "r1", instance groups {0, 1} "i0" and {2, 3} "i1"): rank 2 hung in its forward; rank 3 waits for it in
+    the reduce-scatter of "i1" (#49), ranks 0 and 1 wait in the replica all-reduces (#25) for ranks 2 and
+    3. Rank 2's last beat (0.8 s old) came when its main thread had last woken (idle 1.0 s < the 2.1 s
+    bound): not stalled yet. Rank 3 -- behind in "r1", inside "i1" -- was blamed as "a cycle" and killed.
+    Now nobody is blamed until rank 2 is stalled too; then rank 2 alone."""
+    seqs = {0: {"i0": 49, "r0": 25}, 1: {"i0": 49, "r1": 25}, 2: {"i1": 48, "r0": 24}, 3: {"i1": 49, "r1": 24}}
+    heard = {0: 0.02, 1: 0.02, 2: 0.8, 3: 0.03}
+    ages = {0: 3.2, 1: 3.2, 2: 3.2, 3: 3.2}
+    views = [_view(r, ages[r], seqs[r], coll=r != 2, step=24) for r in range(4)]
+    idle = {0: 3.0, 1: 3.0, 2: 1.0, 3: 3.0}  # rank 2: its 1 s sleeps woke it (quantised by the 1 s reads)
+    assert hangs.find_culprits(views, 2.1, need_waiter=True, idle=idle, patient=300, heard_ago=heard) == []
+    idle[2] = 2.2
+    got = hangs.find_culprits(views, 2.1, need_waiter=True, idle=idle, patient=300, heard_ago=heard)
+    assert [(h.rank, h.group, h.waiting) for h in got] == [(2, "i1", [3])]
+
+
+def test_a_cycle_of_ranks_each_inside_a_collective_blames_the_stalled_ones_behind():
+    """No chain ends: rank 0 waits in "a" for rank 1, which waits in "b" for rank 0 (a cycle: each is
+    behind in one group and inside the other). Both are blamed, as before."""
+    views = [_view(0, 2.0, {"a": 5, "b": 4}, coll=True), _view(1, 2.0, {"a": 4, "b": 5}, coll=True)]
+    assert [h.rank for h in hangs.find_culprits(views, 1.0)] == [0, 1]

@@ -11,10 +11,17 @@ the rank entered (processor/collectives.py). Members of a group enter its collec
 a stall a member below its peers' number never entered the collective they wait in; the members at
 the highest number are inside it. A rank that is behind in some group and inside none is the culprit
 (a chain -- rank 2 waits in a group with rank 3, rank 0 waits for rank 2 in another -- blames rank 3
-only). Without such evidence (every member at the same number, or no numbers: a backend without
-counters) the older rule holds (policy.find_hung_ranks: a stalled rank whose main thread is outside
-``torch.distributed``), never blaming a rank that is inside a collective by its number -- DDP's
-all-reduce runs from autograd, so the stack of a rank waiting in it shows no ``torch/distributed``.
+only). A rank behind in one group but inside another waits like its peers and is never blamed while a
+chain ends elsewhere: when the rank at the end of the chain is still working (not stalled by the rules
+below), nobody is blamed yet. Only in a cycle (every rank behind is inside some collective) are the
+stalled ones behind blamed. (The Megatron hang test under the full suite's load: the hung rank 2's last
+beat, 0.9 s old, said 1.1 s without progress, under the bound; rank 3, behind in the replica group
+{1, 3} but waiting for rank 2 in {2, 3}, was blamed as "a cycle" and killed. The controller now also ages
+each beat by the time since it was heard.) Without such evidence (every member at the same number, or
+no numbers: a backend without counters) the older rule holds (policy.find_hung_ranks: a stalled rank
+whose main thread is outside ``torch.distributed``), never blaming a rank that is inside a collective by
+its number -- DDP's all-reduce runs from autograd, so the stack of a rank waiting in it shows no
+``torch/distributed``.
 Under a bound derived from the job's steps that rule also needs a stalled rank inside a collective:
 every rank stalled outside one at once (a checkpoint all ranks write) is no hang. And under such a bound
 a rank whose main thread is still working (its heartbeat's ``idle_age``: the thread used CPU, waited on
@@ -23,7 +30,7 @@ stalled: it gets the bound given (``MINDIO_HANG_TIMEOUT``'s, 300 s by default). 
 spinning (a busy loop, a spinning device wait) therefore takes that long, as before the job-derived bound;
 one that sleeps or blocks is found fast.
 
-Evidence must be fresh: the culprit, and every member of its group behind with it that is not blamed,
+Evidence must be fresh: the culprit, and every member of its group behind with it (blamed too or not),
 must have beaten at least half the bound after the stall of the peers waiting in the collective began. A
 member whose last beat is older may have entered the collective since (its beat was sent just before it
 did); a culprit whose beat is older may since have entered *another* collective, where it waits for the
@@ -116,9 +123,11 @@ def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict |
     ({rank: seconds since its main thread last ran or waited on storage, -1 unknown}) with ``patient``
     (the bound given, MINDIO_HANG_TIMEOUT's): under a derived bound a rank whose main thread is working --
     rank 0 alone writing a checkpoint while its peers wait in the next collective -- is stalled only after
-    ``patient`` s without a step. ``heard_ago`` ({rank: seconds since its last beat}): a culprit is named
-    only once it and every member of its group behind with it have beaten ``timeout / 2`` s or more after
-    the waiters' stall began (module docstring: fresh evidence); None: every beat counts as fresh."""
+    ``patient`` s without a step. The ages are as of now: the controller adds to each beat's age the time
+    since it was heard (a rank heard 0.9 s ago with 1.1 s has been stalled 2 s, not 1.1 s). ``heard_ago``
+    ({rank: seconds since its last beat}): a culprit is named only once it and every member of its group
+    behind with it have beaten ``timeout / 2`` s or more after the waiters' stall began (module
+    docstring: fresh evidence); None: every beat counts as fresh."""
     if timeout <= 0:
         return []
     idle = idle or {}
@@ -147,11 +156,15 @@ def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict |
         for r, s in members:
             if s < top:
                 behind.setdefault(r, (g, s + 1, waiting))
-    blamed = sorted(r for r in behind if r in stalled and r not in inside) \
-        or sorted(r for r in behind if r in stalled)  # a cycle: every one behind is blamed
+    heads = [r for r in behind if r not in inside]  # where the chains of waiting ranks end
+    # a rank behind but itself waiting inside a collective is blamed only in a cycle (no chain ends):
+    # a chain that ends at a rank still working (not stalled) blames nobody yet (module docstring)
+    blamed = sorted(r for r in heads if r in stalled) if heads else sorted(r for r in behind if r in stalled)
     if blamed:
         ages = {r: age for r, age, *_ in views}
-        with_it = {r: [m for m, s in groups[behind[r][0]] if s < behind[r][1] and m not in blamed] for r in blamed}
+        # every member behind in the culprit's group, blamed too or not: one hung before the collective as well
+        # is named in the same decision (its age, extrapolated from an old beat, makes it a stale candidate)
+        with_it = {r: [m for m, s in groups[behind[r][0]] if s < behind[r][1] and m != r] for r in blamed}
         return [Hung(r, *behind[r]) for r in blamed
                 if _fresh(behind[r][2], [r] + with_it[r], ages, heard_ago, settle=timeout / 2)]
     rest = [(r, age, c, s) for r, age, c, s, _ in views if r not in inside]
@@ -161,10 +174,10 @@ def find_culprits(views, timeout: float, need_waiter: bool = False, idle: dict |
 
 
 def _fresh(waiting: list, members: list, ages: dict, heard_ago: dict | None, settle: float = 0.0) -> bool:
-    """Has every rank of ``members`` (the culprit, and the members behind with it that are not blamed)
+    """Has every rank of ``members`` (the culprit, and the members of its group behind with it)
     beaten at least ``settle`` s after the ranks ``waiting`` in its collective stalled? A waiter's stall
-    began ``heard_ago + progress_age`` s ago; the latest of them counts (module docstring: fresh evidence)."""
+    began its age (as of now) ago; the latest of them counts (module docstring: fresh evidence)."""
     if heard_ago is None or not members:
         return True
-    began_ago = min(heard_ago.get(w, 0.0) + max(ages.get(w, 0.0), 0.0) for w in waiting)
+    began_ago = min(max(ages.get(w, 0.0), 0.0) for w in waiting)
     return all(heard_ago.get(m, 0.0) < began_ago - settle for m in members)

@@ -162,14 +162,15 @@ class Liveness:
         normal_for, table = now - self.core.sm.since, self.core.ranks
         alive = table.mask(alive=True)
         bound = self.hang.current(table.col["step_p99"][alive])
-        ages = table.col["progress_age"][alive]
+        ages = table.col["progress_age"][alive]  # as of each rank's last beat: + the time since it (now)
+        ages = np.where(ages >= 0, ages + (now - table.col["last_seen"][alive]), ages)  # (negative: not armed)
         if bound <= 0 or not np.any(np.minimum(ages, normal_for) >= bound):
             return  # nobody stalled past the bound (a vector test): no culprit to look for
         live = [table[r] for r in np.flatnonzero(alive).tolist()]
-        views = [(r.rank, min(r.progress_age, normal_for) if r.progress_age >= 0 else r.progress_age,
-                  r.in_collective, r.step, r.coll_seq) for r in live]
-        idle = {r.rank: r.idle_age for r in live}
         heard_ago = {r.rank: now - r.last_seen for r in live}
+        views = [(r.rank, min(r.progress_age + heard_ago[r.rank], normal_for) if r.progress_age >= 0
+                  else r.progress_age, r.in_collective, r.step, r.coll_seq) for r in live]
+        idle = {r.rank: r.idle_age for r in live}
         for hung in hangs.find_culprits(views, bound, need_waiter=not self.hang.fixed, idle=idle,
                                         patient=self.hang.base, heard_ago=heard_ago):
             rank = hung.rank

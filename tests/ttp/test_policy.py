@@ -1,4 +1,7 @@
 """Property tests of the pure decisions (mindio.ttp.controller.policy)."""
+import re
+
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from mindio.ttp.controller import policy
@@ -300,3 +303,84 @@ def test_hung_rank_found():
 def test_hung_ranks_are_stalled(views, timeout):
     stalled = {r for r, age, _, _ in views if age >= timeout}
     assert set(policy.find_hung_ranks(views, timeout)) <= stalled
+
+
+# -- issue 34: the vectorised ShardMap answers what the per-view loops answered ---------------------
+def _old_select_dump_ranks(views, lock_step, unable=()):
+    """select_dump_ranks as it was before the ShardMap (one shards_of per view per call)."""
+    views, unable = list(views), set(unable)
+    members, memo = {}, {}
+    for v in views:
+        for key in policy.shards_of(v, memo):
+            members.setdefault(key, [])
+            if policy.usable(v, lock_step) and v.rank not in unable:
+                members[key].append(v.rank)
+    chosen, missing = {}, []
+    for key in sorted(members):
+        if members[key]:
+            chosen.setdefault(key[0], set()).add(min(members[key]))
+        else:
+            missing.append(key)
+    types = sorted({k[0] for k in members})
+    every = tuple(sorted(set().union(*chosen.values()))) if chosen else ()
+    return policy.DumpPlan([{"type": t, "ranks": sorted(chosen.get(t, ()))} for t in types], every, tuple(missing))
+
+
+def _old_repair_sources(views, lock_step, targets):
+    views = {v.rank: v for v in views}
+    holders, memo = {}, {}
+    for v in views.values():
+        if policy.usable(v, lock_step):
+            for key in policy.shards_of(v, memo):
+                holders.setdefault(key, []).append(v.rank)
+    plan = {}
+    for dst in sorted(set(targets)):
+        for t, key in enumerate(policy.shards_of(views[dst], memo)):
+            srcs = sorted(r for r in holders.get(key, ()) if r != dst)
+            if not srcs:
+                raise ValueError(f"no usable replica of shard {key} for rank {dst} at step {lock_step}")
+            plan[(dst, t)] = srcs[0]
+    return plan
+
+
+@st.composite
+def _world(draw):
+    """Several DP groups, one or two optimizer types (dense, expert) with their own groups, some ranks
+    without replica info, random health / steps / status."""
+    groups, d = draw(st.integers(1, 3)), draw(st.sampled_from([2, 4]))
+    r = draw(st.sampled_from([1, 2]))
+    experts = draw(st.booleans())
+    lock = draw(st.integers(1, 4))
+    views = []
+    for rank in range(groups * d):
+        g = rank - rank % d
+        entries = ({"rank_list": list(range(g, g + d)), "replica_cnt": r},)
+        if experts:  # an expert group across the DP groups: every d-th rank
+            eg = [x for x in range(groups * d) if x % d == rank % d]
+            entries += ({"rank_list": eg, "replica_cnt": 1 if len(eg) == 1 else draw(st.sampled_from([1, len(eg)]))},)
+        if draw(st.integers(0, 9)) == 0:
+            entries = ()
+        views.append(RankView(rank, draw(st.booleans()), draw(st.integers(0, 3)) == 0,
+                              draw(st.sampled_from([lock - 1, lock, lock])),
+                              draw(st.sampled_from([OsStatus.UPDATED] * 3 + list(OsStatus))), entries))
+    return views, lock, draw(st.lists(st.integers(0, groups * d - 1), max_size=3))
+
+
+@given(_world())
+@settings(max_examples=300)
+def test_the_shard_map_decides_as_the_per_view_loops_did(world):
+    views, lock, some = world
+    shards = policy.ShardMap(views)
+    for step in (lock - 1, lock):
+        for unable in ((), some):
+            assert policy.select_dump_ranks(shards, step, unable) == _old_select_dump_ranks(views, step, unable)
+    steps = {v.step for v in views if v.alive and not v.faulty} or {v.step for v in views if v.alive} or {0}
+    old_lock = next((s for s in sorted(steps, reverse=True) if _old_select_dump_ranks(views, s).possible), max(steps))
+    assert policy.choose_lock_step(shards) == policy.choose_lock_step(views) == old_lock
+    try:
+        want = _old_repair_sources(views, lock, some)
+    except ValueError as e:
+        with pytest.raises(ValueError, match=re.escape(str(e))):
+            policy.select_repair_sources(shards, lock, some)
+    else:
+        assert policy.select_repair_sources(shards, lock, some) == want

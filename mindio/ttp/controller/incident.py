@@ -256,7 +256,8 @@ class IncidentFlow:
     def _facts(self, inc: Incident, replies: dict) -> Facts:
         graceful = inc.cause is Cause.DUMP_REQUEST
         views = self.views(replies)
-        lock = policy.choose_lock_step(views)
+        shards = policy.ShardMap(views)  # every rank's shards, looked up once for the whole decision
+        lock = policy.choose_lock_step(shards)
         stale = policy.stale_ranks(views, lock)
         if any(v.step != lock for v in views if v.rank in stale):
             _log.warning("the stop caught the ranks at different steps (%s); lock step %d, the highest with a "
@@ -265,10 +266,10 @@ class IncidentFlow:
                          stale[:16])
             _logging.event("mixed_steps", lock_step=lock, stale=stale[:64],
                            steps={str(v.rank): v.step for v in views[:64] if v.alive})
-        plan = policy.plan_dump(views, lock)  # none at step 0: nothing to save
+        plan = policy.plan_dump(shards, lock)  # none at step 0: nothing to save
         faulty = [v.rank for v in views if v.faulty]
         try:
-            policy.select_repair_sources(views, lock, faulty)
+            policy.select_repair_sources(shards, lock, faulty)
             repairable = bool(faulty)
         except ValueError:
             repairable = False

@@ -20,8 +20,12 @@ group mod (d / R), R = replica_cnt: the DP group is cut into R contiguous parts 
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
 
 from ... import vocab
 from .._enums import OsStatus, ReportState
@@ -115,9 +119,10 @@ def can_do_uce_repair(hbm_error_time: int, start_time: int | None, end_time: int
     return not (start_time <= hbm_error_time <= end_time)
 
 
-@dataclass(frozen=True)
-class RankView:
-    """What the controller knows about one rank at decision time."""
+class RankView(NamedTuple):
+    """What the controller knows about one rank at decision time. A named tuple, not a frozen dataclass:
+    a decision at 100,000 ranks builds one per rank (1.8 s as dataclasses, issue 34); change one with
+    ``view._replace(alive=False)``."""
     rank: int
     alive: bool = True
     faulty: bool = False          # reported a primary error, died, or was killed as hung
@@ -179,31 +184,87 @@ class DumpPlan:
         return not self.missing and bool(self.ranks)
 
 
-def select_dump_ranks(views: Iterable[RankView], lock_step: int, unable: Iterable[int] = ()) -> DumpPlan:
+@contextlib.contextmanager
+def no_gc():
+    """The cyclic garbage collector off while a decision builds one object per rank (issue 34: at 100,000
+    ranks its passes over the controller's heap took half the time of building the views); such objects
+    hold no cycles, and reference counting frees them as before."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class ShardMap:
+    """Every rank's optimizer shards for one decision, as arrays (issue 34: a decision at 100,000 ranks
+    looked the shards up three times, one Python object per rank each time). Built once from the views
+    (one :func:`shards_of` per rank, DP group layouts memoised); :func:`select_dump_ranks`,
+    :func:`choose_lock_step` and :func:`select_repair_sources` accept it in place of the views and answer
+    with a few vector operations per step tried."""
+
+    def __init__(self, views: Iterable[RankView]):
+        self.views = views = list(views)
+        n = len(views)
+        self.rank = np.fromiter((v.rank for v in views), np.int64, n)
+        self.alive = np.fromiter((bool(v.alive) for v in views), bool, n)
+        self.healthy = self.alive & ~np.fromiter((bool(v.faulty) for v in views), bool, n)
+        self.step = np.fromiter((int(v.step) for v in views), np.int64, n)
+        self.updated = np.fromiter((v.data_status == OsStatus.UPDATED for v in views), bool, n)
+        ids: dict[tuple, int] = {}
+        self.keys: list[tuple] = []  # shard id -> shard key
+        row_view, row_shard, memo = [], [], {}
+        with no_gc():
+            for i, v in enumerate(views):
+                for key in shards_of(v, memo):
+                    sid = ids.get(key)
+                    if sid is None:
+                        sid = ids[key] = len(self.keys)
+                        self.keys.append(key)
+                    row_view.append(i)
+                    row_shard.append(sid)
+        self.row_view = np.asarray(row_view, np.int64)    # one row per (rank, optimizer type), in type order
+        self.row_shard = np.asarray(row_shard, np.int64)
+        self.row_rank = self.rank[self.row_view]
+        self.types = sorted({k[0] for k in self.keys})
+        self.key_type = np.fromiter((k[0] for k in self.keys), np.int64, len(self.keys))
+
+    def usable(self, lock_step: int) -> np.ndarray:
+        """Per view: :func:`usable` at ``lock_step``."""
+        return self.healthy & self.updated & (self.step == lock_step)
+
+    def lowest_holders(self, lock_step: int, unable: Iterable[int] = ()) -> np.ndarray:
+        """Per shard id: the lowest usable rank that holds it, not of ``unable``; -1 when none."""
+        ok = self.usable(lock_step)[self.row_view]
+        unable = list(unable)
+        if unable:
+            ok &= ~np.isin(self.row_rank, np.asarray(unable, np.int64))
+        big = np.iinfo(np.int64).max
+        best = np.full(len(self.keys), big, np.int64)
+        np.minimum.at(best, self.row_shard[ok], self.row_rank[ok])
+        best[best == big] = -1
+        return best
+
+
+def _shard_map(views) -> ShardMap:
+    return views if isinstance(views, ShardMap) else ShardMap(views)
+
+
+def select_dump_ranks(views, lock_step: int, unable: Iterable[int] = ()) -> DumpPlan:
     """For every optimizer shard, the lowest usable rank that holds it, except the ranks of ``unable``
-    (they failed to write this dump: another holder of their shards, a replica, writes instead)."""
-    views, unable = list(views), set(unable)
-    members: dict[tuple, list[int]] = {}
-    memo: dict = {}
-    for v in views:
-        for key in shards_of(v, memo):
-            members.setdefault(key, [])
-            if usable(v, lock_step) and v.rank not in unable:
-                members[key].append(v.rank)
-    chosen: dict[int, set] = {}
-    missing = []
-    for key in sorted(members):
-        if members[key]:
-            chosen.setdefault(key[0], set()).add(min(members[key]))
-        else:
-            missing.append(key)
-    types = sorted({k[0] for k in members})
-    save_info = [{"type": t, "ranks": sorted(chosen.get(t, ()))} for t in types]
-    every = tuple(sorted(set().union(*chosen.values()))) if chosen else ()
-    return DumpPlan(save_info=save_info, ranks=every, missing=tuple(missing))
+    (they failed to write this dump: another holder of their shards, a replica, writes instead).
+    ``views``: the ranks' :class:`RankView`, or their :class:`ShardMap`."""
+    m = _shard_map(views)
+    best = m.lowest_holders(lock_step, unable)
+    missing = tuple(sorted(m.keys[i] for i in np.flatnonzero(best < 0).tolist()))
+    save_info = [{"type": t, "ranks": np.unique(best[(m.key_type == t) & (best >= 0)]).tolist()} for t in m.types]
+    every = tuple(np.unique(best[best >= 0]).tolist())
+    return DumpPlan(save_info=save_info, ranks=every, missing=missing)
 
 
-def plan_dump(views: Iterable[RankView], lock_step: int) -> DumpPlan:
+def plan_dump(views, lock_step: int) -> DumpPlan:
     """The dump of an incident at ``lock_step`` (:func:`select_dump_ranks`); at step 0 none (no ranks):
     the state of step 0 is the one this run started from -- its initialisation, or the checkpoint it
     loaded, which a dump would label step 0 -- so there is nothing to save (dump.py says so)."""
@@ -217,27 +278,33 @@ def describe_shard(key: tuple) -> str:
     return f"shard {index} of optimizer {t} (DP group [{shown}])"
 
 
-def select_repair_sources(views: Iterable[RankView], lock_step: int, targets: Iterable[int]) -> dict:
-    """{(dst rank, optimizer type): src rank} -- a usable replica of the same shard for each target;
-    raises ValueError naming the shard when a target has none."""
-    views = {v.rank: v for v in views}
-    holders: dict[tuple, list[int]] = {}
-    memo: dict = {}
-    for v in views.values():
-        if usable(v, lock_step):
-            for key in shards_of(v, memo):
-                holders.setdefault(key, []).append(v.rank)
+def select_repair_sources(views, lock_step: int, targets: Iterable[int]) -> dict:
+    """{(dst rank, optimizer type): src rank} -- a usable replica of the same shard for each target (the
+    lowest other than itself); raises ValueError naming the shard when a target has none. ``views``:
+    the ranks' :class:`RankView`, or their :class:`ShardMap`."""
+    m = _shard_map(views)
+    ok = m.usable(lock_step)[m.row_view]
+    shard, rank = m.row_shard[ok], m.row_rank[ok]
+    order = np.lexsort((rank, shard))  # usable holders by shard, lowest rank first
+    shard, rank = shard[order], rank[order]
+    first = np.searchsorted(shard, np.arange(len(m.keys)), "left")  # each shard's first and last+1 holder
+    end = np.searchsorted(shard, np.arange(len(m.keys)), "right")
+    where = {r: i for i, r in enumerate(m.rank.tolist())}  # (a rank listed twice: its last view, as before)
     plan = {}
     for dst in sorted(set(targets)):
-        for t, key in enumerate(shards_of(views[dst], memo)):
-            srcs = sorted(r for r in holders.get(key, ()) if r != dst)
+        i = where[dst]  # KeyError: a target that is not among the views
+        lo, hi = np.searchsorted(m.row_view, [i, i + 1])  # its rows (rows are in view order)
+        for t, row in enumerate(range(int(lo), int(hi))):
+            sid = int(m.row_shard[row])
+            srcs = rank[first[sid]:end[sid]][:2].tolist()
+            srcs = [r for r in srcs if r != dst]
             if not srcs:
-                raise ValueError(f"no usable replica of shard {key} for rank {dst} at step {lock_step}")
+                raise ValueError(f"no usable replica of shard {m.keys[sid]} for rank {dst} at step {lock_step}")
             plan[(dst, t)] = srcs[0]
     return plan
 
 
-def choose_lock_step(views: Iterable[RankView]) -> int:
+def choose_lock_step(views) -> int:
     """The step every rank goes back to: the highest step of a healthy rank at which every optimizer
     shard still has a usable copy; with no such step, the highest healthy step (nothing can be dumped
     or repaired then; the caller finds out from :func:`select_dump_ranks`).
@@ -246,11 +313,10 @@ def choose_lock_step(views: Iterable[RankView]) -> int:
     leaves some at step ``L`` (held before the update of ``L + 1``) and others at ``L + 1``; when the
     faulty ranks took the only copy at ``L + 1`` of some shard, ``L`` is chosen and the ranks at
     ``L + 1`` are :func:`stale_ranks`, repaired from replicas like the faulty ones."""
-    views = list(views)
-    steps = ({v.step for v in views if v.alive and not v.faulty} or {v.step for v in views if v.alive}
-             or {0})
+    m = _shard_map(views)
+    steps = (set(m.step[m.healthy].tolist()) or set(m.step[m.alive].tolist()) or {0})
     for step in sorted(steps, reverse=True):
-        if select_dump_ranks(views, step).possible:
+        if len(m.keys) and not (m.lowest_holders(step) < 0).any():
             return step
     return max(steps)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .policy import RankView
+from .policy import RankView, no_gc
 
 __all__ = ["RankRecord", "RankTable", "infer_layout", "COLUMNS"]
 
@@ -41,6 +41,7 @@ COLUMNS: dict[str, tuple] = {
     "left": (np.bool_, False),  # said BYE: its late heartbeats are answered "BYE", never "register again"
 }
 _PY = {np.int64: int, np.float64: float, np.bool_: bool}
+
 
 
 def _column(name: str):
@@ -243,9 +244,10 @@ class RankTable(dict):
         idx = np.flatnonzero(self.present)
         col = self.col
         alive = col["alive"][idx] & np.isin(idx, np.fromiter(replied, np.int64))
-        return [RankView(r, a, f, s, d, tuple(dict.__getitem__(self, r).replica)) for r, a, f, s, d in zip(
-            idx.tolist(), alive.tolist(), col["faulty"][idx].tolist(), col["step"][idx].tolist(),
-            col["data_status"][idx].tolist())]
+        with no_gc():  # 100k new tuples would run the collector over the whole table several times
+            return [RankView(r, a, f, s, d, tuple(dict.__getitem__(self, r).replica)) for r, a, f, s, d in zip(
+                idx.tolist(), alive.tolist(), col["faulty"][idx].tolist(), col["step"][idx].tolist(),
+                col["data_status"][idx].tolist())]
 
     def column(self, name: str, ranks) -> list:
         """Column ``name`` of ``ranks`` as Python values."""

@@ -15,7 +15,7 @@ subclass, one line in ``Controller.STRATEGIES`` (docs/architecture.md, "Adding a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from . import policy
 from ...vocab import Outcome  # the vocabulary (mindio/vocab.py)
@@ -35,7 +35,7 @@ class Context:
 
     def replan_dump(self, dead_now) -> None:
         """After a failed strategy: ranks of ``dead_now`` may have died meanwhile; plan the dump again."""
-        self.views = [v if v.rank not in dead_now else replace(v, alive=False, faulty=True) for v in self.views]
+        self.views = [v if v.rank not in dead_now else v._replace(alive=False, faulty=True) for v in self.views]
         self.plan = policy.plan_dump(self.views, self.lock)
 
 

@@ -3,6 +3,7 @@ vector queries, a relay's BEATS as slice updates, the liveness sweep's vector co
 that the heartbeat path touches no record (nothing per rank per frame in Python)."""
 from __future__ import annotations
 
+import gc
 import time
 import tracemalloc
 
@@ -214,3 +215,22 @@ def test_a_relays_beats_through_the_socket_keep_its_ranks_alive_and_silence_kill
         sock.close(0)
         ctx.term()
         ctl.destroy()
+
+
+def test_a_controller_in_a_process_of_its_own_freezes_the_registered_heap_and_unfreezes_it_at_close():
+    """Issue 34: each garbage collection walked the 100k-rank table (a third of the controller's CPU per
+    heartbeat round). A controller hosted by a process of its own (rank -1: mindio-run's agent) freezes the
+    heap once every rank registered, and thaws it at close; one in a training rank's process (rank 0: the
+    user's heap) never touches the collector."""
+    gc.unfreeze()
+    ctl, close = threadless_controller(16, KEY)
+    try:
+        assert ctl._frozen and gc.get_freeze_count() > 0
+    finally:
+        close()
+        ctl.close(1.0)
+    assert gc.get_freeze_count() == 0
+    own = Controller(rank=0, world_size=1, enabled={"dump"}, key=KEY, interval=1.0, misses=3)
+    own._chan = type("Chan", (), {"send": lambda *a, **k: None})()
+    own._on_register(b"id0", 0, P.Register(world_size=1, pid=1, host="h"), 0.0)
+    assert own.sm.state.name == "NORMAL" and not own._frozen and gc.get_freeze_count() == 0

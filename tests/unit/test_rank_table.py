@@ -234,3 +234,20 @@ def test_a_controller_in_a_process_of_its_own_freezes_the_registered_heap_and_un
     own._chan = type("Chan", (), {"send": lambda *a, **k: None})()
     own._on_register(b"id0", 0, P.Register(world_size=1, pid=1, host="h"), 0.0)
     assert own.sm.state.name == "NORMAL" and not own._frozen and gc.get_freeze_count() == 0
+
+
+def test_a_reply_proves_life_but_leaves_the_time_of_the_last_beat(relay_controller):
+    """The hang rule ages each rank's progress and collective numbers by the time since its last *beat*
+    (controller/watch.py): a reply to an action proves the rank alive (``last_seen``) but carries no such
+    evidence, so it must not make that evidence look fresher (``beat_seen``)."""
+    ctl, n = relay_controller
+    ranks = list(range(n // 8))
+    k = len(ranks)
+    ctl._on_beats(b"relay0", P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ranks, steps=[9] * k, status=[0] * k,
+                                                                  coll=[False] * k, age=[0.5] * k)), 100.0)
+    ctl._flush_beats()
+    r = ctl.ranks[3]
+    assert r.beat_seen == r.last_seen == 100.0 and r.progress_age == 0.5
+    ctl.liveness.seen[3] = None
+    ctl._dispatch(b"relay0", P.Envelope(P.MsgType.REPLY, P.Reply(ok=True), rank=3, sn=1), relay=True)
+    assert r.last_seen > 100.0 and r.beat_seen == 100.0

@@ -437,7 +437,7 @@ class Controller:
             if r is not None and r.registered:
                 if now - r.last_seen > 1.5 * self.interval and r.alive:
                     self.liveness.gap(env.rank, now - r.last_seen)
-                r.last_seen, r.step, r.data_status = now, body.step, body.data_status
+                r.last_seen, r.beat_seen, r.step, r.data_status = now, now, body.step, body.data_status
                 if r.alive:
                     self.liveness.touch(env.rank)
                 r.in_collective, r.progress_age = body.in_collective, body.progress_age

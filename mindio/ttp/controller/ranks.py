@@ -27,7 +27,8 @@ __all__ = ["RankRecord", "RankTable", "infer_layout", "COLUMNS"]
 # column name -> (dtype, value of a new record); every one is a RankRecord attribute (a view of the row)
 COLUMNS: dict[str, tuple] = {
     "pid": (np.int64, 0),
-    "last_seen": (np.float64, 0.0),
+    "last_seen": (np.float64, 0.0),  # its last frame (any: a reply proves life too)
+    "beat_seen": (np.float64, 0.0),  # its last heartbeat: when its progress age and collective numbers were true
     "step": (np.int64, 0),
     "data_status": (np.int64, 0),
     "in_collective": (np.bool_, False),
@@ -79,7 +80,8 @@ class RankRecord:
         self.replica = [] if replica is None else replica
         self.dp_group = [] if dp_group is None else dp_group
         self.features = {} if features is None else features  # the processor's enable flags (retry.py)
-        self._v = {"pid": int(pid), "last_seen": float(last_seen), "step": int(step), "data_status": int(data_status),
+        self._v = {"pid": int(pid), "last_seen": float(last_seen), "beat_seen": float(last_seen), "step": int(step),
+                   "data_status": int(data_status),
                    "in_collective": bool(in_collective), "progress_age": float(progress_age),
                    "idle_age": float(idle_age), "step_p99": float(step_p99), "alive": bool(alive),
                    "faulty": bool(faulty), "registered": bool(registered), "gen": int(gen), "left": bool(left)}
@@ -280,14 +282,14 @@ class RankTable(dict):
         if ok.all():  # the steady state: every rank is its relay's
             acc = idx
             col["step"][acc], col["data_status"][acc], col["in_collective"][acc] = steps, status, coll
-            col["progress_age"][acc], col["last_seen"][acc] = age, now
+            col["progress_age"][acc], col["last_seen"][acc], col["beat_seen"][acc] = age, now, now
             return acc, np.zeros(0, np.int64)
         acc = idx[ok]
         col["step"][acc] = np.asarray(steps, np.int64)[ok]
         col["data_status"][acc] = np.asarray(status, np.int64)[ok]
         col["in_collective"][acc] = np.asarray(coll, np.bool_)[ok]
         col["progress_age"][acc] = np.asarray(age, np.float64)[ok]
-        col["last_seen"][acc] = now if np.ndim(now) == 0 else np.asarray(now)[ok]
+        col["last_seen"][acc] = col["beat_seen"][acc] = now if np.ndim(now) == 0 else np.asarray(now)[ok]
         gone = inside & self.present[j] & col["left"][j]
         return acc, np.flatnonzero(other & ~gone)
 
@@ -303,6 +305,7 @@ class RankTable(dict):
     def shift_clock(self, gap: float) -> None:
         """Every rank's last beat moves on by ``gap`` s (the controller itself stalled: watch.py)."""
         self.col["last_seen"][self.present] += gap
+        self.col["beat_seen"][self.present] += gap
 
 
 class Watched:

@@ -163,11 +163,11 @@ class Liveness:
         alive = table.mask(alive=True)
         bound = self.hang.current(table.col["step_p99"][alive])
         ages = table.col["progress_age"][alive]  # as of each rank's last beat: + the time since it (now)
-        ages = np.where(ages >= 0, ages + (now - table.col["last_seen"][alive]), ages)  # (negative: not armed)
+        ages = np.where(ages >= 0, ages + (now - table.col["beat_seen"][alive]), ages)  # (negative: not armed)
         if bound <= 0 or not np.any(np.minimum(ages, normal_for) >= bound):
             return  # nobody stalled past the bound (a vector test): no culprit to look for
         live = [table[r] for r in np.flatnonzero(alive).tolist()]
-        heard_ago = {r.rank: now - r.last_seen for r in live}
+        heard_ago = {r.rank: now - r.beat_seen for r in live}  # its last beat (a reply carries no evidence)
         views = [(r.rank, min(r.progress_age + heard_ago[r.rank], normal_for) if r.progress_age >= 0
                   else r.progress_age, r.in_collective, r.step, r.coll_seq) for r in live]
         idle = {r.rank: r.idle_age for r in live}

@@ -206,7 +206,7 @@ class ShardMap:
     with a few vector operations per step tried."""
 
     def __init__(self, views: Iterable[RankView]):
-        self.views = views = list(views)
+        views = list(views)
         n = len(views)
         self.rank = np.fromiter((v.rank for v in views), np.int64, n)
         self.alive = np.fromiter((bool(v.alive) for v in views), bool, n)
@@ -316,7 +316,7 @@ def choose_lock_step(views) -> int:
     m = _shard_map(views)
     steps = (set(m.step[m.healthy].tolist()) or set(m.step[m.alive].tolist()) or {0})
     for step in sorted(steps, reverse=True):
-        if len(m.keys) and not (m.lowest_holders(step) < 0).any():
+        if select_dump_ranks(m, step).possible:
             return step
     return max(steps)
 

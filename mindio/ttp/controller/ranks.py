@@ -44,7 +44,6 @@ COLUMNS: dict[str, tuple] = {
 _PY = {np.int64: int, np.float64: float, np.bool_: bool}
 
 
-
 def _column(name: str):
     """A RankRecord attribute backed by column ``name`` of its table (or by the record while detached)."""
     conv = _PY[COLUMNS[name][0]]

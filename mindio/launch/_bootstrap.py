@@ -31,6 +31,7 @@ Protocol (agent -> bootstrap, on the bootstrap's stdin):
 from __future__ import annotations
 
 import ast
+import atexit
 import ctypes
 import importlib
 import json
@@ -222,6 +223,19 @@ def parse_target(args: list) -> tuple:
     return (args[1] if is_module or is_program else args[0]), is_module, is_program
 
 
+def _release_groups_at_exit() -> None:
+    """(atexit, every worker) Release the process groups the script left while the interpreter is whole
+    (mindio/ttp/shutdown.py): a gloo group left to the interpreter's shutdown can abort the process with
+    SIGABRT, e.g. a plain worker (no mindio in its script) that raised on a lost peer's "Connection reset
+    by peer". Imported here, at exit, not before the script: importing mindio.ttp first would spend its
+    torch._dynamo check (shutdown.import_dynamo_early) on this module instead of the script's. A script
+    that started mindio's processor ran the same teardown already (shutdown.at_exit runs once)."""
+    if "torch.distributed" in sys.modules:
+        from mindio.ttp import shutdown
+
+        shutdown.at_exit()
+
+
 def become(assignment: dict, target: str, is_module: bool, is_program: bool, warm_s: float) -> None:
     """Steps 3-4 of the protocol: become the worker ``assignment`` describes (also the fork server's
     children, mindio/launch/_zygote.py, after their fork)."""
@@ -243,6 +257,7 @@ def become(assignment: dict, target: str, is_module: bool, is_program: bool, war
         from mindio.ttp.processor import reboot
 
         reboot.install()
+    atexit.register(_release_groups_at_exit)  # before the script's own handlers: it runs after them
     # stdin was the assignment channel; give the script an empty one, as torchrun does.
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -51,6 +51,7 @@ __all__ = ["install", "track", "on_exit", "at_exit", "collective_threads", "hard
 
 _log = logging.getLogger(__name__)
 _installed = False
+_ran = False  # at_exit ran
 _lock = threading.Lock()
 _live: "weakref.WeakSet" = weakref.WeakSet()  # controllers and links started in this process
 _releasers: list = []  # the frameworks' "drop every reference to a process group" (on_exit)
@@ -176,7 +177,13 @@ def _freeze_for_shutdown() -> None:
 
 
 def at_exit() -> None:
-    """(atexit) Close the control plane, then release every process group (module docstring)."""
+    """(atexit) Close the control plane, then release every process group (module docstring). Once per
+    process: mindio-run's worker bootstrap calls it too, after the handler :func:`install` registered."""
+    global _ran
+    with _lock:
+        if _ran:
+            return
+        _ran = True
     timeout = _knobs.get("MINDIO_EXIT_TIMEOUT")
     t0 = time.monotonic()
     deadline = t0 + timeout

@@ -505,6 +505,56 @@ def test_abnormal_exit_after_training_finished_ends_the_job_at_once(job, tmp_pat
     assert "after its training finished (it had left the controller)" in out, out
 
 
+PLAIN_EXIT = textwrap.dedent("""
+    import os
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(1))
+    if os.environ["HOW"] == "raise":  # as a collective that met a lost peer's "Connection reset by peer"
+        raise RuntimeError("gloo: Connection reset by peer")
+    # "return": the script ends holding its group, as many do
+""")
+
+# Runs in every process of the job (PYTHONPATH), registered at interpreter start: the last atexit handler
+# of a worker, so it sees what the interpreter's shutdown would meet.
+LAST_EXIT_HANDLER = textwrap.dedent("""
+    import atexit, os, sys
+
+    def _report():
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and "RANK" in os.environ:
+            print(f"rank {os.environ['RANK']}: a process group at interpreter shutdown: {dist.is_initialized()}",
+                  flush=True)
+
+    atexit.register(_report)
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "return"])
+def test_a_plain_worker_releases_its_groups_before_the_interpreter_shuts_down(job, tmp_path, how):
+    """A worker whose script knows nothing of mindio leaves its gloo group to the interpreter's shutdown,
+    which can abort the process (SIGABRT, "terminate called without an active exception": seen once in a
+    full suite, a plain worker that raised on a lost peer; mindio/ttp/shutdown.py). mindio-run's worker
+    bootstrap releases the groups at exit, after the script's own handlers, whether the script raised or
+    returned: the interpreter's shutdown meets no group."""
+    start, _ = job
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_EXIT)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LAST_EXIT_HANDLER)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    # the node's own fork server (not the suite's host, started before this test's PYTHONPATH): it imports
+    # the sitecustomize at its start, and its children inherit the handler
+    env = {"HOW": how, "PYTHONPATH": path, "MINDIO_FORK_SERVER_HOST": ""}
+    p = start("--nproc-per-node", "2", "--master-port", str(_free_port()), target=script, env=env)
+    out, _ = p.communicate(timeout=110)
+    assert p.returncode == (1 if how == "raise" else 0), out
+    for rank in (0, 1):
+        assert f"rank {rank}: a process group at interpreter shutdown: False" in out, out
+
+
 ARF = textwrap.dedent("""
     import os
     import torch.distributed as dist

@@ -230,10 +230,11 @@ def _release_groups_at_exit() -> None:
     by peer". Imported here, at exit, not before the script: importing mindio.ttp first would spend its
     torch._dynamo check (shutdown.import_dynamo_early) on this module instead of the script's. A script
     that started mindio's processor ran the same teardown already (shutdown.at_exit runs once)."""
-    if "torch.distributed" in sys.modules:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():  # else the script destroyed its own
         from mindio.ttp import shutdown
 
-        shutdown.at_exit()
+        shutdown.at_exit(quiet=True)  # a mindio script's own teardown (install()) ran first, and warns
 
 
 def become(assignment: dict, target: str, is_module: bool, is_program: bool, warm_s: float) -> None:

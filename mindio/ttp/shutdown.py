@@ -127,13 +127,14 @@ def _close_control_plane(deadline: float) -> bool:
     return ok
 
 
-def _release_groups(deadline: float) -> None:
+def _release_groups(deadline: float, quiet: bool = False) -> None:
     from .processor import device
 
+    warn = _log.debug if quiet else _log.warning
     groups = device.destroy_all()
     device.release(groups)  # our references, dropped in parallel: an unreferenced group goes now
     if not device.wait_released(max(0.1, deadline - time.monotonic())):
-        _log.warning("exit: process groups still being destroyed after MINDIO_EXIT_TIMEOUT=%.0f s (their "
+        warn("exit: process groups still being destroyed after MINDIO_EXIT_TIMEOUT=%.0f s (their "
                      "worker threads wait for a collective with a peer); the interpreter shutdown may abort",
                      _knobs.get("MINDIO_EXIT_TIMEOUT"))
         return
@@ -143,7 +144,7 @@ def _release_groups(deadline: float) -> None:
         device.collect()
     left = collective_threads()
     if left:
-        _log.warning("exit: %d gloo worker thread(s) still run: drop the script's references to process groups "
+        warn("exit: %d gloo worker thread(s) still run: drop the script's references to process groups "
                      "before destroy_process_group, or the exit may abort (docs/quickstart.md)", left)
 
 
@@ -176,9 +177,11 @@ def _freeze_for_shutdown() -> None:
     gc.freeze()
 
 
-def at_exit() -> None:
+def at_exit(quiet: bool = False) -> None:
     """(atexit) Close the control plane, then release every process group (module docstring). Once per
-    process: mindio-run's worker bootstrap calls it too, after the handler :func:`install` registered."""
+    process: mindio-run's worker bootstrap calls it too, after the handler :func:`install` registered,
+    ``quiet``: for a script that never started mindio, what is left over is logged at debug level (its
+    groups are released as far as its references allow; the advice is for mindio's users)."""
     global _ran
     with _lock:
         if _ran:
@@ -203,7 +206,7 @@ def at_exit() -> None:
             except Exception:
                 _log.exception("exit: %s failed", getattr(release, "__qualname__", release))
         if "torch.distributed" in sys.modules:
-            _release_groups(deadline)
+            _release_groups(deadline, quiet)
         if _knobs.get("MINDIO_GC_FREEZE"):
             _freeze_for_shutdown()
     except Exception:  # an exit hook never raises: the process ends anyway, say why it was unclean

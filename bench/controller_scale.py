@@ -159,6 +159,34 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
     ctx.term()
 
 
+class _Phases:
+    """The controller's own lines about the incident (its action engine's "action stop ...: replies in X s"
+    and "incident decision after X s"), kept to print where fault -> decision went: the stop round (the
+    fan-out, the simulators' answers, the I/O thread reading them) and the rest (the facts and the decision)."""
+
+    def __init__(self):
+        import logging
+
+        self.lines: list[str] = []
+        handler = logging.Handler(logging.INFO)
+        def emit(rec):
+            self.lines.append(rec.getMessage()[:200])
+            if rec.levelno >= logging.WARNING:  # printed as before this handler existed (logging's last resort)
+                print(rec.getMessage(), file=sys.stderr)
+
+        handler.emit = emit
+        self.loggers = [logging.getLogger(n) for n in ("mindio.ttp.actions", "mindio.ttp.incident")]
+        for lg in self.loggers:
+            lg.addHandler(handler)
+            lg.setLevel(logging.INFO)
+        self.handler = handler
+
+    def close(self) -> list[str]:
+        for lg in self.loggers:
+            lg.removeHandler(self.handler)
+        return [ln for ln in self.lines if ln.startswith(("action stop", "action advance", "incident decision"))]
+
+
 def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None = None, batch: bool = True,
         nice: int = 10, soak: float = 0.0) -> dict:
     from mindio.ttp.controller.controller import Controller
@@ -203,6 +231,7 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
             soak_gap, soak = ctl.io_gap_max, time.monotonic() - w0
         dead = ctl.ranks.dead()
         ctl.io_gap_max = 0.0
+        phases = _Phases()
         c_fault = time.process_time()
         report_evt.set()
         while not ctl.last_decision:
@@ -210,13 +239,14 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
         cpu_decision = time.process_time() - c_fault  # the controller's own CPU over the whole round
         decision = ctl.last_decision["decided_at"] - report_t.value
         ctl.final.wait(120)
+        lines = phases.close()
         return {"n": n, "connections": conns, "register_s": t_reg, "cpu_per_round_ms": cpu * 1000,
                 "cpu_share": cpu / interval, "fault_to_decision_s": decision, "decision_cpu_s": cpu_decision,
                 "dead_during_steady": len(dead), "soak_s": soak, "soak_io_gap_s": soak_gap,
                 "soak_cpu_share": soak_cpu / interval, "fault_io_gap_s": ctl.io_gap_max,
                 "strategy": ctl.last_decision["strategy"], "dump_ranks": sum(len(s["ranks"]) for s in
                                                                              ctl.last_decision["save_info"]),
-                "drops": ctl.drops.total}
+                "drops": ctl.drops.total, "phases": lines}
     finally:
         halt.set()
         for c in children:
@@ -279,6 +309,8 @@ def main() -> None:
               f"{r['cpu_share']:>9.1%} {r['fault_to_decision_s']:>17.3f} {r['decision_cpu_s']:>11.3f} "
               f"{r['dead_during_steady']:>4} "
               f"{r['strategy']:>8} {r['dump_ranks']:>6} {r['drops']:>5}", flush=True)
+        for line in r["phases"]:  # where fault -> decision went (the controller's own lines)
+            print(f"{'':>9}{line}")
     print(f"targets (issue 34; load average now {os.getloadavg()[0]:.2f}):")
     failed = 0
     for r in results:

@@ -4,6 +4,7 @@ that the heartbeat path touches no record (nothing per rank per frame in Python)
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import tracemalloc
 
@@ -251,3 +252,44 @@ def test_a_reply_proves_life_but_leaves_the_time_of_the_last_beat(relay_controll
     ctl.liveness.seen[3] = None
     ctl._dispatch(b"relay0", P.Envelope(P.MsgType.REPLY, P.Reply(ok=True), rank=3, sn=1), relay=True)
     assert r.last_seen > 100.0 and r.beat_seen == 100.0
+
+
+def test_a_relays_batch_of_replies_is_recorded_at_once_and_only_for_its_own_ranks(relay_controller, monkeypatch):
+    """A relay aggregates its ranks' answers to an action into one BATCH (a 100k-rank stop round is 100k
+    replies): the controller records them with the rank table's columns and one call to the action engine,
+    no rank record read; a reply for a rank registered through another relay is dropped (as one by one);
+    the replies prove life (``last_seen``) but are no beat (``beat_seen`` stays)."""
+    ctl, n = relay_controller
+    ours = list(range(n // 8))  # relay0's ranks
+    stranger = n // 8  # relay1's
+    k = len(ours)
+    ctl._on_beats(b"relay0", P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ours, steps=[9] * k, status=[0] * k,
+                                                                  coll=[False] * k, age=[0.5] * k)), 100.0)
+    ctl._flush_beats()
+    sn, drops, got = ctl.actions.sn + 1, ctl.drops.total, {}
+    caller = threading.Thread(target=lambda: got.update(ctl.actions.call("stop", {}, ours, timeout=30)))
+    caller.start()
+    deadline = time.monotonic() + 10
+    while ctl.actions.sn < sn and time.monotonic() < deadline:  # the action is in flight
+        time.sleep(0.001)
+    items = [P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail={"main": "parked"}), rank=r, sn=sn)
+             for r in ours + [stranger]]
+    touched = [0]
+    plain_get = RankRecord.__getattribute__
+
+    def counting_get(self, name):
+        touched[0] += 1
+        return plain_get(self, name)
+
+    monkeypatch.setattr(RankRecord, "__getattribute__", counting_get)
+    t0 = time.monotonic()
+    ctl._dispatch(b"relay0", P.Envelope(P.MsgType.BATCH, P.Batch(items)), relay=True)
+    monkeypatch.undo()
+    caller.join(10)
+    assert not caller.is_alive()
+    assert touched[0] == 0
+    assert sorted(got) == ours and all(rep.detail == {"main": "parked"} for rep in got.values())
+    assert ctl.drops.total == drops + 1  # the stranger's reply
+    seen = ctl.ranks.col["last_seen"][ours]
+    assert (seen >= t0).all() and (ctl.ranks.col["beat_seen"][ours] == 100.0).all()
+    assert ctl.ranks.col["last_seen"][stranger] < t0

@@ -87,6 +87,22 @@ class ActionEngine:
                 if p.outstanding <= 0 or p.failed:
                     self._cond.notify_all()
 
+    def on_replies(self, replies: list) -> None:
+        """(I/O thread) Record many REPLY envelopes (a relay's batch: its ranks' answers to one action) as
+        :meth:`on_reply` records one, under one acquisition of the condition and with one wake-up."""
+        with self._cond:
+            p = self._pending
+            if p is None:
+                return
+            for env in replies:
+                if env.sn == p.sn and env.rank in p.targets and env.rank not in p.replies:
+                    p.replies[env.rank] = env.body
+                    p.outstanding -= 1
+                    if not env.body.ok and p.fail_fast:
+                        p.failed = True
+            if p.outstanding <= 0 or p.failed:
+                self._cond.notify_all()
+
     def reserve(self) -> int:
         """(any thread) A sequence number of its own, for an action that is also sent outside :meth:`call`
         (the exit order, incident.py: ranks heard after it get it again with the same ``sn``)."""

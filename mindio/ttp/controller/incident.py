@@ -394,10 +394,7 @@ class IncidentFlow:
     def views(self, replies: dict) -> list:
         """What the decision sees of every rank of the job after the stop round's ``replies``."""
         with self.core.lock:
-            for rank, rep in replies.items():
-                if rep.ok:
-                    self.core.ranks[rank].step = rep.detail.get("step", self.core.ranks[rank].step)
-                    self.core.ranks[rank].data_status = rep.detail.get("data_status", 0)
+            self.core.ranks.after_stop(replies)  # each rank's step and data status as its reply says
             views = self.core.ranks.views(replies)  # from the rank table's columns (ranks.py)
         missing = sorted(set(self.core.elastic.job_ranks()) - set(self.core.ranks))  # without the removed ranks
         return views + [policy.RankView(r, alive=False, faulty=True) for r in missing]

@@ -250,6 +250,25 @@ class RankTable(dict):
                 idx.tolist(), alive.tolist(), col["faulty"][idx].tolist(), col["step"][idx].tolist(),
                 col["data_status"][idx].tolist())]
 
+    def after_stop(self, replies: dict) -> None:
+        """The stop round's replies (``{rank: Reply}``): each rank that answered it sets its step (the one
+        its reply names, else the one it had) and its data status (0 unless named), column assignments."""
+        with no_gc():  # 100k short-lived tuples would run the collector over the whole table
+            got = [(r, rep.detail) for r, rep in replies.items() if rep.ok]
+            if not got:
+                return
+            idx = np.fromiter((r for r, _ in got), np.int64, len(got))
+            step = self.col["step"]
+            step[idx] = [d.get("step", s) for (_, d), s in zip(got, step[idx].tolist())]
+            self.col["data_status"][idx] = [d.get("data_status", 0) for _, d in got]
+
+    def through(self, ranks: np.ndarray, ident: bytes) -> np.ndarray:
+        """Whether each of ``ranks`` (an int64 array) is in the table and registered through connection
+        ``ident``: a bool per entry (a relay speaks only for its own ranks)."""
+        inside = (ranks >= 0) & (ranks < len(self.present))
+        j = np.where(inside, ranks, 0)
+        return inside & self.present[j] & (self.conn[j] == self._conns.get(ident, -2))
+
     def column(self, name: str, ranks) -> list:
         """Column ``name`` of ``ranks`` as Python values."""
         return self.col[name][np.asarray(list(ranks), np.int64)].tolist()

@@ -79,8 +79,11 @@ class StopRound:
 
     def _advance(self, replies: dict, grace: float) -> None:
         """Step 2 of :meth:`run`; ``replies`` is updated."""
+        fenced = [r for r, m in _mains(replies).items() if m == MainState.FENCED]
+        if not fenced:  # nobody held at the fence: nothing to advance (and no views of 100k ranks to build)
+            return
         views = self.core.incidents.views(replies)
-        step, behind = policy.ranks_to_advance(views, [r for r, m in _mains(replies).items() if m == MainState.FENCED])
+        step, behind = policy.ranks_to_advance(views, fenced)
         if not behind:
             return
         running = sorted(r for r, m in _mains(replies).items() if m == MainState.RUNNING)

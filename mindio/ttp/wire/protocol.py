@@ -216,7 +216,9 @@ _BEAT_EXTRAS = (("seq", {dict}, "map"), ("idle", {float, int}, "float"), ("p99",
                 ("sums", {list}, "list"))
 
 
-def _body_from(mtype: MsgType, raw: Any):
+def _body_from(mtype: MsgType, raw: Any, outer: tuple = (0, 0, 0)):
+    """The body of a ``mtype`` message from its decoded map; ``outer``: (gen, sess, ctr) of the frame, which a
+    BATCH's items carry."""
     cls = BODY_TYPES[mtype]
     if raw.__class__ is not dict:
         raise ProtocolError(f"{mtype.name} body must be a map, got {type(raw).__name__}")
@@ -235,7 +237,7 @@ def _body_from(mtype: MsgType, raw: Any):
     if cls is Beats:
         _check_beats(raw)
     elif cls is Batch:
-        return Batch(items=[_item(x) for x in raw["items"]])
+        return Batch(items=[_item(x, *outer) for x in raw["items"]])
     return cls(**raw)
 
 
@@ -258,7 +260,7 @@ def _check_beats(raw: dict) -> None:
             raise ProtocolError(f"BEATS.{name} entries must be {tname}")
 
 
-def _item(x: Any) -> Envelope:
+def _item(x: Any, gen: int = 0, sess: int = 0, ctr: int = 0) -> Envelope:
     if x.__class__ is not list or len(x) != 4:
         raise ProtocolError("BATCH item must be a 4-element array [type, sn, rank, body]")
     mtype, sn, rank, body = x
@@ -267,7 +269,7 @@ def _item(x: Any) -> Envelope:
     t = _ITEM_TYPES.get(mtype)
     if t is None:
         raise ProtocolError(f"BATCH item of unknown or nested type {mtype}")
-    return Envelope(type=t, body=_body_from(t, body), rank=rank, sn=sn)
+    return Envelope(t, _body_from(t, body), rank, sn, gen, sess, ctr)
 
 
 def _raw_body(body) -> dict:
@@ -322,9 +324,7 @@ def decode(frame: bytes, key: bytes) -> Envelope:
     mtype = _TYPES.get(mtype)
     if mtype is None:
         raise ProtocolError(f"unknown message type {items[1]}")
-    body = _body_from(mtype, body)
-    if mtype is MsgType.BATCH:
-        body = Batch(items=[e._replace(gen=gen, sess=sess, ctr=ctr) for e in body.items])
+    body = _body_from(mtype, body, (gen, sess, ctr))  # a BATCH's items get the frame's gen, sess and ctr
     return Envelope(type=mtype, body=body, rank=rank, sn=sn, gen=gen, sess=sess, ctr=ctr, v=v)
 
 

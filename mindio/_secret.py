@@ -3,7 +3,6 @@ launcher's agents import this too). How the secret travels otherwise: mindio/ttp
 and mindio/launch/secret.py."""
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
 import os
@@ -83,7 +82,9 @@ def share(store, key: str, text: str, where: str) -> None:
             os.write(fd, text.encode())
         finally:
             os.close(fd)
-        atexit.register(_remove, path)
+        from .ttp import shutdown
+
+        shutdown.remove_at_exit(path)  # also by the fast exit after an ordered EXIT, which skips atexit
         store.set(key, _FILE + path)
         return
     store.set(key, text)
@@ -100,10 +101,3 @@ def shared(value: str) -> str:
         raise ConfigError(f"the job secret's file {path}, which the controller's rank wrote, is gone: that "
                           "process has ended (see its error); restart the job")
     return read_secret_file(path)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -47,7 +47,7 @@ import weakref
 from .. import _knobs
 
 __all__ = ["install", "track", "on_exit", "at_exit", "collective_threads", "hard_exit",
-           "import_dynamo_early"]
+           "import_dynamo_early", "remove_at_exit"]
 
 _log = logging.getLogger(__name__)
 _installed = False
@@ -56,6 +56,7 @@ _lock = threading.Lock()
 _live: "weakref.WeakSet" = weakref.WeakSet()  # controllers and links started in this process
 _releasers: list = []  # the frameworks' "drop every reference to a process group" (on_exit)
 _closers: list = []  # once the control plane's threads ended: close its sockets (transport.close_context)
+_files: list = []  # files of this process that must not outlive it (remove_at_exit)
 
 
 def import_dynamo_early() -> None:
@@ -82,6 +83,29 @@ def track(part) -> None:
     """Remember a started Controller, Link or WaitClock (anything with ``close(timeout) -> bool``); installs."""
     install()
     _live.add(part)
+
+
+def remove_at_exit(path: str) -> None:
+    """Remove ``path`` when this process ends: at the interpreter's exit and in :func:`hard_exit` too (the
+    decorator's fast exit after an ordered EXIT skips the atexit handlers). For a private file that must not
+    outlive its job -- the job secret's (mindio/_secret.py): with atexit alone, every one-node torchrun job
+    that ended in a controller-ordered exit left its secret in the temporary directory."""
+    with _lock:
+        first = not _files
+        _files.append(path)
+    if first:
+        atexit.register(_remove_files)
+
+
+def _remove_files() -> None:
+    with _lock:
+        paths = list(_files)
+        _files.clear()
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:  # gone already
+            pass
 
 
 def after_control_plane(close) -> None:
@@ -218,6 +242,7 @@ def hard_exit(code: int) -> None:
     """End the process with ``code`` now, without the interpreter teardown: flush stdout, stderr and the
     logging handlers, then ``os._exit`` (decorator._finish after an ordered exit; the processor's exit
     watch, processor.Processor._watch_exit)."""
+    _remove_files()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -810,6 +810,29 @@ class Agent:
         log.info("round %d: all workers finished", rnd)
         return 0
 
+    def _await_causes(self, rnd: int) -> None:
+        """Before the round's root cause is named: while every failure known (this node's and those the other
+        nodes posted) is a consequence of another -- a lost connection, a collective timeout -- wait up to
+        EXIT_GRACE_S for another node to post one that is not. A worker that fails closes its connections
+        before its process is gone (its exit teardown releases its process groups, then the interpreter ends)
+        and its agent posts it only then, so a peer on another node can fail, exit and be reported first
+        (seen: node 0 named its rank's "Connection closed by peer" instead of node 1's ValueError). Within one
+        node :meth:`_settle` waits for the failed worker itself."""
+        if self.cfg.nnodes <= 1:
+            return
+        bound = max(EXIT_GRACE_S, 2 * self.cfg.monitor_interval)
+        deadline = time.monotonic() + bound
+        while True:
+            known = self.round_failures(rnd)
+            if not known or not all(f.secondary for f in known):
+                return
+            if time.monotonic() >= deadline:
+                log.info("round %d: every failure known is a consequence of another (ranks %s) and no node posted "
+                         "its cause within %.1f s (max(1 s, 2 x --monitor-interval)); naming what is known", rnd,
+                         [f.rank for f in known[:8]], bound)
+                return
+            time.sleep(0.05)
+
     def _report_round(self, rnd: int, reason: str) -> int | None:
         """Say how round ``rnd`` ended (failures.outcome); the agent's exit code when the job ends, None
         when every worker restarts (``--max-restarts``)."""
@@ -818,6 +841,7 @@ class Agent:
             print(f"mindio-run: round {rnd}: {reason}", file=sys.stderr)
             return None
         preempted = self.preemption.reason(self, rnd)  # this agent, or another, was preempted: no restart
+        self._await_causes(rnd)
         text, code = failures.outcome(self.round_failures(rnd), preempted or reason, rnd - self._membership,
                                       self.cfg.max_restarts,
                                       stopping=self._stopping or bool(preempted),

@@ -256,6 +256,10 @@ def main(argv=None) -> None:
     _logging.set_context(node="-" if cfg.standby or cfg.dynamic_rank else cfg.node_rank,
                          rank="standby" if cfg.standby else "agent")
     _logging.setup()
+    from . import tmpdirs
+
+    for prefix in ("mindio-run-", "mindio-relay-"):  # what agents SIGKILLed earlier could not remove
+        tmpdirs.sweep(prefix)
     from .agent import Agent
 
     try:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 from string import Template
+
+from . import tmpdirs
 
 __all__ = ["WorkerLogs"]
 
@@ -34,7 +35,7 @@ class WorkerLogs:
         from torch.distributed.run import _get_logs_specs_class
 
         self.cfg = cfg
-        self._tmp = None if cfg.log_dir else tempfile.mkdtemp(prefix="mindio-run-")  # mode 0700
+        self._tmp = None if cfg.log_dir else tmpdirs.make("mindio-run-")  # mode 0700, locked (tmpdirs.py)
         spec_cls = _get_logs_specs_class(cfg.logs_specs)
         self.spec = spec_cls(log_dir=cfg.log_dir or self._tmp, redirects=Std.from_str(cfg.redirects),
                              tee=Std.from_str(cfg.tee), local_ranks_filter=cfg.local_ranks_filter)

@@ -18,10 +18,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import types
 
 from .. import _knobs
+from . import tmpdirs
 from .._secret import secret_key
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class RelayProcess:
     """The agent's handle on its relay process."""
 
     def __init__(self, secret: str, controller: str, ranks: range, world_size: int, node: int = 0):
-        self.dir = tempfile.mkdtemp(prefix="mindio-relay-")  # mode 0700: only this user reaches the socket
+        self.dir = tmpdirs.make("mindio-relay-")  # mode 0700: only this user reaches the socket (tmpdirs.py)
         self.address = f"ipc://{self.dir}/s"
         self.proc = subprocess.Popen([sys.executable, "-m", "mindio.launch.relay"], stdin=subprocess.PIPE,
                                      text=True)

@@ -61,7 +61,12 @@ class _Conn:
 
 
 def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_evt, report_t, halt, ready,
-         nice: int = 10) -> None:
+         nice: int = 10, parent: int = 0) -> None:
+    from mindio.launch._bootstrap import _die_with_parent
+
+    # ends with the bench, however it ends: a bench stopped by `timeout` (SIGTERM) never sets ``halt``, and 4
+    # simulators of 100k ranks (2.7 GB each) then went on beating for an hour, taking the test suite's CPU
+    _die_with_parent(parent)
     import msgpack
     import zmq
 
@@ -217,7 +222,7 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
     report_t, ready = fork.Value("d", 0.0), fork.Queue()
     ranks = list(range(n))
     children = [fork.Process(target=_sim, args=(ranks[i::procs], n, port, per_conn, batch, go, report_evt, report_t, halt,
-                                                ready, nice), daemon=True) for i in range(procs)]
+                                                ready, nice, os.getpid()), daemon=True) for i in range(procs)]
     ctl = Controller(rank=-1, world_size=n, enabled={"dump"}, key=KEY, interval=interval, misses=3, hang_timeout=0,
                      relays=per_conn > 1)
     try:

@@ -413,6 +413,7 @@ class Agent:
             procs = dict(self._workers)
             live = [p for p in procs.values() if p.poll() is None]
             ended = {r: p.returncode for r, p in procs.items() if p not in live}
+        signalled = time.time()
         for p in live:
             p.send_signal(self._signal or signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.term_grace
@@ -428,6 +429,12 @@ class Agent:
             log.info("workers' exit codes: %s", ", ".join(
                 f"rank {r}: {failures.describe(p.returncode)}{' (stopped by this agent)' if p in live else ''}"
                 for r, p in sorted(procs.items())))
+        # a worker that had failed on its own and was still exiting when it was signalled (its exit teardown
+        # releases its process groups first: its peers, on other nodes too, fail meanwhile) wrote its error
+        # file before: its failure is its own, not the agent's doing
+        base = self.cfg.node_rank * self.cfg.nproc_per_node
+        ended.update({r: p.returncode for r, p in procs.items()
+                      if p in live and p.returncode and self._failed_before(r - base, signalled)})
         self._workers = {}
         if self._relay is not None:  # after its ranks ended: their last words went through it
             self._relay.close(5.0)
@@ -435,6 +442,15 @@ class Agent:
         if self._logs is not None:
             self._logs.stop()
         return ended
+
+    def _failed_before(self, local_rank: int, when: float) -> bool:
+        """Whether the worker of ``local_rank`` wrote its error file (failures.record) before ``when``."""
+        path = self._logs.error_file(local_rank) if self._logs is not None else ""
+        try:
+            st = os.stat(path) if path and path != os.devnull else None
+        except OSError:
+            return False
+        return st is not None and st.st_size > 0 and st.st_mtime <= when
 
     # --- rounds -------------------------------------------------------------------------------
     def _join(self, rnd: int) -> int | None:

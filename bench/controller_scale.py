@@ -191,6 +191,7 @@ class _Phases:
 
         self.lines: list[str] = []
         handler = logging.Handler(logging.INFO)
+
         def emit(rec):
             self.lines.append(rec.getMessage()[:200])
             if rec.levelno >= logging.WARNING:  # printed as before this handler existed (logging's last resort)

@@ -158,9 +158,9 @@ def _release_groups(deadline: float, quiet: bool = False) -> None:
     groups = device.destroy_all()
     device.release(groups)  # our references, dropped in parallel: an unreferenced group goes now
     if not device.wait_released(max(0.1, deadline - time.monotonic())):
-        warn("exit: process groups still being destroyed after MINDIO_EXIT_TIMEOUT=%.0f s (their "
-                     "worker threads wait for a collective with a peer); the interpreter shutdown may abort",
-                     _knobs.get("MINDIO_EXIT_TIMEOUT"))
+        warn("exit: process groups still being destroyed after MINDIO_EXIT_TIMEOUT=%.0f s (their worker threads "
+             "wait for a collective with a peer); the interpreter shutdown may abort",
+             _knobs.get("MINDIO_EXIT_TIMEOUT"))
         return
     if collective_threads():  # groups referenced from garbage cycles go with one collection
         device.collect()
@@ -168,8 +168,8 @@ def _release_groups(deadline: float, quiet: bool = False) -> None:
         device.collect()
     left = collective_threads()
     if left:
-        warn("exit: %d gloo worker thread(s) still run: drop the script's references to process groups "
-                     "before destroy_process_group, or the exit may abort (docs/quickstart.md)", left)
+        warn("exit: %d gloo worker thread(s) still run: drop the script's references to process groups before "
+             "destroy_process_group, or the exit may abort (docs/quickstart.md)", left)
 
 
 def _drop_ddp_groups() -> int:
@@ -203,7 +203,7 @@ def _freeze_for_shutdown() -> None:
 
 def at_exit(quiet: bool = False) -> None:
     """(atexit) Close the control plane, then release every process group (module docstring). Once per
-    process: mindio-run's worker bootstrap calls it too, after the handler :func:`install` registered,
+    process: mindio-run's worker bootstrap calls it too, after the handler :func:`install` registered.
     ``quiet``: for a script that never started mindio, what is left over is logged at debug level (its
     groups are released as far as its references allow; the advice is for mindio's users)."""
     global _ran
@@ -241,7 +241,7 @@ def at_exit(quiet: bool = False) -> None:
 def hard_exit(code: int) -> None:
     """End the process with ``code`` now, without the interpreter teardown: flush stdout, stderr and the
     logging handlers, then ``os._exit`` (decorator._finish after an ordered exit; the processor's exit
-    watch, processor.Processor._watch_exit)."""
+    watch, processor.Processor._watch_exit). The files of :func:`remove_at_exit` are removed first."""
     _remove_files()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from mindio.launch import tmpdirs
 
 # a process that makes its directory the way an agent does, says where, then waits to be killed
@@ -54,7 +56,7 @@ def test_a_killed_makers_directory_is_swept_a_live_ones_is_not(tmp_path):
 
 def test_a_directory_of_another_user_is_never_swept(tmp_path):
     if os.geteuid() != 0:
-        return  # only root can make a directory another user owns
+        pytest.skip("only root can make a directory another user owns")
     d = tmp_path / "mindio-run-theirs"  # as another user's agent leaves it: private, its lock free
     d.mkdir(mode=0o700)
     (d / tmpdirs.LOCK).touch()

@@ -4,7 +4,7 @@ Protocol (controller side; the processor side is in processor.py):
 
 1. :meth:`ActionEngine.call` numbers the action (``sn``), queues ACTION(name, params) for every target
    rank and waits on the controller's condition variable.
-2. The controller's I/O thread hands each REPLY to :meth:`on_reply`; the engine counts the replies it
+2. The controller's I/O thread hands the REPLYs to :meth:`on_replies`; the engine counts the replies it
    still expects and wakes the caller only when none is left (or when the I/O thread reports a death),
    so 100k replies do not cost 100k wake-ups.
 3. An action is sent once. Only ranks that have not answered (and are alive) get it again -- a frame
@@ -76,31 +76,26 @@ class ActionEngine:
             p.outstanding -= sum(1 for rank in ranks if rank in p.targets and rank not in p.replies)
 
     def on_reply(self, rank: int, sn: int, body: P.Reply) -> None:
-        """(I/O thread) Record one reply."""
-        with self._cond:
-            p = self._pending
-            if p is not None and p.sn == sn and rank in p.targets and rank not in p.replies:
-                p.replies[rank] = body
-                p.outstanding -= 1
-                if not body.ok and p.fail_fast:
-                    p.failed = True
-                if p.outstanding <= 0 or p.failed:
-                    self._cond.notify_all()
+        """(I/O thread) Record one reply (:meth:`on_replies`)."""
+        self.on_replies([P.Envelope(P.MsgType.REPLY, body, rank=rank, sn=sn)])
 
     def on_replies(self, replies: list) -> None:
-        """(I/O thread) Record many REPLY envelopes (a relay's batch: its ranks' answers to one action) as
-        :meth:`on_reply` records one, under one acquisition of the condition and with one wake-up."""
+        """(I/O thread) Record REPLY envelopes (one, or a relay's batch: its ranks' answers to one action)
+        under one acquisition of the condition; the caller is woken once, when the last one it waits for
+        came in or one failed a ``fail_fast`` action."""
         with self._cond:
             p = self._pending
             if p is None:
                 return
+            got = False
             for env in replies:
                 if env.sn == p.sn and env.rank in p.targets and env.rank not in p.replies:
                     p.replies[env.rank] = env.body
                     p.outstanding -= 1
+                    got = True
                     if not env.body.ok and p.fail_fast:
                         p.failed = True
-            if p.outstanding <= 0 or p.failed:
+            if got and (p.outstanding <= 0 or p.failed):
                 self._cond.notify_all()
 
     def reserve(self) -> int:

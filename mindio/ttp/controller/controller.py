@@ -495,12 +495,7 @@ class Controller:
             if done:  # every rank of the world finished its training: a waiting standby is not needed
                 self.elastic.tell_standbys(0)
         elif env.type is P.MsgType.REPLY:
-            r = self.ranks.get(env.rank)
-            if r is not None and r.alive and env.rank in self.liveness.seen:  # any frame proves life, not only a beat
-                r.last_seen = now
-                self.liveness.seen.move_to_end(env.rank)
-            self.incidents.confirmed(env.rank, env.sn)
-            self.actions.on_reply(env.rank, env.sn, body)
+            self._replies_heard([env], now)
         elif env.type is P.MsgType.REQUEST and env.rank in self.ranks:
             if env.body.name == "dump":
                 self.request_dump(f"rank {env.rank}: {env.body.reason}")
@@ -534,8 +529,7 @@ class Controller:
         """A relay's BATCH of REPLY items: what :meth:`_dispatch` does for each REPLY, with the rank table's
         columns and one call to the action engine instead of per rank in Python (a 100k-rank stop round
         is 100k replies): items for ranks not registered through this relay are dropped, a replaced
-        rank's old process is refused, a live watched rank was heard (``last_seen``; no beat: it carries
-        no progress evidence), the exit order counts as carried to those that confirm it."""
+        rank's old process is refused, the rest are :meth:`_replies_heard`."""
         if self._beats:  # as every frame of another kind: the beats read before it first
             self._flush_beats()
         table, replacements = self.ranks, self.replacements
@@ -547,11 +541,23 @@ class Controller:
             items = [e for e, ok in zip(items, mine.tolist()) if ok]
         if replacements.replaced:
             items = [e for e in items if not replacements.refuse_stale(e)]
-        if not items:
-            return
-        idx = np.fromiter((e.rank for e in items), np.int64, len(items))
-        heard = idx[table.col["alive"][idx] & table.watched[idx]]
-        table.col["last_seen"][heard] = now
+        if items:
+            self._replies_heard(items, now)
+
+    def _replies_heard(self, items: list, now: float) -> None:
+        """REPLY envelopes admitted (one frame, or a relay's batch): each live watched rank was heard
+        (``last_seen``: any frame proves life; no beat: a reply carries no progress evidence), the exit order
+        counts as carried to those that confirm it, and the action engine records them."""
+        table = self.ranks
+        if len(items) == 1:  # a rank's own frame: the record (a vector of one costs twice as much)
+            r = table.get(items[0].rank)
+            if r is not None and r.alive and table.watched[r.rank]:
+                r.last_seen = now
+        else:
+            idx = np.fromiter((e.rank for e in items), np.int64, len(items))
+            idx = idx[(idx >= 0) & (idx < len(table.present))]
+            heard = idx[table.present[idx] & table.col["alive"][idx] & table.watched[idx]]
+            table.col["last_seen"][heard] = now
         if self.incidents.order is not None:
             for e in items:
                 self.incidents.confirmed(e.rank, e.sn)

@@ -79,14 +79,13 @@ class StopRound:
 
     def _advance(self, replies: dict, grace: float) -> None:
         """Step 2 of :meth:`run`; ``replies`` is updated."""
-        fenced = [r for r, m in _mains(replies).items() if m == MainState.FENCED]
+        running, fenced = _split(replies)
         if not fenced:  # nobody held at the fence: nothing to advance (and no views of 100k ranks to build)
             return
         views = self.core.incidents.views(replies)
         step, behind = policy.ranks_to_advance(views, fenced)
         if not behind:
             return
-        running = sorted(r for r, m in _mains(replies).items() if m == MainState.RUNNING)
         _log.warning("stop: ranks %s were held at their fence before the update of step %d, which another rank "
                      "made or started; letting them finish it%s", behind[:16], step,
                      f" (ranks {running[:16]} were running)" if running else "")

@@ -124,6 +124,37 @@ def test_a_group_whose_members_all_wait_in_it_is_named_slow_communication_not_it
     assert _feed_groups(sc, busy, 5) == []
 
 
+# A fault-free DDP loop beside two busy loops (tests/ttp/_hang_loop.py --ddp --step-sleep 0.05, 150 steps,
+# 5-step windows): each window's (wall, own, wait in the world group) per step, as the controller saw them.
+# Its waits are the step's sleep, charged to DDP's group, and move by the wait clock's 10 ms ticks.
+_NOISY = [(0.0546, 0.0082, 0.0444), (0.0567, 0.0103, 0.0464), (0.0559, 0.0035, 0.0484), (0.0554, 0.007, 0.0464),
+          (0.0567, 0.0063, 0.0484), (0.0553, 0.0029, 0.0504), (0.0552, 0.0032, 0.0505), (0.0544, 0.004, 0.0464),
+          (0.0546, 0.0076, 0.0464), (0.0555, 0.003, 0.0506), (0.0559, 0.0015, 0.0405), (0.0582, 0.0037, 0.0524),
+          (0.0558, 0.0032, 0.0524), (0.0555, 0.0071, 0.0464), (0.0554, 0.007, 0.0383), (0.0569, 0.0043, 0.0504),
+          (0.0556, 0.0052, 0.0487), (0.0557, 0.003, 0.0505), (0.0558, 0.0055, 0.0407), (0.0543, 0.008, 0.0444),
+          (0.0554, 0.003, 0.0467), (0.0549, 0.0061, 0.0363), (0.0541, 0.0077, 0.0446), (0.055, 0.0065, 0.0466),
+          (0.0539, 0.0056, 0.0463), (0.0542, 0.0058, 0.0484), (0.0566, 0.004, 0.0525), (0.0553, 0.0027, 0.0485),
+          (0.056, 0.0053, 0.0506)]
+
+
+def test_a_groups_floor_is_its_usual_wait_not_the_least_of_noisy_windows():
+    """The windows of a fault-free run (_NOISY) name no group: their least wait falls as the run goes on
+    (0.044 -> 0.036 s), and the old floor (the least ever seen) named the world group slow twice, 1.32x, at
+    windows 18 and 26. The floor is the median of the group's last windows; a slowdown after them is
+    still named, against the windows before it, and one that lasts becomes the group's pace."""
+    sc = slow.SlowScores(window=5, ratio=1.2, min_wait=0.1, k=3)
+    for wall, own, wait in _NOISY:
+        assert _feed_groups(sc, {r: (wall, own, {"w": wait}) for r in range(3)}, 5) == []
+    slower = {r: (0.0766, 0.005, {"w": 0.0716}) for r in range(3)}  # 25 ms more a step in w's collectives
+    assert _feed_groups(sc, slower, 5) == [] and _feed_groups(sc, slower, 5) == []
+    got = _feed_groups(sc, slower, 5)
+    assert [(f.cause, f.group, f.ranks) for f in got] == [("communication", "w", (0, 1, 2))], got
+    assert got[0].ratio == pytest.approx(0.0716 / 0.0484, abs=0.01)  # the median of the 7 windows before
+    for _ in range(9):  # it lasts the floor's whole history (9 windows at K=3): the group's pace now
+        assert _feed_groups(sc, slower, 5) == []
+    assert sc.status()["groups"]["w"]["floor_wait_s"] == pytest.approx(0.0716)
+
+
 def test_bad_or_missing_sums_are_ignored_and_off_by_default(monkeypatch):
     monkeypatch.delenv("MINDIO_SLOW_WINDOW", raising=False)
     assert slow.SlowScores().window == 0

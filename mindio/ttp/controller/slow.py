@@ -16,10 +16,14 @@ scheduler holds single ranks back for a while: docs/recovery.md, false alarms).
 Slow communication. The wait clock also charges each wait to the process group whose collective the main
 thread entered last (a fifth item of ``step_sums``: {group key: s}). With no straggler in a window, a group
 is slow (cause "communication") when *every* member waited in its collectives, per step, at least
-``MINDIO_SLOW_RATIO`` times the least that group's members waited in a window so far (its floor, the
-least of the per-window minimums) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their step time more, while
-their own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times its floor or grew by
-less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). The minimum over the
+``MINDIO_SLOW_RATIO`` times what that group's members usually wait (its floor: the median of its last
+windows, ``_HISTORY`` of them or 3 x ``MINDIO_SLOW_K`` if more, without the run of windows found slow that
+the judged one may continue) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their step time more, while their
+own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times its floor or grew by less
+than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). A median, not the least ever
+seen: the least of many noisy windows only falls as a run goes on until an ordinary window is 1.2x above it
+(a fault-free DDP loop beside a busy loop was named after 90 steps that way). A slowdown is judged against
+the windows before it; one that lasts the whole history is the group's new pace (its floor then). The minimum over the
 members is what tells the group that is slow from the groups that wait for it: the members of a slow group
 all wait in it; a group whose members wait for a rank busy in another group's collective has that rank not
 waiting in it. ``MINDIO_SLOW_K`` windows in a row report it once.
@@ -44,6 +48,8 @@ from dataclasses import dataclass
 from ... import _knobs
 
 __all__ = ["SlowScores", "Slow"]
+
+_HISTORY = 8  # windows a group's floor is the median of (at least; 3 x K if that is more)
 
 
 @dataclass
@@ -116,7 +122,8 @@ class SlowScores:
         self.glast: dict[int, dict] = {}
         self.gbase: dict[int, dict] = {}
         self.groups: dict[str, dict] = {}  # group -> {"ranks", "wait_s", "own_s", "floor_wait_s", ...}
-        self.floors: dict[str, tuple] = {}  # group -> (least wait per step, least own per step) so far
+        self.floors: dict[str, collections.deque] = {}  # group -> its last windows' (wait, own) per step
+        self.runs: dict[str, int] = {}  # group -> how many of those, the newest, it was found slow in
         self.gstreak = _Streak(max(1, self.k))  # the same for a group
 
     def observe(self, rank: int, raw) -> bool:
@@ -219,13 +226,20 @@ class SlowScores:
             wait = min(waited[r][g] for r in rs)
             own = statistics.median(s[r]["own_s"] for r in rs)
             wall = statistics.median(s[r]["wall_s"] for r in rs)
-            fw, fo = self.floors.get(g, (wait, own))
+            past = self.floors.get(g)
+            if past is None:
+                past = self.floors[g] = collections.deque(maxlen=max(_HISTORY, 3 * self.k))
+            before = list(past)[:len(past) - self.runs.get(g, 0)] or past  # the windows before its slow run
+            fw, fo = (statistics.median(v) for v in zip(*before)) if before else (wait, own)
             self.groups[g] = {"ranks": sorted(rs), "wait_s": round(wait, 6), "own_s": round(own, 6),
                               "floor_wait_s": round(fw, 6), "floor_own_s": round(fo, 6)}
             if wait >= self.ratio * fw and wait - fw >= self.min_wait * wall and (
                     own < self.ratio * fo or own - fo < self.min_wait * wall):  # their compute did not grow
                 flagged.append((wait - fw, g))
-            self.floors[g] = (min(fw, wait), min(fo, own))
+                self.runs[g] = min(self.runs.get(g, 0) + 1, len(past) + 1)
+            else:
+                self.runs[g] = 0
+            past.append((wait, own))
         key = max(flagged)[1] if flagged and self.streak.key is None else None
         if not self.gstreak.see(key):
             return []

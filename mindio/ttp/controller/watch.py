@@ -137,7 +137,7 @@ class Liveness:
         nothing to hot-switch; the operator (or a cluster brain reading the event) acts."""
         g = self.slow.groups.get(found.group, {})
         _log.warning("process group %s (ranks %s%s) is slow (cause communication): its members wait %.3f s per "
-                     "step in its collectives, %.2fx the least seen (%.3f s), while their own time per step is "
+                     "step in its collectives, %.2fx its usual wait (%.3f s), while their own time per step is "
                      "as before (MINDIO_SLOW_WINDOW %d steps, MINDIO_SLOW_RATIO %.2f, MINDIO_SLOW_K %d)%s",
                      found.group, list(found.ranks[:16]), " ..." if len(found.ranks) > 16 else "",
                      g.get("wait_s", 0.0), found.ratio, g.get("floor_wait_s", 0.0), self.slow.window,

@@ -321,8 +321,8 @@ _ALL = [
          "1: route megatron-core checkpoint save/load through mindio.save/load."),
     # --- replica cross-check (mindio.adapter.crosscheck) ---
     Knob("MINDIO_CROSSCHECK_STEPS", int, 0,
-         "N: the holders of each optimizer shard compare the CRC-32 of one N-th of it after every optimizer "
-         "step, so every byte is checked once every N steps; a mismatch raises ReplicaMismatch (incident "
+         "N: every N optimizer steps the holders of each optimizer shard compare hashes (XXH3-64) of its N "
+         "slices, so every byte is checked once every N steps; a mismatch raises ReplicaMismatch (incident "
          "replica_mismatch), or, with mindio.megatron.verified in the loop, rolls the job back to the last "
          "verified state. 0: off.", min=0, max=1 << 20),
     Knob("MINDIO_CROSSCHECK_WINDOW", int, 1000,

@@ -41,10 +41,12 @@ What this module adds on top (class :class:`ReplicaDistributedOptimizer`):
    instead of 1/d, so that loop was the largest part of the replicas' extra step time (issue 18,
    docs/benchmarks.md). On GPU megatron already uses a fused kernel (TE/Apex FusedAdam).
 
-5. The replica cross-check (``MINDIO_CROSSCHECK_STEPS=N``, mindio.adapter.crosscheck): after each
-   update the holders of this shard (megatron's inter-instance group) compare the CRC-32 of one N-th of
-   it; the slice is chosen by Adam's step count, which every holder shares. A mismatch is logged,
-   recorded (event ``replica_mismatch``) and raised (:class:`~mindio.adapter.crosscheck.ReplicaMismatch`).
+5. The replica cross-check (``MINDIO_CROSSCHECK_STEPS=N``, mindio.adapter.crosscheck): after every N-th
+   update (by Adam's step count, which every holder shares) the holders of this shard (megatron's
+   inter-instance group) compare the hash of each of its N slices. A mismatch is logged, recorded
+   (event ``replica_mismatch``) and raised (:class:`~mindio.adapter.crosscheck.ReplicaMismatch`); with
+   :class:`mindio.megatron.verified.VerifiedState` in the loop it checks at its boundaries instead and
+   rolls the job back.
    :meth:`ReplicaDistributedOptimizer.flip_bit` is the ``--inject flip`` drill's corruption.
 
 :func:`install` puts the class into the ``megatron.core.optimizer`` namespace, where
@@ -56,7 +58,7 @@ are the identity (:mod:`mindio.megatron._one_rank`).
 from __future__ import annotations
 
 import logging
-from typing import List
+from typing import List, Optional
 
 import torch
 from megatron.core import optimizer as _mopt
@@ -90,8 +92,12 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
         ok = super().step_with_ready_grads()
         self.params_synced = not (self.ddp_config.overlap_param_gather or self.ddp_config.use_megatron_fsdp)
         every = _knobs.get("MINDIO_CROSSCHECK_STEPS")
-        if every:
-            self.cross_check(every)
+        if every and not self.defer_mismatch and self.adam_step() % every == 0:
+            found = self.cross_check(every)  # with mindio.megatron.verified in the loop, it checks instead
+            if found:
+                from mindio.adapter.crosscheck import ReplicaMismatch
+
+                raise ReplicaMismatch(found[0])
         return ok
 
     # -- replica cross-check ----------------------------------------------------------------
@@ -111,33 +117,29 @@ class ReplicaDistributedOptimizer(DistributedOptimizer):
                 return int(state["step"])
         return 0
 
-    #: mismatches found by :meth:`cross_check` and not yet taken (:meth:`take_mismatches`); with
-    #: ``defer_mismatch`` False (no :class:`mindio.megatron.verified.VerifiedState`) the first one is raised
-    mismatches: list = []
+    #: True once :class:`mindio.megatron.verified.VerifiedState` runs the check at its boundaries (and undoes
+    #: a mismatch); until then the optimizer checks after every N-th update and raises on a mismatch
     defer_mismatch = False
 
-    def cross_check(self, every: int) -> None:
-        """Compare this step's slice of the shard with the other holders (collective over the world)."""
+    def cross_check(self, every: int, step: Optional[int] = None, hashes: Optional[list] = None) -> list:
+        """Compare the whole shard with the other holders, as ``every`` slices (collective over the holders,
+        then the world; mindio.adapter.crosscheck.compare); each mismatch is logged by its holders and
+        recorded. ``step``: default Adam's step count; ``hashes``: the slices' hashes when the caller has
+        them. Returns the incidents (the same on every rank)."""
         group = self._holders_group()
         if group is None:  # one optimizer instance: no replica to compare with
-            return
+            return []
         from mindio.adapter.crosscheck import ReplicaMismatch, compare
 
         tensors = self.shard_state()
         key = min(torch.distributed.get_process_group_ranks(group))
-        found = compare(tensors, self.adam_step(), every, key, self.data_parallel_group.rank(),
-                        tensors[0].device if tensors else None)
+        found = compare(tensors, self.adam_step() if step is None else step, every, key,
+                        self.data_parallel_group.rank(), group, tensors[0].device if tensors else None, hashes)
         me = torch.distributed.get_rank()
         for incident in found:
             if me in incident["holders"]:
                 _log.error("%s", ReplicaMismatch(incident))
                 _logging.event("replica_mismatch", **{k: v for k, v in incident.items() if k != "kind"})
-        if found and not self.defer_mismatch:
-            raise ReplicaMismatch(found[0])
-        self.mismatches = self.mismatches + found
-
-    def take_mismatches(self) -> list:
-        found, self.mismatches = self.mismatches, []
         return found
 
     @torch.no_grad()

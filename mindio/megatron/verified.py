@@ -1,15 +1,16 @@
 """Undo silent corruption: roll the job back to the last verified state when the replica cross-check
 finds two holders of a shard that differ (mindio.adapter.crosscheck, ``MINDIO_CROSSCHECK_STEPS=N``).
 
-At every full-coverage boundary (``iteration % N == 0``) :meth:`VerifiedState.after_step` verifies this
-rank's optimizer shard(s) (fp32 main params, Adam moments and step) in full -- every holder hashes all of
-it and all compare (one all-gather over the world) -- and then keeps a copy of them (in the previous
-copy's memory) and of the scalar state (iteration, consumed samples, scheduler, loss scale, RNG), with the
-copy's CRC-32, checked again before the copy is ever restored. A mismatch found later by the per-step check (every
-rank learns of it at the same step) makes every rank load that copy back, take the model params from the
-main shards again (``params_from_main``) and recompute from there: the training loop restarts its data at
-``ctx.consumed_samples`` (``after_step`` returns True). The end state is bit for bit that of a fault-free
-run. A rank in two mismatches within ``MINDIO_CROSSCHECK_WINDOW`` steps is sub-healthy: it raises
+At every boundary (``iteration % N == 0``) :meth:`VerifiedState.after_step` checks this rank's optimizer
+shard(s) (fp32 main params, Adam moments and step) in full across the holders -- each hashes its N slices
+(mindio.adapter.crosscheck: one pass), the holders compare them, and every rank learns of a mismatch
+anywhere -- and, when they agree, keeps a copy of them (in the previous copy's memory) and of the scalar
+state (iteration, consumed samples, scheduler, loss scale, RNG), with the copy's slice hashes, checked
+again before the copy is ever restored. A mismatch (every rank learns of it at the same step) makes every
+rank load the previous copy back, take the model params from the main shards again (``params_from_main``)
+and recompute from there: the training loop restarts its data at ``ctx.consumed_samples`` (``after_step``
+returns True). The end state is bit for bit that of a fault-free run. What the check costs is reported
+at each copy (event ``crosscheck_cost``: seconds hashing and copying, seconds in its all-gathers, steps). A rank in two mismatches within ``MINDIO_CROSSCHECK_WINDOW`` steps is sub-healthy: it raises
 :class:`SubHealthyRank` (the others go on into the next collective, where mindio's recovery finds them).
 
 Memory: one copy of the shard state per rank (12 bytes per param held), in host memory on the CPU.
@@ -18,6 +19,7 @@ Memory: one copy of the shard state per rank (12 bytes per param held), in host 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mindio import _knobs, _logging
-from mindio.adapter.crosscheck import ReplicaMismatch, compare, range_crc, shard_bytes
+from mindio.adapter.crosscheck import COST, ReplicaMismatch, shard_bytes, slice_hashes
 
 from .optimizer import distributed_optimizers, params_from_main
 
@@ -44,7 +46,7 @@ class _Snapshot:
     shards: List[List[torch.Tensor]]  # per distributed optimizer, cloned
     scalars: Dict
     owners: List[int]  # id() of the optimizers it was taken from
-    sums: List[int]  # CRC-32 of each optimizer's copy, checked before it is restored
+    sums: List[List[int]]  # each optimizer's copy's slice hashes (XXH3-64), checked before it is restored
 
 
 class VerifiedState:
@@ -66,12 +68,12 @@ class VerifiedState:
         opts = distributed_optimizers(ctx.optimizer)
         if self.snapshot is not None and self.snapshot.owners != [id(o) for o in opts]:
             self.snapshot = None  # the optimizers were built again (a recovery, a new layout): keep a new one
-        found = []
         for o in opts:
-            o.defer_mismatch = True  # a rebuilt optimizer too
-            found += o.take_mismatches()
-        if not found and ctx.iteration % self.every == 0:
-            found = self._capture(ctx, opts)
+            o.defer_mismatch = True  # this checks, not the optimizer (a rebuilt one too)
+        COST["steps"] += 1
+        if ctx.iteration % self.every:
+            return False
+        found = self._capture(ctx, opts)
         if not found:
             return False
         self._check_health(found, ctx.iteration)
@@ -96,14 +98,10 @@ class VerifiedState:
         memory when the layout is the same: no new pages) and the scalars, with each copy's CRC-32."""
         live = [o.shard_state() for o in opts]
         found, sums = [], []
+        t0, worked, gathered = time.perf_counter(), COST["work_s"], COST["gather_s"]
         for o, tensors in zip(opts, live):
-            group = o._holders_group()
-            sums.append(range_crc(tensors, 0, shard_bytes(tensors)))
-            if group is None:
-                continue
-            key = min(dist.get_process_group_ranks(group))
-            found += compare(tensors, ctx.iteration, 1, key, o.data_parallel_group.rank(),
-                             tensors[0].device if tensors else None)
+            sums.append(slice_hashes(tensors, self.every))
+            found += o.cross_check(self.every, ctx.iteration, sums[-1])
         if found:
             return found
         old = self.snapshot
@@ -113,16 +111,23 @@ class VerifiedState:
             shards = ([[dst.copy_(src) for dst, src in zip(d, g)] for d, g in zip(old.shards, live)] if reuse
                       else [[t.detach().clone() for t in g] for g in live])
         self.snapshot = _Snapshot(ctx.iteration, shards, ctx.scalar_state(), [id(o) for o in opts], sums)
+        COST["work_s"] = worked + time.perf_counter() - t0 - (COST["gather_s"] - gathered)  # less its gathers
+        # what the check cost since the last copy: bench/ha_overhead.py --crosscheck compares it with the step
+        _logging.event("crosscheck_cost", at_step=ctx.iteration, every=self.every, steps=COST["steps"],
+                       work_s=round(COST["work_s"], 6), gather_s=round(COST["gather_s"], 6),
+                       shard_bytes=sum(shard_bytes(t) for t in live))
+        COST.update(work_s=0.0, gather_s=0.0, steps=0)
         return []
     def _restore(self, ctx, opts, incident: Dict) -> None:
         snap = self.snapshot
         found_at = ctx.iteration
         for saved, want in zip(snap.shards, snap.sums):
-            got = range_crc(saved, 0, shard_bytes(saved))
+            got = slice_hashes(saved, len(want))
             if got != want:  # the copy itself changed since it was verified: never restore it
+                bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
                 raise ReplicaMismatch(incident) from RuntimeError(
-                    f"the verified copy of step {snap.iteration} changed in memory (CRC-32 {got:08x}, kept "
-                    f"{want:08x}): nothing verified to roll back to")
+                    f"the verified copy of step {snap.iteration} changed in memory (slice {bad} of {len(want)} "
+                    "hashes otherwise than when it was kept): nothing verified to roll back to")
         for o, saved in zip(opts, snap.shards):
             o.load_shard_state(saved)
         if ctx.scheduler is not None:

@@ -1,7 +1,7 @@
 """The replica cross-check and its undo end to end: the Megatron example, 4 ranks, DP=4 with two replicas per
 shard (ranks 1 and 3 hold shard 1), ``MINDIO_CROSSCHECK_STEPS=4``. ``--inject flip:rank=1,step=6`` flips the
 lowest mantissa bit of one fp32 value of rank 1's shard -- a master weight, or an Adam second moment --
-while step 6 is computed: no error, no visible change of the loss. The check finds it within 4 steps and
+while step 6 is computed: no error, no visible change of the loss. The check (every 4 steps) finds it and
 names both holders and the byte range; the job rolls back to the verified state of step 4, recomputes, and
 ends bit for bit equal to a fault-free run. Before the flip no check differs."""
 
@@ -33,9 +33,10 @@ def test_a_flipped_low_bit_is_found_and_undone(fault_free, state, tmp_path):
     assert re.search(rf"\[rank 1\] injecting flip at step 6: {state} of shard tensor \d+, element \d+, bit 0: ",
                      out), out[-3000:]
     found = re.findall(r"ERROR:mindio\.megatron\.optimizer:replica mismatch at step (\d+): optimizer shard 1 "
-                       r"differs between its holders, ranks 1 and 3, in bytes (\d+)\.\.(\d+) \(CRC-32 rank 1: "
-                       r"[0-9a-f]{8}, rank 3: [0-9a-f]{8}\); every byte is checked once every 4 steps", out)
+                       r"differs between its holders, ranks 1 and 3, in bytes (\d+)\.\.(\d+) \(XXH3-64 rank 1: "
+                       r"([0-9a-f]{16}), rank 3: ([0-9a-f]{16})\); every byte is checked once every 4 steps", out)
     assert len(found) == 2 and found[0] == found[1], out[-3000:]  # each holder says it, same step and slice
+    assert found[0][3] != found[0][4], found  # the holders' hashes of that slice
     at = int(found[0][0])
     assert 6 <= at < 6 + EVERY, found
     assert "replica mismatch" not in out.split("injecting flip")[0]  # nothing differed before the flip

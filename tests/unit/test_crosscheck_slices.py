@@ -1,15 +1,17 @@
-"""The replica cross-check's pieces, one process: the slice schedule covers every byte of any shard within N
-steps (hypothesis), the CRC of a byte range across tensors is the CRC of those bytes, any one flipped bit
-changes it, and the ``flip`` drill's spec. The holders' comparison runs in tests/megatron/test_crosscheck.py."""
+"""The replica cross-check's pieces, one process: the N slices cover every byte of any shard once (hypothesis),
+each slice's hash is the XXH3-64 of its bytes across tensors, any one flipped bit changes exactly one slice's,
+the CRC of a byte range (what repairs check) is the CRC of those bytes, and the ``flip`` drill's spec. The
+holders' comparison runs in tests/megatron/test_crosscheck.py."""
 
 import zlib
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings, strategies as st
 
 from mindio import drill
-from mindio.adapter.crosscheck import range_crc, shard_bytes, slice_bounds
+from mindio.adapter.crosscheck import range_crc, shard_bytes, slice_bounds, slice_hashes
 from mindio.errors import ConfigError
 
 
@@ -61,20 +63,28 @@ def test_range_crc_is_the_crc_of_those_bytes(tensors, data):
 
 
 @settings(max_examples=200, deadline=None)
+@given(tensors=_shard(), every=st.integers(1, 40))
+def test_slice_hashes_are_each_slices_xxh3_in_one_pass(tensors, every):
+    """What a boundary check hashes (one pass over the shard, any sizes, slices cut inside or across
+    tensors, empty slices) is each slice's XXH3-64 (as a signed int64), as if hashed one by one."""
+    blob = b"".join(t.view(torch.uint8).numpy().tobytes() for t in tensors)
+    want = [xxhash.xxh3_64_intdigest(blob[slice(*slice_bounds(len(blob), every, i))]) for i in range(every)]
+    assert [h & (1 << 64) - 1 for h in slice_hashes(tensors, every)] == want
+
+
+@settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 2000), every=st.integers(1, 16), data=st.data())
 def test_one_flipped_bit_anywhere_is_seen_within_every_steps(n, every, data):
-    """Two holders, one of them with one bit flipped (any element, any bit): one of the next ``every``
-    steps' slices differs."""
+    """Two holders, one of them with one bit flipped (any element, any bit): exactly one of the ``every``
+    slices' hashes differs (a check every ``every`` steps sees it)."""
     a = [torch.randn(n), torch.randn(3), torch.tensor([7.0])]
     b = [t.clone() for t in a]
     k = data.draw(st.integers(0, len(b) - 1))
     j = data.draw(st.integers(0, b[k].numel() - 1))
     bit = data.draw(st.integers(0, 31))
     b[k].view(torch.int32)[j] ^= (1 << bit) if bit < 31 else -(1 << 31)
-    total = shard_bytes(a)
-    differ = [s for s in range(every) if range_crc(a, *slice_bounds(total, every, s)) !=
-              range_crc(b, *slice_bounds(total, every, s))]
-    assert len(differ) == 1
+    differ = [i for i, (x, y) in enumerate(zip(slice_hashes(a, every), slice_hashes(b, every))) if x != y]
+    assert len(differ) == 1 and 0 <= differ[0] < every
 
 
 def test_flip_spec():

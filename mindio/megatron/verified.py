@@ -115,7 +115,7 @@ class VerifiedState:
         # what the check cost since the last copy: bench/ha_overhead.py --crosscheck compares it with the step
         _logging.event("crosscheck_cost", at_step=ctx.iteration, every=self.every, steps=COST["steps"],
                        work_s=round(COST["work_s"], 6), gather_s=round(COST["gather_s"], 6),
-                       shard_bytes=sum(shard_bytes(t) for t in live))
+                       shard_bytes=sum(shard_bytes(t) for t in live), allocated=not reuse)  # a first copy
         COST.update(work_s=0.0, gather_s=0.0, steps=0)
         return []
     def _restore(self, ctx, opts, incident: Dict) -> None:

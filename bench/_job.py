@@ -45,6 +45,16 @@ def _shard_bytes(ctx) -> int:
     return sum(t.numel() * t.element_size() for t in ctx.shard_tensors())
 
 
+def _dump_bytes(ctx, step, _save_info=None, root=None) -> int:
+    """Bytes this rank's dump wrote: the items its index piece lists (a writer of the weights writes
+    more than its optimizer shard)."""
+    import json
+
+    directory = checkpoint.checkpoint_dir(root or ctx.args.save, step)
+    piece = json.loads((directory / f"__{checkpoint._rank(ctx)}.mindio.json").read_text())
+    return sum(int(r["length"]) for r in piece["results"])
+
+
 def _timed(module, name: str, label: str, nbytes, rank0_only: bool = False) -> None:
     """Replace ``module.name`` with a wrapper printing ``bench-job: <label> rank= bytes= s=`` (no line
     when ``nbytes`` returns None: a dump call on a rank that writes nothing)."""
@@ -68,7 +78,7 @@ def time_data_path() -> None:
     tensor_bytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     _timed(checkpoint, "save_checkpoint", "save", lambda a, out: _shard_bytes(a[0]), rank0_only=True)
     _timed(checkpoint, "load_checkpoint", "load", lambda a, out: _shard_bytes(a[0]), rank0_only=True)
-    _timed(checkpoint, "save_dump", "dump", lambda a, out: _shard_bytes(a[0]) if out else None)
+    _timed(checkpoint, "save_dump", "dump", lambda a, out: _dump_bytes(*a[:4]) if out else None)
     _timed(adapter, "send_state", "repair-send", lambda a, out: tensor_bytes(a[0]))
     _timed(adapter, "recv_state", "repair-recv", lambda a, out: tensor_bytes(a[0]))
 

@@ -143,17 +143,20 @@ def _create_temp(path: str, tag: str, flags: int = 0) -> tuple:
     raise FileExistsError(errno.EEXIST, f"cannot create a temporary file next to {path}: every name tried exists")
 
 
-def _atomic(path: str, fill, mode: int, tag: str, flags: int = 0, before_rename=None) -> os.stat_result:
+def _atomic(path: str, fill, mode: int, tag: str, flags: int = 0, before_rename=None,
+            durable: bool = True) -> os.stat_result:
     """Create a temp file, ``fill(fd)`` it, set ``mode``, fsync, rename over ``path``, fsync the
     directory; returns the new file's stat. ``before_rename(stat)`` is called with the file's final
     stat before it replaces ``path`` (the daemon journals it: mindio/acp/_persist.py). The temp file is
-    removed on every failure."""
+    removed on every failure. ``durable=False``: no fsync (the rename is still atomic for readers); the
+    caller makes the file durable later (:func:`fsync_files`) before anything points at it."""
     fd, tmp = _create_temp(path, tag or str(os.getpid()), flags)
     try:
         try:
             fill(fd)
             os.fchmod(fd, mode)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
             st = os.fstat(fd)
         finally:
             os.close(fd)
@@ -163,13 +166,34 @@ def _atomic(path: str, fill, mode: int, tag: str, flags: int = 0, before_rename=
     except BaseException:
         _unlink(tmp)
         raise
-    fsync_dir(os.path.dirname(path))
+    if durable:
+        fsync_dir(os.path.dirname(path))
     return st
 
 
-def atomic_write(path: str, chunks, mode: int = 0o644, tag: str = "", before_rename=None) -> os.stat_result:
-    """Write the byte chunks to ``path`` atomically and durably; returns the new file's stat."""
-    return _atomic(path, lambda fd: _write_all(fd, chunks), mode, tag, before_rename=before_rename)
+def atomic_write(path: str, chunks, mode: int = 0o644, tag: str = "", before_rename=None,
+                 durable: bool = True) -> os.stat_result:
+    """Write the byte chunks to ``path`` atomically and (unless ``durable=False``: see :func:`_atomic`)
+    durably; returns the new file's stat."""
+    return _atomic(path, lambda fd: _write_all(fd, chunks), mode, tag, before_rename=before_rename,
+                   durable=durable)
+
+
+def fsync_files(paths) -> None:
+    """Make files written with ``durable=False`` durable: fsync each (a file another process wrote too:
+    its dirty pages are the file's, not the writer's), then each directory once."""
+    dirs = []
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        d = os.path.dirname(path)
+        if d not in dirs:
+            dirs.append(d)
+    for d in dirs:
+        fsync_dir(d)
 
 
 def atomic_torch_save(obj, path: str, mode: int) -> os.stat_result:

@@ -347,7 +347,8 @@ def finish_dump(root: Path, step: int, rank: Optional[int] = None) -> None:
 
 
 def write_tracker(root: Path, iteration: int) -> None:
-    """Atomically point ``root``'s tracker file at ``iteration`` once the store holds nothing unwritten."""
+    """Atomically point ``root``'s tracker file at ``iteration`` once the store holds nothing unwritten and
+    the checkpoint's small files are durable (:func:`torch_dist.persist`)."""
     try:
         from mindio import acp
     except ImportError:  # pragma: no cover
@@ -355,6 +356,7 @@ def write_tracker(root: Path, iteration: int) -> None:
     if acp is not None and acp.flush() != 0:
         raise RuntimeError(f"the checkpoint of iteration {iteration} could not be persisted (mindio.acp.flush "
                            "failed; see the log): the tracker file is not updated")
+    torch_dist.persist(checkpoint_dir(root, iteration))
     from mindio.acp._storage import atomic_write, file_mode
 
     atomic_write(str(Path(root) / TRACKER), [str(iteration).encode()], file_mode())

@@ -96,3 +96,44 @@ def test_a_dump_written_into_the_pool_is_what_megatron_reads(tmp_path):
                           str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "POOLED True" in out.stdout and "ROUNDTRIP True" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_a_checkpoints_small_files_are_durable_before_the_tracker_names_it(tmp_path, monkeypatch):
+    """The index pieces, common.pt, its checksum record and .metadata are renamed into place without an
+    fsync (one during a dump waited behind the store persisting the data); write_tracker fsyncs each
+    of them and their directory after the store's flush, and only then writes the tracker."""
+    import os
+
+    from mindio.megatron import checkpoint
+    from mindio.megatron import torch_dist as td
+
+    d = checkpoint.checkpoint_dir(tmp_path, 3)
+    d.mkdir()
+    synced, order = [], []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    td._atomic_write(d / "__0.mindio.json", b"{}", durable=False)
+    td.write_common({"iteration": 3}, d)
+    td._atomic_write(d / ".metadata", b"x", durable=False)
+    td._atomic_write(d / td.CONFIG, b"{}", durable=False)
+    assert synced == []  # nothing synced while a dump writes
+    import mindio.acp._storage as storage
+
+    inner = storage.atomic_write
+
+    def tracked(path, *a, **k):
+        order.append((path, list(synced)))
+        return inner(path, *a, **k)
+
+    monkeypatch.setattr(storage, "atomic_write", tracked)
+    checkpoint.write_tracker(tmp_path, 3)  # the tracker's own write: an atomic_write, looked up when called
+    names = {"__0.mindio.json", td.COMMON, td.COMMON_SUM, ".metadata", td.CONFIG}
+    (tracker, before), = order
+    assert tracker.endswith(checkpoint.TRACKER)
+    assert {os.path.basename(p) for p in before} >= names and str(d) in before  # each file, then the directory
+    assert checkpoint.read_tracker(tmp_path) == 3

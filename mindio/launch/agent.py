@@ -127,6 +127,7 @@ class Agent:
         self._beater: liveness.Beater | None = None
         self._logs: WorkerLogs | None = None
         self._failures: list = []  # this node's failures in the current round (failures.Failure)
+        self._exiting: set = set()  # ranks that had failed and were exiting when _stop_workers signalled them
         self._signal: int | None = None  # the signal that stopped the agent
         self.hosted_code: int | None = None  # the exit code the hosted controller ended the job with (ha.py)
         self._ha: ha.RoundWatch | None = None  # this round's high-availability bookkeeping (ha.py)
@@ -433,8 +434,9 @@ class Agent:
         # releases its process groups first: its peers, on other nodes too, fail meanwhile) wrote its error
         # file before: its failure is its own, not the agent's doing
         base = self.cfg.node_rank * self.cfg.nproc_per_node
-        ended.update({r: p.returncode for r, p in procs.items()
-                      if p in live and p.returncode and self._failed_before(r - base, signalled)})
+        self._exiting = {r for r, p in procs.items()
+                         if p in live and p.returncode and self._failed_before(r - base, signalled)}
+        ended.update({r: procs[r].returncode for r in self._exiting})
         self._workers = {}
         if self._relay is not None:  # after its ranks ended: their last words went through it
             self._relay.close(5.0)
@@ -593,7 +595,9 @@ class Agent:
             return
         base = self.cfg.node_rank * self.cfg.nproc_per_node
         for rank, code in sorted(codes.items()):
-            self._failures.append(failures.read(rank, code, self._logs.error_file(rank - base), node=self.cfg.node_rank))
+            f = failures.read(rank, code, self._logs.error_file(rank - base), node=self.cfg.node_rank)
+            f.stopped = rank in self._exiting and code < 0
+            self._failures.append(f)
         try:
             self._store.set(f"round/{rnd}/failures/{self.cfg.node_rank}",
                             json.dumps([json.loads(f.to_json()) for f in self._failures]))

@@ -167,6 +167,7 @@ class Failure:
     late: bool = False      # it ended after its training had finished (ha.py)
     consequence: bool = False  # its worker knew it was caused by another rank's failure (mindio.ttp)
     lost: bool = False      # its node was lost (its agent stopped beating): how it ended is unknown
+    stopped: bool = False   # it had failed on its own and was exiting when its agent signalled it (``code``)
 
     @property
     def secondary(self) -> bool:
@@ -182,6 +183,8 @@ class Failure:
         when = " after its training finished" if self.late else ""
         if self.lost:
             return f"rank {self.rank}{where} lost with its node (its agent stopped beating){when}{why}"
+        if self.stopped:  # not "exited with signal ...": its end is its own failure, the signal only hurried it
+            return f"rank {self.rank}{where} failed{when}{why} (its agent's {describe(self.code)} came while it exited)"
         return f"rank {self.rank}{where} exited with {describe(self.code)}{when}{why}"
 
     def to_json(self) -> str:

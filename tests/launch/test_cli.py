@@ -13,6 +13,7 @@ from mindio.errors import ConfigError
 from mindio.launch import LaunchConfig, netif
 from mindio.launch._bootstrap import _preload, first_call_imports, preloadable, submodule_imports, top_level_imports
 from mindio.launch.cli import build_parser, parse_args
+from tests._exits import signal_deaths
 
 
 @pytest.fixture
@@ -239,6 +240,13 @@ def test_root_cause_and_round_outcome_wording(tmp_path):
     forced = failures.Failure(rank=4, code=75, error="RuntimeError: FORCE STOP: ...", consequence=True, time=1.0)
     assert failures.first([peer, killed, forced, root]) is root
     assert failures.first([failures.read(5, 7, None)]).line().startswith("rank 5 (node 0, ")
+    # it raised, and its agent's SIGTERM (the round ended by another node's failure) came while it exited:
+    # its failure is its own, and the line says so -- not "exited with signal SIGTERM", a signal death
+    exiting = failures.Failure(rank=1, code=-15, node=1, error="ValueError: bad batch", time=97.0, stopped=True)
+    assert failures.first([peer, killed, exiting]) is exiting and not exiting.secondary
+    assert exiting.line() == ("rank 1 (node 1) failed: ValueError: bad batch (its agent's signal SIGTERM came "
+                              "while it exited)")
+    assert signal_deaths(exiting.line()) == [] and signal_deaths(killed.line()) == [(2, "SIGKILL")]
 
     text, code = failures.outcome([peer, root], "node 1: ...", rnd=0, max_restarts=0, node=0)
     assert code == 1 and text.splitlines()[0] == (

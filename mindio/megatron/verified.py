@@ -10,7 +10,8 @@ again before the copy is ever restored. A mismatch (every rank learns of it at t
 rank load the previous copy back, take the model params from the main shards again (``params_from_main``)
 and recompute from there: the training loop restarts its data at ``ctx.consumed_samples`` (``after_step``
 returns True). The end state is bit for bit that of a fault-free run. What the check costs is reported
-at each copy (event ``crosscheck_cost``: seconds hashing and copying, seconds in its all-gathers, steps). A rank in two mismatches within ``MINDIO_CROSSCHECK_WINDOW`` steps is sub-healthy: it raises
+at each copy (event ``crosscheck_cost``: seconds hashing and copying, seconds in its all-gathers, steps).
+A rank in two mismatches within ``MINDIO_CROSSCHECK_WINDOW`` steps is sub-healthy: it raises
 :class:`SubHealthyRank` (the others go on into the next collective, where mindio's recovery finds them).
 
 Memory: one copy of the shard state per rank (12 bytes per param held), in host memory on the CPU.

@@ -140,8 +140,9 @@ def compare(tensors: Sequence[torch.Tensor], step: int, every: int, key: int, sh
     caller has them: :func:`slice_hashes`) all-gathered over ``holders`` (the group of this shard's holders;
     collective on it), then one row per rank over ``group`` (default the world; collective on it). ``key``
     names this rank's holders (e.g. the lowest rank among them): rows with the same key must be equal;
-    ``shard``: which shard they hold (for the message). Returns the incidents, the same list on every rank of ``group``: for each
-    shard whose holders differ, the first slice that differs and each holder's hash of it."""
+    ``shard``: which shard they hold (for the message). Returns the incidents, the same list on every rank
+    of ``group``: for each shard whose holders differ, the first slice that differs and each holder's hash
+    of it."""
     t0 = time.perf_counter()
     total = shard_bytes(tensors)
     hashes = slice_hashes(tensors, every) if hashes is None else hashes

@@ -181,12 +181,20 @@ def atomic_write(path: str, chunks, mode: int = 0o644, tag: str = "", before_ren
 
 def fsync_files(paths) -> None:
     """Make files written with ``durable=False`` durable: fsync each (a file another process wrote too:
-    its dirty pages are the file's, not the writer's), then each directory once."""
+    its dirty pages are the file's, not the writer's), then each directory once. Only regular files are
+    touched: a symlink or a FIFO planted under such a name is skipped (opened without following it and
+    without blocking)."""
     dirs = []
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOENT, errno.ENXIO):  # a symlink, gone, a FIFO nobody writes
+                continue
+            raise
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.fsync(fd)
         finally:
             os.close(fd)
         d = os.path.dirname(path)

@@ -397,3 +397,21 @@ def test_pool_dir_accepts_a_kubernetes_style_dev_shm(tmp_path):
     assert stat.S_IMODE(os.stat(pool).st_mode) == 0o700
     with pytest.raises(InsecurePath, match="without the sticky bit"):
         _secure.private_dir(str(shm / "run"))
+
+
+def test_deferred_fsyncs_touch_only_regular_files(tmp_path):
+    """torch_dist.persist fsyncs a checkpoint's small files by name after the store's flush: a FIFO or a
+    symlink planted under such a name is skipped -- never opened through the link, never blocked on."""
+    mine = tmp_path / "__0.mindio.json"
+    _storage.atomic_write(str(mine), [b"{}"], durable=False)
+    os.mkfifo(tmp_path / "__1.mindio.json")
+    (tmp_path / "__2.mindio.json").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_bytes(b"not ours")
+    done = []
+    real = os.fsync
+    try:
+        os.fsync = lambda fd: done.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd)
+        _storage.fsync_files([str(p) for p in sorted(tmp_path.glob("__*.mindio.json"))] + [str(tmp_path / "gone")])
+    finally:
+        os.fsync = real
+    assert done == [str(mine), str(tmp_path)]  # the regular file, then its directory

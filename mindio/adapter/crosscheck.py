@@ -20,7 +20,7 @@ The hash is XXH3-64 (the ``xxhash`` package: ~30 GB/s on one core here, 4x the C
 before, ~7.5 GB/s on this machine's current host); two different byte strings hash alike with probability
 about 2^-64. Any difference between holders is a mismatch: :func:`compare` returns the incidents
 (``kind: "replica_mismatch"``, the holders, the first slice that differs, each holder's hash of it).
-:func:`range_crc` (CRC-32) is what repairs check their bytes with (mindio.adapter.transfer).
+:func:`slice_hashes` with one slice is also what repairs check their bytes with (mindio.adapter.transfer).
 
 Framework-neutral: the caller supplies the tensors (``step`` must be the same on every holder: the
 optimizer's own step count, part of the replicated state) and the groups; mindio.megatron.optimizer
@@ -34,12 +34,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-
 import xxhash
 
-from mindio._native import crc32
-
-__all__ = ["slice_bounds", "range_crc", "slice_hashes", "shard_bytes", "compare", "ReplicaMismatch", "COST"]
+__all__ = ["slice_bounds", "slice_hashes", "shard_bytes", "compare", "ReplicaMismatch", "COST"]
 
 #: what the cross-check cost this rank since the last verified copy (mindio.megatron.verified reports it,
 #: event ``crosscheck_cost``, then zeroes it): seconds hashing and copying (``work_s``), seconds in its
@@ -85,10 +82,6 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.is_contiguous() else flat.contiguous().view(torch.uint8)
 
 
-def _crc(part: torch.Tensor, crc: int) -> int:
-    return crc32(part.cpu().numpy() if part.device.type != "cpu" else part.numpy(), crc)
-
-
 def slice_hashes(tensors: Sequence[torch.Tensor], every: int) -> List[int]:
     """The XXH3-64 of each of the ``every`` slices of the shard (:func:`slice_bounds`), as signed int64
     (what a tensor row carries), in one pass over its bytes: slice ``i``'s is the hash of bytes
@@ -116,21 +109,6 @@ def slice_hashes(tensors: Sequence[torch.Tensor], every: int) -> List[int]:
 
 def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def range_crc(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> int:
-    """CRC-32 of bytes ``[lo, hi)`` of the concatenation of ``tensors``' bytes (each read in place when
-    contiguous on the CPU; only the part of each tensor inside the range is read)."""
-    crc, offset = 0, 0
-    for t in tensors:
-        n = _nbytes(t)
-        a, b = max(lo, offset), min(hi, offset + n)
-        if a < b:
-            crc = _crc(_raw(t)[a - offset:b - offset], crc)
-        offset += n
-        if offset >= hi:
-            break
-    return crc
 
 
 def compare(tensors: Sequence[torch.Tensor], step: int, every: int, key: int, shard: int,

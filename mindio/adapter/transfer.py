@@ -10,8 +10,9 @@ Protocol (one repair pair, both sides agree on the tensor list from their identi
 4. sender -> receiver: the JSON scalar blob (iteration, consumed samples, scheduler, loss scale,
    RNG states: no pickle), then every tensor in order, received in place into the receiver's
    own (live) tensors.
-5. sender -> receiver: the CRC-32 of the blob and of each tensor's bytes (int64[1 + n]), taken by the
-   sender; the receiver checks what arrived and answers one flag per part (uint8[1 + n], 1 = differs).
+5. sender -> receiver: the XXH3-64 hash of the blob and of each tensor's bytes (int64[1 + n]), taken by
+   the sender (~30 GB/s on one core here; the CRC-32 of version 2 ran at ~7.5 GB/s and was most of a 1g
+   repair's time); the receiver checks what arrived and answers one flag per part (uint8[1 + n], 1 = differs).
    The sender sends the flagged parts again and the receiver checks again, up to ``RESENDS`` times; then
    both raise :class:`RepairCorrupt` naming the parts. The blob is parsed only once it checked.
 
@@ -31,12 +32,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .crosscheck import range_crc, shard_bytes
+from .crosscheck import slice_hashes
 
 __all__ = ["send_state", "recv_state", "capture_rng", "restore_rng", "StateMismatch", "RepairCorrupt", "RESENDS"]
 
 _MAGIC = b"MIOR"
-_VERSION = 2
+_VERSION = 3  # 3: XXH3-64 sums (2: CRC-32)
 #: how many times the parts of a repair stream whose bytes arrived changed are sent again
 RESENDS = 2
 
@@ -49,14 +50,15 @@ class StateMismatch(RuntimeError):
 
 
 class RepairCorrupt(RuntimeError):
-    """The bytes of a repair stream arrived changed (their CRC-32 differs) even after ``RESENDS`` resends."""
+    """The bytes of a repair stream arrived changed (their hash differs) even after ``RESENDS`` resends."""
 
 
 _HEADER_LEN = 28
 
 
-def _crc(t: torch.Tensor) -> int:
-    return range_crc([t], 0, shard_bytes([t]))
+def _digest(t: torch.Tensor) -> int:
+    """XXH3-64 of ``t``'s bytes, as a signed int64."""
+    return slice_hashes([t], 1)[0]
 
 
 def _bad_parts(flags: List[int], n: int) -> str:
@@ -102,7 +104,7 @@ def send_state(
                             f"differs from this rank's ({len(tensors)} tensors)")
     blob_t = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     parts = [t.detach().contiguous() for t in tensors]
-    sums = torch.tensor([_crc(blob_t)] + [_crc(t) for t in parts], dtype=torch.int64)
+    sums = torch.tensor([_digest(blob_t)] + [_digest(t) for t in parts], dtype=torch.int64)
     resend = [1] * (len(parts) + 1)
     total = 0
     for attempt in range(RESENDS + 1):
@@ -119,7 +121,7 @@ def send_state(
         resend = flags.tolist()
         if not any(resend):
             return total
-    raise RepairCorrupt(f"rank {dst} received {_bad_parts(resend, len(parts))} changed (CRC-32) {RESENDS + 1} "
+    raise RepairCorrupt(f"rank {dst} received {_bad_parts(resend, len(parts))} changed (XXH3-64) {RESENDS + 1} "
                         "times: the repair from this rank failed")
 
 
@@ -150,17 +152,17 @@ def recv_state(tensors: List[torch.Tensor], src: int, group=None) -> Dict[str, A
     for attempt in range(RESENDS + 1):
         if again[0] and blob_len:
             _recv(buf, src, group, "scalar state")
-        got = [_crc(buf) if again[0] else None]
+        got = [_digest(buf) if again[0] else None]
         for t, part in zip(tensors, again[1:]):
             if not part:
                 got.append(None)
             elif t.is_contiguous():
                 _recv(t, src, group, "optimizer state")
-                got.append(_crc(t))
+                got.append(_digest(t))
             else:
                 tmp = torch.empty_like(t, memory_format=torch.contiguous_format)
                 _recv(tmp, src, group, "optimizer state")
-                got.append(_crc(tmp))
+                got.append(_digest(tmp))
                 with torch.no_grad():
                     t.copy_(tmp)
         sums = torch.zeros(len(tensors) + 1, dtype=torch.int64)
@@ -169,9 +171,9 @@ def recv_state(tensors: List[torch.Tensor], src: int, group=None) -> Dict[str, A
         dist.send(torch.tensor(again, dtype=torch.uint8), src, group=group)
         if not any(again):
             return json.loads(bytes(buf.tolist()).decode()) if blob_len else {}
-        _log.warning("repair: %s from rank %d arrived changed (CRC-32)%s", _bad_parts(again, len(tensors)), src,
+        _log.warning("repair: %s from rank %d arrived changed (XXH3-64)%s", _bad_parts(again, len(tensors)), src,
                      "; asking for them again" if attempt < RESENDS else "")
-    raise RepairCorrupt(f"repair from rank {src}: {_bad_parts(again, len(tensors))} arrived changed (CRC-32) "
+    raise RepairCorrupt(f"repair from rank {src}: {_bad_parts(again, len(tensors))} arrived changed (XXH3-64) "
                         f"{RESENDS + 1} times; this rank's state is not repaired")
 
 

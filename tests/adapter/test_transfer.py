@@ -118,7 +118,7 @@ def test_bytes_changed_on_the_way_are_sent_again_or_fail_the_repair():
     mp.spawn(_wire_worker, args=(free_port(), results), nprocs=2, join=True)
     res = dict(results)
     assert res[(0, 0)] == "sent" and res[(0, 1)] == "equal=True {'iteration': 0}", res
-    assert res[(1, 1)] == (f"RepairCorrupt: repair from rank 0: tensor 0 (of 2 tensors) arrived changed (CRC-32) "
+    assert res[(1, 1)] == (f"RepairCorrupt: repair from rank 0: tensor 0 (of 2 tensors) arrived changed (XXH3-64) "
                            f"{RESENDS + 1} times; this rank's state is not repaired")
-    assert res[(1, 0)] == (f"RepairCorrupt: rank 1 received tensor 0 (of 2 tensors) changed (CRC-32) {RESENDS + 1} "
+    assert res[(1, 0)] == (f"RepairCorrupt: rank 1 received tensor 0 (of 2 tensors) changed (XXH3-64) {RESENDS + 1} "
                            "times: the repair from this rank failed")

@@ -127,7 +127,6 @@ class Agent:
         self._beater: liveness.Beater | None = None
         self._logs: WorkerLogs | None = None
         self._failures: list = []  # this node's failures in the current round (failures.Failure)
-        self._exiting: set = set()  # ranks that had failed and were exiting when _stop_workers signalled them
         self._signal: int | None = None  # the signal that stopped the agent
         self.hosted_code: int | None = None  # the exit code the hosted controller ended the job with (ha.py)
         self._ha: ha.RoundWatch | None = None  # this round's high-availability bookkeeping (ha.py)
@@ -396,11 +395,12 @@ class Agent:
         log.warning("rank %d: switched-out process %d exited with %s", rank, old.pid, old.poll())
         _logging.event("switched_out_exit", switched_rank=rank, old_pid=old.pid, code=old.poll())
 
-    def _stop_workers(self, settle: bool = False) -> dict:
+    def _stop_workers(self, settle: bool = False) -> tuple[dict, set]:
         """SIGTERM (or the signal that stopped the agent, forwarded as torchrun does) to every worker;
         SIGKILL after ``--shutdown-timeout`` seconds. ``settle``: the workers were told to exit (the
         controller ended the job): they get ``EXIT_GRACE_S`` to do so first. Returns {rank: exit code} of
-        the workers that had exited before they were signalled (the others' ends are the agent's doing)."""
+        the workers that had exited before they were signalled (the others' ends are the agent's doing) or
+        had failed on their own and were exiting when signalled, and the set of the latter."""
         switch.stop(self)  # hot-switch backups not released
         if self._hosted is not None:
             self._hosted.close()
@@ -434,16 +434,16 @@ class Agent:
         # releases its process groups first: its peers, on other nodes too, fail meanwhile) wrote its error
         # file before: its failure is its own, not the agent's doing
         base = self.cfg.node_rank * self.cfg.nproc_per_node
-        self._exiting = {r for r, p in procs.items()
-                         if p in live and p.returncode and self._failed_before(r - base, signalled)}
-        ended.update({r: procs[r].returncode for r in self._exiting})
+        exiting = {r for r, p in procs.items()
+                   if p in live and p.returncode and self._failed_before(r - base, signalled)}
+        ended.update({r: procs[r].returncode for r in exiting})
         self._workers = {}
         if self._relay is not None:  # after its ranks ended: their last words went through it
             self._relay.close(5.0)
             self._relay = None
         if self._logs is not None:
             self._logs.stop()
-        return ended
+        return ended, exiting
 
     def _failed_before(self, local_rank: int, when: float) -> bool:
         """Whether the worker of ``local_rank`` wrote its error file (failures.record) before ``when``."""
@@ -588,15 +588,16 @@ class Agent:
         self._store.compare_set(key, "", f"node {self.cfg.node_rank}: {reason}" if node else reason)
         return self._store.get(key).decode()
 
-    def record_failures(self, rnd: int, codes: dict) -> None:
+    def record_failures(self, rnd: int, codes: dict, exiting: frozenset = frozenset()) -> None:
         """(main loop) Workers of this node that exited non-zero ({rank: code}): read their error files
-        and post them (``round/<n>/failures/<node>``) for every agent's summary."""
+        and post them (``round/<n>/failures/<node>``) for every agent's summary. ``exiting``: ranks that had
+        failed on their own and were exiting when this agent signalled them (_stop_workers)."""
         if not codes:
             return
         base = self.cfg.node_rank * self.cfg.nproc_per_node
         for rank, code in sorted(codes.items()):
             f = failures.read(rank, code, self._logs.error_file(rank - base), node=self.cfg.node_rank)
-            f.stopped = rank in self._exiting and code < 0
+            f.stopped = rank in exiting and code < 0
             self._failures.append(f)
         try:
             self._store.set(f"round/{rnd}/failures/{self.cfg.node_rank}",
@@ -771,9 +772,9 @@ class Agent:
                 reason = self._monitor(rnd)
                 if reason is None:
                     return self._finished(rnd)
-                codes = self._stop_workers(settle="the controller ended the job" in reason)
+                codes, exiting = self._stop_workers(settle="the controller ended the job" in reason)
                 seen = {f.rank for f in self._failures}
-                self.record_failures(rnd, {r: c for r, c in codes.items() if c and r not in seen})
+                self.record_failures(rnd, {r: c for r, c in codes.items() if c and r not in seen}, exiting)
                 _logging.event("workers_stopped", round=rnd, node=self.cfg.node_rank, reason=reason)
                 code = self._report_round(rnd, reason)
                 if code is not None:

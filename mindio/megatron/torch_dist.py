@@ -141,8 +141,8 @@ def persist(directory: Path) -> None:
     store's flush, before the tracker names the checkpoint. Pieces of writers on other hosts are on shared
     storage: their writer's close() sent them there."""
     d = Path(directory)
-    names = [p for p in d.glob("__*.mindio.json")] + [d / n for n in (COMMON, COMMON_SUM, ".metadata", CONFIG)]
-    fsync_files([str(p) for p in names if p.exists()])
+    names = list(d.glob("__*.mindio.json")) + [d / n for n in (COMMON, COMMON_SUM, ".metadata", CONFIG)]
+    fsync_files([str(p) for p in names])  # one that is not there is skipped
 
 
 def _fetch(path: Path) -> bytes:

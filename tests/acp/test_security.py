@@ -399,7 +399,7 @@ def test_pool_dir_accepts_a_kubernetes_style_dev_shm(tmp_path):
         _secure.private_dir(str(shm / "run"))
 
 
-def test_deferred_fsyncs_touch_only_regular_files(tmp_path):
+def test_deferred_fsyncs_touch_only_regular_files(tmp_path, monkeypatch):
     """torch_dist.persist fsyncs a checkpoint's small files by name after the store's flush: a FIFO or a
     symlink planted under such a name is skipped -- never opened through the link, never blocked on."""
     mine = tmp_path / "__0.mindio.json"
@@ -409,9 +409,6 @@ def test_deferred_fsyncs_touch_only_regular_files(tmp_path):
     (tmp_path / "elsewhere").write_bytes(b"not ours")
     done = []
     real = os.fsync
-    try:
-        os.fsync = lambda fd: done.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd)
-        _storage.fsync_files([str(p) for p in sorted(tmp_path.glob("__*.mindio.json"))] + [str(tmp_path / "gone")])
-    finally:
-        os.fsync = real
+    monkeypatch.setattr(os, "fsync", lambda fd: done.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    _storage.fsync_files([str(p) for p in sorted(tmp_path.glob("__*.mindio.json"))] + [str(tmp_path / "gone")])
     assert done == [str(mine), str(tmp_path)]  # the regular file, then its directory

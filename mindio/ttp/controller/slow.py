@@ -122,8 +122,8 @@ class SlowScores:
         self.glast: dict[int, dict] = {}
         self.gbase: dict[int, dict] = {}
         self.groups: dict[str, dict] = {}  # group -> {"ranks", "wait_s", "own_s", "floor_wait_s", ...}
-        self.floors: dict[str, collections.deque] = {}  # group -> its last windows' (wait, own) per step
-        self.runs: dict[str, int] = {}  # group -> how many of those, the newest, it was found slow in
+        self.floors: dict[str, collections.deque] = {}  # group -> its last windows' (wait, own) per step, and
+        # whether it was found slow in each
         self.gstreak = _Streak(max(1, self.k))  # the same for a group
 
     def observe(self, rank: int, raw) -> bool:
@@ -229,17 +229,18 @@ class SlowScores:
             past = self.floors.get(g)
             if past is None:
                 past = self.floors[g] = collections.deque(maxlen=max(_HISTORY, 3 * self.k))
-            before = list(past)[:len(past) - self.runs.get(g, 0)] or past  # the windows before its slow run
-            fw, fo = (statistics.median(v) for v in zip(*before)) if before else (wait, own)
+            before = list(past)
+            while before and before[-1][2]:  # the windows before its slow run (all of them: its new pace)
+                before.pop()
+            before = before or past
+            fw, fo = (statistics.median(v) for v in list(zip(*before))[:2]) if before else (wait, own)
             self.groups[g] = {"ranks": sorted(rs), "wait_s": round(wait, 6), "own_s": round(own, 6),
                               "floor_wait_s": round(fw, 6), "floor_own_s": round(fo, 6)}
-            if wait >= self.ratio * fw and wait - fw >= self.min_wait * wall and (
-                    own < self.ratio * fo or own - fo < self.min_wait * wall):  # their compute did not grow
+            slow = wait >= self.ratio * fw and wait - fw >= self.min_wait * wall and (
+                own < self.ratio * fo or own - fo < self.min_wait * wall)  # their compute did not grow
+            if slow:
                 flagged.append((wait - fw, g))
-                self.runs[g] = min(self.runs.get(g, 0) + 1, len(past) + 1)
-            else:
-                self.runs[g] = 0
-            past.append((wait, own))
+            past.append((wait, own, slow))
         key = max(flagged)[1] if flagged and self.streak.key is None else None
         if not self.gstreak.see(key):
             return []

@@ -168,10 +168,12 @@ _ALL = [
          "it to a new process with a hot switch (needs mindio-run --high-availability and a warm spare, "
          "--standby; a cluster brain, if attached, decides at the pause as for any hot switch).",
          choices=("report", "switch")),
-    Knob("MINDIO_SLOW_HZ", float, 100.0,
-         "Ticks per second of each rank's wait clock (processor/collectives.py WaitClock) while slow ranks "
-         "are scored (MINDIO_SLOW_WINDOW > 0): a tick that comes late counts as the rank's own time.",
-         min=10, max=1000),
+    Knob("MINDIO_SLOW_HZ", float, 0.0,
+         "Ticks per second of each rank's wait clock (processor/waitclock.py) while slow ranks are scored "
+         "(MINDIO_SLOW_WINDOW > 0); 0: 25 where the kernel keeps each thread's run-queue delay "
+         "(/proc/<pid>/task/<tid>/schedstat: the wait is exact at any rate, a stop shorter than a tick is seen "
+         "in part), else 100 (a tick that comes late counts as the rank's own time).",
+         min=0, max=1000),
     Knob("MINDIO_SLOW_K", int, 3,
          "Windows in a row a rank must score slow before rank_slow is reported.", min=1, max=1000),
     Knob("MINDIO_HANG_FLOOR", float, 1.0,

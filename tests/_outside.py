@@ -1,13 +1,15 @@
-"""Faults from outside a process for the tests: SIGSTOP/SIGCONT pulses (a rank slowed by its host, not by its
-own code; issue 31, slow ranks)."""
+"""Faults from outside a process for the tests: SIGSTOP/SIGCONT pulses and a cgroup CPU quota (a rank slowed by
+its host, not by its own code; issue 31, slow ranks)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
-__all__ = ["Pulses", "read_pulsed"]
+__all__ = ["Pulses", "read_pulsed", "cpu_quota", "cpu_quota_available"]
 
 
 class Pulses(threading.Thread):
@@ -58,3 +60,49 @@ def read_pulsed(proc, deadline: float, pid_to_pulse) -> list:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return lines
+
+
+# a cgroup CPU quota (CFS bandwidth) held on a process from outside: v1's cpu controller or v2's cpu.max
+_V1, _V2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+
+
+def _cgroup_root() -> Path | None:
+    if (_V1 / "cpu.cfs_quota_us").exists() and os.access(_V1, os.W_OK):
+        return _V1
+    try:
+        if "cpu" in (_V2 / "cgroup.subtree_control").read_text().split() and os.access(_V2, os.W_OK):
+            return _V2
+    except OSError:
+        pass
+    return None
+
+
+def cpu_quota_available() -> bool:
+    """Can this test process hold another to a CPU quota (root, a writable cgroup with the cpu controller)?"""
+    return _cgroup_root() is not None
+
+
+@contextlib.contextmanager
+def cpu_quota(pid: int, cores: float, period_us: int = 10000):
+    """Hold ``pid`` (every thread) to ``cores`` of a CPU per ``period_us`` (CFS throttling, as a container's
+    limit or a noisy neighbour's cgroup does) until the block ends: a cgroup of its own, made here and removed
+    (the process moved back to the root group first, if it still runs)."""
+    root = _cgroup_root()
+    if root is None:
+        raise RuntimeError("no writable cgroup CPU controller: check cpu_quota_available() first")
+    group = root / f"mindio-test-{os.getpid()}-{pid}"
+    group.mkdir(mode=0o755)
+    try:
+        if root == _V1:
+            (group / "cpu.cfs_period_us").write_text(str(period_us))
+            (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * period_us))))
+        else:
+            (group / "cpu.max").write_text(f"{max(1000, int(cores * period_us))} {period_us}")
+        (group / "cgroup.procs").write_text(str(pid))
+        yield group
+    finally:
+        try:
+            (root / "cgroup.procs").write_text(str(pid))
+        except (ProcessLookupError, OSError):
+            pass  # it ended
+        group.rmdir()  # empty: the process was moved out or has ended and been reaped

@@ -1,9 +1,10 @@
 """Slow ranks from the step anatomy every heartbeat carries (docs/recovery.md, "Slow ranks").
 
 Each rank sends ``step_sums``: cumulative [steps timed, their wall s, its main thread's CPU s in them, the
-wall s its main thread *waited* in them] (processor/collectives.py StepTimes, WaitClock). Its *own* time is
-wall - wait: compute, and any time the rank was stopped or throttled from outside (SIGSTOP, a cgroup CPU
-quota: the wait clock's tick comes late then, so that time is not counted as waiting). A window closes
+wall s its main thread *waited* in them] (processor/collectives.py StepTimes, processor/waitclock.py). Its
+*own* time is wall - wait: compute, and any time the rank was stopped or throttled from outside (a cgroup CPU
+quota, a busy machine: the kernel's run-queue delay; SIGSTOP: the wait clock's tick comes late then -- so that
+time is not counted as waiting). A window closes
 once every scored rank timed ``MINDIO_SLOW_WINDOW`` steps in it (each rank sends an extra beat when it
 timed a window's steps, so detection is counted in steps, not heartbeats). The straggler is the rank its peers
 wait for: the rank that waits least, when their median wait per step exceeds its own by at least

@@ -22,10 +22,8 @@ import zlib
 
 import torch.distributed as dist
 
-from ... import _logging
-from .. import shutdown
 
-__all__ = ["snapshot", "StepTimes", "MainActivity", "WaitClock"]
+__all__ = ["snapshot", "StepTimes", "MainActivity"]
 
 
 # group name -> (weak reference to the group, its key): members listed once per group object; never a
@@ -186,105 +184,3 @@ class MainActivity:
             self._active = now
         self._cpu, self._t = cpu, now
         return now - self._active
-
-
-class WaitClock:
-    """The time this rank's main thread spends *waiting* (in a collective, on I/O, asleep), told apart
-    from the time the rank is slowed from outside (controller/slow.py). A daemon thread ticks ``hz``
-    times a second and reads the main thread's CPU clock (``pthread_getcpuclockid``): an interval in
-    which the tick came on time (at most ``late`` periods) and the main thread used under ``share`` of
-    it is waiting, added to :attr:`total`. An interval in which the tick itself came late -- the whole
-    process was stopped (SIGSTOP), throttled (a cgroup CPU quota) or starved -- is not: it is the rank's
-    own time, like its compute. So a rank slowed from outside shows more own time than its peers while
-    they wait for it; a wall - CPU split would count its stopped time as waiting.
-
-    Each waiting interval is also charged to the process group whose collective the main thread entered
-    last, when it entered one since it last computed (:attr:`groups`: {group key: seconds}, for the
-    "communication" cause of controller/slow.py): the tick reads every group's sequence number
-    (:func:`snapshot`'s counters; the list of groups is looked up again once a second and when their
-    number changes), and the group whose number moved last is the collective the main thread waits in. A
-    wait that follows compute with no new collective (a sleep, a data loader) is charged to no group.
-
-    Cost: one ``clock_gettime``, a counter read per process group (~0.2 us each) and a few float
-    operations per tick on its own thread, nothing on the main thread; ``bench/ha_overhead.py`` measures
-    the step time with it on and off."""
-
-    def __init__(self, hz: float = 100.0, late: float = 2.0, share: float = 0.1):
-        self.period, self.late, self.share = 1.0 / hz, late, share
-        self.total = 0.0  # seconds the main thread waited, cumulative (one float: read from any thread)
-        self.cost: tuple | None = None  # (CPU s its own thread used, wall s it ran), once it ended
-        self._reported = False
-        self.groups: dict[str, float] = {}  # of which, per process group: seconds waited after entering its
-        # collective (cumulative; only this thread writes it, the main thread copies it at a step's end)
-        self._halt = threading.Event()
-        try:
-            self._clock = time.pthread_getcpuclockid(threading.main_thread().ident)
-            time.clock_gettime(self._clock)
-        except (AttributeError, OSError):  # no per-thread CPU clock here: StepTimes falls back to wall - CPU
-            self._clock = None
-        self._thread = threading.Thread(target=self._run, name="mindio-waitclock", daemon=True)
-
-    @property
-    def usable(self) -> bool:
-        return self._clock is not None
-
-    def start(self) -> "WaitClock":
-        if self._clock is not None:
-            self._thread.start()
-            shutdown.track(self)  # stopped and joined at process exit, before the groups are destroyed
-        return self
-
-    def stop(self) -> None:
-        self._halt.set()
-
-    def close(self, timeout: float) -> bool:
-        """Stop the thread and wait for it (at most ``timeout`` s); True once it ended. It must end while
-        the interpreter is whole: it calls into torch's C++ (the groups' counters), and a daemon thread
-        ended inside C++ by the interpreter's shutdown aborts the process (SIGABRT, "terminate called
-        without an active exception", as mindio/ttp/shutdown.py describes for gloo's threads)."""
-        self._halt.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        if self.cost is not None and not self._reported:  # its cost, for bench/ha_overhead.py (issue 31)
-            self._reported = True
-            _logging.event("wait_clock", cpu_s=round(self.cost[0], 6), wall_s=round(self.cost[1], 3),
-                           hz=round(1 / self.period, 1))
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        began = time.monotonic()
-        try:
-            self._tick()
-        finally:
-            self.cost = (time.thread_time(), time.monotonic() - began)  # this thread's CPU clock
-
-    def _tick(self) -> None:
-        clock, period, on_time, share = self._clock, self.period, self.late * self.period, self.share
-        t0, c0 = time.monotonic(), time.clock_gettime(clock)
-        pgs, keys, seqs, refresh = [], [], [], 0
-        current = None  # the group whose collective the main thread entered last, since it last computed
-        while not self._halt.is_set():
-            time.sleep(period)  # cheaper than Event.wait(period): no lock, no condition
-            t = time.monotonic()
-            try:
-                c = time.clock_gettime(clock)
-            except OSError:  # the main thread ended
-                return
-            if t >= refresh or len(pgs) != _count():  # groups come and go (Megatron builds its own, a
-                pgs, keys = _groups()  # recovery rebuilds them): looked up again once a second, or now
-                seqs, refresh = _seqs(pgs), t + 1.0
-                entered = None
-            else:
-                now = _seqs(pgs)
-                moved = [i for i, (a, b) in enumerate(zip(seqs, now)) if a != b]
-                entered = keys[moved[-1]] if moved else None  # several in one tick: the last in the list
-                seqs = now
-            dt = t - t0
-            if dt <= on_time and c - c0 < share * dt:
-                self.total += dt
-                current = entered or current
-                if current is not None:
-                    self.groups[current] = self.groups.get(current, 0.0) + dt
-            else:  # it computed (or was held from outside): a later wait is in no earlier collective
-                current = entered
-            t0, c0 = t, c

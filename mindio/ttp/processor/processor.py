@@ -50,6 +50,7 @@ from .. import shutdown
 from . import collectives, device, elastic_rank, inplace, preempt, reboot
 from .rank_state import RankState
 from .reboot import adopt as _adopt_reboot
+from .waitclock import WaitClock
 from ..wire.transport import Link
 
 __all__ = ["Processor", "CALLBACK_NAMES", "IN_PLACE_CALLBACKS"]
@@ -103,7 +104,7 @@ class Processor:
         self.activity = collectives.MainActivity()  # is a stalled main thread working? (controller/hangs.py)
         # the step anatomy for slow ranks (controller/slow.py): a wait clock only while slow ranks are scored
         self._slow_window = _knobs.get("MINDIO_SLOW_WINDOW")
-        waits = collectives.WaitClock(_knobs.get("MINDIO_SLOW_HZ")).start() if self._slow_window > 0 else None
+        waits = WaitClock(_knobs.get("MINDIO_SLOW_HZ")).start() if self._slow_window > 0 else None
         self.step_times = collectives.StepTimes(waits=waits)  # and for the hang bound (controller/hangs.py)
         self._hang_min_steps = _knobs.get("MINDIO_HANG_MIN_STEPS")
         self._replies: collections.OrderedDict = collections.OrderedDict()

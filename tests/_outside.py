@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["Pulses", "read_pulsed", "cpu_quota", "cpu_quota_available"]
+__all__ = ["Pulses", "Quota", "read_pulsed", "cpu_quota", "cpu_quota_available"]
 
 
 class Pulses(threading.Thread):
@@ -37,10 +37,23 @@ class Pulses(threading.Thread):
         self.join(5)
 
 
-def read_pulsed(proc, deadline: float, pid_to_pulse) -> list:
+class Quota:
+    """:func:`cpu_quota` as :class:`Pulses` is used (``start``/``halt``): ``pid`` held to ``cores`` of a CPU."""
+
+    def __init__(self, pid: int, cores: float = 0.2):
+        self._held = cpu_quota(pid, cores)
+
+    def start(self) -> None:
+        self._held.__enter__()
+
+    def halt(self) -> None:
+        self._held.__exit__(None, None, None)
+
+
+def read_pulsed(proc, deadline: float, pid_to_pulse, slow=Pulses) -> list:
     """The lines of ``proc``'s stdout until it ends or ``deadline`` (time.monotonic()); after each line,
-    ``pid_to_pulse(line, lines)`` is called (every line) and may name a pid to pulse (:class:`Pulses`) from
-    then on (the first pid named; later ones are ignored). The pulses are
+    ``pid_to_pulse(line, lines)`` is called (every line) and may name a pid to slow from then on (the first
+    pid named; later ones are ignored): ``slow(pid)`` (:class:`Pulses`, or :class:`Quota`). The slowing is
     always halted and the process, if still running, killed with its session (SIGKILL) and reaped."""
     lines, pulses = [], None
     try:
@@ -48,7 +61,7 @@ def read_pulsed(proc, deadline: float, pid_to_pulse) -> list:
             lines.append(line)
             pid = pid_to_pulse(line, lines)
             if pid is not None and pulses is None:
-                pulses = Pulses(pid)
+                pulses = slow(pid)
                 pulses.start()
             if time.monotonic() > deadline:
                 break

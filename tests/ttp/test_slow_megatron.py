@@ -1,10 +1,13 @@
 """Issue #31, "Must show": the 4-rank Megatron example (examples/megatron/pretrain_gpt.py) under torchrun with
-one rank slowed from OUTSIDE -- the test SIGSTOPs it 30 ms of every 100 ms (x1.43 its time; no CPU burnt, no
-mindio internals touched) from step 10 on -- is named slow within 20 steps with cause "compute"; only it. The
-rank's own time (wall less what its main thread waited, processor/collectives.py WaitClock) counts the time it
-was stopped; a wall - CPU split counted it as waiting, like its peers' wait for it."""
+one rank slowed from OUTSIDE -- the test holds it to 0.3 of a core by a cgroup CPU quota (its steps 30 -> 47 ms),
+or SIGSTOPs it 30 ms of every 100 ms (x1.43 its time; no CPU burnt, no mindio internals touched) from step 10
+on -- is named slow within 20 steps with cause "compute"; only it. The rank's own time (wall less what its main
+thread waited, processor/waitclock.py) counts the time it was throttled (its run-queue delay while its cgroup
+was throttled) or stopped (its wait clock's tick came late); a wall - CPU split counted it as waiting, like
+its peers' wait for it."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,7 +20,7 @@ import pytest
 
 from mindio._ports import free_port
 from tests._exits import assert_no_signal_deaths
-from tests._outside import read_pulsed
+from tests._outside import Pulses, Quota, cpu_quota_available, read_pulsed
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "examples" / "megatron" / "pretrain_gpt.py"
@@ -47,7 +50,7 @@ def rank_pid(port: str, rank: int) -> int | None:
 
 
 def run_example(out: Path, iters: int, slow_rank: int = -1, from_step: int = 10, window: int = 5,
-                timeout: float = 150, extra_env: dict | None = None):
+                timeout: float = 150, extra_env: dict | None = None, slow=None):
     """The example, 4 ranks, ``iters`` steps, slow ranks scored; with ``slow_rank`` >= 0 that rank is pulsed from
     the moment step ``from_step`` is logged. Every rank must exit 0. Returns (output, rank_slow events)."""
     port = str(free_port())
@@ -68,7 +71,7 @@ def run_example(out: Path, iters: int, slow_rank: int = -1, from_step: int = 10,
             return pid
         return None
 
-    lines = read_pulsed(proc, time.monotonic() + timeout, pulse_from)
+    lines = read_pulsed(proc, time.monotonic() + timeout, pulse_from, slow or Pulses)
     text = "".join(lines)
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
     assert proc.returncode == 0 and set(codes) <= {"0"}, text[-6000:]  # every rank exited 0
@@ -87,8 +90,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron,
     "full suite of 2026-11-28 the rank was named at step 36, 26 steps after its pulses began, and at step 31 (21 "
     "steps) in a serial run after it (11-16 steps in the helper's runs alone) -- slow-rank "
     "scoring is off by default for the same reason; set MINDIO_SLOW_DRILLS=1 to run it"))
-def test_a_rank_stopped_from_outside_is_named_slow_within_20_steps(tmp_path):
-    text, found = run_example(tmp_path, 40, slow_rank=2, from_step=10)
+@pytest.mark.parametrize("how", ["quota", "sigstop"])
+def test_a_rank_slowed_from_outside_is_named_slow_within_20_steps(tmp_path, how):
+    """quota: 3 of 3 runs named it at step 26 (2026-11-29, alone on the machine). sigstop: the 25 Hz wait clock
+    sees a 30 ms stop only from its tick's due time on (docs/recovery.md): 1 of 3 runs named it that day."""
+    if how == "quota" and not cpu_quota_available():
+        pytest.skip("no writable cgroup CPU controller (root, cgroup v1 or v2)")
+    slow = functools.partial(Quota, cores=0.3) if how == "quota" else Pulses
+    text, found = run_example(tmp_path, 40, slow_rank=2, from_step=10, slow=slow)
     assert [(e["slow_rank"], e["cause"]) for e in found] == [(2, "compute")], (found, text[-4000:])
     assert found[0]["at_step"] <= 30 and found[0]["ratio"] >= 1.2, found
     assert re.search(r"rank 2 is slow \(cause compute\)", text), text[-6000:]

@@ -5,13 +5,15 @@ computes and from the time it is held back from outside: the step anatomy's inpu
 Two sources, the better one the kernel offers:
 
 * ``schedstat`` (Linux with ``CONFIG_SCHED_INFO``: ``/proc/self/task/<tid>/schedstat``): the main thread's
-  CPU clock gives the time it ran, its run-queue delay the time it was runnable but held from a CPU -- a
-  busy machine, a cgroup CPU quota (CFS throttling) -- and the rest of the wall time it was **blocked**:
-  waiting. Exact at any tick rate, so the clock ticks ``MINDIO_SLOW_HZ`` = 25 times a second by default
-  (one wake-up costs ~65 us of CPU on this project's VMs: 100 Hz was ~1 % of a core per rank). One
-  thing the kernel counts as blocked is a stop (SIGSTOP): the clock sees it only as its own tick coming
-  late by more than its run-queue delay, so a stop shorter than a tick is seen in part (a stop of S
-  seconds straddling a tick is counted as own time from the tick's due time on).
+  CPU clock gives the time it ran, its run-queue delay the time it was runnable but held from a CPU, and
+  the rest of the wall time it was **blocked**: waiting. The run-queue delay is the rank's own time when
+  the process was held -- its cgroup throttled (CFS bandwidth: :class:`Throttled`) or this clock's thread
+  also kept from a CPU -- and a busy machine's noise (waiting, as its peers') otherwise. Exact at any tick
+  rate, so the clock ticks ``MINDIO_SLOW_HZ`` = 25 times a second by default (one wake-up costs ~65 us
+  of CPU on this project's VMs: 100 Hz was ~1 % of a core per rank). One thing the kernel counts as
+  blocked is a stop (SIGSTOP): the clock sees it only as its own tick coming late by more than its
+  run-queue delay and the GIL's switch interval, so a stop shorter than a tick is seen in part (a stop
+  straddling a tick is counted as own time from the tick's due time on).
 * ``cpu`` (no schedstat: gVisor, other kernels): the old rule at 100 Hz -- an interval whose tick came on
   time (within 2 periods) and in which the main thread used under 10 % of it is waiting; a late tick's
   interval is the rank's own time (the whole process was stopped, throttled or starved).
@@ -25,6 +27,7 @@ A wait after compute with no new collective (a sleep, a data loader) is charged 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -32,7 +35,7 @@ from ... import _logging
 from .. import shutdown
 from .collectives import _count, _groups, _seqs
 
-__all__ = ["WaitClock", "RunDelay"]
+__all__ = ["WaitClock", "RunDelay", "Throttled"]
 
 SCHEDSTAT_HZ, CPU_HZ = 25.0, 100.0  # the default tick rate of each source (MINDIO_SLOW_HZ = 0)
 
@@ -68,6 +71,74 @@ class RunDelay:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class Throttled:
+    """Seconds the CPU cgroup of this process was throttled (CFS bandwidth: a container's CPU limit), from its
+    ``cpu.stat`` (v1 ``throttled_time`` ns, v2 ``throttled_usec``); the group is looked up again at each
+    :meth:`refresh` (a process can be moved). 0.0 where there is none or it cannot be read."""
+
+    def __init__(self):
+        self._fd, self._group, self._scale, self._key, self._seen = -1, None, 0.0, b"", None
+        try:
+            self._cgroup = os.open("/proc/self/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._cgroup = -1
+
+    def refresh(self) -> bool:
+        """Look the process's group up again (3.5 us: a read of /proc/self/cgroup); True if it changed."""
+        try:
+            seen = os.pread(self._cgroup, 4096, 0) if self._cgroup >= 0 else b""
+        except OSError:
+            seen = b""
+        if seen == self._seen:
+            return False
+        self._seen, lines = seen, seen.splitlines()
+        group = None
+        for line in lines:  # v1 "N:cpu,cpuacct:/path" (the cpu controller) or v2 "0::/path"
+            _, ctl, path = (line.split(b":", 2) + [b"", b""])[:3]
+            if b"cpu" in ctl.split(b","):
+                group = (1, path.decode(errors="replace"))
+                break
+            if ctl == b"" and group is None:
+                group = (2, path.decode(errors="replace"))
+        if group == self._group:
+            return False
+        self._close_stat()
+        self._group = group
+        if group is None:
+            return True
+        roots = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct") if group[0] == 1 else ("/sys/fs/cgroup",)
+        for root in roots:
+            try:
+                self._fd = os.open(f"{root}{group[1].rstrip('/')}/cpu.stat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            self._key, self._scale = (b"throttled_time", 1e-9) if group[0] == 1 else (b"throttled_usec", 1e-6)
+            break
+        return True
+
+    def read(self) -> float:
+        if self._fd < 0:
+            return 0.0
+        try:
+            for line in os.pread(self._fd, 512, 0).splitlines():
+                if line.startswith(self._key):
+                    return int(line.split()[1]) * self._scale
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0.0
+
+    def _close_stat(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def close(self) -> None:
+        self._close_stat()
+        if self._cgroup >= 0:
+            os.close(self._cgroup)
+            self._cgroup = -1
 
 
 class WaitClock:
@@ -156,31 +227,43 @@ class WaitClock:
         delay does not explain was a stop of the whole process (own time, not waiting). A negative interval
         (the run-queue delay is counted when the thread next runs) is owed by the next ones."""
         clock, period, share = self._clock, self.period, self.share
-        t0, c0, q0, o0 = time.monotonic(), time.clock_gettime(clock), delay.read(), own.read()
+        slack = sys.getswitchinterval()  # a tick may wait this long for the GIL from a computing main thread
+        throttle = Throttled()
+        throttle.refresh()
+        t0, c0, q0, o0, h0 = time.monotonic(), time.clock_gettime(clock), delay.read(), own.read(), throttle.read()
         state, current, owed = [[], [], [], 0.0], None, 0.0
-        while not self._halt.is_set():
-            time.sleep(period)
-            t = time.monotonic()
-            try:
-                c, q, o = time.clock_gettime(clock), delay.read(), own.read()
-            except (OSError, ValueError, IndexError):  # the main thread ended
-                return
-            entered = self._entered(state, t)
-            dt = t - t0
-            raw = dt - (c - c0) - (q - q0)  # the main thread neither ran nor waited for a CPU: blocked
-            held = min(max(0.0, dt - period - (o - o0) - 0.001), max(0.0, raw))  # a stop past the tick's due
-            # time (not this thread's wait for the GIL from a computing main thread: raw is ~0 then)
-            blocked = raw - held + owed
-            waiting = c - c0 < share * dt  # else it computed: a later wait is in no earlier collective, and
-            current = (entered or current) if waiting else entered  # this one's wait may precede its entry
-            if blocked > 0:
-                owed = 0.0
-                self.total += blocked
-                if waiting and current is not None:
-                    self.groups[current] = self.groups.get(current, 0.0) + blocked
-            else:
-                owed = max(blocked, -period)
-            t0, c0, q0, o0 = t, c, q, o
+        try:
+            while not self._halt.is_set():
+                time.sleep(period)
+                t = time.monotonic()
+                try:
+                    c, q, o = time.clock_gettime(clock), delay.read(), own.read()
+                except (OSError, ValueError, IndexError):  # the main thread ended
+                    return
+                if throttle.refresh():  # the process was moved to another cgroup (a test does)
+                    h0 = throttle.read()
+                h = throttle.read()
+                entered = self._entered(state, t)
+                dt = t - t0
+                # its wait for a CPU is its own when the process was held: its cgroup throttled, or this
+                # thread too waited for a CPU; else it is a busy machine's noise, as its peers see (waiting)
+                starved = q - q0 if h > h0 or o - o0 > 0.002 else 0.0
+                raw = dt - (c - c0) - starved  # the main thread neither ran nor was held from a CPU: blocked
+                held = min(max(0.0, dt - period - (o - o0) - slack), max(0.0, raw))  # a stop past the tick's
+                # due time (not this thread's wait for the GIL from a computing main thread: raw is ~0 then)
+                blocked = raw - held + owed
+                waiting = c - c0 < share * dt  # else it computed: a later wait is in no earlier collective,
+                current = (entered or current) if waiting else entered  # and this one's may precede its entry
+                if blocked > 0:
+                    owed = 0.0
+                    self.total += blocked
+                    if waiting and current is not None:
+                        self.groups[current] = self.groups.get(current, 0.0) + blocked
+                else:
+                    owed = max(blocked, -period)
+                t0, c0, q0, o0, h0 = t, c, q, o, h
+        finally:
+            throttle.close()
 
     def _tick_cpu(self) -> None:
         clock, period, on_time, share = self._clock, self.period, self.late * self.period, self.share

@@ -83,6 +83,31 @@ def time_data_path() -> None:
     _timed(adapter, "recv_state", "repair-recv", lambda a, out: tensor_bytes(a[0]))
 
 
+def time_phases(example) -> None:
+    """``BENCH_PHASES=1``: where a (re)launch's initialisation goes, rank 0's wall clock around each part of the
+    example's ``pretrain()`` before the load: ``bench-job: phase <name> rank=R s=T t=<end>``."""
+    rank = int(os.environ.get("RANK", 0))
+
+    def wrap(owner, name, label):
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            if rank == 0:
+                print(f"bench-job: phase {label} rank={rank} s={time.perf_counter() - t0:.6f} t={time.time():.6f}",
+                      flush=True)
+            return out
+        setattr(owner, name, wrapper)
+
+    wrap(example, "CorpusDataset", "dataset")
+    wrap(example, "initialize", "init-groups")
+    wrap(example.mio.TrainingContext, "init_parallel", "init-parallel")
+    wrap(example, "setup_model_and_optimizer", "build")
+    wrap(checkpoint, "initialize_store", "store")
+    wrap(checkpoint, "load_checkpoint", "load")
+
+
 def main() -> None:
     rank = os.environ.get("RANK", "0")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -106,6 +131,8 @@ def main() -> None:
     example = importlib.util.module_from_spec(spec)
     sys.modules["pretrain_gpt"] = example
     spec.loader.exec_module(example)  # defines everything; its __main__ block does not run
+    if os.environ.get("BENCH_PHASES") == "1":
+        time_phases(example)
     args = example.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     example.pretrain(args)

@@ -139,7 +139,8 @@ def scenario(name: str, a, work: Path) -> Scenario:
     common = ["--use-distributed-optimizer", "--replica-cnt", "2", "--train-iters", str(a.steps),
               "--save", str(ck), *size.args()]
     ha = ["--enable-high-availability"]
-    env = {"BENCH_RESUME_DIR": str(ck), "BENCH_TIMINGS": "1", "MINDIO_ACP_POOL_MB": str(pool_mb(size))}
+    env = {"BENCH_RESUME_DIR": str(ck), "BENCH_TIMINGS": "1", "BENCH_PHASES": "1",
+           "MINDIO_ACP_POOL_MB": str(pool_mb(size))}
     run = [sys.executable, "-m", "mindio.launch.cli", "--nproc-per-node", "4",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            "--max-restarts", "1", "--warm-spares", "4"]  # relaunch (dump, or a fallback to it) into warm ranks
@@ -529,23 +530,29 @@ def targets(results: Dict[str, dict]) -> List[str]:
     def repair_bytes(r):
         return sum(m["bytes"] for m in r.get("moved", []) if m["what"] == "repair")
 
-    same = lambda r: bool(ref.get("final_digest")) and r.get("final_digest") == ref["final_digest"]  # noqa: E731
+    compared = bool(ref.get("final_digest"))  # False with --no-reference: no final state to compare with
+
+    def same(r) -> bool:  # the final state equals the reference's (True when there is none to compare)
+        return not compared or r.get("final_digest") == ref["final_digest"]
+
+    def final(r) -> str:
+        if not compared:
+            return "not compared (no fault-free reference run: --no-reference)"
+        return f"{'bitwise equal to' if same(r) else 'NOT equal to'} the fault-free run"
     r = results.get("recover-in-place", {})
     if r.get("ok"):
         bound = 2 + r.get("state_bytes", 0) / 1e9
         out.append(f"{verdict(r['again_s'] <= bound and same(r))}: recover-in-place {r['again_s']:.2f} s "
-                   f"<= 2 s + {r.get('state_bytes', 0)} B / 1 GB/s = {bound:.2f} s, final state "
-                   f"{'bitwise equal to' if same(r) else 'NOT equal to'} the fault-free run")
+                   f"<= 2 s + {r.get('state_bytes', 0)} B / 1 GB/s = {bound:.2f} s, final state {final(r)}")
     r = results.get("retry", {})
     if r.get("ok"):
         bound = 1 + repair_bytes(r) / 1e9
         out.append(f"{verdict(r['again_s'] <= bound and same(r))}: retry {r['again_s']:.2f} s <= 1 s + "
-                   f"{repair_bytes(r)} B / 1 GB/s = {bound:.2f} s, final state "
-                   f"{'bitwise equal to' if same(r) else 'NOT equal to'} the fault-free run")
+                   f"{repair_bytes(r)} B / 1 GB/s = {bound:.2f} s, final state {final(r)}")
     r = results.get("dump", {})
     if r.get("ok"):
         out.append(f"{verdict(r['steps_lost'] <= 1 and same(r))}: dump + relaunch lost {r['steps_lost']} "
-                   f"step(s) <= 1, final state {'bitwise equal to' if same(r) else 'NOT equal to'} the fault-free run")
+                   f"step(s) <= 1, final state {final(r)}")
     r = results.get("dump", {})
     rate = min((m["gbps"] for m in r.get("moved", []) if m["what"] == "dump write" and m.get("gbps")),
                default=None)

@@ -104,6 +104,14 @@ def test_targets_compare_with_the_bounds_and_the_fault_free_digest():
     assert not any(x.startswith("n/a") for x in lines)
 
 
+def test_targets_without_a_reference_run_say_the_final_state_was_not_compared():
+    """--no-reference: no fault-free final state to compare with; the lines say so (they said "NOT equal")."""
+    lines = rb.targets({"reference": {"ok": False}, "retry": _ok(0.8, moved=[]), "dump": _ok(7.0, steps_lost=1)})
+    assert any(x.startswith("PASS: retry 0.80 s") and "not compared (no fault-free reference run" in x for x in lines)
+    assert any(x.startswith("PASS: dump + relaunch lost 1") and "not compared" in x for x in lines)
+    assert not any("NOT equal" in x for x in lines), lines
+
+
 def test_targets_say_which_figures_are_missing():
     lines = rb.targets({"reference": {"ok": True, "final_digest": "d"}, "baseline": {"ok": False}})
     assert lines == ["n/a: no figure for baseline, dump, retry, recover-in-place (not run, or failed above)"]

@@ -18,7 +18,8 @@ Slow communication. The wait clock also charges each wait to the process group w
 thread entered last (a fifth item of ``step_sums``: {group key: s}). With no straggler in a window, a group
 is slow (cause "communication") when *every* member waited in its collectives, per step, at least
 ``MINDIO_SLOW_RATIO`` times what that group's members usually wait (its floor: the median of its last
-windows, ``_HISTORY`` of them or 3 x ``MINDIO_SLOW_K`` if more, without the run of windows found slow that
+windows -- ``MINDIO_SLOW_K`` at least --, ``_HISTORY`` of them or 3 x ``MINDIO_SLOW_K`` if more, without the
+run of windows found slow that
 the judged one may continue) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their step time more, while their
 own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times its floor or grew by less
 than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). A median, not the least ever
@@ -237,7 +238,9 @@ class SlowScores:
             fw, fo = (statistics.median(v) for v in list(zip(*before))[:2]) if before else (wait, own)
             self.groups[g] = {"ranks": sorted(rs), "wait_s": round(wait, 6), "own_s": round(own, 6),
                               "floor_wait_s": round(fw, 6), "floor_own_s": round(fo, 6)}
-            slow = wait >= self.ratio * fw and wait - fw >= self.min_wait * wall and (
+            # judged against K windows at least: a floor from the first window alone (the job's warm-up, in
+            # which the wait clock may not see the group's collectives yet) named a fault-free DDP loop's group
+            slow = len(before) >= self.k and wait >= self.ratio * fw and wait - fw >= self.min_wait * wall and (
                 own < self.ratio * fo or own - fo < self.min_wait * wall)  # their compute did not grow
             if slow:
                 flagged.append((wait - fw, g))

@@ -252,13 +252,17 @@ class WaitClock:
                 held = min(max(0.0, dt - period - (o - o0) - slack), max(0.0, raw))  # a stop past the tick's
                 # due time (not this thread's wait for the GIL from a computing main thread: raw is ~0 then)
                 blocked = raw - held + owed
-                waiting = c - c0 < share * dt  # else it computed: a later wait is in no earlier collective,
-                current = (entered or current) if waiting else entered  # and this one's may precede its entry
+                # it computed in this interval: a later wait is in no earlier collective; its blocked time is
+                # charged to a collective entered in it (at 25 Hz most intervals of a short step hold some compute:
+                # leaving them out made a group's charge follow the tick's phase against the step's)
+                current = (entered or current) if c - c0 < share * dt else entered
                 if blocked > 0:
                     owed = 0.0
                     self.total += blocked
-                    if waiting and current is not None:
-                        self.groups[current] = self.groups.get(current, 0.0) + blocked
+                    if current is not None:  # inside the collective: blocked, not waiting for a CPU after it
+                        # (a busy machine's delay, which grows with its load, is no slow link)
+                        inside = min(blocked, max(0.0, raw - (q - q0 - starved) - held))
+                        self.groups[current] = self.groups.get(current, 0.0) + inside
                 else:
                     owed = max(blocked, -period)
                 t0, c0, q0, o0, h0 = t, c, q, o, h

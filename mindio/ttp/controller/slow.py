@@ -21,8 +21,8 @@ is slow (cause "communication") when *every* member waited in its collectives, p
 windows -- ``MINDIO_SLOW_K`` at least --, ``_HISTORY`` of them or 3 x ``MINDIO_SLOW_K`` if more, without the
 run of windows found slow that the judged one may continue) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their
 step time more, while their own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times
-its floor or grew by less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). A median, not the least ever
-seen: the least of many noisy windows only falls as a run goes on until an ordinary window is 1.2x above it
+its floor or grew by less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). A median,
+not the least ever seen: the least of many noisy windows only falls as a run goes on until an ordinary window is 1.2x above it
 (a fault-free DDP loop beside a busy loop was named after 90 steps that way). A slowdown is judged against
 the windows before it; one that lasts the whole history is the group's new pace (its floor then). The minimum over the
 members is what tells the group that is slow from the groups that wait for it: the members of a slow group

@@ -15,19 +15,19 @@ elsewhere on the machine slows every rank alike: no straggler (but on an oversub
 scheduler holds single ranks back for a while: docs/recovery.md, false alarms).
 
 Slow communication. The wait clock also charges each wait to the process group whose collective the main
-thread entered last (a fifth item of ``step_sums``: {group key: s}). With no straggler in a window, a group
-is slow (cause "communication") when *every* member waited in its collectives, per step, at least
-``MINDIO_SLOW_RATIO`` times what that group's members usually wait (its floor: the median of its last
-windows -- ``MINDIO_SLOW_K`` at least --, ``_HISTORY`` of them or 3 x ``MINDIO_SLOW_K`` if more, without the
-run of windows found slow that the judged one may continue) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their
-step time more, while their own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times
-its floor or grew by less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). A median,
-not the least ever seen: the least of many noisy windows only falls as a run goes on until an ordinary window is 1.2x above it
-(a fault-free DDP loop beside a busy loop was named after 90 steps that way). A slowdown is judged against
-the windows before it; one that lasts the whole history is the group's new pace (its floor then). The minimum over the
-members is what tells the group that is slow from the groups that wait for it: the members of a slow group
-all wait in it; a group whose members wait for a rank busy in another group's collective has that rank not
-waiting in it. ``MINDIO_SLOW_K`` windows in a row report it once.
+thread entered last (a fifth item of ``step_sums``: {group key: s}). With no straggler in a window, a group is
+slow (cause "communication") when *every* member waited in its collectives, per step, at least
+``MINDIO_SLOW_RATIO`` times what that group's members usually wait (its floor: the median of its last windows
+-- ``MINDIO_SLOW_K`` at least --, ``_HISTORY`` of them or 3 x ``MINDIO_SLOW_K`` if more, without the run of
+windows found slow that the judged one may continue) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their step
+time more, while their own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times its
+floor or grew by less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). A median,
+not the least ever seen: the least of many noisy windows only falls as a run goes on until an ordinary window
+is 1.2x above it (a fault-free DDP loop beside a busy loop was named after 90 steps that way). A slowdown is
+judged against the windows before it; one that lasts the whole history is the group's new pace (its floor
+then). The minimum over the members is what tells the group that is slow from the groups that wait for it: the
+members of a slow group all wait in it; a group whose members wait for a rank busy in another group's
+collective has that rank not waiting in it. ``MINDIO_SLOW_K`` windows in a row report it once.
 
 Limits. A wait that follows a collective with no compute in between (a sleep, a data loader right after
 the step's last all-reduce) is charged to that collective's group; a steady one raises the group's floor

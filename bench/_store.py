@@ -35,6 +35,7 @@ def private_store(checkpoint_parent=None, server_info=None, pool_mb=None, prefix
     try:
         t0 = time.perf_counter()
         assert acp.initialize(server_info) == 0
+        api._client.populated.wait(120)  # the pool's page tables (in the background since initialize)
         took = time.perf_counter() - t0
         view, t1 = api._client.loadview, time.perf_counter()
         while view is not None and view.populated < view.size and time.perf_counter() - t1 < 120:

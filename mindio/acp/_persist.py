@@ -23,7 +23,6 @@ persisted again; every other one is appended to ``lost.jsonl`` by path and repor
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import mmap
@@ -35,6 +34,7 @@ from .. import _knobs, _logging
 from ..errors import CheckpointError
 from . import format as fmt
 from .._secure import open_private
+from ._poolfile import lower_priority
 from ._state import FAILED, PENDING, PERSISTED, PERSISTING, SUPERSEDED, Entry, Region
 from ._storage import (atomic_write_direct, current_key, is_target_error, marker_path, remove_marker, stat_key,
                        target_problem)
@@ -80,17 +80,6 @@ class Persister:
 
     def counters(self) -> dict:
         return dict(self._stats, queued=len(self.queue), sched_idle=self.idle_policy)
-
-    @staticmethod
-    def lower_priority() -> None:
-        """nice 19 and the lowest best-effort I/O priority for the calling thread."""
-        tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.syscall(251, 1, tid, (2 << 13) | 7)   # ioprio_set(WHO_PROCESS, tid, BE class, level 7)
-        except (OSError, AttributeError):
-            pass
 
     def _cpu_idle(self, on: bool) -> None:
         """SCHED_IDLE for the byte work (checksums, writes): any waking trainer thread preempts it at
@@ -149,7 +138,7 @@ class Persister:
         return self._path_locks.setdefault(path, threading.Lock())
 
     def _work(self) -> None:
-        self.lower_priority()
+        lower_priority()
         while True:
             entry = self._take()
             if entry is None:

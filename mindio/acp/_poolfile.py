@@ -11,9 +11,10 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 import time
 
-__all__ = ["check_pool_fits", "create_pool", "madvise", "address", "MADV_POPULATE_WRITE"]
+__all__ = ["check_pool_fits", "create_pool", "madvise", "address", "lower_priority", "MADV_POPULATE_WRITE"]
 
 MADV_POPULATE_WRITE = 23
 
@@ -28,6 +29,17 @@ def madvise(addr: int, length: int, advice: int) -> None:
     if _libc.madvise(addr, length, advice) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def lower_priority() -> None:
+    """nice 19 and the lowest best-effort I/O priority for the calling thread (the daemon's persistence
+    workers and pool prefault, a client's pool populate)."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        _libc.syscall(251, 1, tid, (2 << 13) | 7)   # ioprio_set(WHO_PROCESS, tid, BE class, level 7)
+    except (OSError, AttributeError):
+        pass
 
 
 def address(mapping) -> tuple:

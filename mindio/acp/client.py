@@ -55,10 +55,7 @@ def _populate(pool: mmap.mmap, chunks: bytearray, halt: threading.Event, done: t
     """(its own thread, at the lowest CPU priority) :func:`_fault_in` every chunk of ``pool`` not yet done, one
     small chunk at a time (each madvise holds the process's mmap lock: the load view's mappings wait behind
     it); ``done`` is set when it ended."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-        pass
+    _poolfile.lower_priority()
     try:
         for i in range(len(chunks)):
             if halt.is_set():
@@ -204,7 +201,8 @@ class Client:
         # (in here for the whole pool, each of four ranks took 1.1 s of a relaunch at 1g, a 2.3 GiB pool; in
         # 64 MiB chunks the relaunch's load, through the load view, waited behind them: 1.64 -> 2.75 s), and by
         # a save for the chunks it writes that the background has not done yet (save_image)
-        self._chunks = bytearray(-(-size // _CHUNK))
+        self._halt.set()  # a mapping this one replaces (the pool grew) needs its populate no more
+        self._halt, self._chunks = threading.Event(), bytearray(-(-size // _CHUNK))
         self.populated = threading.Event()
         threading.Thread(target=_populate, args=(self.pool, self._chunks, self._halt, self.populated),
                          name="mindio-acp-populate", daemon=True).start()

@@ -47,7 +47,7 @@ from . import _config, _wire
 from ._ops import Operations
 from ._persist import Persister
 from ._pool import BlockAllocator
-from ._poolfile import MADV_POPULATE_WRITE, address, check_pool_fits, create_pool, madvise
+from ._poolfile import MADV_POPULATE_WRITE, address, check_pool_fits, create_pool, lower_priority, madvise
 from ._state import LIVE, Entry
 from ._storage import Journal, sweep_temps
 
@@ -146,7 +146,7 @@ class Daemon(Operations):
         """Fault the pool (or its grown part, [begin, end)) in once, at low priority, so saves copy into
         warm pages. Through a GIL-releasing madvise: with mmap.madvise each 64 MiB step held the GIL for
         ~25 ms, and a trainer's first saves after start-up waited that long for their alloc/commit replies."""
-        self.persist.lower_priority()
+        lower_priority()
         step = 64 << 20
         end = self.cfg.pool_bytes if end is None else end
         pool_map, view = self.pool_map, self.pool_view

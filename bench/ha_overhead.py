@@ -149,7 +149,8 @@ def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int
     checks: list = []  # the 'crosscheck' runs' crosscheck_cost events (each rank's, every N steps)
     for r in range(rounds):
         for name, (extra, env) in todo.items():
-            if name in ("slow", "slow100", "crosscheck"):
+            logged = name in ("slow", "slow100", "crosscheck")  # their ranks' events are read after the run
+            if logged:
                 fd, events = tempfile.mkstemp(prefix="mindio-ha-overhead-events-", suffix=".jsonl")
                 os.close(fd)
                 env = {**env, "MINDIO_EVENT_LOG": events}
@@ -158,7 +159,7 @@ def measure(size: str, nproc: int, iters: int, warmup: int, rounds: int, pp: int
                 clock.setdefault(name, []).extend(_clock_costs(events))
             if name == "crosscheck":
                 checks += _events(events, "crosscheck_cost")
-            if name in ("slow", "slow100", "crosscheck"):
+            if logged:
                 os.unlink(events)
             steps[name] += s
             per_round[name].append(statistics.median(s))

@@ -18,11 +18,13 @@ Two sources, the better one the kernel offers:
   time (within 2 periods) and in which the main thread used under 10 % of it is waiting; a late tick's
   interval is the rank's own time (the whole process was stopped, throttled or starved).
 
-Each waiting interval is also charged to the process group whose collective the main thread entered last,
-since it last computed (:attr:`WaitClock.groups`, for the "communication" cause): each tick reads every
-group's sequence number (collectives.py; the list of groups is looked up again once a second and when
-their number changes), and the group whose number moved last is the collective the main thread waits in.
-A wait after compute with no new collective (a sleep, a data loader) is charged to no group.
+A wait is also charged to the process group whose collective the main thread entered last, since it last
+computed (:attr:`WaitClock.groups`, for the "communication" cause): each tick reads every group's sequence
+number (collectives.py; the list of groups is looked up again once a second and when their number
+changes), and the group whose number moved last is the collective the main thread waits in. A wait after
+compute with no new collective (a sleep, a data loader) is charged to no group. ``cpu`` charges whole
+waiting intervals; ``schedstat`` charges the time the main thread was blocked (not its wait for a CPU after
+the collective returned), in a tick that also computed to a collective entered in that tick.
 """
 from __future__ import annotations
 
@@ -240,9 +242,9 @@ class WaitClock:
                     c, q, o = time.clock_gettime(clock), delay.read(), own.read()
                 except (OSError, ValueError, IndexError):  # the main thread ended
                     return
-                if throttle.refresh():  # the process was moved to another cgroup (a test does)
-                    h0 = throttle.read()
+                moved = throttle.refresh()  # to another cgroup (a test does): its counter starts afresh
                 h = throttle.read()
+                h0 = h if moved else h0
                 entered = self._entered(state, t)
                 dt = t - t0
                 # its wait for a CPU is its own when the process was held: its cgroup throttled, or this

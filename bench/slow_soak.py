@@ -52,7 +52,8 @@ def main() -> None:
     a = ap.parse_args()
     found = soak(a.steps, a.nproc, a.window, a.k, a.busy)
     for e in found:
-        print(f"  named: rank {e['slow_rank']} at step {e['at_step']} (cause {e['cause']}, ratio {e['ratio']}, "
+        who = f"rank {e['slow_rank']}" if "slow_rank" in e else f"group {e.get('group')} (ranks {e.get('ranks')})"
+        print(f"  named: {who} at step {e['at_step']} (cause {e['cause']}, ratio {e['ratio']}, "
               f"own {e.get('own_s', 0):.4f} s / wait {e.get('wait_s', 0):.4f} s per step)")
     print(f"{a.nproc} ranks, {a.steps} fault-free steps, window {a.window}, K {a.k or 'default'}, {a.busy} busy "
           f"loop(s), load average {os.getloadavg()[0]:.1f}: {len(found)} rank(s) named = "

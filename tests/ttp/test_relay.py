@@ -63,7 +63,9 @@ def test_ranks_register_and_beat_through_one_relay_with_every_heartbeat_field(pl
     assert until(lambda: all(ctl.ranks[r].coll_seq == {"dp": 10 + r} for r in (0, 1)))  # hangs.py's culprits
     assert [ctl.ranks[r].idle_age for r in (0, 1)] == [0.5, 1.5] and ctl.ranks[1].step_p99 == 0.25
     assert until(lambda: ctl.liveness.slow.last.get(1, (0,))[0] == 4)  # slow.py's step sums
-    assert all(r.link.registered.is_set() for r in ranks)
+    # the REGISTER_ACKs come down through the relay on their own time (the controller's table is no signal
+    # that they arrived: a 0.7 s stall of this process in a full suite left one in transit)
+    assert until(lambda: all(r.link.registered.is_set() for r in ranks))
     assert ranks[0].link.addrs == [relay.address]  # a rank never learns (nor fails over to) the controllers
 
 

@@ -293,19 +293,26 @@ SOURCES = [("cpu", 100.0), pytest.param("schedstat", 0.0, marks=pytest.mark.skip
 
 @pytest.mark.parametrize("source,hz", SOURCES)
 def test_the_wait_clock_counts_a_waiting_main_thread_not_a_spinning_one(source, hz):
+    """A spinning main thread's CPU time is never counted as waiting. Its wait for a CPU on a busy machine is
+    (schedstat, module docstring of waitclock.py: a busy machine's noise, as its peers see it, unless its
+    process is held): the bound allows that delay, read from the kernel here (2 busy loops beside this test
+    made the spin's 0.2 s of CPU take 0.3 s and the clock count 0.06-0.12 s of it; the suite's load too)."""
     clock = WaitClock(hz, source=source).start()
+    delay = RunDelay.open(threading.main_thread().native_id) if source == "schedstat" else None
     try:
         assert clock.usable and clock.source == source
         q = clock.total
         time.sleep(0.3)
         waited = clock.total - q
-        q, end = clock.total, time.thread_time() + 0.2
+        q, end, q0 = clock.total, time.thread_time() + 0.2, delay.read() if delay else 0.0
         while time.thread_time() < end:  # the main thread computes
             pass
-        spun = clock.total - q
+        spun, runq = clock.total - q, delay.read() - q0 if delay else 0.0
     finally:
         clock.stop()
-    assert waited >= 0.15 and spun <= 0.05, (waited, spun)
+        if delay:
+            delay.close()
+    assert waited >= 0.15 and spun <= 0.05 + runq, (waited, spun, runq)
 
 
 ATTRIBUTE = """

@@ -6,7 +6,10 @@ bench/controller_scale.py that does not depend on how busy the machine is.
 A real Controller (its threads not started) with a real ROUTER socket; N ranks registered through N /
 per-relay relay connections; each round every relay's BEATS frame, signed as a relay signs it, is
 verified and decoded (wire/protocol.py) and handed to the controller's dispatch, which applies it and
-sends the ack (to a connection that is not there: zmq drops it after the send). Printed: process CPU ms
+sends the ack (to a connection that is not there: zmq drops it after the send). The frames carry what
+a relay sends for its ranks (every heartbeat column: collective numbers of ``--groups`` groups, idle age,
+step p99, step sums: packed in one byte string as protocol v5 sends them, or ``--unpacked`` as v4 did;
+``--plain``: the five v3 columns alone). Printed: process CPU ms
 per round (decode and dispatch apart), and the share of a core at 1 s beats. Not in the test suite.
 ``MINDIO_SRC=DIR`` measures the mindio package in DIR instead (an older commit's: ``git archive C mindio``).
 """
@@ -28,6 +31,12 @@ def main() -> None:
     p.add_argument("--n", type=int, default=100000, help="ranks")
     p.add_argument("--per-relay", type=int, default=8, help="ranks per relay connection")
     p.add_argument("--rounds", type=int, default=5, help="heartbeat rounds measured")
+    p.add_argument("--groups", type=int, default=6, help="process groups in each rank's collective numbers (the "
+                   "heartbeat's coll_seq; Megatron has a few per rank)")
+    p.add_argument("--plain", action="store_true", help="frames without the v4 heartbeat columns (seq, idle, p99, "
+                   "sums) a real relay sends (wire/relay.py _beats): what this bench sent before 2026-11-29")
+    p.add_argument("--unpacked", action="store_true", help="the maps and lists as v4 sent them (one per rank, "
+                   "unpacked at every beat), not in BEATS.packed (v5)")
     a = p.parse_args()
     from mindio.ttp.wire import protocol as P
     from tests.ttp._harness import threadless_controller  # real Controller and ROUTER, threads not started
@@ -38,8 +47,11 @@ def main() -> None:
     for c in range(0, n, k):
         ranks = list(range(c, min(n, c + k)))
         m = len(ranks)
+        seq, sums = [{f"{g}#pg{g}": 1000 + r for g in range(a.groups)} for r in ranks], [[100, 50.0, 40.0, 10.0]] * m
+        extra = {} if a.plain else dict(idle=[0.01] * m, p99=[0.5] * m, **(  # what wire/relay.py _beats sends
+            dict(seq=seq, sums=sums) if a.unpacked else dict(packed=P.pack_extras(seq, sums))))
         env = P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ranks, steps=[5] * m, status=[0] * m, coll=[False] * m,
-                                                  age=[0.0] * m), sess=1, ctr=1)
+                                                  age=[0.0] * m, **extra), sess=1, ctr=1)
         frames.append((b"relay%d" % (c // k), P.encode(env, KEY)))
     flush = getattr(ctl, "_flush_beats", lambda: None)  # (the controller before issue 34 had none)
     decode_s = dispatch_s = 0.0

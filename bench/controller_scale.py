@@ -8,7 +8,8 @@ simulated by a few child processes, each holding many DEALER sockets: one socket
 without a launcher) up to 2,000 ranks; above, one socket per 8 ranks registered as a relay (as a node
 agent would relay for its ranks; the controller accepts relays with MINDIO_RELAYS=1, here relays=True)
 -- every rank still registers, beats and answers on its own, so the controller handles exactly N ranks'
-messages; every connection opens a session first (protocol v3); only the simulators' poll()
+messages (a relay's BEATS carries every heartbeat field a real relay sends, since 2026-11-29: before, the
+bench sent the five v3 columns alone, and at 100k a real relay's frames cost the controller twice that CPU); every connection opens a session first (protocol v3); only the simulators' poll()
 over thousands of sockets (O(sockets) per call, on 2 shared cores) and this machine's 20,000-descriptor
 limit per process are avoided. Simulated ranks answer every action at once, so the figures are the
 controller's own cost.
@@ -86,6 +87,7 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
         sock.connect(f"tcp://127.0.0.1:{port}")
         conns.append(_Conn(sock, ranks[i:i + per_conn], relay))
     relay_batch = batch and relay  # a relay sends one frame for all its ranks (protocol v2)
+    unpacked = os.environ.get("BENCH_UNPACKED") == "1"  # --unpacked: the maps and lists as v4 sent them
     ready.put(len(conns))
     go.wait()
     for c in conns:
@@ -162,9 +164,14 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
                     continue
                 if relay_batch:
                     if c.beats is None:  # the same beats every round: packed once (only the counter changes)
-                        k = len(c.chunk)
+                        k = len(c.chunk)  # every heartbeat field, as wire/relay.py _beats sends them (v5): a
+                        # rank's collective numbers in 6 groups, idle age, step p99, step sums
+                        seq = [{f"{g}#pg{g}": 1000 + r for g in range(6)} for r in c.chunk]
+                        sums = [[100, 50.0, 40.0, 10.0]] * k
+                        extra = dict(seq=seq, sums=sums) if unpacked else dict(packed=P.pack_extras(seq, sums))
                         c.beats = P.Envelope(P.MsgType.BEATS, P.Beats(ranks=c.chunk, steps=[5] * k, status=[0] * k,
-                                                                      coll=[False] * k, age=[0.0] * k))
+                                                                      coll=[False] * k, age=[0.0] * k, idle=[0.01] * k,
+                                                                      p99=[0.5] * k, **extra))
                         c.beats_body = P.pack_body(c.beats)
                     c.send(c.beats, c.beats_body)
                 else:
@@ -319,7 +326,13 @@ def main() -> None:
                         "0 lets them compete, as processors on other hosts would not have to)")
     p.add_argument("--no-batch", action="store_true",
                    help="relays send one frame per rank (protocol v1 style) instead of BEATS/BATCH frames")
+    p.add_argument("--unpacked", action="store_true",
+                   help="relays send each rank's collective numbers and step sums as v4 did (a map and a list per "
+                        "rank, unpacked by the controller at every beat) instead of BEATS.packed (v5); with an "
+                        "older mindio (a checkout of it running this file) it measures the controller before v5")
     a = p.parse_args()
+    if a.unpacked:
+        os.environ["BENCH_UNPACKED"] = "1"  # read by the simulators (spawned: they inherit it)
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores "
           "(the simulators share these cores with the controller)")
     print(f"{'N':>7} {'conns':>6} {'register s':>10} {'ctl CPU/round ms':>16} {'CPU share':>9} "

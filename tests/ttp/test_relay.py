@@ -126,9 +126,18 @@ def test_beats_extras_are_checked_and_another_protocol_version_is_refused_by_nam
         P.decode(P.encode(P.Envelope(P.MsgType.BEATS, P.Beats(**cols, idle=[1.0])), KEY), KEY)
     with pytest.raises(ProtocolError, match="BEATS.seq entries must be map"):
         P.decode(P.encode(P.Envelope(P.MsgType.BEATS, P.Beats(**cols, seq=[1, 2])), KEY), KEY)
+    # v5: the maps and lists packed, unpacked (and checked) when read
+    packed = P.decode(P.encode(P.Envelope(P.MsgType.BEATS, P.Beats(**cols, packed=P.pack_extras(
+        [{}, {"dp": 1}], [[], [3, 1.0, 0.5]]))), KEY), KEY).body.packed
+    assert P.unpack_extras(packed, 2) == ([{}, {"dp": 1}], [[], [3, 1.0, 0.5]])
+    for bad, why in [(b"\xc1", "malformed"), (msgpack.packb([[{}], [[]]]), "one entry per rank"),
+                     (msgpack.packb([[1, 2], [[], []]]), "seq entries must be maps"),
+                     (msgpack.packb([[{"dp": "x"}, {}], [[], []]]), "must be integers")]:
+        with pytest.raises(ProtocolError, match=why):
+            P.unpack_extras(bad, 2)
     # a peer of protocol v3 (before the columns): one line naming both versions
     old = msgpack.packb([3, int(P.MsgType.HEARTBEAT), 0, 0, 0, 0, 0, {"step": 1, "data_status": 0}])
     import hmac
-    with pytest.raises(ProtocolError, match=r"protocol version 3 is not supported \(this side speaks 4\): the peer "
+    with pytest.raises(ProtocolError, match=r"protocol version 3 is not supported \(this side speaks 5\): the peer "
                                             r"runs another mindio release"):
         P.decode(old + hmac.digest(KEY, old, "sha256"), KEY)

@@ -104,14 +104,22 @@ def relay_controller():
         close()
 
 
-def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(relay_controller, monkeypatch):
+@pytest.mark.parametrize("v", [3, 4, 5], ids=["v3-columns", "v4-columns", "v5-packed"])
+def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(relay_controller, monkeypatch, v):
+    """v4: the frames carry every heartbeat column (collective numbers, idle age, step p99, step sums) --
+    before 2026-11-29 those were applied rank by rank, through the records; v5: the maps and lists packed in
+    one byte string, as wire/relay.py ``_beats`` sends them (unpacked when read)."""
+    v4 = v >= 4
     ctl, n = relay_controller
     frames = []
     for relay in range(8):
         ranks = list(range(relay * n // 8, (relay + 1) * n // 8))
         k = len(ranks)
+        seq, sums = [{"dp": 100 + r, "tp": 7} for r in ranks], [[3, 1.5, 1.0, 0.5]] * k
+        extra = {} if v == 3 else dict(idle=[0.25] * k, p99=[0.75] * k, **(
+            dict(seq=seq, sums=sums) if v == 4 else dict(packed=P.pack_extras(seq, sums))))
         frames.append((b"relay%d" % relay, P.Envelope(P.MsgType.BEATS, P.Beats(
-            ranks=ranks, steps=[9] * k, status=[0] * k, coll=[False] * k, age=[0.5] * k))))
+            ranks=ranks, steps=[9] * k, status=[0] * k, coll=[False] * k, age=[0.5] * k, **extra))))
     touched, made = [0], [0]
     plain_get, plain_init = RankRecord.__getattribute__, RankRecord.__init__
 
@@ -141,6 +149,10 @@ def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(rel
     monkeypatch.undo()
     assert all(ctl.ranks[r].step == 9 for r in range(n)) and ctl.ranks.count(watched=True) == n
     assert np.all(ctl.ranks.col["progress_age"][:n] == 0.5)
+    if v4:  # what hangs.py reads
+        assert np.all(ctl.ranks.col["idle_age"][:n] == 0.25) and np.all(ctl.ranks.col["step_p99"][:n] == 0.75)
+        assert all(ctl.ranks[r].coll_seq == {"dp": 100 + r, "tp": 7} for r in (0, n // 2, n - 1))
+        assert ctl.ranks.coll_seqs(range(n)) == [{"dp": 100 + r, "tp": 7} for r in range(n)]  # hangs.py's read
 
 
 def test_a_relays_beats_through_the_socket_keep_its_ranks_alive_and_silence_kills_them():

@@ -52,7 +52,7 @@ from .recover import Replace, Replacements
 from .dump import Dump
 from .hotswitch import HotSwitch
 from .watch import Liveness
-from ...errors import ConfigError, SessionError
+from ...errors import ConfigError, ProtocolError, SessionError
 from .. import shutdown
 from ..wire.session import Sessions
 from ..wire.transport import Channel, Link, Waker, job_curve_keypair
@@ -577,8 +577,12 @@ class Controller:
             return
         table, replaced = self.ranks, self.replacements.replaced  # ranks replaced by a recovery (recover.py)
         ranks, steps, status, coll, age, conns, nows, ends, skip = [], [], [], [], [], [], [], [], []
+        has, seq, idle, p99, packs = [], [], [], [], []  # the v4/v5 columns (hangs.py), where a frame has them
         for ident, env, now in frames:
             b = env.body
+            n = len(b.ranks)
+            pack = b.packed or None  # unpacked only when read (ranks.py unpacked_seq)
+            packs.append(pack)
             ranks += b.ranks
             steps += b.steps
             status += b.status
@@ -587,16 +591,28 @@ class Controller:
             conns.append(table.conn_id(ident))
             nows.append(now)
             ends.append(len(ranks))
+            has.append(bool(b.seq) or pack is not None)
+            seq += b.seq or [pack] * n
+            idle += b.idle or [-1.0] * n
+            p99 += b.p99 or [-1.0] * n
             if replaced:  # a replaced rank's old process: refused
                 skip += [r for r in b.ranks if replaced.get(r, -1) > env.gen]
         counts = np.diff(np.asarray([0] + ends))
+        extras = None
+        if any(has):
+            seqs = np.empty(len(seq), object)
+            seqs[:] = seq  # dicts (protocol.py checks the type) or bytes: one reference per entry, no Python loop
+            pos = np.arange(len(ranks), dtype=np.int32) - np.repeat(np.asarray(ends, np.int32) - counts, counts)
+            extras = (np.repeat(np.asarray(has, np.bool_), counts), seqs, pos, idle, p99)
         # no lock, as for HEARTBEAT: the driver thread reads these columns under it, never writes them
         acc, unknown = table.beats_at(ranks, np.repeat(np.asarray(conns, np.int32), counts), steps, status, coll, age,
-                                      np.repeat(np.asarray(nows), counts), skip)
+                                      np.repeat(np.asarray(nows), counts), skip, extras)
         table.watched[acc[table.col["alive"][acc]]] = True
-        for ident, env, _now in frames:  # the rest of each heartbeat (v4; hangs.py, slow.py): per rank, in Python
-            if env.body.seq:
-                self._beat_extras(ident, env.body, env.gen)
+        if self.liveness.slow.window > 0:  # slow-rank scoring on (slow.py): each rank's step sums, in Python
+            for (ident, env, _now), pack in zip(frames, packs):
+                sums = env.body.sums or (self._sums_of(pack, len(env.body.ranks)) if pack is not None else [])
+                if sums:
+                    self._beat_sums(ident, env.body.ranks, sums, env.gen)
         if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
             self.incidents.serve_dump_request()
         if self.incidents.order is not None:  # the job's exit order, to ranks it has not reached (incident.py)
@@ -613,16 +629,22 @@ class Controller:
             else:
                 self._ack(ident, -1, state)
 
-    def _beat_extras(self, ident: bytes, b: P.Beats, env_gen: int) -> None:
-        """BEATS' heartbeat extras (coll_seq, step_p99, idle_age, step_sums) for the ranks of this relay."""
-        get, observe, n = self.ranks.get, self.liveness.slow.observe, len(b.ranks)
+    def _sums_of(self, pack: bytes, n: int) -> list:
+        """The step sums in a BEATS frame's ``packed`` (protocol v5); none when it does not unpack (dropped)."""
+        try:
+            return P.unpack_extras(pack, n)[1]
+        except ProtocolError as exc:
+            self.drops.drop(exc, origin="a relay's BEATS.packed")
+            return []
+
+    def _beat_sums(self, ident: bytes, ranks: list, sums: list, env_gen: int) -> None:
+        """BEATS' step sums (slow.py) for the ranks of this relay, one by one (only while scoring is on)."""
+        get, observe = self.ranks.get, self.liveness.slow.observe
         replaced, gen = self.replacements.replaced, env_gen
-        idle, p99, sums = b.idle or [-1.0] * n, b.p99 or [-1.0] * n, b.sums or [[]] * n
         closed = False
-        for rank, seq, idle_age, step_p99, step_sums in zip(b.ranks, b.seq, idle, p99, sums):
+        for rank, step_sums in zip(ranks, sums):
             r = get(rank)
             if r is not None and r.registered and r.ident == ident and not (replaced and replaced.get(rank, -1) > gen):
-                r.coll_seq, r.step_p99, r.idle_age = seq, step_p99, idle_age
                 closed = observe(rank, step_sums) or closed
         if closed:  # slow.py: a window closed, as for a rank's own heartbeat
             self.liveness.check_slow()

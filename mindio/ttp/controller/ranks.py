@@ -6,9 +6,10 @@ data_status, progress and idle ages, step_p99, pid, and the number of the connec
 through), so that a relay's BEATS frame updates its ranks with a few slice assignments
 (:meth:`RankTable.beats`), the liveness sweep is a vector comparison (:meth:`RankTable.expired`) and the
 decision's queries (:meth:`live`, :meth:`dead`, :meth:`ranks_where`, :meth:`min_step`) cost a pass over an
-array, not a loop over records. What is rarely used and not fixed-size (the route ``ident``, host,
-coll_seq, replica layout, dp group, features) stays on the :class:`RankRecord`, touched only when it
-changes. The table is also a ``{rank: RankRecord}`` dict for the cold paths: a record in the table is a
+array, not a loop over records. Each rank's collective numbers (``coll_seq``, a dict sent with every beat
+and read only when a hang is suspected: hangs.py) are an object column, :attr:`RankTable.seqs`, assigned
+with the other columns. What is rarely used and not fixed-size (the route ``ident``, host, replica layout,
+dp group, features) stays on the :class:`RankRecord`, touched only when it changes. The table is also a ``{rank: RankRecord}`` dict for the cold paths: a record in the table is a
 view of its row (``table[r].alive = False`` writes the column); a record made on its own keeps its values
 until it is put in a table, which copies them into the row.
 
@@ -18,11 +19,30 @@ controller.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from ...errors import ProtocolError
+from ..wire.protocol import unpack_extras
 from .policy import RankView, no_gc
 
+_log = logging.getLogger("mindio.ttp.controller")
+
 __all__ = ["RankRecord", "RankTable", "infer_layout", "COLUMNS"]
+
+def unpacked_seq(raw: bytes, i: int) -> dict:
+    """Entry ``i`` of the collective numbers in a relay's BEATS ``packed`` (protocol v5): the rank table keeps
+    those bytes for each rank of the frame (its ``seqs`` column; ``seqpos``: the rank's place), unpacked only
+    when read -- a hang suspected. Bytes are no container: 100,000 ranks' beats a second leave nothing for the
+    garbage collector to walk. Content that does not unpack reads as no numbers (logged)."""
+    try:
+        seq = unpack_extras(raw)[0]
+        return seq[i] if 0 <= i < len(seq) else {}
+    except ProtocolError as exc:
+        _log.warning("a relay's BEATS frame: %s (its ranks' collective numbers ignored)", exc)
+        return {}
+
 
 # column name -> (dtype, value of a new record); every one is a RankRecord attribute (a view of the row)
 COLUMNS: dict[str, tuple] = {
@@ -66,7 +86,7 @@ class RankRecord:
     """What the controller knows of one rank (its row of the table; module docstring). The constructor
     takes the fields by name as the former dataclass did."""
 
-    __slots__ = ("rank", "_ident", "host", "coll_seq", "replica", "dp_group", "features", "_t", "_v")
+    __slots__ = ("rank", "_ident", "host", "_seq", "replica", "dp_group", "features", "_t", "_v")
 
     def __init__(self, rank: int, ident: bytes, pid: int = 0, host: str = "", last_seen: float = 0.0,
                  step: int = 0, data_status: int = 0, in_collective: bool = False, progress_age: float = -1.0,
@@ -75,7 +95,7 @@ class RankRecord:
                  faulty: bool = False, registered: bool = True, features: dict | None = None, gen: int = 0,
                  left: bool = False):
         self.rank, self._ident, self.host, self._t = rank, ident, host, None
-        self.coll_seq = {} if coll_seq is None else coll_seq  # {group: last collective entered} (collectives.py)
+        self._seq = {} if coll_seq is None else coll_seq  # {group: last collective entered} (collectives.py)
         self.replica = [] if replica is None else replica
         self.dp_group = [] if dp_group is None else dp_group
         self.features = {} if features is None else features  # the processor's enable flags (retry.py)
@@ -84,6 +104,22 @@ class RankRecord:
                    "in_collective": bool(in_collective), "progress_age": float(progress_age),
                    "idle_age": float(idle_age), "step_p99": float(step_p99), "alive": bool(alive),
                    "faulty": bool(faulty), "registered": bool(registered), "gen": int(gen), "left": bool(left)}
+
+    @property
+    def coll_seq(self) -> dict:
+        """{group: sequence number of the last collective it entered} (its last beat's; the table's ``seqs``)."""
+        t = self._t
+        if t is None:
+            return self._seq
+        got = t.seqs[self.rank]
+        return unpacked_seq(got, int(t.seqpos[self.rank])) if got.__class__ is bytes else got
+
+    @coll_seq.setter
+    def coll_seq(self, value: dict) -> None:
+        if self._t is None:
+            self._seq = value
+        else:
+            self._t.seqs[self.rank] = value
 
     @property
     def ident(self) -> bytes:
@@ -115,6 +151,8 @@ class RankTable(dict):
         self.present = np.zeros(0, np.bool_)  # a record of this rank is in the table
         self.watched = np.zeros(0, np.bool_)  # the liveness sweep watches this rank (watch.py)
         self.conn = np.zeros(0, np.int32)  # number of the rank's connection (conn_id), -1: none
+        self.seqs = np.zeros(0, object)  # each rank's coll_seq dict, or its frame's packed bytes (unpacked_seq)
+        self.seqpos = np.zeros(0, np.int32)  # the rank's place in those bytes
         self._conns: dict[bytes, int] = {b"": -1}
         self._idents: list[bytes] = []  # conn id -> ident
         self._grow(max(capacity, 16))
@@ -138,6 +176,8 @@ class RankTable(dict):
         self.present = wider(self.present, np.bool_, False)
         self.watched = wider(self.watched, np.bool_, False)
         self.conn = wider(self.conn, np.int32, -1)
+        self.seqs = wider(self.seqs, object, None)
+        self.seqpos = wider(self.seqpos, np.int32, 0)
 
     def conn_id(self, ident: bytes) -> int:
         """The number of connection ``ident`` (one per connection ever seen; -1 for none)."""
@@ -163,6 +203,7 @@ class RankTable(dict):
                 rec._t._detach(rec)
             for name, value in rec._v.items():
                 self.col[name][rank] = value
+            self.seqs[rank], self.seqpos[rank] = rec._seq, 0
             rec._t, rec.rank = self, rank
         self.conn[rank] = self.conn_id(rec._ident)
         self.present[rank] = True
@@ -171,6 +212,8 @@ class RankTable(dict):
     def _detach(self, rec: RankRecord) -> None:
         """``rec`` leaves the table: it keeps the values of its row."""
         rec._v = {name: getattr(rec, name) for name in COLUMNS}
+        rec._seq = rec.coll_seq
+        self.seqs[rec.rank] = None
         rec._t = None
 
     def __delitem__(self, rank: int) -> None:
@@ -269,6 +312,25 @@ class RankTable(dict):
         j = np.where(inside, ranks, 0)
         return inside & self.present[j] & (self.conn[j] == self._conns.get(ident, -2))
 
+    def coll_seqs(self, ranks) -> list:
+        """The coll_seq of each of ``ranks`` (RankRecord.coll_seq), each relay frame's bytes unpacked once."""
+        seen: dict = {}
+        out = []
+        for r in ranks:
+            got = self.seqs[r]
+            if got.__class__ is bytes:
+                seq = seen.get(id(got))
+                if seq is None:
+                    try:
+                        seq = seen[id(got)] = unpack_extras(got)[0]
+                    except ProtocolError as exc:
+                        _log.warning("a relay's BEATS frame: %s (its ranks' collective numbers ignored)", exc)
+                        seq = seen[id(got)] = []
+                i = int(self.seqpos[r])
+                got = seq[i] if 0 <= i < len(seq) else {}
+            out.append(got)
+        return out
+
     def column(self, name: str, ranks) -> list:
         """Column ``name`` of ``ranks`` as Python values."""
         return self.col[name][np.asarray(list(ranks), np.int64)].tolist()
@@ -281,12 +343,14 @@ class RankTable(dict):
         acc, unknown = self.beats_at(ranks, conn, steps, status, coll, age, now, skip)
         return acc, [ranks[i] for i in unknown.tolist()]
 
-    def beats_at(self, ranks, conn, steps, status, coll, age, now, skip=()):
+    def beats_at(self, ranks, conn, steps, status, coll, age, now, skip=(), extras=None):
         """(I/O thread) BEATS frames' columns, concatenated: the rows of the ranks registered through the
         connection numbered ``conn`` (one per rank, or one for all) get the beat's columns and ``last_seen =
         now`` (likewise), one slice assignment each; ranks in ``skip`` (a replaced rank's old process) are
-        left alone. Returns (the accepted ranks; the positions in ``ranks`` of those not registered through
-        their connection that did not leave), both index arrays."""
+        left alone. ``extras`` = (has, seq, pos, idle, p99): the v4/v5 columns (a bool per entry: the frame
+        carried them; an object array of coll_seq dicts or of their frame's packed bytes; each entry's
+        place in them; two float lists), set for the accepted entries that carry them. Returns (the accepted ranks; the positions in ``ranks`` of those not registered through their
+        connection that did not leave), both index arrays."""
         idx = np.asarray(ranks, np.int64)
         inside = (idx >= 0) & (idx < len(self.present))
         j = np.where(inside, idx, 0)
@@ -297,11 +361,19 @@ class RankTable(dict):
             skipped = np.isin(idx, np.asarray(skip, np.int64))
             ok &= ~skipped
             other &= ~skipped
-        if ok.all():  # the steady state: every rank is its relay's
+        if ok.all() and (extras is None or extras[0].all()):  # the steady state: every rank is its relay's
             acc = idx
             col["step"][acc], col["data_status"][acc], col["in_collective"][acc] = steps, status, coll
             col["progress_age"][acc], col["last_seen"][acc], col["beat_seen"][acc] = age, now, now
+            if extras is not None:
+                self.seqs[acc], self.seqpos[acc] = extras[1], extras[2]
+                col["idle_age"][acc], col["step_p99"][acc] = extras[3], extras[4]
             return acc, np.zeros(0, np.int64)
+        if extras is not None:
+            has = ok & extras[0]
+            self.seqs[idx[has]], self.seqpos[idx[has]] = extras[1][has], extras[2][has]
+            col["idle_age"][idx[has]] = np.asarray(extras[3], np.float64)[has]
+            col["step_p99"][idx[has]] = np.asarray(extras[4], np.float64)[has]
         acc = idx[ok]
         col["step"][acc] = np.asarray(steps, np.int64)[ok]
         col["data_status"][acc] = np.asarray(status, np.int64)[ok]

@@ -168,8 +168,9 @@ class Liveness:
             return  # nobody stalled past the bound (a vector test): no culprit to look for
         live = [table[r] for r in np.flatnonzero(alive).tolist()]
         heard_ago = {r.rank: now - r.beat_seen for r in live}  # its last beat (a reply carries no evidence)
+        seqs = table.coll_seqs([r.rank for r in live])  # each relay frame's packed numbers unpacked once
         views = [(r.rank, min(r.progress_age + heard_ago[r.rank], normal_for) if r.progress_age >= 0
-                  else r.progress_age, r.in_collective, r.step, r.coll_seq) for r in live]
+                  else r.progress_age, r.in_collective, r.step, seq) for r, seq in zip(live, seqs)]
         idle = {r.rank: r.idle_age for r in live}
         for hung in hangs.find_culprits(views, bound, need_waiter=not self.hang.fixed, idle=idle,
                                         patient=self.hang.base, heard_ago=heard_ago):

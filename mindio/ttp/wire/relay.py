@@ -15,7 +15,8 @@ round. Its ranks connect to it, not to the controller:
 * **Upstream.** One Link (transport.py, role ``relay``) to the controller, which fails over to backup
   controllers and goes back home as a rank's link does. Per interval one BEATS frame carries the latest
   heartbeat of each rank heard since the last one (every field: ``coll_seq``, ``idle_age``, ``step_p99``,
-  ``step_sums`` too), for the ranks the controller acknowledged; REGISTER, REPORT, INFO, REPLY (the
+  ``step_sums`` too; the maps and lists packed in one byte string the controller unpacks when it reads
+  them, protocol v5), for the ranks the controller acknowledged; REGISTER, REPORT, INFO, REPLY (the
   acknowledgements of actions), BYE and REQUEST go up in one BATCH per turn of this thread. A frame keeps
   its rank's generation (one BATCH / BEATS per generation), so a replaced rank's old process is refused
   upstream as on a direct connection.
@@ -234,5 +235,5 @@ def _beats(envs: list, gen: int) -> P.Envelope:
     return P.Envelope(P.MsgType.BEATS, P.Beats(
         ranks=[e.rank for e in envs], steps=[b.step for b in hb], status=[b.data_status for b in hb],
         coll=[b.in_collective for b in hb], age=[float(b.progress_age) for b in hb],
-        seq=[b.coll_seq for b in hb], idle=[float(b.idle_age) for b in hb], p99=[float(b.step_p99) for b in hb],
-        sums=[list(b.step_sums) for b in hb]), rank=-1, gen=gen)
+        idle=[float(b.idle_age) for b in hb], p99=[float(b.step_p99) for b in hb],
+        packed=P.pack_extras([b.coll_seq for b in hb], [list(b.step_sums) for b in hb])), rank=-1, gen=gen)

@@ -38,9 +38,11 @@ WORKER = textwrap.dedent("""
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_NAME", "MASTER_ADDR",
             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE", "MINDIO_WORKER_WARMUP_S", "OMP_NUM_THREADS"]
-    with open(os.path.join(out, f"r{restart}-rank{rank}.json"), "w") as f:
+    name = os.path.join(out, f"r{restart}-rank{rank}.json")
+    with open(name + ".tmp", "w") as f:  # whole or absent: the test polls the directory while ranks write
         json.dump({"sum": t.item(), "argv": sys.argv[1:], "import_local_rank": helper.LOCAL_RANK_AT_IMPORT,
                    "env": {k: os.environ.get(k) for k in keys}}, f)
+    os.rename(name + ".tmp", name)
     print(f"hello from rank {rank}", flush=True)
     print(f"warning from rank {rank}", file=sys.stderr, flush=True)
     if os.environ.get("FAIL_RANK") == str(rank) and restart == 0:
@@ -89,7 +91,7 @@ def job(tmp_path):
         return p
 
     def results():
-        return {f.name: json.loads(f.read_text()) for f in sorted(out.iterdir())}
+        return {f.name: json.loads(f.read_text()) for f in sorted(out.iterdir()) if f.suffix == ".json"}
 
     start.dir = tmp_path
     yield start, results

@@ -12,8 +12,8 @@ Two sources, the better one the kernel offers:
   rate, so the clock ticks ``MINDIO_SLOW_HZ`` = 25 times a second by default (one wake-up costs ~65 us
   of CPU on this project's VMs: 100 Hz was ~1 % of a core per rank). One thing the kernel counts as
   blocked is a stop (SIGSTOP): the clock sees it only as its own tick coming late by more than its
-  run-queue delay, the main thread's (which holds the GIL while it waits for a CPU: a cgroup's throttling
-  makes the tick late that way) and the GIL's switch interval, so a stop shorter than a tick is seen in part (a stop
+  run-queue delay and the GIL's switch interval (and, while the cgroup throttles the process, the main
+  thread's run-queue delay: it holds the GIL while it waits for a CPU, which makes the tick late too), so a stop shorter than a tick is seen in part (a stop
   straddling a tick is counted as own time from the tick's due time on).
 * ``cpu`` (no schedstat: gVisor, other kernels): the old rule at 100 Hz -- an interval whose tick came on
   time (within 2 periods) and in which the main thread used under 10 % of it is waiting; a late tick's
@@ -252,10 +252,11 @@ class WaitClock:
                 # thread too waited for a CPU; else it is a busy machine's noise, as its peers see (waiting)
                 starved = q - q0 if h > h0 or o - o0 > 0.002 else 0.0
                 raw = dt - (c - c0) - starved  # the main thread neither ran nor was held from a CPU: blocked
-                # a stop: the tick late past its due time by more than this thread's own wait for a CPU, the
-                # GIL's switch interval and the main thread's wait for a CPU (it holds the GIL meanwhile: a main
-                # thread throttled by its cgroup keeps this thread from the GIL, a stopped one is not runnable)
-                held = min(max(0.0, dt - period - (o - o0) - slack - (q - q0)), max(0.0, raw))
+                # a stop: the tick late past its due time by more than this thread's own wait for a CPU and the
+                # GIL's switch interval -- and, while the cgroup throttled the process, the main thread's wait for
+                # a CPU: it holds the GIL meanwhile and keeps this thread from it (its run-queue delay always,
+                # on a busy machine, hid most of a 30 ms SIGSTOP: 0 of 4 Megatron drills named the rank)
+                held = min(max(0.0, dt - period - (o - o0) - slack - (q - q0 if h > h0 else 0.0)), max(0.0, raw))
                 blocked = raw - held + owed
                 # it computed in this interval: a later wait is in no earlier collective; its blocked time is
                 # charged to a collective entered in it (at 25 Hz most intervals of a short step hold some compute:

@@ -209,6 +209,7 @@ class Envelope(NamedTuple):
 
 
 _TYPES = {int(t): t for t in MsgType}
+_INT = {int}
 # per payload type: (field name, accepted python types, type name, required), computed once
 _SPECS = {cls: tuple((f.name, _PY_TYPES[f.type], f.type,
                       f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
@@ -351,13 +352,13 @@ def decode(frame: bytes, key: bytes) -> Envelope:
     if len(items) != 8:
         raise ProtocolError("envelope must be an 8-element array [v, type, sn, rank, gen, sess, ctr, body]")
     v, mtype, sn, rank, gen, sess, ctr, body = items
-    if not all(x.__class__ is int for x in (mtype, sn, rank, gen, sess, ctr)):
+    if not set(map(type, items[1:7])) <= _INT:  # exact ints (a bool is not one), at C speed: once per frame
         raise ProtocolError("envelope type/sn/rank/gen/sess/ctr must be integers")
     mtype = _TYPES.get(mtype)
     if mtype is None:
         raise ProtocolError(f"unknown message type {items[1]}")
     body = _body_from(mtype, body, (gen, sess, ctr))  # a BATCH's items get the frame's gen, sess and ctr
-    return Envelope(type=mtype, body=body, rank=rank, sn=sn, gen=gen, sess=sess, ctr=ctr, v=v)
+    return Envelope(mtype, body, rank, sn, gen, sess, ctr, v)
 
 
 class DropCounter:

@@ -53,6 +53,7 @@ _log = logging.getLogger("mindio.ttp.transport")
 _STORE_KEY = "mindio/ttp/secret"
 _NB = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
 _ctx: zmq.Context | None = None
 _ctx_lock = threading.Lock()
 
@@ -326,7 +327,10 @@ class Channel:
 
     def recv(self):
         """(identity or None, Envelope) for the next authentic frame, or None if it was dropped."""
-        parts = self.sock.recv_multipart(zmq.NOBLOCK)
+        sock = self.sock  # recv + RCVMORE with plain ints: pyzmq's recv_multipart costs ~1 us more per message
+        parts = [sock.recv(_NB)]  # (enum arithmetic on its flags): 12,500 relay frames a second at 100k ranks
+        while sock.getsockopt(_RCVMORE):
+            parts.append(sock.recv(_NB))  # a multipart message arrives whole: the rest is there
         ident = parts[0] if len(parts) == 2 else None
         try:
             if len(parts) not in (1, 2):

@@ -3,15 +3,15 @@
     python bench/controller_scale.py                 # N = 1,000 and 10,000
     python bench/controller_scale.py --n 100000      # 100k (multiplexed connections, see below)
 
-The controller runs in this process (its two threads, exactly as in a job). The processors are
-simulated by a few child processes, each holding many DEALER sockets: one socket per rank (as in a job
-without a launcher) up to 2,000 ranks; above, one socket per 8 ranks registered as a relay (as a node
-agent would relay for its ranks; the controller accepts relays with MINDIO_RELAYS=1, here relays=True)
--- every rank still registers, beats and answers on its own, so the controller handles exactly N ranks'
-messages (a relay's BEATS carries every heartbeat field a real relay sends, since 2026-11-29: before, the
-bench sent the five v3 columns alone, and at 100k a real relay's frames cost the controller twice that CPU); every connection opens a session first (protocol v3); only the simulators' poll()
-over thousands of sockets (O(sockets) per call, on 2 shared cores) and this machine's 20,000-descriptor
-limit per process are avoided. Simulated ranks answer every action at once, so the figures are the
+The controller runs in this process (its two threads, exactly as in a job). The processors are simulated by a few
+child processes, each holding many DEALER sockets: one socket per rank (as in a job without a launcher) up to 2,000
+ranks; above, one socket per 8 ranks registered as a relay (as a node agent would relay for its ranks; the
+controller accepts relays with MINDIO_RELAYS=1, here relays=True) -- every rank still registers, beats and answers
+on its own, so the controller handles exactly N ranks' messages (a relay's BEATS carries every heartbeat field a
+real relay sends, since 2026-11-29: before, the bench sent the five v3 columns alone, and at 100k a real relay's
+frames cost the controller twice that CPU); every connection opens a session first (protocol v3); only the
+simulators' poll() over thousands of sockets (O(sockets) per call, on 2 shared cores) and this machine's
+20,000-descriptor limit per process are avoided. Simulated ranks answer every action at once, so the figures are the
 controller's own cost.
 
 Reported: registration time (first REGISTER sent -> every rank registered, state NORMAL), controller

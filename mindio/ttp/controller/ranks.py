@@ -1,17 +1,17 @@
 """Controller side: the rank table and a rank's record (its row).
 
-Layout. :class:`RankTable` holds the fixed-size per-rank facts as numpy columns indexed by rank
-(``COLUMNS``: step, last beat time, alive / faulty / registered / left / watched flags, generation,
-data_status, progress and idle ages, step_p99, pid, and the number of the connection the rank speaks
-through), so that a relay's BEATS frame updates its ranks with a few slice assignments
-(:meth:`RankTable.beats`), the liveness sweep is a vector comparison (:meth:`RankTable.expired`) and the
-decision's queries (:meth:`live`, :meth:`dead`, :meth:`ranks_where`, :meth:`min_step`) cost a pass over an
-array, not a loop over records. Each rank's collective numbers (``coll_seq``, a dict sent with every beat
-and read only when a hang is suspected: hangs.py) are an object column, :attr:`RankTable.seqs`, assigned
-with the other columns. What is rarely used and not fixed-size (the route ``ident``, host, replica layout,
-dp group, features) stays on the :class:`RankRecord`, touched only when it changes. The table is also a ``{rank: RankRecord}`` dict for the cold paths: a record in the table is a
-view of its row (``table[r].alive = False`` writes the column); a record made on its own keeps its values
-until it is put in a table, which copies them into the row.
+Layout. :class:`RankTable` holds the fixed-size per-rank facts as numpy columns indexed by rank (``COLUMNS``: step,
+last beat time, alive / faulty / registered / left / watched flags, generation, data_status, progress and idle ages,
+step_p99, pid, and the number of the connection the rank speaks through), so that a relay's BEATS frame updates its
+ranks with a few slice assignments (:meth:`RankTable.beats`), the liveness sweep is a vector comparison
+(:meth:`RankTable.expired`) and the decision's queries (:meth:`live`, :meth:`dead`, :meth:`ranks_where`,
+:meth:`min_step`) cost a pass over an array, not a loop over records. Each rank's collective numbers (``coll_seq``,
+a dict sent with every beat and read only when a hang is suspected: hangs.py) are an object column,
+:attr:`RankTable.seqs`, assigned with the other columns. What is rarely used and not fixed-size (the route
+``ident``, host, replica layout, dp group, features) stays on the :class:`RankRecord`, touched only when it changes.
+The table is also a ``{rank: RankRecord}`` dict for the cold paths: a record in the table is a view of its row
+(``table[r].alive = False`` writes the column); a record made on its own keeps its values until it is put in a
+table, which copies them into the row.
 
 The record is shared by the registration (controller.py) and the flows that add ranks to the table
 (elastic_flow.py's upgrade, recover.py's replacements); it lives here so that none of them imports the
@@ -344,13 +344,13 @@ class RankTable(dict):
         return acc, [ranks[i] for i in unknown.tolist()]
 
     def beats_at(self, ranks, conn, steps, status, coll, age, now, skip=(), extras=None):
-        """(I/O thread) BEATS frames' columns, concatenated: the rows of the ranks registered through the
-        connection numbered ``conn`` (one per rank, or one for all) get the beat's columns and ``last_seen =
-        now`` (likewise), one slice assignment each; ranks in ``skip`` (a replaced rank's old process) are
-        left alone. ``extras`` = (has, seq, pos, idle, p99): the v4/v5 columns (a bool per entry: the frame
-        carried them; an object array of coll_seq dicts or of their frame's packed bytes; each entry's
-        place in them; two float lists), set for the accepted entries that carry them. Returns (the accepted ranks; the positions in ``ranks`` of those not registered through their
-        connection that did not leave), both index arrays."""
+        """(I/O thread) BEATS frames' columns, concatenated: the rows of the ranks registered through the connection
+        numbered ``conn`` (one per rank, or one for all) get the beat's columns and ``last_seen = now`` (likewise),
+        one slice assignment each; ranks in ``skip`` (a replaced rank's old process) are left alone. ``extras`` =
+        (has, seq, pos, idle, p99): the v4/v5 columns (a bool per entry: the frame carried them; an object array of
+        coll_seq dicts or of their frame's packed bytes; each entry's place in them; two float lists), set for the
+        accepted entries that carry them. Returns (the accepted ranks; the positions in ``ranks`` of those not
+        registered through their connection that did not leave), both index arrays."""
         idx = np.asarray(ranks, np.int64)
         inside = (idx >= 0) & (idx < len(self.present))
         j = np.where(inside, idx, 0)

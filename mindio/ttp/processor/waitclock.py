@@ -4,17 +4,17 @@ computes and from the time it is held back from outside: the step anatomy's inpu
 
 Two sources, the better one the kernel offers:
 
-* ``schedstat`` (Linux with ``CONFIG_SCHED_INFO``: ``/proc/self/task/<tid>/schedstat``): the main thread's
-  CPU clock gives the time it ran, its run-queue delay the time it was runnable but held from a CPU, and
-  the rest of the wall time it was **blocked**: waiting. The run-queue delay is the rank's own time when
-  the process was held -- its cgroup throttled (CFS bandwidth: :class:`Throttled`) or this clock's thread
-  also kept from a CPU -- and a busy machine's noise (waiting, as its peers') otherwise. Exact at any tick
-  rate, so the clock ticks ``MINDIO_SLOW_HZ`` = 25 times a second by default (one wake-up costs ~65 us
-  of CPU on this project's VMs: 100 Hz was ~1 % of a core per rank). One thing the kernel counts as
-  blocked is a stop (SIGSTOP): the clock sees it only as its own tick coming late by more than its
-  run-queue delay and the GIL's switch interval (and, while the cgroup throttles the process, the main
-  thread's run-queue delay: it holds the GIL while it waits for a CPU, which makes the tick late too), so a stop shorter than a tick is seen in part (a stop
-  straddling a tick is counted as own time from the tick's due time on).
+* ``schedstat`` (Linux with ``CONFIG_SCHED_INFO``: ``/proc/self/task/<tid>/schedstat``): the main thread's CPU
+  clock gives the time it ran, its run-queue delay the time it was runnable but held from a CPU, and the rest of the
+  wall time it was **blocked**: waiting. The run-queue delay is the rank's own time when the process was held -- its
+  cgroup throttled (CFS bandwidth: :class:`Throttled`) or this clock's thread also kept from a CPU -- and a busy
+  machine's noise (waiting, as its peers') otherwise. Exact at any tick rate, so the clock ticks ``MINDIO_SLOW_HZ``
+  = 25 times a second by default (one wake-up costs ~65 us of CPU on this project's VMs: 100 Hz was ~1 % of a core
+  per rank). One thing the kernel counts as blocked is a stop (SIGSTOP): the clock sees it only as its own tick
+  coming late by more than its run-queue delay and the GIL's switch interval (and, while the cgroup throttles the
+  process, the main thread's run-queue delay: it holds the GIL while it waits for a CPU, which makes the tick late
+  too), so a stop shorter than a tick is seen in part (a stop straddling a tick is counted as own time from the
+  tick's due time on).
 * ``cpu`` (no schedstat: gVisor, other kernels): the old rule at 100 Hz -- an interval whose tick came on
   time (within 2 periods) and in which the main thread used under 10 % of it is waiting; a late tick's
   interval is the rank's own time (the whole process was stopped, throttled or starved).

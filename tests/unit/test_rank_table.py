@@ -109,7 +109,6 @@ def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(rel
     """v4: the frames carry every heartbeat column (collective numbers, idle age, step p99, step sums) --
     before 2026-11-29 those were applied rank by rank, through the records; v5: the maps and lists packed in
     one byte string, as wire/relay.py ``_beats`` sends them (unpacked when read)."""
-    v4 = v >= 4
     ctl, n = relay_controller
     frames = []
     for relay in range(8):
@@ -149,7 +148,7 @@ def test_heartbeat_handling_touches_no_record_and_allocates_nothing_per_rank(rel
     monkeypatch.undo()
     assert all(ctl.ranks[r].step == 9 for r in range(n)) and ctl.ranks.count(watched=True) == n
     assert np.all(ctl.ranks.col["progress_age"][:n] == 0.5)
-    if v4:  # what hangs.py reads
+    if v >= 4:  # what hangs.py reads
         assert np.all(ctl.ranks.col["idle_age"][:n] == 0.25) and np.all(ctl.ranks.col["step_p99"][:n] == 0.75)
         assert all(ctl.ranks[r].coll_seq == {"dp": 100 + r, "tp": 7} for r in (0, n // 2, n - 1))
         assert ctl.ranks.coll_seqs(range(n)) == [{"dp": 100 + r, "tp": 7} for r in range(n)]  # hangs.py's read

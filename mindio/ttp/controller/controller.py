@@ -581,7 +581,7 @@ class Controller:
         for ident, env, now in frames:
             b = env.body
             n = len(b.ranks)
-            pack = b.packed or None  # unpacked only when read (ranks.py unpacked_seq)
+            pack = b.packed or None  # unpacked only when read (RankTable.coll_seqs)
             packs.append(pack)
             ranks += b.ranks
             steps += b.steps

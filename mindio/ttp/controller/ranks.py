@@ -31,18 +31,6 @@ _log = logging.getLogger("mindio.ttp.controller")
 
 __all__ = ["RankRecord", "RankTable", "infer_layout", "COLUMNS"]
 
-def unpacked_seq(raw: bytes, i: int) -> dict:
-    """Entry ``i`` of the collective numbers in a relay's BEATS ``packed`` (protocol v5): the rank table keeps
-    those bytes for each rank of the frame (its ``seqs`` column; ``seqpos``: the rank's place), unpacked only
-    when read -- a hang suspected. Bytes are no container: 100,000 ranks' beats a second leave nothing for the
-    garbage collector to walk. Content that does not unpack reads as no numbers (logged)."""
-    try:
-        seq = unpack_extras(raw)[0]
-        return seq[i] if 0 <= i < len(seq) else {}
-    except ProtocolError as exc:
-        _log.warning("a relay's BEATS frame: %s (its ranks' collective numbers ignored)", exc)
-        return {}
-
 
 # column name -> (dtype, value of a new record); every one is a RankRecord attribute (a view of the row)
 COLUMNS: dict[str, tuple] = {
@@ -111,8 +99,7 @@ class RankRecord:
         t = self._t
         if t is None:
             return self._seq
-        got = t.seqs[self.rank]
-        return unpacked_seq(got, int(t.seqpos[self.rank])) if got.__class__ is bytes else got
+        return t.coll_seqs((self.rank,))[0]
 
     @coll_seq.setter
     def coll_seq(self, value: dict) -> None:
@@ -151,7 +138,7 @@ class RankTable(dict):
         self.present = np.zeros(0, np.bool_)  # a record of this rank is in the table
         self.watched = np.zeros(0, np.bool_)  # the liveness sweep watches this rank (watch.py)
         self.conn = np.zeros(0, np.int32)  # number of the rank's connection (conn_id), -1: none
-        self.seqs = np.zeros(0, object)  # each rank's coll_seq dict, or its frame's packed bytes (unpacked_seq)
+        self.seqs = np.zeros(0, object)  # each rank's coll_seq dict, or its frame's packed bytes (coll_seqs)
         self.seqpos = np.zeros(0, np.int32)  # the rank's place in those bytes
         self._conns: dict[bytes, int] = {b"": -1}
         self._idents: list[bytes] = []  # conn id -> ident
@@ -313,7 +300,11 @@ class RankTable(dict):
         return inside & self.present[j] & (self.conn[j] == self._conns.get(ident, -2))
 
     def coll_seqs(self, ranks) -> list:
-        """The coll_seq of each of ``ranks`` (RankRecord.coll_seq), each relay frame's bytes unpacked once."""
+        """The coll_seq of each of ``ranks`` (RankRecord.coll_seq). A relay's BEATS frame packs its ranks' maps in
+        one byte string (protocol v5), which the ``seqs`` column holds for each of them (``seqpos``: the rank's
+        place), unpacked here once per frame -- only when read, a hang suspected: bytes are no container, so
+        100,000 ranks' beats a second leave nothing for the garbage collector to walk. Content that does not
+        unpack reads as no numbers (logged)."""
         seen: dict = {}
         out = []
         for r in ranks:

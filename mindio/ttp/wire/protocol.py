@@ -32,7 +32,8 @@ naming both versions.
 Version 5 packs BEATS' per-rank maps and lists into one byte string: ``packed`` = msgpack ``[seq, sums]``
 (:func:`pack_extras`), which the controller unpacks only when it reads them (:func:`unpack_extras`: a hang
 suspected, slow-rank scoring on). Unpacked at every beat, a relay's frame of 8 ranks made 16 containers
-at the controller: 200,000 objects a second at 100,000 ranks, ~55 % of a core (bench/beats_cpu.py).
+at the controller: 200,000 objects a second at 100,000 ranks; per heartbeat round 790-980 ms of CPU then,
+444-468 ms packed (bench/beats_cpu.py --n 100000).
 
 Version 3 added sessions (mindio/ttp/wire/session.py): a connection says HELLO (a fresh nonce), the controller
 answers CHALLENGE (that nonce, and a fresh session number), the REGISTER carries the session number as its

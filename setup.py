@@ -41,7 +41,9 @@ def extensions():
         extra_link_args=["-pthread"],
         libraries=["z"],
     )
-    return cythonize([ext], language_level=3, quiet=True)
+    # the controller's BEATS reader (mindio/ttp/wire/beats.py); numpy through its Python API only
+    beats = Extension("mindio._native._beats", ["mindio/_native/_beats.pyx"], extra_compile_args=["-O3"])
+    return cythonize([ext, beats], language_level=3, quiet=True)
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -5,12 +5,13 @@ bench/controller_scale.py that does not depend on how busy the machine is.
 
 A real Controller (its threads not started) with a real ROUTER socket; N ranks registered through N /
 per-relay relay connections; each round every relay's BEATS frame, signed as a relay signs it, is
-verified and decoded (wire/protocol.py) and handed to the controller's dispatch, which applies it and
-sends the ack (to a connection that is not there: zmq drops it after the send). The frames carry what
+read as the controller's I/O thread reads it (wire/beats.py: verified, parsed into columns; natively where
+the Cython core is built, ``MINDIO_NATIVE=python`` for the Python reader) and handed to the controller's
+dispatch, which applies it and sends the ack (to a connection that is not there: zmq drops it after the send). The frames carry what
 a relay sends for its ranks (every heartbeat column: collective numbers of ``--groups`` groups, idle age,
 step p99, step sums: packed in one byte string as protocol v5 sends them, or ``--unpacked`` as v4 did;
 ``--plain``: the five v3 columns alone). Printed: process CPU ms
-per round (decode and dispatch apart), and the share of a core at 1 s beats. Not in the test suite.
+per round, per frame, and the share of a core at 1 s beats. Not in the test suite.
 ``MINDIO_SRC=DIR`` measures the mindio package in DIR instead (an older commit's: ``git archive C mindio``).
 """
 from __future__ import annotations
@@ -54,22 +55,22 @@ def main() -> None:
                                                   age=[0.0] * m, **extra), sess=1, ctr=1)
         frames.append((b"relay%d" % (c // k), P.encode(env, KEY)))
     flush = getattr(ctl, "_flush_beats", lambda: None)  # (the controller before issue 34 had none)
-    decode_s = dispatch_s = 0.0
+    reader = getattr(ctl, "_reader", None)  # wire/beats.py (native when built; MINDIO_NATIVE=python: Python's)
+    read = reader.read if reader is not None else (lambda frame: P.decode(frame, KEY))  # the code before it
+    cpu = 0.0
     for i in range(a.rounds + 1):
         c0 = time.process_time()
-        envs = [(ident, P.decode(frame, KEY)) for ident, frame in frames]
-        c1 = time.process_time()
-        for ident, env in envs:
-            ctl._dispatch(ident, env, relay=True)
+        for ident, frame in frames:  # as the I/O thread: read (verify, parse), then dispatch, frame by frame
+            ctl._dispatch(ident, read(frame), relay=True)
         flush()
-        c2 = time.process_time()
         if i:  # the first round warms
-            decode_s, dispatch_s = decode_s + c1 - c0, dispatch_s + c2 - c1
+            cpu += time.process_time() - c0
     dead = sum(1 for r in ctl.ranks.values() if not r.alive)
-    per = (decode_s + dispatch_s) / a.rounds
-    print(f"{n} ranks, {len(frames)} relays: {per * 1000:.1f} ms CPU per round ({per:.1%} of a core at 1 s beats): "
-          f"verify+decode {decode_s / a.rounds * 1000:.1f} ms, dispatch+ack {dispatch_s / a.rounds * 1000:.1f} ms; "
-          f"dead {dead}; load average {os.getloadavg()[0]:.1f}")
+    per = cpu / a.rounds
+    kind = "no" if reader is None else "python" if type(reader).__module__.endswith("wire.beats") else "native"
+    print(f"{n} ranks, {len(frames)} relays: {per * 1000:.1f} ms CPU per round ({per:.1%} of a core at 1 s beats; "
+          f"{per / len(frames) * 1e6:.1f} us a frame: verify, parse, apply, ack), {kind} reader; dead {dead}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     close()
 
 

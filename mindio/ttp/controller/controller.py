@@ -36,7 +36,7 @@ import zmq
 
 from ... import _knobs, _logging
 from . import policy
-from ..wire import protocol as P
+from ..wire import beats, protocol as P
 from .._enums import ReportState, Strategy
 from .ranks import RankRecord as _Rank, infer_layout  # _Rank: the old name, still imported by tests
 from .states import Result, State
@@ -137,7 +137,8 @@ class Controller:
                                  relays=_knobs.get("MINDIO_RELAYS") if relays is None else relays)
         self._relays: set[bytes] = set()  # connections of relay sessions
         self._frozen = False  # gc.freeze() called (_freeze_heap), undone by close()
-        self._beats: list = []  # BEATS frames read in this turn, applied together (_flush_beats)
+        self._beats: list = []  # (ident, gen) of the BEATS frames read in this turn, applied together (_flush_beats)
+        self._reader = beats.reader(key)  # their columns (wire/beats.py: native when the core is built)
         self.address = ""
         self.final = core.final
         self._lock, self._cond, self._stop = core.lock, core.cond, core.stop
@@ -376,12 +377,17 @@ class Controller:
                 budget = time.monotonic() + _RECV_SLICE_S
                 while True:  # at most _RECV_SLICE_S of frames per turn: the sweep and the sends run between
                     try:
-                        got = self._chan.recv()
+                        got = self._chan.recv_frame()
                     except zmq.Again:
                         self._drained_at = time.monotonic()
                         break
                     if got is not None:
-                        self._on_frame(*got)
+                        try:
+                            env = self._reader.read(got[1])  # a BEATS frame's columns wait in the reader
+                        except ProtocolError as exc:
+                            self.drops.drop(exc, origin=repr(got[0]))
+                        else:
+                            self._on_frame(got[0], env)
                     if time.monotonic() >= budget:
                         self._waker.wake()  # more to read: the next turn does not wait in poll
                         break
@@ -565,69 +571,68 @@ class Controller:
 
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
         """A relay's heartbeats for many ranks: kept until the end of the I/O thread's read (or the next
-        frame of another kind), then applied with the turn's other BEATS frames (:meth:`_flush_beats`)."""
-        self._beats.append((ident, env, now))
+        frame of another kind), then applied with the turn's other BEATS frames (:meth:`_flush_beats`). The
+        frame's columns are in the reader (``env.body`` is beats.HELD) or, decoded elsewhere, its body."""
+        conn = self.ranks.conn_id(ident)
+        if env.body is beats.HELD:
+            self._reader.keep(conn, now)
+        else:
+            self._reader.add(env.body, conn, now, env.gen, beats.pack_of(env.body))
+        self._beats.append((ident, env.gen))
 
     def _flush_beats(self) -> None:
-        """Apply the BEATS frames read (the same bookkeeping as HEARTBEAT): one RankTable.beats call for
-        all of them -- a few slice assignments of the rank table's columns, nothing per rank in Python --
-        then one ack per frame, naming the ranks a frame spoke for that are not registered through it."""
+        """Apply the BEATS frames read (the same bookkeeping as HEARTBEAT): their columns (the reader's, one
+        array per field for all of them) in one RankTable.beats_at call -- a few slice assignments, nothing per
+        rank in Python -- then one ack per frame, naming the ranks a frame spoke for that are not registered
+        through it."""
         frames, self._beats = self._beats, []
         if not frames:
             return
+        ranks, steps, status, coll, age, idle, p99, ends, conns, nows, gens, has, packs = self._reader.take()
         table, replaced = self.ranks, self.replacements.replaced  # ranks replaced by a recovery (recover.py)
-        ranks, steps, status, coll, age, conns, nows, ends, skip = [], [], [], [], [], [], [], [], []
-        has, seq, idle, p99, packs = [], [], [], [], []  # the v4/v5 columns (hangs.py), where a frame has them
-        for ident, env, now in frames:
-            b = env.body
-            n = len(b.ranks)
-            pack = b.packed or None  # unpacked only when read (RankTable.coll_seqs)
-            packs.append(pack)
-            ranks += b.ranks
-            steps += b.steps
-            status += b.status
-            coll += b.coll
-            age += b.age
-            conns.append(table.conn_id(ident))
-            nows.append(now)
-            ends.append(len(ranks))
-            has.append(bool(b.seq) or pack is not None)
-            seq += b.seq or [pack] * n
-            idle += b.idle or [-1.0] * n
-            p99 += b.p99 or [-1.0] * n
-            if replaced:  # a replaced rank's old process: refused
-                skip += [r for r in b.ranks if replaced.get(r, -1) > env.gen]
-        counts = np.diff(np.asarray([0] + ends))
+        counts = np.diff(ends, prepend=0)
+        skip = ()
+        if replaced:  # a replaced rank's old process (its generation is older than the replacement's): refused
+            old = np.fromiter(replaced.keys(), np.int64, len(replaced))
+            new_gen = np.fromiter(replaced.values(), np.int64, len(replaced))
+            order = np.argsort(old)
+            at = np.clip(np.searchsorted(old[order], ranks), 0, len(old) - 1)
+            hit = old[order][at] == ranks
+            skip = ranks[hit & (new_gen[order][at] > np.repeat(gens, counts))]
         extras = None
-        if any(has):
-            seqs = np.empty(len(seq), object)
-            seqs[:] = seq  # dicts (protocol.py checks the type) or bytes: one reference per entry, no Python loop
-            pos = np.arange(len(ranks), dtype=np.int32) - np.repeat(np.asarray(ends, np.int32) - counts, counts)
-            extras = (np.repeat(np.asarray(has, np.bool_), counts), seqs, pos, idle, p99)
+        if has.any():
+            seqs = np.empty(len(packs), object)
+            seqs[:] = packs  # bytes (unpacked only when read: RankTable.coll_seqs) or None: one reference per frame
+            pos = (np.arange(len(ranks), dtype=np.int64) - np.repeat(ends - counts, counts)).astype(np.int32)
+            extras = (np.repeat(has, counts), np.repeat(seqs, counts), pos, idle, p99)
         # no lock, as for HEARTBEAT: the driver thread reads these columns under it, never writes them
-        acc, unknown = table.beats_at(ranks, np.repeat(np.asarray(conns, np.int32), counts), steps, status, coll, age,
-                                      np.repeat(np.asarray(nows), counts), skip, extras)
+        acc, unknown = table.beats_at(ranks, np.repeat(conns.astype(np.int32), counts), steps, status, coll, age,
+                                      np.repeat(nows, counts), skip, extras)
         table.watched[acc[table.col["alive"][acc]]] = True
         if self.liveness.slow.window > 0:  # slow-rank scoring on (slow.py): each rank's step sums, in Python
-            for (ident, env, _now), pack in zip(frames, packs):
-                sums = env.body.sums or (self._sums_of(pack, len(env.body.ranks)) if pack is not None else [])
+            for (ident, gen), pack, end, n in zip(frames, packs, ends.tolist(), counts.tolist()):
+                sums = self._sums_of(pack, n) if pack is not None else []
                 if sums:
-                    self._beat_sums(ident, env.body.ranks, sums, env.gen)
+                    self._beat_sums(ident, ranks[end - n:end].tolist(), sums, gen)
         if self.incidents.dump_wanted is not None:  # asked before the first step (incident.py)
             self.incidents.serve_dump_request()
         if self.incidents.order is not None:  # the job's exit order, to ranks it has not reached (incident.py)
-            for rank in ranks:
+            for rank in ranks.tolist():
                 self.incidents.carry(rank)
         strangers: dict[int, list] = {}  # frame -> the ranks it named that are not registered through it
         if len(unknown):
             for i, pos in zip(np.searchsorted(ends, unknown, side="right").tolist(), unknown.tolist()):
-                strangers.setdefault(i, []).append(ranks[pos])
+                strangers.setdefault(i, []).append(int(ranks[pos]))
         state = self.sm.state.value
-        for i, (ident, _env, _now) in enumerate(frames):
+        ack, acked = None, set()
+        for i, (ident, _gen) in enumerate(frames):
             if i in strangers:
                 self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, strangers[i])), ident)
-            else:
-                self._ack(ident, -1, state)
+            elif ident not in acked:  # one ack a turn to a relay that sent two frames in it (the counter is the
+                acked.add(ident)  # same: a second copy would be a replay to it)
+                if ack is None:  # the same bytes for every relay, as a broadcast ACTION: one counter, one signature
+                    ack = self._chan.frame(P.Envelope(P.MsgType.HEARTBEAT_ACK, None, rank=-1), self._ack_body_of(state))
+                self._chan.send_raw(ack, ident)
 
     def _sums_of(self, pack: bytes, n: int) -> list:
         """The step sums in a BEATS frame's ``packed`` (protocol v5); none when it does not unpack (dropped)."""
@@ -662,11 +667,15 @@ class Controller:
         per interval; each ack has its own counter (session.py), but its body only changes with the state
         or the backup list (or a backup's takeover), so it is packed once per change. A passive backup
         says so (``passive``): the rank goes back to its primary once that answers (wire/home.py)."""
+        self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, None, rank=rank), ident, body=self._ack_body_of(state))
+
+    def _ack_body_of(self, state: str) -> bytes:
+        """The HEARTBEAT_ACK body for ``state``, packed again only when it or the backups change."""
         version = (state, tuple(self.backups), self.active)
         if self._ack_version != version:
             self._ack_body = P.pack_body(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state)))
             self._ack_version = version
-        self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, None, rank=rank), ident, body=self._ack_body)
+        return self._ack_body
 
     def _on_register(self, ident: bytes, rank: int, body: P.Register, now: float, gen: int = 0) -> None:
         if body.role == "backup":  # its session was accepted: backups are allowed (session.py)

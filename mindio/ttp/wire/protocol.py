@@ -65,7 +65,7 @@ from ...vocab import MsgType  # the vocabulary (mindio/vocab.py)
 __all__ = [
     "VERSION", "MAX_FRAME", "MsgType", "Envelope", "Register", "RegisterAck", "Heartbeat", "HeartbeatAck",
     "Report", "Info", "Action", "Reply", "Bye", "Request", "Beats", "Batch", "Hello", "Challenge", "encode",
-    "pack_body", "decode", "DropCounter", "BODY_TYPES", "pack_extras", "unpack_extras",
+    "pack_body", "decode", "decode_payload", "DropCounter", "BODY_TYPES", "pack_extras", "unpack_extras",
 ]
 
 VERSION = 5
@@ -211,6 +211,7 @@ class Envelope(NamedTuple):
 
 _TYPES = {int(t): t for t in MsgType}
 _INT = {int}
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # per payload type: (field name, accepted python types, type name, required), computed once
 _SPECS = {cls: tuple((f.name, _PY_TYPES[f.type], f.type,
                       f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
@@ -243,6 +244,8 @@ def _body_from(mtype: MsgType, raw: Any, outer: tuple = (0, 0, 0)):
         value = raw[name]
         if not isinstance(value, ok) or (tname == "int" and value.__class__ is bool):
             raise ProtocolError(f"{mtype.name}.{name} must be {tname}, got {type(value).__name__}")
+        if tname == "int" and not _INT64_MIN <= value <= _INT64_MAX:  # the rank table's columns are int64
+            raise ProtocolError(f"{mtype.name}.{name} must fit 64 bits, got {value}")
     if cls is Beats:
         _check_beats(raw)
     elif cls is Batch:
@@ -261,6 +264,10 @@ def _check_beats(raw: dict) -> None:
             raise ProtocolError(f"BEATS.{name} has {len(col)} entries for {len(ranks)} ranks")
         if not set(map(type, col)) <= ok:
             raise ProtocolError(f"BEATS.{name} entries must be {tname}")
+    for name in ("ranks", "steps", "status"):  # the rank table's int64 columns take them (min, max: C speed)
+        col = raw[name]
+        if col and (min(col) < _INT64_MIN or max(col) > _INT64_MAX):
+            raise ProtocolError(f"BEATS.{name} entries must fit 64 bits")
     for name, ok, tname in _BEAT_EXTRAS:  # optional columns (v4): absent, or one entry per rank
         col = raw.get(name)
         if col and len(col) != len(ranks):
@@ -341,6 +348,12 @@ def decode(frame: bytes, key: bytes) -> Envelope:
     payload, mac = view[:-_MAC_LEN], view[-_MAC_LEN:]
     if not hmac.compare_digest(mac, hmac.digest(key, payload, "sha256")):
         raise AuthError("frame failed HMAC verification (wrong secret or forged sender)")
+    return decode_payload(payload)
+
+
+def decode_payload(payload) -> Envelope:
+    """Parse a frame's bytes before its HMAC, which the caller verified (:func:`decode`; wire/beats.py).
+    Raises ProtocolError; never anything else."""
     try:
         items = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises many types on garbage; all mean "malformed"

@@ -327,19 +327,27 @@ class Channel:
 
     def recv(self):
         """(identity or None, Envelope) for the next authentic frame, or None if it was dropped."""
+        got = self.recv_frame()
+        if got is None:
+            return None
+        try:
+            return got[0], P.decode(got[1], self.key)
+        except ProtocolError as exc:
+            self.drops.drop(exc, origin=repr(got[0]))
+            return None
+
+    def recv_frame(self):
+        """(identity or None, the frame's bytes, not verified yet) for the next message, or None if it was
+        dropped (a message of more parts than an identity and a frame)."""
         sock = self.sock  # recv + RCVMORE with plain ints: pyzmq's recv_multipart costs ~1 us more per message
         parts = [sock.recv(_NB)]  # (enum arithmetic on its flags): 12,500 relay frames a second at 100k ranks
         while sock.getsockopt(_RCVMORE):
             parts.append(sock.recv(_NB))  # a multipart message arrives whole: the rest is there
         ident = parts[0] if len(parts) == 2 else None
-        try:
-            if len(parts) not in (1, 2):
-                raise ProtocolError(f"{len(parts)}-part message")
-            env = P.decode(parts[-1], self.key)
-        except ProtocolError as exc:
-            self.drops.drop(exc, origin=repr(ident))
+        if len(parts) not in (1, 2):
+            self.drops.drop(ProtocolError(f"{len(parts)}-part message"), origin=repr(ident))
             return None
-        return ident, env
+        return ident, parts[-1]
 
 
 class Link(threading.Thread):

@@ -61,6 +61,28 @@ class _Conn:
         self.sock.send(P.encode(env, KEY, body=body, sess=self.sess, ctr=self.ctr))
 
 
+def _thread_cpu() -> dict:
+    """CPU seconds of each thread of this process, by name (Python's thread name, else the kernel's: libzmq's
+    I/O threads are ZMQbg/IO/<n>): where the controller's CPU per round goes."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_evt, report_t, halt, ready,
          nice: int = 10, parent: int = 0) -> None:
     from mindio.launch._bootstrap import _die_with_parent
@@ -247,9 +269,13 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
         t_reg = time.monotonic() - t0
         time.sleep(2 * interval)  # steady state
         ctl.io_gap_max = 0.0
-        c0, w0 = time.process_time(), time.monotonic()
+        c0, w0, t0 = time.process_time(), time.monotonic(), _thread_cpu()
         time.sleep(rounds * interval)
         cpu = (time.process_time() - c0) / ((time.monotonic() - w0) / interval)
+        per_thread = {name: (t - t0.get(name, 0.0)) / ((time.monotonic() - w0) / interval)
+                      for name, t in _thread_cpu().items()}
+        print("         controller CPU per 1 s round by thread: " + ", ".join(
+            f"{name} {t * 1000:.0f} ms" for name, t in sorted(per_thread.items(), key=lambda x: -x[1]) if t >= 0.001))
         soak_gap = soak_cpu = 0.0
         if soak > 0:
             ctl.io_gap_max, c0, w0 = 0.0, time.process_time(), time.monotonic()

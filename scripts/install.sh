@@ -35,4 +35,6 @@ fi
 # again (~0.1 CPU-s per process; the suite starts well over a thousand). Stale .pyc files are ignored by
 # their timestamps, so an edited source is still what runs.
 .venv/bin/python -m compileall -q -j 0 mindio examples tests bench >/dev/null
-.venv/bin/python -c "import mindio, mindio._native as n; print('mindio', mindio.__version__, 'installed; native core:', n.BACKEND)"
+.venv/bin/python -c "import mindio, mindio._native as n; from mindio.ttp.wire import beats as b; \
+print('mindio', mindio.__version__, 'installed; native core:', n.BACKEND, '| BEATS reader:', \
+'python' if isinstance(b.reader(b'k'), b.PyBeatsReader) else 'native')"

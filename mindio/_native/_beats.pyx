@@ -113,25 +113,14 @@ cdef inline double _num(Cur *c) noexcept nogil:
     return <double>_int(c)
 
 
-cdef inline Py_ssize_t _array(Cur *c) noexcept nogil:
+cdef inline Py_ssize_t _count(Cur *c, int fix, int code16) noexcept nogil:
+    """An array's (fix 0x90, code16 0xdc) or a map's (0x80, 0xde) entry count: fix..fix+15, or 16 / 32 bits."""
     cdef int b = _byte(c)
-    if 0x90 <= b <= 0x9f:
-        return b - 0x90
-    if b == 0xdc:
+    if fix <= b <= fix + 15:
+        return b - fix
+    if b == code16:
         return <Py_ssize_t>_be(c, 2)
-    if b == 0xdd:
-        return <Py_ssize_t>_be(c, 4)
-    c.bad = 1
-    return 0
-
-
-cdef inline Py_ssize_t _map(Cur *c) noexcept nogil:
-    cdef int b = _byte(c)
-    if 0x80 <= b <= 0x8f:
-        return b - 0x80
-    if b == 0xde:
-        return <Py_ssize_t>_be(c, 2)
-    if b == 0xdf:
+    if b == code16 + 1:
         return <Py_ssize_t>_be(c, 4)
     c.bad = 1
     return 0
@@ -281,7 +270,7 @@ cdef class BeatsReader:
         gen = _int(&c)
         sess = _int(&c)
         ctr = _int(&c)
-        fields = _map(&c)
+        fields = _count(&c, 0x80, 0xde)
         if c.bad:
             return None
         pack = None
@@ -305,7 +294,7 @@ cdef class BeatsReader:
                 pack = PyBytes_FromStringAndSize(<const char *>c.p, blen) if blen else None
                 c.p += blen
                 continue
-            m = _array(&c)
+            m = _count(&c, 0x90, 0xdc)
             if c.bad or m > c.end - c.p:  # each entry takes a byte at least: no allocation a frame cannot fill
                 return None
             if f == F_SEQ or f == F_SUMS:  # v4's unpacked maps and lists: only empty ones here

@@ -15,7 +15,7 @@ import hmac as _hmac
 import numpy as np
 
 from libc.stdint cimport int64_t, uint64_t, uint8_t, int32_t
-from libc.string cimport memcpy, memcmp
+from libc.string cimport memcpy, memcmp, strlen
 from libc.stdlib cimport malloc, realloc, free
 from cpython.bytes cimport PyBytes_FromStringAndSize
 
@@ -23,7 +23,15 @@ cdef enum:
     MAC_LEN = 32
     MAX_FRAME = 1 << 20
 
+cdef extern from *:
+    """
+    static const char *const mindio_beats_fields[] = {
+        "ranks", "steps", "status", "coll", "age", "seq", "idle", "p99", "sums", "packed"};
+    """
+    const char *const _FIELDS "mindio_beats_fields"[10]
+
 cdef enum:
+    _NFIELDS = 10
     F_RANKS = 1
     F_STEPS = 2
     F_STATUS = 4
@@ -130,6 +138,7 @@ cdef inline int _key(Cur *c) noexcept nogil:
     """The field a body map's key names (F_*), or 0: not a BEATS field (bad)."""
     cdef int b = _byte(c)
     cdef Py_ssize_t n
+    cdef int i
     cdef const uint8_t *s
     if 0xa0 <= b <= 0xbf:
         n = b - 0xa0
@@ -143,26 +152,9 @@ cdef inline int _key(Cur *c) noexcept nogil:
         return 0
     s = c.p
     c.p += n
-    if n == 5 and memcmp(s, b"ranks", 5) == 0:
-        return F_RANKS
-    if n == 5 and memcmp(s, b"steps", 5) == 0:
-        return F_STEPS
-    if n == 6 and memcmp(s, b"status", 6) == 0:
-        return F_STATUS
-    if n == 4 and memcmp(s, b"coll", 4) == 0:
-        return F_COLL
-    if n == 3 and memcmp(s, b"age", 3) == 0:
-        return F_AGE
-    if n == 3 and memcmp(s, b"seq", 3) == 0:
-        return F_SEQ
-    if n == 4 and memcmp(s, b"idle", 4) == 0:
-        return F_IDLE
-    if n == 3 and memcmp(s, b"p99", 3) == 0:
-        return F_P99
-    if n == 4 and memcmp(s, b"sums", 4) == 0:
-        return F_SUMS
-    if n == 6 and memcmp(s, b"packed", 6) == 0:
-        return F_PACKED
+    for i in range(_NFIELDS):  # Beats' fields, in the order of the F_* flags (bit i: field i)
+        if n == strlen(_FIELDS[i]) and memcmp(s, _FIELDS[i], n) == 0:
+            return 1 << i
     c.bad = 1
     return 0
 

@@ -83,6 +83,12 @@ def _thread_cpu() -> dict:
     return out
 
 
+def _by_thread(before: dict, per: float) -> str:
+    """The CPU each thread used since ``before`` (:func:`_thread_cpu`), divided by ``per``, busiest first."""
+    used = {name: (t - before.get(name, 0.0)) / per for name, t in _thread_cpu().items()}
+    return ", ".join(f"{name} {t * 1000:.0f} ms" for name, t in sorted(used.items(), key=lambda x: -x[1]) if t >= 0.001)
+
+
 def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_evt, report_t, halt, ready,
          nice: int = 10, parent: int = 0) -> None:
     from mindio.launch._bootstrap import _die_with_parent
@@ -260,22 +266,20 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
         for c in children:
             c.start()
         conns = sum(ready.get(timeout=600) for _ in children)
-        t0 = time.monotonic()
+        t0, th0 = time.monotonic(), _thread_cpu()
         go.set()
         while ctl.sm.state is not State.NORMAL:
             if time.monotonic() - t0 > 600:
                 raise RuntimeError(f"only {len(ctl.ranks)} of {n} registered in 600 s")
             time.sleep(0.01)
         t_reg = time.monotonic() - t0
+        print(f"         controller CPU while {n} ranks registered ({t_reg:.2f} s): " + _by_thread(th0, 1.0))
         time.sleep(2 * interval)  # steady state
         ctl.io_gap_max = 0.0
         c0, w0, t0 = time.process_time(), time.monotonic(), _thread_cpu()
         time.sleep(rounds * interval)
         cpu = (time.process_time() - c0) / ((time.monotonic() - w0) / interval)
-        per_thread = {name: (t - t0.get(name, 0.0)) / ((time.monotonic() - w0) / interval)
-                      for name, t in _thread_cpu().items()}
-        print("         controller CPU per 1 s round by thread: " + ", ".join(
-            f"{name} {t * 1000:.0f} ms" for name, t in sorted(per_thread.items(), key=lambda x: -x[1]) if t >= 0.001))
+        print("         controller CPU per 1 s round by thread: " + _by_thread(t0, (time.monotonic() - w0) / interval))
         soak_gap = soak_cpu = 0.0
         if soak > 0:
             ctl.io_gap_max, c0, w0 = 0.0, time.process_time(), time.monotonic()

@@ -662,7 +662,8 @@ class Controller:
 
     def _register_ack_body(self) -> bytes:
         """:meth:`register_ack` packed, again only when it changes: 100,000 registrations get the same one."""
-        version = (self.gen, self.interval, tuple(self.backups), self.active)
+        core = self.core  # (the Core's attributes directly: the controller's are properties, per registration)
+        version = (core.gen, core.interval, tuple(self.backups), core.active)
         if self._reg_ack_version != version:
             self._reg_ack_body = P.pack_body(P.Envelope(P.MsgType.REGISTER_ACK, self.register_ack()))
             self._reg_ack_version = version
@@ -687,16 +688,16 @@ class Controller:
         return self._ack_body
 
     def _on_register(self, ident: bytes, rank: int, body: P.Register, now: float, gen: int = 0) -> None:
+        core, ws = self.core, self.core.world_size  # read once: the controller's shared attributes are properties
         if body.role == "backup":  # its session was accepted: backups are allowed (session.py)
             if body.addr and body.addr != self.address and body.addr not in self.backups and len(self.backups) < 2:
                 self.backups.append(body.addr)
                 _log.info("backup controller %s announced", body.addr)
-        elif rank in self.elastic.removed and body.world_size == self.world_size:
+        elif rank in self.elastic.removed and body.world_size == ws:
             self.elastic.on_standby(ident, rank, body, now)  # a standby offers a removed rank back
             return
-        elif not 0 <= rank < self.world_size or body.world_size != self.world_size:
-            _log.error("refused registration of rank %d with world size %d (job: %d)", rank, body.world_size,
-                       self.world_size)
+        elif not 0 <= rank < ws or body.world_size != ws:
+            _log.error("refused registration of rank %d with world size %d (job: %d)", rank, body.world_size, ws)
             return
         else:
             with self._lock:
@@ -710,14 +711,14 @@ class Controller:
                 self.ranks[rank] = r
                 self.liveness.touch(rank)
                 if old is None or not old.registered:
-                    self._registered += 1  # a counter, not a scan: 100k registrations stay O(n)
-                    if self._registered % 8192 == 0:  # the table so far, out of the collector's walks too
+                    core.registered += 1  # a counter, not a scan: 100k registrations stay O(n)
+                    if core.registered % 8192 == 0:  # the table so far, out of the collector's walks too
                         self._freeze_heap()
             if self._poller is not None:
                 self.liveness.probe.watch(rank, body.pid, body.pidns, self._poller)
         self._ack_register(ident, rank)
-        if self.active and self._registered == self.world_size and self.sm.state is State.INIT:
-            self.sm.fire(Result.ALL_REGISTERED, ranks=self._registered)
+        if core.active and core.registered == ws and self.sm.state is State.INIT:
+            self.sm.fire(Result.ALL_REGISTERED, ranks=core.registered)
             self._freeze_heap()
             self.incidents.serve_dump_request()  # a preemption before every rank registered
             _log.info("every rank registered; the job's strategies: %s (asked for by the controller: %s, by "

@@ -584,8 +584,8 @@ class Controller:
     def _flush_beats(self) -> None:
         """Apply the BEATS frames read (the same bookkeeping as HEARTBEAT): their columns (the reader's, one
         array per field for all of them) in one RankTable.beats_at call -- a few slice assignments, nothing per
-        rank in Python -- then one ack per frame, naming the ranks a frame spoke for that are not registered
-        through it."""
+        rank in Python -- then the acks: one signed frame for the turn, sent to each relay heard, and one of its
+        own to a frame that named ranks not registered through its relay, listing them."""
         frames, self._beats = self._beats, []
         if not frames:
             return

@@ -7,11 +7,11 @@ A real Controller (its threads not started) with a real ROUTER socket; N ranks r
 per-relay relay connections; each round every relay's BEATS frame, signed as a relay signs it, is
 read as the controller's I/O thread reads it (wire/beats.py: verified, parsed into columns; natively where
 the Cython core is built, ``MINDIO_NATIVE=python`` for the Python reader) and handed to the controller's
-dispatch, which applies it and sends the ack (to a connection that is not there: zmq drops it after the send). The frames carry what
-a relay sends for its ranks (every heartbeat column: collective numbers of ``--groups`` groups, idle age,
-step p99, step sums: packed in one byte string as protocol v5 sends them, or ``--unpacked`` as v4 did;
-``--plain``: the five v3 columns alone). Printed: process CPU ms
-per round, per frame, and the share of a core at 1 s beats. Not in the test suite.
+dispatch, which applies it and sends the ack (to a connection that is not there: zmq drops it after the
+send). The frames carry what a relay sends for its ranks (every heartbeat column: collective numbers of
+``--groups`` groups, idle age, step p99, step sums: packed in one byte string as protocol v5 sends them, or
+``--unpacked`` as v4 did; ``--plain``: the five v3 columns alone). Printed: process CPU ms per round, per
+frame, and the share of a core at 1 s beats. Not in the test suite.
 ``MINDIO_SRC=DIR`` measures the mindio package in DIR instead (an older commit's: ``git archive C mindio``).
 """
 from __future__ import annotations

@@ -141,3 +141,39 @@ def test_beats_extras_are_checked_and_another_protocol_version_is_refused_by_nam
     with pytest.raises(ProtocolError, match=r"protocol version 3 is not supported \(this side speaks 5\): the peer "
                                             r"runs another mindio release"):
         P.decode(old + hmac.digest(KEY, old, "sha256"), KEY)
+
+
+
+def test_the_relays_heard_in_one_turn_get_one_ack_frame_each_and_share_it():
+    """The controller acks a turn's BEATS with one signed frame sent to every relay heard (controller.py
+    ``_flush_beats``; the same bytes, one counter, as a broadcast ACTION): a relay heard twice in the turn gets
+    it once (a second copy would be a replay to its link), the next turn's frame has a higher counter, and a
+    frame that named a rank not registered through its relay gets an ack of its own that lists it."""
+    from ._harness import threadless_controller
+
+    ctl, close = threadless_controller(16, KEY, per_relay=8)  # relay0: ranks 0-7, relay1: ranks 8-15
+    sent: list = []
+    ctl._chan.send_raw = lambda frame, ident: sent.append((ident, P.decode(frame, KEY), frame))
+
+    def beats(ident: bytes, ranks: list) -> None:
+        k = len(ranks)
+        ctl._on_beats(ident, P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ranks, steps=[1] * k, status=[0] * k,
+                                                                 coll=[False] * k, age=[0.0] * k)), 0.0)
+
+    try:
+        beats(b"relay0", list(range(8)))
+        beats(b"relay1", list(range(8, 16)))
+        beats(b"relay0", list(range(8)))  # heard twice in the turn
+        ctl._flush_beats()
+        assert sorted(i for i, _, _ in sent) == [b"relay0", b"relay1"] and sent[0][2] == sent[1][2]
+        first = sent[0][1]
+        assert first.type is P.MsgType.HEARTBEAT_ACK and first.rank == -1 and first.body.unknown == []
+        sent.clear()
+        beats(b"relay0", list(range(8)))
+        beats(b"relay1", [8, 9, 3])  # rank 3 is relay0's: this frame's ack lists it
+        ctl._flush_beats()
+        by = {i: e for i, e, _ in sent}
+        assert sorted(by) == [b"relay0", b"relay1"] and by[b"relay1"].body.unknown == [3]
+        assert by[b"relay0"].body.unknown == [] and by[b"relay0"].ctr > first.ctr
+    finally:
+        close()

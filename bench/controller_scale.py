@@ -28,6 +28,7 @@ CPU <= 20 % of a core at 1 s beats, fault -> decision <= 1 s, soak with 0 false 
 > 1 s; 10k: the same with a 5x margin (1 s, 4 %, 0.2 s, 0.2 s). Other sizes: the 100k targets scaled
 by N / 100k (no tighter than the 10k ones).
     python bench/controller_scale.py --n 10000 --n 100000 --soak 600
+    python bench/controller_scale.py --n 100000 --py-spy /tmp/spy   # + where fault -> decision goes, per thread
 """
 from __future__ import annotations
 
@@ -245,8 +246,23 @@ class _Phases:
         return [ln for ln in self.lines if ln.startswith(("action stop", "action advance", "incident decision"))]
 
 
+def _spy(out: str):
+    """py-spy recording this process's threads for 8 s from now (the fault), sampled 200 times a second without
+    stopping them, as collapsed stacks per thread in ``out`` (one line per stack and its count)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise SystemExit("--py-spy needs py-spy on PATH (pip install py-spy)")
+    spy = subprocess.Popen([exe, "record", "-p", str(os.getpid()), "-d", "8", "-r", "200", "--nonblocking",
+                            "--threads", "-f", "raw", "-o", out])
+    time.sleep(1.5)  # attached
+    return spy
+
+
 def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None = None, batch: bool = True,
-        nice: int = 10, soak: float = 0.0) -> dict:
+        nice: int = 10, soak: float = 0.0, py_spy: str = "") -> dict:
     from mindio.ttp.controller.controller import Controller
     from mindio.ttp.controller.states import State
     from tests.ttp._harness import free_port  # noqa: E402  (a free loopback port)
@@ -292,14 +308,21 @@ def run(n: int, procs: int, rounds: int, interval: float, per_conn: int | None =
         dead = ctl.ranks.dead()
         ctl.io_gap_max = 0.0
         phases = _Phases()
+        spy = _spy(py_spy) if py_spy else None
         c_fault = time.process_time()
         report_evt.set()
+        t_fault = time.monotonic()
         while not ctl.last_decision:
+            if time.monotonic() - t_fault > 300:
+                raise RuntimeError("no incident decision 300 s after the fault was asked of a simulated rank (the "
+                                   "controller's log above says why)")
             time.sleep(0.001)
         cpu_decision = time.process_time() - c_fault  # the controller's own CPU over the whole round
         decision = ctl.last_decision["decided_at"] - report_t.value
         ctl.final.wait(120)
         lines = phases.close()
+        if spy is not None:
+            spy.wait(30)  # it records for 8 s
         return {"n": n, "connections": conns, "register_s": t_reg, "cpu_per_round_ms": cpu * 1000,
                 "cpu_share": cpu / interval, "fault_to_decision_s": decision, "decision_cpu_s": cpu_decision,
                 "dead_during_steady": len(dead), "soak_s": soak, "soak_io_gap_s": soak_gap,
@@ -356,6 +379,9 @@ def main() -> None:
                         "0 lets them compete, as processors on other hosts would not have to)")
     p.add_argument("--no-batch", action="store_true",
                    help="relays send one frame per rank (protocol v1 style) instead of BEATS/BATCH frames")
+    p.add_argument("--py-spy", default="", metavar="PREFIX",
+                   help="record the controller's threads with py-spy for 8 s from the fault, into PREFIX.<n> "
+                        "(collapsed stacks per thread: where fault -> decision goes)")
     p.add_argument("--unpacked", action="store_true",
                    help="relays send each rank's collective numbers and step sums as v4 did (a map and a list per "
                         "rank, unpacked by the controller at every beat) instead of BEATS.packed (v5); with an "
@@ -369,7 +395,8 @@ def main() -> None:
           f"{'fault->decision s':>17} {'(ctl CPU s)':>11} {'dead':>4} {'strategy':>8} {'savers':>6} {'drops':>5}")
     results = []
     for n in a.n or [1000, 10000]:
-        r = run(n, a.procs, a.rounds, a.interval, a.per_conn or None, not a.no_batch, a.sim_nice, a.soak)
+        r = run(n, a.procs, a.rounds, a.interval, a.per_conn or None, not a.no_batch, a.sim_nice, a.soak,
+                f"{a.py_spy}.{n}" if a.py_spy else "")
         results.append(r)
         print(f"{r['n']:>7} {r['connections']:>6} {r['register_s']:>10.3f} {r['cpu_per_round_ms']:>16.1f} "
               f"{r['cpu_share']:>9.1%} {r['fault_to_decision_s']:>17.3f} {r['decision_cpu_s']:>11.3f} "

@@ -384,3 +384,42 @@ def test_the_shard_map_decides_as_the_per_view_loops_did(world):
             policy.select_repair_sources(shards, lock, some)
     else:
         assert policy.select_repair_sources(shards, lock, some) == want
+
+
+def _fresh_rows(views):
+    return policy.ShardMap._rows(list(views))
+
+
+def _same_rows(shards, views):
+    keys, row_view, row_shard, types, key_type = _fresh_rows(views)
+    assert shards.keys == keys and shards.types == types
+    assert shards.row_view.tolist() == row_view.tolist() and shards.row_shard.tolist() == row_shard.tolist()
+    assert shards.key_type.tolist() == key_type.tolist()
+    assert shards.row_rank.tolist() == [views[i].rank for i in row_view.tolist()]
+
+
+@given(_world(), _world(), st.lists(st.tuples(st.sampled_from(["layout", "health", "drop", "other"]),
+                                              st.integers(0, 11)), max_size=6))
+@settings(max_examples=200)
+def test_the_shard_map_reuses_its_rows_only_while_every_rank_and_layout_is_the_same(world, other, edits):
+    """Issue 34: consecutive decisions over the same ranks and layouts reuse the shard rows (ShardMap._last); a
+    rank whose layout was replaced (even by an equal one), a rank gone, or another world builds them anew -- the
+    map always equals one built from scratch, and so does every answer made from it."""
+    views = list(world[0])
+    for kind, i in [("same", 0)] + edits:
+        i %= len(views)
+        v = views[i]
+        if kind == "layout":  # its INFO again: an equal layout in a new tuple, or none (a shard of its own)
+            views[i] = v._replace(replica=tuple(dict(e) for e in v.replica) if i % 2 else ())
+        elif kind == "health":
+            views[i] = v._replace(alive=not v.alive, step=v.step + 1)
+        elif kind == "drop" and len(views) > 1:
+            del views[i]
+        elif kind == "other":
+            views = list(other[0])
+        shards = policy.ShardMap(views)
+        _same_rows(shards, views)
+        assert policy.ShardMap(views).row_shard is shards.row_shard  # the next decision reuses them
+        lock = policy.choose_lock_step(shards)
+        assert lock == policy.choose_lock_step(list(views))
+        assert policy.select_dump_ranks(shards, lock) == _old_select_dump_ranks(views, lock)

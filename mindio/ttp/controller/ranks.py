@@ -19,6 +19,7 @@ controller.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -30,6 +31,8 @@ from .policy import RankView, no_gc
 _log = logging.getLogger("mindio.ttp.controller")
 
 __all__ = ["RankRecord", "RankTable", "infer_layout", "COLUMNS"]
+
+_new_view = functools.partial(tuple.__new__, RankView)  # RankView from one tuple of its fields, in C
 
 
 # column name -> (dtype, value of a new record); every one is a RankRecord attribute (a view of the row)
@@ -74,7 +77,7 @@ class RankRecord:
     """What the controller knows of one rank (its row of the table; module docstring). The constructor
     takes the fields by name as the former dataclass did."""
 
-    __slots__ = ("rank", "_ident", "host", "_seq", "replica", "dp_group", "features", "_t", "_v")
+    __slots__ = ("rank", "_ident", "host", "_seq", "_replica", "dp_group", "features", "_t", "_v")
 
     def __init__(self, rank: int, ident: bytes, pid: int = 0, host: str = "", last_seen: float = 0.0,
                  step: int = 0, data_status: int = 0, in_collective: bool = False, progress_age: float = -1.0,
@@ -84,7 +87,7 @@ class RankRecord:
                  left: bool = False):
         self.rank, self._ident, self.host, self._t = rank, ident, host, None
         self._seq = {} if coll_seq is None else coll_seq  # {group: last collective entered} (collectives.py)
-        self.replica = [] if replica is None else replica
+        self.replica = replica
         self.dp_group = [] if dp_group is None else dp_group
         self.features = {} if features is None else features  # the processor's enable flags (retry.py)
         self._v = {"pid": int(pid), "last_seen": float(last_seen), "beat_seen": float(last_seen), "step": int(step),
@@ -92,6 +95,17 @@ class RankRecord:
                    "in_collective": bool(in_collective), "progress_age": float(progress_age),
                    "idle_age": float(idle_age), "step_p99": float(step_p99), "alive": bool(alive),
                    "faulty": bool(faulty), "registered": bool(registered), "gen": int(gen), "left": bool(left)}
+
+    @property
+    def replica(self) -> tuple:
+        """Its optimizer shards' layout: one {rank_list, replica_cnt, replica_shift} per optimizer type (its INFO).
+        A tuple, replaced and never changed in place: a decision's views share it, and the shard map of the
+        next decision sees by identity that the layout did not change (policy.ShardMap)."""
+        return self._replica
+
+    @replica.setter
+    def replica(self, value) -> None:
+        self._replica = () if value is None else tuple(value)
 
     @property
     def coll_seq(self) -> dict:
@@ -275,10 +289,12 @@ class RankTable(dict):
         idx = np.flatnonzero(self.present)
         col = self.col
         alive = col["alive"][idx] & np.isin(idx, np.fromiter(replied, np.int64))
+        ranks, get = idx.tolist(), dict.__getitem__
         with no_gc():  # 100k new tuples would run the collector over the whole table several times
-            return [RankView(r, a, f, s, d, tuple(dict.__getitem__(self, r).replica)) for r, a, f, s, d in zip(
-                idx.tolist(), alive.tolist(), col["faulty"][idx].tolist(), col["step"][idx].tolist(),
-                col["data_status"][idx].tolist())]
+            layouts = [get(self, r)._replica for r in ranks]  # the records' own tuples (RankRecord.replica)
+            # tuple.__new__ straight from the columns: no Python-level call per rank
+            return list(map(_new_view, zip(ranks, alive.tolist(), col["faulty"][idx].tolist(),
+                                           col["step"][idx].tolist(), col["data_status"][idx].tolist(), layouts)))
 
     def after_stop(self, replies: dict) -> None:
         """The stop round's replies (``{rank: Reply}``): each rank that answered it sets its step (the one

@@ -24,16 +24,20 @@ STOP_GRACE_S = 1.0  # a rank still running this long after the stop, while other
 STOP_LOOK_S = 0.2   # the stop's first look: a running rank inside a collective then is blocked at once
 
 
-def _mains(replies: dict) -> dict:
-    """{rank: where its main thread is} of a stop round's successful replies."""
-    return {r: rep.detail.get("main") for r, rep in replies.items() if rep.ok}
-
-
 def _split(replies: dict) -> tuple[list, list]:
-    """(running, fenced) ranks of a stop round's replies."""
-    mains = _mains(replies)
-    return (sorted(r for r, m in mains.items() if m == MainState.RUNNING),
-            sorted(r for r, m in mains.items() if m == MainState.FENCED))
+    """(running, fenced) ranks of a stop round's successful replies (where each one's main thread is), in one
+    pass: a 100k-rank stop round is 100k replies."""
+    running, fenced = [], []
+    for r, rep in replies.items():
+        if rep.ok:
+            main = rep.detail.get("main")
+            if main == MainState.RUNNING:
+                running.append(r)
+            elif main == MainState.FENCED:
+                fenced.append(r)
+    running.sort()
+    fenced.sort()
+    return running, fenced
 
 
 class StopRound:
@@ -73,19 +77,19 @@ class StopRound:
         grace = min(params["timeout"], STOP_GRACE_S)
         replies = self.core.call(ActionName.STOP, dict(params, timeout=grace, look=min(STOP_LOOK_S, grace), interrupt=True),
                                  live, self.core.action_limit)
-        if not params.get("stop_clean"):  # torn down at the stop (TTP_STOP_CLEAN_BEFORE_DUMP): held as they are
-            self._advance(replies, grace)
-        return self._release_running(replies, params)
-
-    def _advance(self, replies: dict, grace: float) -> None:
-        """Step 2 of :meth:`run`; ``replies`` is updated."""
         running, fenced = _split(replies)
-        if not fenced:  # nobody held at the fence: nothing to advance (and no views of 100k ranks to build)
-            return
+        # torn down at the stop (TTP_STOP_CLEAN_BEFORE_DUMP): held as they are; nobody held at the fence: nothing
+        # to advance (and no views of 100k ranks to build)
+        if fenced and not params.get("stop_clean") and self._advance(replies, grace, running, fenced):
+            running, fenced = _split(replies)
+        return self._release_running(replies, params, running, fenced)
+
+    def _advance(self, replies: dict, grace: float, running: list, fenced: list) -> bool:
+        """Step 2 of :meth:`run`; ``replies`` is updated. Whether any rank was advanced."""
         views = self.core.incidents.views(replies)
         step, behind = policy.ranks_to_advance(views, fenced)
         if not behind:
-            return
+            return False
         _log.warning("stop: ranks %s were held at their fence before the update of step %d, which another rank "
                      "made or started; letting them finish it%s", behind[:16], step,
                      f" (ranks {running[:16]} were running)" if running else "")
@@ -93,10 +97,11 @@ class StopRound:
         replies.update(self.core.call(ActionName.ADVANCE, {"step": step, "timeout": grace}, behind, self.core.action_limit))
         if running:
             replies.update(self.core.call(ActionName.WAIT_QUIET, {"timeout": grace}, running, self.core.action_limit))
+        return True
 
-    def _release_running(self, replies: dict, params: dict) -> dict:
-        """Steps 2 and 3 of :meth:`run` for the ranks ``replies`` says still run."""
-        running, fenced = _split(replies)
+    def _release_running(self, replies: dict, params: dict, running: list, fenced: list) -> dict:
+        """Steps 3 to 5 of :meth:`run` for the ranks ``replies`` says still run (``running``; ``fenced``: at their
+        fence)."""
         if running and fenced and not params.get("stop_clean"):
             _log.warning("stop: ranks %s still running after the stop while %s wait at the fence; tearing the "
                          "fenced ranks down so that a collective between them fails", running[:16], fenced[:16])

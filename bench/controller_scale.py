@@ -176,6 +176,9 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
                         c.send(hellos(c)[0])
                 elif env.type is P.MsgType.REGISTER_ACK:
                     interval = env.body.interval
+                elif env.type is P.MsgType.BATCH:  # REGISTER_ACKs for a relay's ranks (protocol v6)
+                    interval = next((e.body.interval for e in env.body.items
+                                     if e.type is P.MsgType.REGISTER_ACK), interval)
                 elif env.type is P.MsgType.ACTION:
                     detail = {"step": 5, "data_status": 0, "main": "parked"} if env.body.name == "stop" else {}
                     to = env.body.ranks or c.chunk[:1]

@@ -138,8 +138,8 @@ def test_beats_extras_are_checked_and_another_protocol_version_is_refused_by_nam
     # a peer of protocol v3 (before the columns): one line naming both versions
     old = msgpack.packb([3, int(P.MsgType.HEARTBEAT), 0, 0, 0, 0, 0, {"step": 1, "data_status": 0}])
     import hmac
-    with pytest.raises(ProtocolError, match=r"protocol version 3 is not supported \(this side speaks 5\): the peer "
-                                            r"runs another mindio release"):
+    with pytest.raises(ProtocolError, match=rf"protocol version 3 is not supported \(this side speaks {P.VERSION}\): "
+                                            r"the peer runs another mindio release"):
         P.decode(old + hmac.digest(KEY, old, "sha256"), KEY)
 
 
@@ -175,5 +175,34 @@ def test_the_relays_heard_in_one_turn_get_one_ack_frame_each_and_share_it():
         by = {i: e for i, e, _ in sent}
         assert sorted(by) == [b"relay0", b"relay1"] and by[b"relay1"].body.unknown == [3]
         assert by[b"relay0"].body.unknown == [] and by[b"relay0"].ctr > first.ctr
+    finally:
+        close()
+
+
+def test_a_relays_run_of_registers_is_answered_with_one_batch_of_register_acks():
+    """Protocol v6: a relay's BATCH of REGISTER items is answered with one BATCH of REGISTER_ACK items (controller.py
+    ``_on_batch``), sent before the next item of another kind is handled, so that nothing reaches a rank before its
+    ack; a refused registration gets no ack, as before; a REGISTER on its own frame (a rank's direct connection)
+    still gets its own REGISTER_ACK."""
+    from ._harness import threadless_controller
+
+    ctl, close = threadless_controller(16, KEY, per_relay=8)
+    sent: list = []
+    ctl._chan.send = lambda env, ident, body=None: sent.append((ident, env, body))
+
+    def reg(rank: int) -> P.Envelope:
+        return P.Envelope(P.MsgType.REGISTER, P.Register(world_size=16, pid=2000 + rank, host="h"), rank=rank)
+
+    try:
+        info = P.Envelope(P.MsgType.INFO, P.Info(replica=[], dp_group=[0, 1]), rank=0)
+        ctl._on_batch(b"relay0", [reg(0), reg(1), reg(99), reg(2), info, reg(3)], 0.0)  # 99: no such rank
+        assert [(i, e.type, [x.rank for x in e.body.items]) for i, e, _ in sent] == [
+            (b"relay0", P.MsgType.BATCH, [0, 1, 2]), (b"relay0", P.MsgType.BATCH, [3])]
+        items = [x for _, e, _ in sent for x in e.body.items]
+        assert {x.type for x in items} == {P.MsgType.REGISTER_ACK} and all(x.body == ctl.register_ack() for x in items)
+        assert ctl.ranks[0].dp_group == [0, 1]  # the INFO was handled after the first acks went
+        sent.clear()
+        ctl._dispatch(b"relay1", reg(8), relay=True)  # one REGISTER, not in a BATCH: one REGISTER_ACK
+        assert [(i, e.type, e.rank) for i, e, _ in sent] == [(b"relay1", P.MsgType.REGISTER_ACK, 8)]
     finally:
         close()

@@ -148,6 +148,7 @@ class Controller:
         self._threads: list[threading.Thread] = []
         self._ack_body: bytes = b""
         self._reg_ack_body, self._reg_ack_version = b"", None
+        self._reg_acks: tuple | None = None  # (relay ident, [rank]) acks held while a relay's REGISTERs are read
         self.io_gap_max = 0.0  # the longest the I/O thread went without returning to its poll, s (bench/controller_scale.py)
         self.actions = ActionEngine(self._cond, self._send_many, lambda r: self.ranks[r].alive, self.interval,
                                     backlog=lambda: time.monotonic() - core.drained_at > 0.5,
@@ -519,18 +520,35 @@ class Controller:
 
     def _on_batch(self, ident: bytes, items: list, now: float) -> None:
         """A relay's BATCH, item by item in order, except that a run of REPLY items (its ranks' answers to
-        an action, aggregated) is taken at once (:meth:`_on_replies`)."""
+        an action, aggregated) is taken at once (:meth:`_on_replies`), and a run of REGISTER items is answered
+        with one BATCH of REGISTER_ACKs (protocol v6; sent before anything else is handled)."""
         run: list = []
-        for item in items:
-            if item.type is P.MsgType.REPLY:
-                run.append(item)
-                continue
+        try:
+            for item in items:
+                if item.type is P.MsgType.REGISTER:
+                    if self._reg_acks is None:
+                        self._reg_acks = (ident, [])
+                else:
+                    self._send_reg_acks()
+                if item.type is P.MsgType.REPLY:
+                    run.append(item)
+                    continue
+                if run:
+                    self._on_replies(ident, run, now)
+                    run = []
+                self._dispatch(ident, item, relay=True)
             if run:
                 self._on_replies(ident, run, now)
-                run = []
-            self._dispatch(ident, item, relay=True)
-        if run:
-            self._on_replies(ident, run, now)
+        finally:
+            self._send_reg_acks()
+
+    def _send_reg_acks(self) -> None:
+        """The REGISTER_ACKs held for a relay's run of REGISTERs (:meth:`_ack_register`), as one BATCH."""
+        held, self._reg_acks = self._reg_acks, None
+        if held and held[1]:
+            ack = self.register_ack()
+            self._chan.send(P.Envelope(P.MsgType.BATCH, P.Batch(
+                [P.Envelope(P.MsgType.REGISTER_ACK, ack, rank=rank) for rank in held[1]])), held[0])
 
     def _on_replies(self, ident: bytes, items: list, now: float) -> None:
         """A relay's BATCH of REPLY items: what :meth:`_dispatch` does for each REPLY, with the rank table's
@@ -718,6 +736,7 @@ class Controller:
                 self.liveness.probe.watch(rank, body.pid, body.pidns, self._poller)
         self._ack_register(ident, rank)
         if core.active and core.registered == ws and self.sm.state is State.INIT:
+            self._send_reg_acks()  # the job starts: the last ranks' acks go first
             self.sm.fire(Result.ALL_REGISTERED, ranks=core.registered)
             self._freeze_heap()
             self.incidents.serve_dump_request()  # a preemption before every rank registered
@@ -811,7 +830,12 @@ class Controller:
         return self.core.ranks_ask()
 
     def _ack_register(self, ident: bytes, rank: int) -> None:
-        """(I/O thread) Answer a REGISTER of ``rank`` on connection ``ident`` (an elastic standby's too)."""
+        """(I/O thread) Answer a REGISTER of ``rank`` on connection ``ident`` (an elastic standby's too); held
+        while a relay's run of REGISTERs is read, then sent with the others in one BATCH (:meth:`_on_batch`)."""
+        held = self._reg_acks
+        if held is not None and held[0] == ident:
+            held[1].append(rank)
+            return
         self._chan.send(P.Envelope(P.MsgType.REGISTER_ACK, None, rank=rank), ident, body=self._register_ack_body())
 
     def _take_over(self, now: float, n: int) -> None:

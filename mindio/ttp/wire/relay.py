@@ -22,8 +22,9 @@ round. Its ranks connect to it, not to the controller:
   upstream as on a direct connection.
 * **Downstream.** An ACTION for many ranks (``ACTION.ranks``) is fanned out to each of them; a
   REGISTER_ACK or HEARTBEAT_ACK for a rank goes to that rank (without the backup list: the relay, not the
-  rank, fails over). A rank the controller does not know (BEATS' ack lists it, or this relay registered
-  again, e.g. with a backup controller) is told UNKNOWN and registers again through the relay.
+  rank, fails over); the controller answers a BATCH of REGISTERs with one BATCH of REGISTER_ACKs (v6), handed
+  out one by one. A rank the controller does not know (BEATS' ack lists it, or this relay registered again,
+  e.g. with a backup controller) is told UNKNOWN and registers again through the relay.
 * **Its death** (the agent is killed) is its node's loss: the relay and the ranks die with their agent
   (PR_SET_PDEATHSIG) and the controller sees their beats stop, as for a node whose agent was lost. A
   stall of the agent alone is not: the relay is a process of its own.
@@ -214,6 +215,11 @@ class Relay(threading.Thread):
             self._unknown(list(self.routes))
             return
         body, t = env.body, env.type
+        if t is P.MsgType.BATCH:  # the answers to a run of our ranks' REGISTERs (protocol v6), one by one
+            for item in body.items:
+                if item.rank >= 0:
+                    self._down_one(item)
+            return
         if t is P.MsgType.ACTION:
             one = P.Action(body.name, body.params)
             for rank in body.ranks or [env.rank]:

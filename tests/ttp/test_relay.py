@@ -148,33 +148,46 @@ def test_the_relays_heard_in_one_turn_get_one_ack_frame_each_and_share_it():
     """The controller acks a turn's BEATS with one signed frame sent to every relay heard (controller.py
     ``_flush_beats``; the same bytes, one counter, as a broadcast ACTION): a relay heard twice in the turn gets
     it once (a second copy would be a replay to its link), the next turn's frame has a higher counter, and a
-    frame that named a rank not registered through its relay gets an ack of its own that lists it."""
+    frame that named a rank not registered through its relay gets an ack of its own that lists it. A relay is
+    acked every other interval (protocol v6, ``RELAY_ACK_GAP``): not again within 1.5 intervals of its last ack
+    unless the ack's content changed (here: the backup list)."""
     from ._harness import threadless_controller
 
     ctl, close = threadless_controller(16, KEY, per_relay=8)  # relay0: ranks 0-7, relay1: ranks 8-15
     sent: list = []
     ctl._chan.send_raw = lambda frame, ident: sent.append((ident, P.decode(frame, KEY), frame))
+    assert P.RELAY_ACK_GAP == 1.5 and ctl.interval == 1.0
 
-    def beats(ident: bytes, ranks: list) -> None:
+    def beats(ident: bytes, ranks: list, now: float) -> None:
         k = len(ranks)
         ctl._on_beats(ident, P.Envelope(P.MsgType.BEATS, P.Beats(ranks=ranks, steps=[1] * k, status=[0] * k,
-                                                                 coll=[False] * k, age=[0.0] * k)), 0.0)
+                                                                 coll=[False] * k, age=[0.0] * k)), now)
 
     try:
-        beats(b"relay0", list(range(8)))
-        beats(b"relay1", list(range(8, 16)))
-        beats(b"relay0", list(range(8)))  # heard twice in the turn
+        beats(b"relay0", list(range(8)), 10.0)
+        beats(b"relay1", list(range(8, 16)), 10.0)
+        beats(b"relay0", list(range(8)), 10.0)  # heard twice in the turn
         ctl._flush_beats()
         assert sorted(i for i, _, _ in sent) == [b"relay0", b"relay1"] and sent[0][2] == sent[1][2]
         first = sent[0][1]
         assert first.type is P.MsgType.HEARTBEAT_ACK and first.rank == -1 and first.body.unknown == []
         sent.clear()
-        beats(b"relay0", list(range(8)))
-        beats(b"relay1", [8, 9, 3])  # rank 3 is relay0's: this frame's ack lists it
+        beats(b"relay0", list(range(8)), 11.0)  # one interval later: acked 1 s ago, not now
+        beats(b"relay1", [8, 9, 3], 11.0)  # rank 3 is relay0's: this frame gets its own ack, listing it
         ctl._flush_beats()
-        by = {i: e for i, e, _ in sent}
-        assert sorted(by) == [b"relay0", b"relay1"] and by[b"relay1"].body.unknown == [3]
-        assert by[b"relay0"].body.unknown == [] and by[b"relay0"].ctr > first.ctr
+        assert [(i, e.body.unknown) for i, e, _ in sent] == [(b"relay1", [3])]
+        sent.clear()
+        beats(b"relay0", list(range(8)), 12.0)  # two intervals after its last ack: acked
+        beats(b"relay1", list(range(8, 16)), 12.0)  # its own ack was 1 s ago: not
+        ctl._flush_beats()
+        assert [i for i, _, _ in sent] == [b"relay0"] and sent[0][1].ctr > first.ctr
+        sent.clear()
+        ctl.backups.append("tcp://10.0.0.2:1234")  # a backup announced: the ack changes, every relay gets it now
+        beats(b"relay0", list(range(8)), 12.5)
+        beats(b"relay1", list(range(8, 16)), 12.5)
+        ctl._flush_beats()
+        assert sorted(i for i, _, _ in sent) == [b"relay0", b"relay1"]
+        assert all(e.body.backups == ["tcp://10.0.0.2:1234"] for _, e, _ in sent)
     finally:
         close()
 
@@ -206,3 +219,20 @@ def test_a_relays_run_of_registers_is_answered_with_one_batch_of_register_acks()
         assert [(i, e.type, e.rank) for i, e, _ in sent] == [(b"relay1", P.MsgType.REGISTER_ACK, 8)]
     finally:
         close()
+
+
+def test_a_relays_link_allows_one_interval_more_of_silence_than_a_ranks():
+    """The controller acks a relay's BEATS every other interval (protocol.RELAY_ACK_GAP), so the relay's link
+    waits one interval more before it fails over: a controller's stall is tolerated as long as on a rank's link
+    (whose beats are acked every interval)."""
+    from mindio.ttp.wire.transport import Link
+
+    def link(relay: bool) -> Link:
+        return Link(-1 if relay else 0, KEY, ["tcp://127.0.0.1:1"], lambda: None, lambda: None, lambda env: None,
+                    interval=0.5, misses=3, relay=relay)
+
+    rank, relay = link(False), link(True)
+    assert rank.silence() == 3 * 0.5 + 0.25 and relay.silence() == rank.silence() + 0.5
+    # the longest a relay goes unacked while it beats every interval: its acks are RELAY_ACK_GAP apart at least,
+    # so every other beat is acked; that leaves the rank's margin over its own one-interval ack gap
+    assert relay.silence() - 2 * 0.5 == rank.silence() - 0.5

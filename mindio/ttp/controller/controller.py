@@ -136,6 +136,9 @@ class Controller:
                                  else backups_allowed,
                                  relays=_knobs.get("MINDIO_RELAYS") if relays is None else relays)
         self._relays: set[bytes] = set()  # connections of relay sessions
+        # relay connection -> (when, body) of its last HEARTBEAT_ACK: a relay's BEATS are acked every other
+        # interval, at once when the body changed (the same bytes object while it does not: _ack_body_of)
+        self._relay_acked: dict[bytes, tuple] = {}
         self._frozen = False  # gc.freeze() called (_freeze_heap), undone by close()
         self._beats: list = []  # (ident, gen) of the BEATS frames read in this turn, applied together (_flush_beats)
         self._reader = beats.reader(key)  # their columns (wire/beats.py: native when the core is built)
@@ -602,8 +605,9 @@ class Controller:
     def _flush_beats(self) -> None:
         """Apply the BEATS frames read (the same bookkeeping as HEARTBEAT): their columns (the reader's, one
         array per field for all of them) in one RankTable.beats_at call -- a few slice assignments, nothing per
-        rank in Python -- then the acks: one signed frame for the turn, sent to each relay heard, and one of its
-        own to a frame that named ranks not registered through its relay, listing them."""
+        rank in Python -- then the acks: one signed frame for the turn, sent to each relay heard that was not acked
+        in the last 1.5 intervals (protocol.RELAY_ACK_GAP: every other BEATS of a relay) or whose ack changed since,
+        and one of its own to a frame that named ranks not registered through its relay, listing them."""
         frames, self._beats = self._beats, []
         if not frames:
             return
@@ -643,14 +647,20 @@ class Controller:
             for i, pos in zip(np.searchsorted(ends, unknown, side="right").tolist(), unknown.tolist()):
                 strangers.setdefault(i, []).append(int(ranks[pos]))
         state = self.sm.state.value
-        ack, acked = None, set()
-        for i, (ident, _gen) in enumerate(frames):
+        body, last, gap = self._ack_body_of(state), self._relay_acked, P.RELAY_ACK_GAP * self.interval
+        ack, acked, none = None, set(), (-1e18, None)
+        for i, ((ident, _gen), now) in enumerate(zip(frames, nows.tolist())):
             if i in strangers:
                 self._chan.send(P.Envelope(P.MsgType.HEARTBEAT_ACK, self._heartbeat_ack(state, strangers[i])), ident)
+                last[ident] = (now, body)
             elif ident not in acked:  # one ack a turn to a relay that sent two frames in it (the counter is the
                 acked.add(ident)  # same: a second copy would be a replay to it)
+                at, what = last.get(ident, none)
+                if now - at < gap and what is body:  # acked lately with this content: every other interval
+                    continue
+                last[ident] = (now, body)
                 if ack is None:  # the same bytes for every relay, as a broadcast ACTION: one counter, one signature
-                    ack = self._chan.frame(P.Envelope(P.MsgType.HEARTBEAT_ACK, None, rank=-1), self._ack_body_of(state))
+                    ack = self._chan.frame(P.Envelope(P.MsgType.HEARTBEAT_ACK, None, rank=-1), body)
                 self._chan.send_raw(ack, ident)
 
     def _sums_of(self, pack: bytes, n: int) -> list:

@@ -516,7 +516,7 @@ class Link(threading.Thread):
                                 P.Envelope(P.MsgType.HEARTBEAT, self.beat(), rank=self.rank, gen=self.gen),):
                             chan.send(env)
                     last_beat, next_beat = now, now + self.interval
-                if now - last_rx > self.misses * self.interval + self.interval / 2:
+                if now - last_rx > self.silence():
                     poller.unregister(chan.sock)
                     chan.sock.close(0)
                     silent_from = self.address
@@ -529,8 +529,8 @@ class Link(threading.Thread):
                     # no controller ever answered: the start waits (bounded, one line if it gives up), not a failover
                     level = logging.WARNING if self.answered else logging.INFO if self.failovers == 1 else logging.DEBUG
                     _log.log(level, "controller %s silent for %.1f s (MINDIO_HEARTBEAT_MISSES x MINDIO_HEARTBEAT_INTERVAL "
-                             "+ half an interval: %.1f s); connecting to %s", silent_from, now - last_rx,
-                             self.misses * self.interval + self.interval / 2, self.address)
+                             "+ half an interval%s: %.1f s); connecting to %s", silent_from, now - last_rx,
+                             " + one for a relay" if self.relay else "", self.silence(), self.address)
                     _logging.event("controller_failover", silent=silent_from, to=self.address,
                                    silent_s=round(now - last_rx, 3))
                     chan = self._connect()
@@ -543,6 +543,12 @@ class Link(threading.Thread):
                 probe.close(poller)
             chan.sock.close(500)
             self._waker.close()
+
+    def silence(self) -> float:
+        """Seconds without a frame from the controller after which this link fails over: MISSES x INTERVAL + half
+        an interval, and one interval more for a relay, whose BEATS the controller acks every other interval
+        (protocol.RELAY_ACK_GAP), so that a controller's stall is tolerated as long on either."""
+        return self.misses * self.interval + self.interval / 2 + (self.interval if self.relay else 0.0)
 
     def _await_bye_ack(self, chan: Channel, timeout: float = 1.0) -> None:
         """Wait (bounded) until the controller confirms our BYE, so that it has read the BYE before this

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from _mgt_launch import REPO, digests, torchrun  # noqa: E402
+from _mgt_launch import REFERENCE_LAUNCHER, REPO, digests, torchrun  # noqa: E402
 
 SCRIPT = REPO / "examples" / "pytorch" / "train_ddp.py"
 pytestmark = pytest.mark.slow
@@ -27,7 +27,9 @@ def _losses(out):
 
 @pytest.fixture(scope="module")
 def plain():
-    return torchrun(SCRIPT, ["--train-iters", 20], nproc=2, timeout=200)
+    # the plain run and the drill (in-process) do not test the launcher: mindio-run's fork server imports torch
+    # once for both ranks (_mgt_launch.reference_run); the launcher changes no number
+    return torchrun(SCRIPT, ["--train-iters", 20], nproc=2, timeout=200, launcher=REFERENCE_LAUNCHER)
 
 
 @pytest.mark.timeout(260)
@@ -38,7 +40,7 @@ def test_trains(plain):
 
 @pytest.mark.timeout(260)
 def test_drill_repair_is_bitwise(plain):
-    out = torchrun(SCRIPT, ["--train-iters", 20, "--drill-step", 10], nproc=2, timeout=200)
+    out = torchrun(SCRIPT, ["--train-iters", 20, "--drill-step", 10], nproc=2, timeout=200, launcher=REFERENCE_LAUNCHER)
     assert "drill: rank 1 repaired from rank 0 at step 10" in out
     assert digests(out)[-1] == digests(plain)[-1]
 

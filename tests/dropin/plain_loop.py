@@ -140,7 +140,8 @@ class Job:
         with open(os.path.join(self.args.out, f"samples-rank{self.rank}.jsonl"), "a") as f:
             f.write(json.dumps({"iteration": step, "dp": self.world, "dp_rank": self.rank, "rank": self.rank,
                                 "samples": ids, "t": time.time()}) + "\n")
-        time.sleep(self.args.step_sleep)
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":  # --step-sleep: the first round only
+            time.sleep(self.args.step_sleep)
 
     def maybe_fault(self, step: int) -> None:
         for fault in filter(None, self.args.fault.split(",")):
@@ -231,7 +232,8 @@ def main() -> int:
     p.add_argument("--keep-group", action="store_true", help="all-reduce on a group the loop keeps")
     p.add_argument("--pg-timeout", type=float, default=60.0)
     p.add_argument("--resume", action="store_true", help="start from DIR/ckpt/latest when there is one")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step also takes")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds each step of the launcher's first round also takes (a relaunched round: none)")
     p.add_argument("--enable-arf", action="store_true", help="tft_init_processor(enable_arf=True)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL on cuda:LOCAL_RANK")
     args = p.parse_args()

@@ -28,7 +28,7 @@ from tests.dropin.test_plain_loop import STEPS, Run, assert_bitwise, assert_same
 pytestmark = pytest.mark.slow
 GRACE_S = 30.0  # Kubernetes' terminationGracePeriodSeconds and Slurm's KillWait default
 SIGNAL_AFTER = 3  # steps every rank finished before the signal
-SLOW = ["--step-sleep", "1.0"]  # >= 6 s of training left when the signal comes
+SLOW = ["--step-sleep", "1.0"]  # >= 6 s of training left when the signal comes (a relaunched round: unpaced)
 
 
 def _trained(out: Path) -> dict:

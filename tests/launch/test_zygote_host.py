@@ -4,6 +4,7 @@ takes them; whatever could make it differ (the import-time environment, the sys.
 socket) is refused and the agent starts its own. Real hosts, agents and workers."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -90,19 +91,19 @@ def test_a_sys_path_that_finds_an_imported_module_elsewhere_is_refused(tmp_path)
     (tmp_path / "numpy.py").write_text("raise ImportError('a shadow')\n")
     (tmp_path / "empty").mkdir()
 
-    def moved(cwd, pythonpath: str | None) -> str:  # asked of an interpreter started as the host is
-        code = ("import sys, numpy, torch; from mindio.launch._zygote_host import _moved; "
-                "print(repr(_moved(sys.argv[1], {} if sys.argv[2] == '-' else {'PYTHONPATH': sys.argv[2]})))")
-        p = subprocess.run([sys.executable, "-c", code, str(cwd), pythonpath or "-"], cwd=REPO, text=True,
-                           capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert p.returncode == 0, p.stderr
-        return eval(p.stdout)
-
-    assert moved(REPO, str(tmp_path)) == "numpy"
-    assert moved(REPO, f"{tmp_path / 'empty'}:{REPO}") == ""
-    assert moved(REPO, None) == ""  # mindio found through its (editable) install instead: the same files
-    # the agent's own directory comes first on its sys.path, as for ``python -m``
-    assert moved(tmp_path, str(REPO)) == "numpy"
+    # (cwd, PYTHONPATH) of an agent -> what _moved answers, all asked of one interpreter started as the host is
+    # (a host answers every agent's request so, one after the other; _moved imports nothing)
+    cases = [((REPO, str(tmp_path)), "numpy"),
+             ((REPO, f"{tmp_path / 'empty'}:{REPO}"), ""),
+             ((REPO, None), ""),  # mindio found through its (editable) install instead: the same files
+             ((tmp_path, str(REPO)), "numpy")]  # the agent's own directory comes first on its sys.path (python -m)
+    code = ("import json, sys, numpy, torch; from mindio.launch._zygote_host import _moved; "
+            "print(repr([_moved(c, {} if p is None else {'PYTHONPATH': p}) for c, p in json.loads(sys.argv[1])]))")
+    asked = json.dumps([[str(cwd), path] for (cwd, path), _ in cases])
+    p = subprocess.run([sys.executable, "-c", code, asked], cwd=REPO, text=True, capture_output=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stderr
+    assert eval(p.stdout) == [want for _, want in cases]
 
 
 def test_a_socket_nobody_else_could_have_placed_is_the_only_one_used(tmp_path):

@@ -1,4 +1,4 @@
-"""Worker of test_one_rank.py (torchrun, 2 gloo ranks): megatron's bucket collectives after
+"""Worker of test_one_rank.py (mindio-run, 2 gloo ranks): megatron's bucket collectives after
 mindio.megatron._one_rank.install(), on a one-rank group and on the two-rank world. Prints
 ``RESULT<rank> <json>`` of named checks."""
 

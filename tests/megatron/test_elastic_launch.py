@@ -52,6 +52,8 @@ def _run(tmp: Path, args: list, timeout: float = 600, standby: bool = True) -> t
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MINDIO_EVENT_LOG=str(events),
                MINDIO_DRILL_DIR=str(tmp), TTP_LOG_PATH=str(tmp / "logs"), MINDIO_ACP_IDLE_EXIT="20",
                MINDIO_DUMP_AFTER_UPGRADE="1", ELASTIC_TEST_PACE="4", HIGH_AVAILABILITY="elastic-training,dump")
+    if not standby:  # the pace leaves a standby time to come up: with none coming, it would only wait
+        env["ELASTIC_TEST_PACE"] = "0"
     common = [sys.executable, "-W", "ignore", "-m", "mindio.launch.cli", "--nnodes", "2", "--nproc-per-node", "2",
               "--master-port", str(free_port()), "--high-availability", "elastic-training,dump"]
     tail = [str(PACED), *map(str, args)]

@@ -9,15 +9,18 @@ import re
 
 import pytest
 
-from _mgt_launch import REPO, torchrun, SLOW_MEGATRON
+from _mgt_launch import REFERENCE_LAUNCHER, REPO, torchrun, SLOW_MEGATRON
 
 pytestmark = SLOW_MEGATRON
 
 WORKER = REPO / "tests" / "megatron" / "_interrupt_worker.py"
+# the launcher is not what these runs test: mindio-run's fork server imports torch and megatron-core once for
+# both ranks (_mgt_launch.reference_run), where torchrun would import them in each
+LAUNCH = REFERENCE_LAUNCHER
 
 
 def result(where: str) -> tuple:
-    out = torchrun(WORKER, [where], nproc=2, timeout=120)
+    out = torchrun(WORKER, [where], nproc=2, timeout=120, launcher=LAUNCH)
     digests = set(re.findall(r"params-digest (\w+)", out))
     norms = set(re.findall(r"grad-norms (\[.*\])", out))
     assert len(digests) == 1 and len(norms) == 1, out[-3000:]
@@ -60,6 +63,6 @@ def test_a_kept_model_holds_no_group_after_an_interrupted_step(where, tmp_path):
     In the backward case the autograd engine keeps the queued nodes of the interrupted backward (and the
     TP group their functions saved) until the thread's next backward: the teardown flushes it
     (device.flush_autograd); without that, rank 0 stayed blocked."""
-    out = torchrun(RELEASE, [where, tmp_path / "released"], nproc=2, timeout=120)
+    out = torchrun(RELEASE, [where, tmp_path / "released"], nproc=2, timeout=120, launcher=LAUNCH)
     assert "rank 1 tore down, model kept" in out and "released after" in out, out[-3000:]
     assert "BLOCKED" not in out

@@ -9,14 +9,17 @@ import re
 
 import pytest
 
-from _mgt_launch import REPO, torchrun, SLOW_MEGATRON
+from _mgt_launch import REFERENCE_LAUNCHER, REPO, torchrun, SLOW_MEGATRON
 
 pytestmark = SLOW_MEGATRON
 
 
 @pytest.fixture(scope="module")
 def result():
-    out = torchrun(REPO / "tests" / "megatron" / "_optimizer_worker.py", [], nproc=1, timeout=150)
+    # the launcher is not what this tests: mindio-run's fork server has torch and megatron-core imported
+    # (_mgt_launch.reference_run); the worker still runs in a process of its own
+    out = torchrun(REPO / "tests" / "megatron" / "_optimizer_worker.py", [], nproc=1, timeout=150,
+                   launcher=REFERENCE_LAUNCHER)
     return json.loads(re.search(r"^RESULT (.*)$", out, re.M).group(1))
 
 

@@ -6,11 +6,14 @@ import re
 
 import pytest
 
-from _mgt_launch import REPO, torchrun, SLOW_MEGATRON
+from _mgt_launch import REFERENCE_LAUNCHER, REPO, torchrun, SLOW_MEGATRON
 
 pytestmark = SLOW_MEGATRON
 
 WORKER = REPO / "tests" / "megatron" / "_restore_build_worker.py"
+# the launcher is not what these runs test: mindio-run's fork server imports torch and megatron-core once for
+# both ranks (_mgt_launch.reference_run), where torchrun would import them in each
+LAUNCH = REFERENCE_LAUNCHER
 
 
 def draws(out: str) -> tuple:
@@ -21,7 +24,7 @@ def draws(out: str) -> tuple:
 
 @pytest.mark.timeout(150)
 def test_trainable_model_is_built_without_initialisation():
-    out = torchrun(WORKER, ["trainable"], nproc=2, timeout=120)
+    out = torchrun(WORKER, ["trainable"], nproc=2, timeout=120, launcher=LAUNCH)
     full, restore = draws(out)
     assert full > 0 and restore == 0, out[-3000:]
     # the previous build's grad buffer (one: fp32 params, one dtype) is the new build's memory again
@@ -31,7 +34,7 @@ def test_trainable_model_is_built_without_initialisation():
 
 @pytest.mark.timeout(150)
 def test_frozen_param_builds_again_in_full():
-    out = torchrun(WORKER, ["frozen"], nproc=2, timeout=120)
+    out = torchrun(WORKER, ["frozen"], nproc=2, timeout=120, launcher=LAUNCH)
     full, restore = draws(out)
     assert restore == full > 0, out[-3000:]  # the uninitialised build was dropped, the second drew all
     assert "building again with the weight initialisation" in out, out[-3000:]

@@ -89,10 +89,10 @@ def test_a_rank_still_setting_up_is_ended_with_the_exit_orders_code(tmp_path):
     where the main thread was, and the job ends with 76 on both ranks."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT, TTP_LOG_STDOUT="1", MINDIO_SECRET="s" * 32, OMP_NUM_THREADS="1",
-               MINDIO_EXIT_ORDER_WAIT="3", TTP_NORMAL_ACTION_TIME_LIMIT="30")
+               MINDIO_EXIT_ORDER_WAIT="1", TTP_NORMAL_ACTION_TIME_LIMIT="30")  # both: the least allowed
     codes, outs = run_ranks(LATE, [[r, port, tmp_path] for r in range(2)], env, 90)
     assert codes == [EXIT_CODE_FAULT] * 2, (codes, outs[0][-3000:], outs[1][-3000:])
     assert "dump at step 0 impossible: nothing to save" in outs[0], outs[0][-3000:]
-    assert re.search(r"the controller ordered EXIT\(76\) 3 s ago, but this rank's main thread has not carried it "
+    assert re.search(r"the controller ordered EXIT\(76\) 1 s ago, but this rank's main thread has not carried it "
                      r"out: .* \(it runs at .*_late_main\.py:\d+ in main\); ending the process with 76 "
                      r"\(MINDIO_EXIT_ORDER_WAIT\)", outs[1]), outs[1][-3000:]

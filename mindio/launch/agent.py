@@ -478,6 +478,7 @@ class Agent:
                             "agent to join", rnd, short, max(spares, 0), deadline - time.monotonic())
             waiting_for = short
             if time.monotonic() > deadline and short:
+                self.lost_now = list(short)  # their agents will not come to leave either (_leave)
                 raise JobError(
                     f"round {rnd}: node(s) {short} lost and {max(spares, 0)} standby node(s) joined within "
                     f"{self.cfg.rdzv_timeout:g} s (--rdzv-conf join_timeout=S); start a spare agent with "

@@ -3,8 +3,9 @@
 
 A relay sends one BEATS frame per interval for its ranks: 12,500 frames a second at 100,000 ranks. Decoding
 each in Python (msgpack to lists, a dataclass, per-field type checks, then list concatenation per turn) cost
-16 us a frame of 8 ranks on an idle machine, 5 here (wire/beats.py). Here one frame is verified (HMAC-SHA256, through Python's hmac.digest), parsed from its
-msgpack bytes straight into growing C columns, and checked as strictly as protocol.decode checks it. A
+16 us a frame of 8 ranks on an idle machine, 5 here (wire/beats.py). Here one frame is verified
+(HMAC-SHA256, through Python's hmac.digest), parsed from its msgpack bytes straight into growing C columns,
+and checked as strictly as protocol.decode checks it. A
 frame this parser does not take whole -- another message type, another version, an unexpected field,
 type or length, a number out of range -- is handed to the Python decoder (``decode_payload``) after its
 HMAC passed, which accepts it or raises the error a user reads: this code never decides that a frame is

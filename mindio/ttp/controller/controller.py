@@ -531,7 +531,7 @@ class Controller:
                 if item.type is P.MsgType.REGISTER:
                     if self._reg_acks is None:
                         self._reg_acks = (ident, [])
-                else:
+                elif self._reg_acks is not None:  # (a stop round's batches are 100k REPLY items: no call each)
                     self._send_reg_acks()
                 if item.type is P.MsgType.REPLY:
                     run.append(item)

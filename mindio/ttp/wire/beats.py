@@ -13,9 +13,10 @@ Beats body (tests, benches). ``take()`` returns the turn's columns and empties t
                                                    packed extras, and those bytes (protocol v5) or None
 
 :func:`reader` gives the native reader (mindio/_native/_beats.pyx: the frame parsed from its bytes in C; read +
-keep of a relay's frame of 8 ranks 4.8-5.1 us against 16.2 us here, idle) when it is built, else :class:`PyBeatsReader` (protocol.decode, then lists); both
-accept and refuse the same frames: the native one hands anything but a plain BEATS frame to protocol's
-decoder after checking its HMAC (tests/ttp/test_beats_reader.py runs both on the same frames).
+keep of a relay's frame of 8 ranks 4.8-5.1 us against 16.2 us here, idle) when it is built, else
+:class:`PyBeatsReader` (protocol.decode, then lists); both accept and refuse the same frames: the native one
+hands anything but a plain BEATS frame to protocol's decoder after checking its HMAC
+(tests/ttp/test_beats_reader.py runs both on the same frames).
 """
 from __future__ import annotations
 

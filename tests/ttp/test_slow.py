@@ -140,6 +140,23 @@ def test_a_group_is_not_judged_against_its_first_window_alone():
     assert all(_feed_groups(sc, later, 5) == [] for _ in range(8))
 
 
+def test_a_groups_first_window_is_not_in_its_floor():
+    """tests/recovery/test_slow_switch.py (2-step windows, K = 2) once named the world group of a 4-rank toy
+    slow, cause communication, before the rank it slows from outside: a floor of K windows, the first of them
+    the warm-up (a wait clock that saw the group's collectives for part of it), is half warm-up, and an
+    ordinary window is 1.2x its median. The group's first window is in no floor: that job names nothing."""
+    sc = slow.SlowScores(window=2, ratio=1.2, min_wait=0.1, k=2)
+    first = {r: (0.2, 0.01, {"w": 0.05}) for r in range(4)}
+    later = {r: (0.2, 0.01, {"w": 0.15}) for r in range(4)}
+    assert _feed_groups(sc, first, 0) == [] and _feed_groups(sc, first, 2) == []
+    assert all(_feed_groups(sc, later, 2) == [] for _ in range(10))
+    assert sc.status()["groups"]["w"]["floor_wait_s"] == pytest.approx(0.15)
+    # a slowdown after it is still named, against the windows after the first
+    slower = {r: (0.26, 0.01, {"w": 0.21}) for r in range(4)}
+    got = [_feed_groups(sc, slower, 2) for _ in range(2)]
+    assert [(f.cause, f.group) for f in got[1]] == [("communication", "w")] and got[0] == [], got
+
+
 # A fault-free DDP loop beside two busy loops (tests/ttp/_hang_loop.py --ddp --step-sleep 0.05, 150 steps,
 # 5-step windows): each window's (wall, own, wait in the world group) per step, as the controller saw them.
 # Its waits are the step's sleep, charged to DDP's group, and move by the wait clock's 10 ms ticks.

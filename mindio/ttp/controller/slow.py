@@ -17,9 +17,10 @@ scheduler holds single ranks back for a while: docs/recovery.md, false alarms).
 Slow communication. The wait clock also charges each wait to the process group whose collective the main
 thread entered last (a fifth item of ``step_sums``: {group key: s}). With no straggler in a window, a group is
 slow (cause "communication") when *every* member waited in its collectives, per step, at least
-``MINDIO_SLOW_RATIO`` times what that group's members usually wait (its floor: the median of its last windows
--- ``MINDIO_SLOW_K`` at least --, ``_HISTORY`` of them or 3 x ``MINDIO_SLOW_K`` if more, without the run of
-windows found slow that the judged one may continue) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their step
+``MINDIO_SLOW_RATIO`` times what that group's members usually wait (its floor: the median of its last windows,
+``_HISTORY`` of them or 3 x ``MINDIO_SLOW_K`` if more, without the run of windows found slow that the judged one
+may continue and without the group's first, the warm-up; judged once ``MINDIO_SLOW_K`` windows, its first
+counted, are behind it) and by at least ``MINDIO_SLOW_MIN_WAIT`` of their step
 time more, while their own time per step (the median member's) stayed under ``MINDIO_SLOW_RATIO`` times its
 floor or grew by less than ``MINDIO_SLOW_MIN_WAIT`` of a step (their compute is not what slowed). A median,
 not the least ever seen: the least of many noisy windows only falls as a run goes on until an ordinary window
@@ -233,17 +234,21 @@ class SlowScores:
             before = list(past)
             while before and before[-1][2]:  # the windows before its slow run (all of them: its new pace)
                 before.pop()
-            before = before or past
-            fw, fo = (statistics.median(v) for v in list(zip(*before))[:2]) if before else (wait, own)
+            before = before or list(past)
+            usual = [w for w in before if not w[3]]  # its first window (the warm-up) is in no floor
+            fw, fo = (statistics.median(v) for v in list(zip(*usual))[:2]) if usual else (wait, own)
             self.groups[g] = {"ranks": sorted(rs), "wait_s": round(wait, 6), "own_s": round(own, 6),
                               "floor_wait_s": round(fw, 6), "floor_own_s": round(fo, 6)}
-            # judged against K windows at least: a floor from the first window alone (the job's warm-up, in
-            # which the wait clock may not see the group's collectives yet) named a fault-free DDP loop's group
-            slow = len(before) >= self.k and wait >= self.ratio * fw and wait - fw >= self.min_wait * wall and (
-                own < self.ratio * fo or own - fo < self.min_wait * wall)  # their compute did not grow
+            # judged once K windows are behind it (its first counted) and its floor is the median of those after
+            # its first: a floor from the first window (the job's warm-up, in which the wait clock may not see
+            # the group's collectives yet) named a fault-free DDP loop's group, and at K = 2 a floor half warm-up
+            # named a 4-rank toy's world group (tests/ttp/test_slow.py)
+            slow = len(before) >= self.k and bool(usual) and wait >= self.ratio * fw and \
+                wait - fw >= self.min_wait * wall and (
+                    own < self.ratio * fo or own - fo < self.min_wait * wall)  # their compute did not grow
             if slow:
                 flagged.append((wait - fw, g))
-            past.append((wait, own, slow))
+            past.append((wait, own, slow, not past))
         key = max(flagged)[1] if flagged and self.streak.key is None else None
         if not self.gstreak.see(key):
             return []

@@ -166,8 +166,8 @@ class Observer:
                "waited (its wait clock: on-time ticks with no CPU used); the straggler waits least (controller/slow.py).", waits)
         groups = ctl.liveness.slow.status()["groups"]  # the 16 waiting most above their floor
         metric("group_collective_wait_seconds", "gauge", "Per step of the last scoring window: the least wait of a "
-               "process group's members in its collectives (its floor: the least so far); all of them high: its "
-               "communication is slow (controller/slow.py).",
+               "process group's members in its collectives (its floor: its usual wait, the median of its recent "
+               "windows); all of them high: its communication is slow (controller/slow.py).",
                [({"group": g, "of": kind}, v[key]) for g, v in groups.items()
                 for kind, key in (("window", "wait_s"), ("floor", "floor_wait_s"))])
         with self._lock:

@@ -15,8 +15,9 @@ uce        ``corrupt()`` if given (destroy this rank's optimizer shard, as the m
            then ``RuntimeError("UCE ERROR ...")``: an uncorrectable memory error (retry + repair)
 net        ``RuntimeError("HCCL OP RETRY FAILED ...")``: a network-class error (retry, no repair)
 hang       sleeps ``seconds`` (default 3600) without progress, outside any collective
-hold       as hang, but ends as soon as the file ``<MINDIO_DRILL_DIR>/release`` exists: a step held
-           from outside (a test holds training until a hot switch's backups registered)
+hold       as hang, but ends as soon as the file ``<MINDIO_DRILL_DIR>/release`` (or ``release-S``, for this
+           hold only) exists: a step held from outside (a test holds training until a hot switch's backups
+           registered)
 kill       SIGKILL of its own process (recover-in-place)
 slow       from step S on, every step: burns (F-1) x the CPU time its main thread used in the step before
            (a busy loop), a straggler whose peers wait for it (controller/slow.py names it; F > 1)
@@ -217,9 +218,10 @@ class Drill:
             raise RuntimeError(MESSAGES[f.kind].format(step=step))
         if f.kind in ("hang", "hold"):
             deadline = time.monotonic() + f.seconds
-            release = os.path.join(self._dir or ".", "release") if f.kind == "hold" else None
-            while time.monotonic() < deadline and not (release and os.path.exists(release)):
-                time.sleep(min(1.0 if release is None else 0.01, max(0.0, deadline - time.monotonic())))
+            release = [os.path.join(self._dir or ".", n) for n in ("release", f"release-{step}")] \
+                if f.kind == "hold" else []
+            while time.monotonic() < deadline and not any(os.path.exists(r) for r in release):
+                time.sleep(min(0.01 if release else 1.0, max(0.0, deadline - time.monotonic())))
             return
         if f.kind == "kill-node":
             agent = self._agent_pid

@@ -11,8 +11,12 @@ rank load the previous copy back, take the model params from the main shards aga
 and recompute from there: the training loop restarts its data at ``ctx.consumed_samples`` (``after_step``
 returns True). The end state is bit for bit that of a fault-free run. What the check costs is reported
 at each copy (event ``crosscheck_cost``: seconds hashing and copying, seconds in its all-gathers, steps).
-A rank in two mismatches within ``MINDIO_CROSSCHECK_WINDOW`` steps is sub-healthy: it raises
-:class:`SubHealthyRank` (the others go on into the next collective, where mindio's recovery finds them).
+A rank in two mismatches within ``MINDIO_CROSSCHECK_WINDOW`` steps is sub-healthy (with two replicas both
+holders are: nothing tells which one is bad). After the rollback the lowest of them asks the controller to
+switch them out (``Processor.ask_switch_out``: hot-switched one after another while training goes on, each
+backup taking the shard from the other holder; recovered as failed ranks when the controller cannot switch,
+controller/hotswitch.py). Without a controller it raises :class:`SubHealthyRank` (the others go on into the
+next collective, where mindio's recovery finds them).
 
 Memory: one copy of the shard state per rank (12 bytes per param held), in host memory on the CPU.
 """
@@ -20,6 +24,7 @@ Memory: one copy of the shard state per rank (12 bytes per param held), in host 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -77,10 +82,14 @@ class VerifiedState:
         found = self._capture(ctx, opts)
         if not found:
             return False
-        self._check_health(found, ctx.iteration)
+        sick = self._sub_healthy(found, ctx.iteration)
         if not self._same_snapshot_everywhere(opts):
             raise ReplicaMismatch(found[0])  # nothing verified to go back to on every rank
         self._restore(ctx, opts, found[0])
+        if sick:
+            self._replace(sick)
+            # they are being replaced: a later mismatch counts anew (on every rank alike)
+            self.incidents = [i for i in self.incidents if not set(i["holders"]) & set(sick)]
         return True
 
     def _same_snapshot_everywhere(self, opts) -> bool:
@@ -142,12 +151,30 @@ class VerifiedState:
                          incident["holders"], *incident["slice"], snap.iteration, snap.iteration + 1, found_at)
         _logging.event("replica_undo", found_at=found_at, to_step=snap.iteration, holders=incident["holders"])
 
-    def _check_health(self, found: List[Dict], step: int) -> None:
+    def _sub_healthy(self, found: List[Dict], step: int) -> Dict[int, List[int]]:
+        """The holders in two mismatches or more within the window, with those mismatches' steps (every rank
+        learns of every mismatch: the same answer on every rank)."""
         self.incidents = [i for i in self.incidents if step - i["at"] < self.window]
         self.incidents += [{"at": step, "holders": i["holders"]} for i in found]
+        steps: Dict[int, List[int]] = {}
+        for i in self.incidents:
+            for r in i["holders"]:
+                steps.setdefault(r, []).append(i["at"])
+        return {r: at for r, at in sorted(steps.items()) if len(at) >= 2}
+
+    def _replace(self, sick: Dict[int, List[int]]) -> None:
+        """After the rollback: ask the controller to switch the sub-healthy holders out (hot switch, one after
+        another; it recovers them as failed ranks when it cannot) and train on; without a controller (no
+        high availability) a sub-healthy rank raises :class:`SubHealthyRank`."""
         me = dist.get_rank()
-        mine = [i for i in self.incidents if me in i["holders"]]
-        if len(mine) >= 2:
-            raise SubHealthyRank(f"rank {me} is sub-healthy: a holder in {len(mine)} replica mismatches within "
-                                 f"{self.window} steps (MINDIO_CROSSCHECK_WINDOW), at steps "
-                                 f"{', '.join(str(i['at']) for i in mine)}: replace it")
+        if me not in sick:
+            return
+        why = (f"rank {me} is sub-healthy: a holder in {len(sick[me])} replica mismatches within {self.window} "
+               f"steps (MINDIO_CROSSCHECK_WINDOW), at steps {', '.join(map(str, sick[me]))}")
+        ttp = sys.modules.get("mindio.ttp._runtime")
+        proc = ttp.state.processor if ttp is not None else None
+        ranks = sorted(sick)
+        if proc is None or (me == ranks[0] and not proc.ask_switch_out(ranks, why)) or (
+                me != ranks[0] and (proc.link is None or not proc.link.registered.is_set())):
+            raise SubHealthyRank(why + ": replace it")
+        _log.warning("%s: the controller is asked to switch ranks %s out, one after another", why, ranks)

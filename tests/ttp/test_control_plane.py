@@ -348,3 +348,22 @@ def test_a_waiting_standby_leaves_with_the_jobs_code(end, caplog):
             assert not t.is_alive()
     finally:
         stop_plane(ctl, procs[:2] + standbys)
+
+
+@pytest.mark.timeout(60)
+def test_sub_healthy_ranks_asked_for_are_switched_or_else_handled_as_failed(plane, caplog):
+    """REQUEST("switch") (Processor.ask_switch_out: holders found sub-healthy by the replica cross-check,
+    mindio.megatron.verified): a rank may ask for itself and known ranks only; here no launcher agent can
+    start backups, so the hot switch is refused and the ranks become a fault incident (recovered as failed
+    ranks, never left training)."""
+    ctl, procs, _ = plane
+    caplog.set_level("WARNING")
+    procs[0].link.send(P.Envelope(P.MsgType.REQUEST, P.Request("switch", reason="1 not me")))
+    procs[0].link.send(P.Envelope(P.MsgType.REQUEST, P.Request("switch", reason="0,7 unknown rank")))
+    procs[0].link.send(P.Envelope(P.MsgType.REQUEST, P.Request("switch", reason="x,1 garbage")))
+    assert _until(lambda: caplog.text.count("refused (a rank asks for itself and known ranks only") == 3)
+    assert ctl.sm.state is State.NORMAL and ctl.incidents.current is None
+    assert procs[1].ask_switch_out([0, 1], "rank 1 is sub-healthy: a test") is True
+    assert _until(lambda: "rank 0 was not switched out; handled as failed ranks [0, 1]" in caplog.text)
+    assert "hot switch of ranks [0] refused: no launcher agent hosts this controller" in caplog.text
+    assert _until(lambda: ctl.sm.state is not State.NORMAL or ctl.final.is_set())

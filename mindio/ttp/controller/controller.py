@@ -510,6 +510,8 @@ class Controller:
         elif env.type is P.MsgType.REQUEST and env.rank in self.ranks:
             if env.body.name == "dump":
                 self.request_dump(f"rank {env.rank}: {env.body.reason}")
+            elif env.body.name == "switch":  # sub-healthy ranks, this one among them (hotswitch.py)
+                self.hot_switch.asked(env.rank, env.body.reason)
             elif env.body.name == "gone":  # its launcher stops it because these workers ended (preempt.py)
                 self.declare_dead([int(r) for r in env.body.reason.split(",") if r.isdigit()],
                                   f"its process ended; rank {env.rank}'s launcher stops the other workers")

@@ -42,6 +42,7 @@ bench/hotswitch_bench.py).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from ... import _knobs, _logging
@@ -68,6 +69,72 @@ class HotSwitch:
         self.core = core
         self.req: dict | None = None                  # {"ranks", "waiting"} of the switch in hand
         self.pending_backups: tuple | None = None     # (ranks, generation) of backups started, not released
+        self.in_turn: threading.Thread | None = None  # switching sub-healthy ranks out, one after another
+
+    # ------------------------------------------------------------------ sub-healthy ranks (a rank's request)
+    def asked(self, rank: int, reason: str) -> None:
+        """(I/O thread) Rank ``rank`` asks for ``reason`` = "R1,R2,... why": its holders found sub-healthy
+        (mindio.megatron.verified: two replica mismatches within the window), this rank among them. They are
+        hot-switched out one after another (a backup takes each one's state from the other holder), as
+        :meth:`_in_turn` says; a request while one is in hand is logged and dropped."""
+        head, _, why = reason.partition(" ")
+        try:
+            ranks = sorted({int(r) for r in head.split(",")})
+        except ValueError:
+            ranks = []
+        if rank not in ranks or len(ranks) > 16 or any(r not in self.core.ranks for r in ranks):
+            _log.warning("rank %d asked to switch out ranks %r: refused (a rank asks for itself and known ranks "
+                         "only, 16 at most)", rank, head[:80])
+            return
+        if self.in_turn is not None and self.in_turn.is_alive():
+            _log.warning("rank %d asked to switch out ranks %s: ranks are being switched out already", rank, ranks)
+            return
+        _log.warning("ranks %s are sub-healthy (asked by rank %d: %s): switching them out one after another",
+                     ranks, rank, why[:300])
+        _logging.event("sub_healthy", ranks=ranks, asked_by=rank, why=why[:300])
+        self.in_turn = threading.Thread(target=self._in_turn, args=(ranks,), name="mindio-sub-healthy", daemon=True)
+        self.in_turn.start()
+
+    def _in_turn(self, ranks: list) -> None:
+        """(its own thread) Hot-switch ``ranks`` out one at a time, each once the job trains again (NORMAL, no
+        incident): switching two holders of one shard at once would leave their backups no replica to take the
+        shard from. A switch refused or not done (no launcher agent, no backup, cancelled) turns the rest into a
+        fault incident: recovered as failed ranks (recover, else a dump), never left training."""
+        bound = self.core.replacements.timeout + 4 * self.core.action_limit
+        for i, rank in enumerate(ranks):
+            if not self._training_again(bound, ranks[i:]):
+                return
+            before = self.core.replacements.replaced.get(rank)
+            rc = self.notify_prepare_action("hot switch", [rank])
+            _logging.event("sub_healthy_switch", rank=rank, accepted=rc == 0)
+            if rc == 0 and not self._training_again(bound, ranks[i:]):
+                return
+            if self.core.replacements.replaced.get(rank) == before:  # refused, cancelled or failed
+                with self.core.lock:
+                    rest = {r: 1 for r in ranks[i:] if r in self.core.ranks and self.core.ranks[r].alive}
+                if not rest:
+                    _log.warning("sub-healthy ranks %s: not switched out: they left (the job ended)", ranks[i:])
+                    return
+                _log.error("sub-healthy ranks %s: rank %d was not switched out; handled as failed ranks %s", ranks[i:],
+                           rank, sorted(rest))
+                self.core.incidents.notify_stop_train(rest)
+                return
+            _log.warning("sub-healthy rank %d switched out (%d of %d)", rank, i + 1, len(ranks))
+
+    def _training_again(self, bound: float, waiting: list) -> bool:
+        """Wait (<= ``bound`` s) until the job is in NORMAL training with no incident open; False (logged) if
+        not, or when the controller stops."""
+        end = time.monotonic() + bound
+        while not self.core.stop.is_set():
+            with self.core.lock:
+                if self.core.sm.state is State.NORMAL and self.core.incidents.current is None:
+                    return True
+            if time.monotonic() > end:
+                _log.error("sub-healthy ranks %s not switched out: the job was not training again within %.0f s "
+                           "(MINDIO_RECOVER_TIMEOUT + 4 x TTP_NORMAL_ACTION_TIME_LIMIT)", waiting, bound)
+                return False
+            self.core.stop.wait(0.05)
+        return False
 
     def notify_prepare_action(self, action: str, ranks: list) -> int:
         """Cluster brain: 0 accepted, 1 refused (the reason is logged)."""

@@ -253,6 +253,17 @@ class Processor:
         if self.link is not None:  # handed to zmq before the teardown takes the GIL (its gc pass)
             self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report), wait=0.1)
 
+    def ask_switch_out(self, ranks: list, why: str) -> bool:
+        """Ask the controller to hot-switch ``ranks`` out, one after another (ranks found sub-healthy: a holder
+        in two replica mismatches, mindio.megatron.verified; the controller recovers them as faulty when it
+        cannot switch). Training goes on meanwhile. False without a registered link (no controller)."""
+        link = self.link
+        if link is None or not link.is_alive() or not link.registered.is_set():
+            return False
+        reason = ",".join(str(int(r)) for r in ranks) + " " + why[:300]
+        link.send(P.Envelope(P.MsgType.REQUEST, P.Request("switch", reason=reason)), wait=0.1)
+        return True
+
     def teardown(self, is_uce: bool) -> None:
         """Release this rank's collectives: device stop, the stop + clean callbacks (a framework drops
         its own references to its process groups there), then mindio destroys every group still

@@ -101,9 +101,11 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
     import zmq
 
     from mindio.ttp.wire import protocol as P
+    from mindio.ttp.wire.relay import _columns
     from mindio.ttp.wire.session import fresh
     STOP_DETAIL = {"step": 5, "data_status": 0, "main": "parked"}
     BATCH = P.Envelope(P.MsgType.BATCH, None)
+    REPLIES = int(P.MsgType.REPLIES)
     os.nice(nice)  # in a job the processors run on other hosts: by default never let them take the controller's CPU
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 60000)
@@ -157,9 +159,9 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
                     # directly): these processes share the controller's 2 cores, where a job's are elsewhere
                     _v, _t, sn, _r, _g, _s, _c, body = msgpack.unpackb(frame[:-32])
                     detail = STOP_DETAIL if body["name"] == "stop" else {}
-                    reply = int(P.MsgType.REPLY)
-                    c.send(BATCH, msgpack.packb({"items": [[reply, sn, r, {"ok": True, "detail": detail}]
-                                                           for r in body["ranks"] or c.chunk[:1]]}))
+                    to = body["ranks"] or c.chunk[:1]  # one REPLIES item of columns, as a v7 relay sends them
+                    c.send(BATCH, msgpack.packb({"items": [[REPLIES, sn, -1, {
+                        "ranks": to, "ok": [True] * len(to), "code": [0] * len(to), "detail": [detail] * len(to)}]]}))
                     continue
                 env = P.decode(frame, KEY)
                 if env.type is P.MsgType.CHALLENGE and env.body.nonce == c.nonce:
@@ -184,8 +186,8 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
                     to = env.body.ranks or c.chunk[:1]
                     replies = [P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail=detail), rank=r, sn=env.sn)
                                for r in to]
-                    if relay_batch:
-                        c.send(P.Envelope(P.MsgType.BATCH, P.Batch(replies)))
+                    if relay_batch:  # one REPLIES item of columns, as a v7 relay sends them
+                        c.send(P.Envelope(P.MsgType.BATCH, P.Batch(_columns(replies))))
                     else:
                         for rep in replies:
                             c.send(rep)

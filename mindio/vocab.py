@@ -253,6 +253,7 @@ class MsgType(enum.IntEnum):
     HELLO = 12         # any -> controller: a fresh nonce; asks for a session (v3)
     CHALLENGE = 13     # controller -> sender of a HELLO: its nonce back and the session to register in (v3)
     REQUEST = 14       # processor -> controller: ask for a graceful action ("dump": preemption, preempt.py)
+    REPLIES = 15       # relay -> controller (a BATCH item): its ranks' REPLYs to one action, in columns (v7)
 
 
 # ----------------------------------------------------------------------------- the controller's state machine

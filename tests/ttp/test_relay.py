@@ -236,3 +236,70 @@ def test_a_relays_link_allows_one_interval_more_of_silence_than_a_ranks():
     # the longest a relay goes unacked while it beats every interval: its acks are RELAY_ACK_GAP apart at least,
     # so every other beat is acked; that leaves the rank's margin over its own one-interval ack gap
     assert relay.silence() - 2 * 0.5 == rank.silence() - 0.5
+
+
+def test_a_relay_sends_its_ranks_replies_to_one_action_as_one_replies_item_of_columns():
+    """Protocol v7: in what a relay sends up (relay._columns), each run of REPLYs to one action is one REPLIES item
+    (ranks, ok, code, detail), in place: other items keep their order, another action's replies start another
+    item; the columns are checked as a frame's fields are (lengths, exact types, 64 bits)."""
+    from mindio.ttp.wire.relay import _columns
+
+    def reply(rank, sn, ok=True):
+        return P.Envelope(P.MsgType.REPLY, P.Reply(ok, 0 if ok else 3, {"r": rank}), rank=rank, sn=sn)
+
+    report = P.Envelope(P.MsgType.REPORT, P.Report(state=3, message="x", step=1), rank=2)
+    got = _columns([reply(0, 5), reply(1, 5, ok=False), report, reply(2, 5), reply(3, 6)])
+    assert [(e.type, e.sn) for e in got] == [(P.MsgType.REPLIES, 5), (P.MsgType.REPORT, 0), (P.MsgType.REPLIES, 5),
+                                             (P.MsgType.REPLIES, 6)]
+    assert got[0].body == P.Replies([0, 1], [True, False], [0, 3], [{"r": 0}, {"r": 1}])
+    frame = P.decode(P.encode(P.Envelope(P.MsgType.BATCH, P.Batch(got), gen=4), KEY), KEY)
+    assert [e.body for e in frame.body.items] == [e.body for e in got] and frame.body.items[0].gen == 4
+    assert got[0].body.replies() == [(0, P.Reply(True, 0, {"r": 0})), (1, P.Reply(False, 3, {"r": 1}))]
+    for cols, why in [(([1, 2], [True], [0, 0], [{}, {}]), "REPLIES.ok has 1 entries for 2 ranks"),
+                      (([1], [1], [0], [{}]), "REPLIES.ok entries must be bool"),
+                      (([1], [True], [True], [{}]), "REPLIES.code entries must be int"),
+                      (([1], [True], [0], [[]]), "REPLIES.detail entries must be map"),
+                      ((["1"], [True], [0], [{}]), "REPLIES.ranks must be integers"),
+                      (([1 << 63], [True], [0], [{}]), "REPLIES.ranks entries must fit 64 bits")]:
+        bad = P.Envelope(P.MsgType.BATCH, P.Batch([P.Envelope(P.MsgType.REPLIES, P.Replies(*cols), sn=1)]))
+        with pytest.raises(ProtocolError, match=why.replace(".", r"\.")):
+            P.decode(P.encode(bad, KEY), KEY)
+
+
+def test_the_controller_records_a_relays_replies_columns_for_its_own_ranks_only():
+    """Protocol v7 at the controller (controller.py ``_flush_replies``, ActionEngine.on_columns): REPLIES items
+    read in one turn are recorded together; entries for ranks registered through another relay are dropped, a
+    replaced rank's old process is refused, a failure ends a fail-fast action, another action's replies count
+    for nothing, and a frame of another kind sees the replies read before it."""
+    from mindio.ttp.controller import actions
+    from ._harness import threadless_controller
+
+    ctl, close = threadless_controller(16, KEY, per_relay=8)
+    engine = ctl.actions
+
+    def replies(ranks, sn, ok=True, gen=0):
+        return P.Envelope(P.MsgType.REPLIES, P.Replies(list(ranks), [ok] * len(ranks), [0] * len(ranks),
+                                                       [{"step": 5}] * len(ranks)), sn=sn, gen=gen)
+
+    try:
+        engine._pending = actions._Pending(7, "stop", set(range(16)), outstanding=16)
+        ctl._on_batch(b"relay0", [replies(range(0, 4), 7), replies([8, 9], 7), replies([4], 6)], 0.0)
+        assert engine._pending.replies == {}  # held until the turn ends (or a frame of another kind)
+        ctl._flush_replies()
+        assert sorted(engine._pending.replies) == [0, 1, 2, 3] and engine._pending.outstanding == 12
+        assert ctl.drops.snapshot().get("session") == 2  # 8 and 9 belong to relay1
+        assert engine._pending.replies[2] == P.Reply(True, 0, {"step": 5})
+        ctl.replacements.replaced[10] = 3  # rank 10's process was replaced in generation 3: its old one is refused
+        ctl._on_batch(b"relay1", [replies([8, 9, 10], 7, gen=2)], 0.0)
+        ctl._dispatch(b"relay1", P.Envelope(P.MsgType.INFO, P.Info(replica=[], dp_group=[8, 9]), rank=8), relay=True)
+        assert sorted(engine._pending.replies) == [0, 1, 2, 3, 8, 9] and ctl.replacements.stale_refused == 1
+        assert ctl.ranks[8].dp_group == [8, 9]
+        ctl._on_batch(b"relay0", [replies([0, 4], 7)], 0.0)  # 0 answered already: counted once
+        ctl._flush_replies()
+        assert engine._pending.outstanding == 9 and sorted(engine._pending.replies)[-3:] == [4, 8, 9]
+        engine._pending = actions._Pending(8, "clean", set(range(16)), outstanding=16, fail_fast=True)
+        ctl._on_batch(b"relay0", [replies([5], 8, ok=False)], 0.0)
+        ctl._flush_replies()
+        assert engine._pending.failed and not engine._pending.replies[5].ok
+    finally:
+        close()

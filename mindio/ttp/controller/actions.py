@@ -98,6 +98,32 @@ class ActionEngine:
             if got and (p.outstanding <= 0 or p.failed):
                 self._cond.notify_all()
 
+    def on_columns(self, sn: int, cols: P.Replies) -> None:
+        """(I/O thread) Record a relay's REPLIES (protocol v7: its ranks' replies to action ``sn``, in columns)
+        as :meth:`on_replies` records REPLY envelopes: when every entry is a target that had not answered (a
+        relay's answers to one action: the usual case), with set operations and no Python loop per rank."""
+        with self._cond:
+            p = self._pending
+            if p is None or sn != p.sn:
+                return
+            ranks, replies = cols.ranks, p.replies
+            fresh = p.targets.intersection(ranks).difference(replies)
+            if len(fresh) == len(ranks):
+                replies.update(zip(ranks, map(P.Reply, cols.ok, cols.code, cols.detail)))
+                got = len(ranks)
+                failed = p.fail_fast and not all(cols.ok)
+            else:  # some not targets, answered already, or twice in the frame: one by one
+                got, failed = 0, False
+                for rank, ok, code, detail in zip(ranks, cols.ok, cols.code, cols.detail):
+                    if rank in fresh and rank not in replies:
+                        replies[rank] = P.Reply(ok, code, detail)
+                        got += 1
+                        failed = failed or (not ok and p.fail_fast)
+            p.outstanding -= got
+            p.failed = p.failed or failed
+            if got and (p.outstanding <= 0 or p.failed):
+                self._cond.notify_all()
+
     def reserve(self) -> int:
         """(any thread) A sequence number of its own, for an action that is also sent outside :meth:`call`
         (the exit order, incident.py: ranks heard after it get it again with the same ``sn``)."""

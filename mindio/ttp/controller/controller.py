@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import itertools
 import logging
 import queue
 import threading
@@ -141,6 +142,7 @@ class Controller:
         self._relay_acked: dict[bytes, tuple] = {}
         self._frozen = False  # gc.freeze() called (_freeze_heap), undone by close()
         self._beats: list = []  # (ident, gen) of the BEATS frames read in this turn, applied together (_flush_beats)
+        self._replies_held: list = []  # (connection, REPLIES item) read in this turn, recorded together (_flush_replies)
         self._reader = beats.reader(key)  # their columns (wire/beats.py: native when the core is built)
         self.address = ""
         self.final = core.final
@@ -397,6 +399,7 @@ class Controller:
                         self._waker.wake()  # more to read: the next turn does not wait in poll
                         break
                 self._flush_beats()
+                self._flush_replies()
             else:
                 self._drained_at = time.monotonic()
             now = time.monotonic()
@@ -446,6 +449,8 @@ class Controller:
             return
         if self._beats:  # frames of other kinds see the beats read before them
             self._flush_beats()
+        if self._replies_held and env.type is not P.MsgType.BATCH:  # and the replies (a BATCH: _on_batch)
+            self._flush_replies()
         if relay and env.rank >= 0 and env.type is not P.MsgType.REGISTER:
             r = self.ranks.get(env.rank)
             if r is None or r.ident != ident:  # a relay speaks only for the ranks that registered through it
@@ -520,6 +525,8 @@ class Controller:
                              env.body.name[:40])
         elif env.type is P.MsgType.BATCH:
             self._on_batch(ident, body.items, now)
+        elif env.type is P.MsgType.REPLIES:  # (a relay sends them in its BATCH: _on_batch)
+            self._on_reply_columns(ident, env)
         if self.incidents.order is not None and env.rank >= 0 and env.type in _HEARD:
             self.incidents.carry(env.rank)  # the job's exit order, to a rank it has not reached (incident.py)
 
@@ -541,6 +548,9 @@ class Controller:
                 if run:
                     self._on_replies(ident, run, now)
                     run = []
+                if item.type is P.MsgType.REPLIES:
+                    self._on_reply_columns(ident, item)
+                    continue
                 self._dispatch(ident, item, relay=True)
             if run:
                 self._on_replies(ident, run, now)
@@ -573,6 +583,54 @@ class Controller:
             items = [e for e in items if not replacements.refuse_stale(e)]
         if items:
             self._replies_heard(items, now)
+
+    def _on_reply_columns(self, ident: bytes, env: P.Envelope) -> None:
+        """A relay's REPLIES item (protocol v7): its ranks' answers to action ``env.sn``, in columns. Kept until
+        the end of the I/O thread's read (or the next frame of another kind), then recorded with the turn's other
+        REPLIES at once (:meth:`_flush_replies`), as BEATS are."""
+        self._replies_held.append((self.ranks.conn_id(ident), env))
+
+    def _flush_replies(self) -> None:
+        """Record the REPLIES items read (:meth:`_on_reply_columns`): what :meth:`_on_replies` does for REPLY
+        items, over all of them at once and with no envelope per rank -- entries for ranks not registered
+        through the relay that sent them are dropped, a replaced rank's old process is refused, the live
+        watched ranks were heard, and the action engine records the rest (ActionEngine.on_columns)."""
+        held, self._replies_held = self._replies_held, []
+        if not held:
+            return
+        now, table = time.monotonic(), self.ranks
+        sizes = [len(env.body.ranks) for _conn, env in held]
+        ranks = np.fromiter(itertools.chain.from_iterable(env.body.ranks for _conn, env in held), np.int64,
+                            sum(sizes))
+        keep = table.through_each(ranks, np.repeat(np.fromiter((c for c, _env in held), np.int64, len(held)), sizes))
+        if not keep.all():
+            pos = 0
+            for (conn, env), n in zip(held, sizes):
+                for i in np.flatnonzero(~keep[pos:pos + n]).tolist():
+                    self.drops.drop(SessionError(f"REPLY for rank {env.body.ranks[i]}, which is not registered "
+                                                 "through this relay", "session"), origin=repr(table.ident_of(conn)))
+                pos += n
+        if self.replacements.replaced:
+            gens = np.repeat(np.fromiter((env.gen for _c, env in held), np.int64, len(held)), sizes)
+            for i in np.flatnonzero(keep).tolist():
+                keep[i] = not self.replacements.refuse_stale(P.Envelope(P.MsgType.REPLY, None, int(ranks[i]), 0,
+                                                                        int(gens[i])))
+        heard = ranks[keep]
+        heard = heard[table.present[heard] & table.col["alive"][heard] & table.watched[heard]]
+        table.col["last_seen"][heard] = now
+        pos = 0
+        for (_conn, env), n in zip(held, sizes):
+            cols, mine = env.body, keep[pos:pos + n]
+            pos += n
+            if not mine.all():
+                kept = mine.tolist()
+                cols = P.Replies(*([x for x, k in zip(col, kept) if k] for col in (cols.ranks, cols.ok, cols.code,
+                                                                                       cols.detail)))
+            if self.incidents.order is not None:
+                for r in cols.ranks:
+                    self.incidents.confirmed(r, env.sn)
+            if cols.ranks:
+                self.actions.on_columns(env.sn, cols)
 
     def _replies_heard(self, items: list, now: float) -> None:
         """REPLY envelopes admitted (one frame, or a relay's batch): each live watched rank was heard

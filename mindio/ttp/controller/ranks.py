@@ -315,6 +315,12 @@ class RankTable(dict):
         j = np.where(inside, ranks, 0)
         return inside & self.present[j] & (self.conn[j] == self._conns.get(ident, -2))
 
+    def through_each(self, ranks: np.ndarray, conns: np.ndarray) -> np.ndarray:
+        """:meth:`through` with a connection number (:meth:`conn_id`) per entry of ``ranks``."""
+        inside = (ranks >= 0) & (ranks < len(self.present))
+        j = np.where(inside, ranks, 0)
+        return inside & self.present[j] & (self.conn[j] == conns)
+
     def coll_seqs(self, ranks) -> list:
         """The coll_seq of each of ``ranks`` (RankRecord.coll_seq). A relay's BEATS frame packs its ranks' maps in
         one byte string (protocol v5), which the ``seqs`` column holds for each of them (``seqpos``: the rank's

@@ -367,3 +367,24 @@ def test_sub_healthy_ranks_asked_for_are_switched_or_else_handled_as_failed(plan
     assert _until(lambda: "rank 0 was not switched out; handled as failed ranks [0, 1]" in caplog.text)
     assert "hot switch of ranks [0] refused: no launcher agent hosts this controller" in caplog.text
     assert _until(lambda: ctl.sm.state is not State.NORMAL or ctl.final.is_set())
+
+
+@pytest.mark.timeout(60)
+def test_closing_the_controller_ends_an_incident_waiting_for_replies_at_once(caplog):
+    """Controller.close during an incident whose stop round waits for a rank that never answers (its link
+    gone, not yet declared dead): the action in flight ends at once (actions.ControllerClosed), the incident
+    ends without acting on partial replies, and every thread has ended well before the action's limit (it
+    waited its whole close timeout before, and left the ZeroMQ context open)."""
+    ctl, procs, _ = start_plane(2, KEY, misses=1000, action_limit=60.0)
+    try:
+        caplog.set_level("WARNING")
+        procs[1].link.stop()  # rank 1 hears nothing more, and is not declared dead for 200 s
+        procs[0].report(ReportState.RS_UNKNOWN, "RuntimeError: boom")
+        assert _until(lambda: ctl.actions._pending is not None and ctl.actions._pending.name == "stop")
+        t0 = time.monotonic()
+        assert ctl.close(timeout=20) is True  # every thread ended (the action's limit is 60 s)
+        assert time.monotonic() - t0 < 10, time.monotonic() - t0
+        assert "incident handling ended: action stop" in caplog.text, caplog.text
+        assert "incident handling failed" not in caplog.text
+    finally:
+        stop_plane(ctl, procs)

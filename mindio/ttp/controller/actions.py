@@ -30,10 +30,15 @@ from typing import Callable
 from ... import _logging
 from ..wire import protocol as P
 
-__all__ = ["ActionEngine", "RESEND_MAX_S"]
+__all__ = ["ActionEngine", "ControllerClosed", "RESEND_MAX_S"]
 
 _log = logging.getLogger("mindio.ttp.actions")
 RESEND_MAX_S = 30.0  # longest wait between two resends of an action to ranks that have not answered
+
+
+class ControllerClosed(RuntimeError):
+    """The controller closes (Controller.close): the action in flight, and any later one, ends here; the
+    incident that called it ends without acting on partial replies (incident.IncidentFlow.drive)."""
 
 
 @dataclass
@@ -58,6 +63,14 @@ class ActionEngine:
         self.resend = 2 * interval
         self.sn = 0
         self._pending: _Pending | None = None
+        self.closed = False  # close(): no action runs any more
+
+    def close(self) -> None:
+        """(any thread) The controller closes: the action in flight ends now (its caller raises
+        :class:`ControllerClosed`), and so does any later :meth:`call`."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
 
     def fail_pending(self) -> None:
         """(any thread, under the engine's condition) The action in flight fails now (its caller is
@@ -139,6 +152,8 @@ class ActionEngine:
         t0 = time.monotonic()
         targets = set(ranks)
         with self._cond:
+            if self.closed:
+                raise ControllerClosed(f"action {name}: the controller is closing")
             if sn is None:
                 self.sn += 1
                 sn = self.sn
@@ -165,6 +180,10 @@ class ActionEngine:
             with self._cond:
                 # only the ranks still waiting are looked at again (a 100k-rank round shrinks quickly)
                 waiting = self._alive_of(waiting.difference(pend.replies))
+                if self.closed:
+                    self._pending = None
+                    raise ControllerClosed(f"action {name} sn={pend.sn}: the controller closed while "
+                                           f"{len(waiting)} rank(s) had not answered")
                 if not waiting or now - t0 >= timeout or pend.failed:
                     break
                 # resend due but our inbound queue is behind: look again in 0.25 s, not in a busy loop

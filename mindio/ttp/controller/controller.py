@@ -277,6 +277,7 @@ class Controller:
             server.shutdown()
             server.server_close()
         self._stop.set()
+        self.actions.close()  # an incident in flight ends at its action (actions.ControllerClosed), not after it
         self.incidents.wakeup.set()
         self._waker.wake()
         end = time.monotonic() + timeout

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from ... import _knobs, _logging
 from . import dump, policy, sequence
+from .actions import ControllerClosed
 from ..wire import protocol as P
 from .brain import RankFault, fault_key, result_code
 from .._enums import ActionName, EXIT_CODE_DUMPED, EXIT_CODE_FAULT, EXIT_CODE_REPEATED, Cause, ReportState, ResultCode
@@ -196,6 +197,9 @@ class IncidentFlow:
                 if self.run():
                     self.serve_dump_request()  # a preemption during the recovery: its dump now
                     continue  # retried: every rank trains again; wait for the next incident
+            except ControllerClosed as exc:  # close() during the incident: nothing more is done
+                _log.warning("incident handling ended: %s", exc)
+                return
             except Exception:
                 _log.exception("incident handling failed; stopping the job without a dump")
                 self.exit(EXIT_CODE_FAULT)

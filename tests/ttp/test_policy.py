@@ -423,3 +423,30 @@ def test_the_shard_map_reuses_its_rows_only_while_every_rank_and_layout_is_the_s
         lock = policy.choose_lock_step(shards)
         assert lock == policy.choose_lock_step(list(views))
         assert policy.select_dump_ranks(shards, lock) == _old_select_dump_ranks(views, lock)
+
+
+def test_in_the_controllers_own_process_what_a_decision_builds_is_frozen_out_of_the_collectors_walks():
+    """policy.no_gc: with FREEZE_AFTER_NO_GC (set by Controller._freeze_heap in a process of its own, reset by
+    close) the objects built inside are frozen (gc.freeze) before the collector is enabled again, so its next
+    passes do not walk 100,000 new views; they are still freed by reference counting."""
+    import gc
+    import weakref
+
+    from mindio.ttp.controller import policy
+
+    class Obj:
+        pass
+
+    was, before = policy.FREEZE_AFTER_NO_GC, gc.get_freeze_count()
+    try:
+        policy.FREEZE_AFTER_NO_GC = True
+        with policy.no_gc():
+            made = [Obj() for _ in range(1000)]
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() >= before + 1000
+        ref = weakref.ref(made[0])
+        del made
+        assert ref() is None  # freed as before
+    finally:
+        policy.FREEZE_AFTER_NO_GC = was
+        gc.unfreeze()

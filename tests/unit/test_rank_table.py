@@ -11,6 +11,8 @@ import tracemalloc
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mindio.ttp.controller.controller import Controller, _action_body
 from mindio.ttp.controller.ranks import RankRecord, RankTable, Watched
@@ -307,3 +309,24 @@ def test_a_relays_batch_of_replies_is_recorded_at_once_and_only_for_its_own_rank
     seen = ctl.ranks.col["last_seen"][ours]
     assert (seen >= t0).all() and (ctl.ranks.col["beat_seen"][ours] == 100.0).all()
     assert ctl.ranks.col["last_seen"][stranger] < t0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.just({}), st.fixed_dictionaries({}, optional={
+    "uce": st.booleans(), "arf": st.booleans(), "zit": st.booleans()})), st.booleans()), max_size=12),
+    st.data())
+def test_the_strategies_the_ranks_ask_for_are_read_from_a_column_as_from_their_features(ranks, data):
+    """RankTable.strategies_asked (the ``asks`` column, set with each record's features) answers what
+    policy.strategies_of answers over the registered ranks' features, as they register, change their flags
+    (a replacement's REGISTER) and leave."""
+    from mindio.ttp.controller import policy
+    from mindio.ttp.controller.ranks import RankRecord, RankTable
+
+    t = RankTable()
+    for r, (features, registered) in enumerate(ranks):
+        t[r] = RankRecord(r, b"c", features=features, registered=registered)
+    for r in data.draw(st.lists(st.integers(0, max(0, len(ranks) - 1)), max_size=4)) if ranks else []:
+        t[r].features = data.draw(st.fixed_dictionaries({}, optional={"uce": st.booleans(), "arf": st.booleans()}))
+        t[r].registered = data.draw(st.booleans())
+    want = policy.strategies_of([rec.features for rec in t.values() if rec.registered])
+    assert t.strategies_asked() == want

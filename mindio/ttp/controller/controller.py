@@ -296,6 +296,7 @@ class Controller:
             self._ctx = None
         if self._frozen:  # the job's heap may be collected again (a process that hosts several jobs: tests)
             self._frozen = False
+            policy.FREEZE_AFTER_NO_GC = False
             gc.unfreeze()
         return ended
 
@@ -836,6 +837,7 @@ class Controller:
         if self.rank < 0:  # (no gc.get_freeze_count() here: it walks every frozen object)
             gc.freeze()
             self._frozen = True
+            policy.FREEZE_AFTER_NO_GC = True  # a decision's views too (policy.no_gc)
 
     def declare_dead(self, ranks, cause: str, log: bool = True, **detail) -> list[int]:
         """(any thread) Ranks ``ranks`` are dead because of ``cause`` (watch.Liveness.declare_dead)."""

@@ -105,8 +105,7 @@ class Core:
 
     def ranks_ask(self) -> set:
         with self.lock:
-            features = [r.features for r in self.ranks.values() if r.registered]
-        return policy.strategies_of(features)
+            return self.ranks.strategies_asked()  # policy.strategies_of over the registered ranks' features
 
     def uce_refused(self) -> list:
         """Live ranks whose processor registered with ``enable_uce=False``."""

@@ -51,7 +51,17 @@ COLUMNS: dict[str, tuple] = {
     "registered": (np.bool_, True),
     "gen": (np.int64, 0),  # generation the rank's process registered in (a replacement: the recovery's)
     "left": (np.bool_, False),  # said BYE: its late heartbeats are answered "BYE", never "register again"
+    "asks": (np.int64, 0),  # its features (tft_init_processor's flags) as ASK_* bits, for RankTable.strategies_asked
 }
+# RankRecord.asks: bits of its ``features`` (set with them)
+ASK_FLAGS, ASK_NO_UCE, ASK_ARF, ASK_ZIT = 1, 2, 4, 8
+
+
+def _asks(features: dict) -> int:
+    if not features:
+        return 0
+    return ASK_FLAGS | (0 if features.get("uce", True) else ASK_NO_UCE) | (ASK_ARF if features.get("arf") else 0) | (
+        ASK_ZIT if features.get("zit") else 0)
 _PY = {np.int64: int, np.float64: float, np.bool_: bool}
 
 
@@ -77,7 +87,7 @@ class RankRecord:
     """What the controller knows of one rank (its row of the table; module docstring). The constructor
     takes the fields by name as the former dataclass did."""
 
-    __slots__ = ("rank", "_ident", "host", "_seq", "_replica", "dp_group", "features", "_t", "_v")
+    __slots__ = ("rank", "_ident", "host", "_seq", "_replica", "dp_group", "_features", "_t", "_v")
 
     def __init__(self, rank: int, ident: bytes, pid: int = 0, host: str = "", last_seen: float = 0.0,
                  step: int = 0, data_status: int = 0, in_collective: bool = False, progress_age: float = -1.0,
@@ -89,12 +99,23 @@ class RankRecord:
         self._seq = {} if coll_seq is None else coll_seq  # {group: last collective entered} (collectives.py)
         self.replica = replica
         self.dp_group = [] if dp_group is None else dp_group
-        self.features = {} if features is None else features  # the processor's enable flags (retry.py)
-        self._v = {"pid": int(pid), "last_seen": float(last_seen), "beat_seen": float(last_seen), "step": int(step),
+        self._features = {} if features is None else features  # the processor's enable flags (retry.py)
+        self._v = {"asks": _asks(self._features), "pid": int(pid), "last_seen": float(last_seen), "beat_seen": float(last_seen), "step": int(step),
                    "data_status": int(data_status),
                    "in_collective": bool(in_collective), "progress_age": float(progress_age),
                    "idle_age": float(idle_age), "step_p99": float(step_p99), "alive": bool(alive),
                    "faulty": bool(faulty), "registered": bool(registered), "gen": int(gen), "left": bool(left)}
+
+    @property
+    def features(self) -> dict:
+        """The processor's enable flags (tft_init_processor: uce, arf, zit); assigned, never changed in place:
+        their bits are the table's ``asks`` column."""
+        return self._features
+
+    @features.setter
+    def features(self, value: dict) -> None:
+        self._features = value
+        self.asks = _asks(value)
 
     @property
     def replica(self) -> tuple:
@@ -257,6 +278,22 @@ class RankTable(dict):
             col = self.watched if name == "watched" else self.col[name]
             m &= col == value
         return m
+
+    def strategies_asked(self) -> set:
+        """policy.strategies_of over the features of the registered ranks, from the ``asks`` column: retry when
+        every one that sent flags allows it, recover-in-place and recover when any asked for ``arf``,
+        elastic-training when any asked for ``zit`` (a vector operation: a decision at 100,000 ranks read every
+        record's features, 0.1 s)."""
+        asks = self.col["asks"][self.mask(registered=True)]
+        flags = asks[(asks & ASK_FLAGS) != 0]
+        out = set()
+        if len(flags) and not (flags & ASK_NO_UCE).any():
+            out.add("retry")
+        if (flags & ASK_ARF).any():
+            out |= {"recover-in-place", "recover"}
+        if (flags & ASK_ZIT).any():
+            out.add("elastic-training")
+        return out
 
     def ranks_where(self, **conds) -> list[int]:
         """The ranks (sorted) whose columns equal ``conds``: ``ranks_where(alive=True, registered=True)``."""

@@ -16,22 +16,14 @@ frame, and the share of a core at 1 s beats. Not in the test suite.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [p for p in (os.environ.get("MINDIO_SRC"), _ROOT) if p]  # MINDIO_SRC: another commit's mindio
-
-KEY = b"bench-secret-0123456789abcdef0123"
+from _threadless import KEY, parser  # (puts the mindio measured on sys.path)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=100000, help="ranks")
-    p.add_argument("--per-relay", type=int, default=8, help="ranks per relay connection")
-    p.add_argument("--rounds", type=int, default=5, help="heartbeat rounds measured")
+    p = parser(__doc__, "heartbeat rounds")
     p.add_argument("--groups", type=int, default=6, help="process groups in each rank's collective numbers (the "
                    "heartbeat's coll_seq; Megatron has a few per rank)")
     p.add_argument("--plain", action="store_true", help="frames without the v4 heartbeat columns (seq, idle, p99, "

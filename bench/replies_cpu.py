@@ -15,22 +15,14 @@ main thread is). Printed: process CPU ms per round and per frame. Not in the tes
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [p for p in (os.environ.get("MINDIO_SRC"), _ROOT) if p]  # MINDIO_SRC: another commit's mindio
-
-KEY = b"bench-secret-0123456789abcdef0123"
+from _threadless import KEY, parser  # (puts the mindio measured on sys.path)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=100000, help="ranks")
-    p.add_argument("--per-relay", type=int, default=8, help="ranks per relay connection")
-    p.add_argument("--rounds", type=int, default=5, help="actions whose replies are measured")
+    p = parser(__doc__, "actions whose replies are")
     p.add_argument("--items", action="store_true", help="one REPLY item per rank, as relays sent before protocol v7")
     a = p.parse_args()
     from mindio.ttp.wire import protocol as P

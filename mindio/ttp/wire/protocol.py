@@ -284,21 +284,28 @@ def _body_from(mtype: MsgType, raw: Any, outer: tuple = (0, 0, 0)):
     return cls(**raw)
 
 
-def _check_beats(raw: dict) -> None:
+def _check_columns(kind: str, raw: dict, cols: tuple, int64: tuple) -> list:
+    """A frame body of columns (BEATS, REPLIES): ``ranks`` integers, each of ``cols`` (name, types, type name) one
+    entry per rank of those exact types, the ``int64`` columns within 64 bits; returns the ranks."""
     # exact types through set(map(type, ...)): C speed, and a bool is not an int here (type(True) is bool)
     ranks = raw["ranks"]
     if not set(map(type, ranks)) <= {int}:
-        raise ProtocolError("BEATS.ranks must be integers")
-    for name, ok, tname in _BEAT_COLS:
+        raise ProtocolError(f"{kind}.ranks must be integers")
+    for name, ok, tname in cols:
         col = raw[name]
         if len(col) != len(ranks):
-            raise ProtocolError(f"BEATS.{name} has {len(col)} entries for {len(ranks)} ranks")
+            raise ProtocolError(f"{kind}.{name} has {len(col)} entries for {len(ranks)} ranks")
         if not set(map(type, col)) <= ok:
-            raise ProtocolError(f"BEATS.{name} entries must be {tname}")
-    for name in ("ranks", "steps", "status"):  # the rank table's int64 columns take them (min, max: C speed)
+            raise ProtocolError(f"{kind}.{name} entries must be {tname}")
+    for name in int64:  # the rank table's int64 columns take them (min, max: C speed)
         col = raw[name]
         if col and (min(col) < _INT64_MIN or max(col) > _INT64_MAX):
-            raise ProtocolError(f"BEATS.{name} entries must fit 64 bits")
+            raise ProtocolError(f"{kind}.{name} entries must fit 64 bits")
+    return ranks
+
+
+def _check_beats(raw: dict) -> None:
+    ranks = _check_columns("BEATS", raw, _BEAT_COLS, ("ranks", "steps", "status"))
     for name, ok, tname in _BEAT_EXTRAS:  # optional columns (v4): absent, or one entry per rank
         col = raw.get(name)
         if col and len(col) != len(ranks):
@@ -311,19 +318,7 @@ _REPLY_COLS = (("ok", {bool}, "bool"), ("code", {int}, "int"), ("detail", {dict}
 
 
 def _check_replies(raw: dict) -> None:
-    ranks = raw["ranks"]
-    if not set(map(type, ranks)) <= {int}:
-        raise ProtocolError("REPLIES.ranks must be integers")
-    for name, ok, tname in _REPLY_COLS:
-        col = raw[name]
-        if len(col) != len(ranks):
-            raise ProtocolError(f"REPLIES.{name} has {len(col)} entries for {len(ranks)} ranks")
-        if not set(map(type, col)) <= ok:
-            raise ProtocolError(f"REPLIES.{name} entries must be {tname}")
-    for name in ("ranks", "code"):
-        col = raw[name]
-        if col and (min(col) < _INT64_MIN or max(col) > _INT64_MAX):
-            raise ProtocolError(f"REPLIES.{name} entries must fit 64 bits")
+    _check_columns("REPLIES", raw, _REPLY_COLS, ("ranks", "code"))
 
 
 def pack_extras(seq: list, sums: list) -> bytes:

@@ -227,8 +227,9 @@ def _release_groups_at_exit() -> None:
     """(atexit, every worker) Release the process groups the script left while the interpreter is whole
     (mindio/ttp/shutdown.py): a gloo group left to the interpreter's shutdown can abort the process with
     SIGABRT, e.g. a plain worker (no mindio in its script) that raised on a lost peer's "Connection reset
-    by peer". Imported here, at exit, not before the script: importing mindio.ttp first would spend its
-    torch._dynamo check (shutdown.import_dynamo_early) on this module instead of the script's. A script
+    by peer". Imported here, at exit, not before the script: importing mindio.ttp first would run its
+    torch._dynamo check (shutdown.import_dynamo_early) while this module is ``__main__`` -- where it does
+    nothing -- and the script's own import of mindio.ttp would not run it again. A script
     that started mindio's processor ran the same teardown already (shutdown.at_exit runs once)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():  # else the script destroyed its own

@@ -184,7 +184,11 @@ def _become_zygote(z: dict, zsock: int, out: int, err: int) -> None:
     sys.path[:] = _agent_path(z["cwd"], z["env"])
     os.environ.clear()
     os.environ.update(z["env"])
+    from .. import _knobs
     from . import _zygote
+
+    if not _knobs.get("MINDIO_GC_FREEZE"):
+        gc.unfreeze()  # as the agent's own fork server would be: nothing frozen (_Branch.warm froze the imports')
 
     sys.argv = [_zygote.__file__, str(zsock), *z["target"]]
     _zygote.main()
@@ -212,7 +216,11 @@ class _Branch:
                 import_megatron_core()
             except Exception:  # not installed: each fork server meets it in its own preload
                 pass
+        # frozen here, once: each fork server's collection before it forks (_zygote.main, MINDIO_GC_FREEZE) then
+        # walks only what its own preload created, not the whole heap of torch's (0.2-0.3 CPU-s each, copy on
+        # write of every page that holds an object); a server whose agent turned MINDIO_GC_FREEZE off unfreezes
         gc.collect()
+        gc.freeze()
 
     def serve(self) -> tuple:
         """Fork a fork server for each request; returns only in a fork server (a fork child): its request."""

@@ -63,10 +63,17 @@ def import_dynamo_early() -> None:
     """(mindio.ttp's import) torch._dynamo now, before the training script's ``init_process_group``, if
     the script wants it (mindio/_dynamo.py): imported later it keeps the default group alive past
     ``destroy_process_group`` (the module docstring, step 3). A process without torch yet (mindio-run's
-    agent, which imports mindio.ttp for its controller) or with a group already is left alone."""
+    agent, which imports mindio.ttp for its controller) or with a group already is left alone, and so is
+    one whose ``__main__`` is mindio-run's own (a fork server, a warm spare: mindio.launch._zygote,
+    _zygote_host, _bootstrap): its preload already decided for the script it will run
+    (``_bootstrap._preload``), and its own module's text -- which names megatron -- is not the script's
+    (read as the script's, it imported torch._dynamo into every fork server: ~1.3 CPU-s each)."""
     from .. import _dynamo
 
     main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and (spec.name or "").startswith("mindio.launch."):
+        return
     _dynamo.import_early(getattr(main, "__file__", None))
 
 

@@ -55,9 +55,9 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _run(tmp_path, mode: str, *flags, timeout: float = 90, sent=None, **env):
+def _run(tmp_path, mode: str, *flags, timeout: float = 90, sent=None, source: str = WORKER, **env):
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(source)
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     e = dict(os.environ, OUT_DIR=str(out), MINDIO_FORK_SERVER=mode, PYTHONPATH=str(REPO))
@@ -92,6 +92,41 @@ def test_a_forked_worker_sees_what_an_execd_one_sees(tmp_path):
     assert forked[0]["ppid"] == forked[1]["ppid"]  # one server per agent
     for seen in (forked, execd):  # numpy's and torch's global generators seeded per process from the OS
         assert seen[0]["np"] != seen[1]["np"] and seen[0]["torch"] != seen[1]["torch"]
+
+
+# Says whether torch._dynamo was imported before the script's first line of its own ran: mindio.ttp, which the
+# fork server preloads, checks at its import whether the script wants it (mindio/ttp/shutdown.py).
+DYNAMO_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import mindio.ttp
+    {wants}
+    path = os.path.join(os.environ["OUT_DIR"], f"{{os.environ['MINDIO_FORK_SERVER']}}-{{os.environ['RANK']}}.json")
+    with open(path, "w") as f:
+        json.dump({{"dynamo": "torch._dynamo" in sys.modules, "ppid": os.getppid(),
+                   "agent": int(os.environ["MINDIO_AGENT_PID"])}}, f)
+""")
+
+
+@pytest.mark.skipif(forkserver.unusable(dict(os.environ, MINDIO_FORK_SERVER="auto", OMP_NUM_THREADS="1")) != "",
+                    reason="no fork server here (an accelerator build of torch)")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("server,wants", [("hosted", False), ("hosted", True), ("own", False)],
+                         ids=["hosted-toy", "hosted-optim", "own-toy"])
+def test_a_fork_server_imports_torch_dynamo_only_for_a_script_that_wants_it(tmp_path, server, wants):
+    """mindio/_dynamo.py: torch._dynamo (~1.3 CPU-s) is imported before ``init_process_group`` only for a
+    script that names what imports it (here ``torch.optim``). The fork server's own module
+    (mindio.launch._zygote; _zygote_host when the fork-server host of tests/conftest.py forked it) names
+    megatron: mindio.ttp's check, run while the server preloads it, read that module as the script and
+    imported torch._dynamo into every fork server."""
+    env = {"MINDIO_FORK_SERVER_HOST": ""} if server == "own" else {}
+    if server == "hosted" and not os.environ.get("MINDIO_FORK_SERVER_HOST"):
+        pytest.skip("no fork-server host in this test process (MINDIO_TEST_FORK_SERVER_HOST=0)")
+    source = DYNAMO_WORKER.format(wants="from torch import optim" if wants else "")
+    rc, out, seen = _run(tmp_path, "auto", source=source, **env)
+    assert rc == 0 and sorted(seen) == [0, 1], out[-3000:]
+    assert all(s["ppid"] != s["agent"] for s in seen.values()), seen  # forked by the fork server
+    assert [s["dynamo"] for s in seen.values()] == [wants, wants], seen
 
 
 @pytest.mark.timeout(240)

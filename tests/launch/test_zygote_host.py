@@ -69,6 +69,14 @@ def test_a_hosted_fork_server_gives_the_workers_what_their_agents_own_gives(tmp_
     draws = [s["np"] for s in (*hosted.values(), *again.values())]
     assert len(set(draws)) == 4 and len({s["torch"] for s in (*hosted.values(), *again.values())}) == 4
     assert again[0]["ppid"] in _forked_by(log) and again[0]["ppid"] != hosted[0]["ppid"]
+    # MINDIO_GC_FREEZE=0: nothing frozen in the workers of either (the host's branch froze its imports' objects
+    # once, for its fork servers' collections; a server whose agent turned the freeze off unfreezes them)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "d").mkdir()
+    _, out, hosted = _run(tmp_path / "c", "auto", MINDIO_FORK_SERVER_HOST=path, MINDIO_GC_FREEZE="0")
+    _, _, own = _run(tmp_path / "d", "auto", MINDIO_FORK_SERVER_HOST="", MINDIO_GC_FREEZE="0")
+    assert hosted[0]["ppid"] in _forked_by(log) and own[0]["ppid"] not in _forked_by(log), out[-3000:]
+    assert [s["frozen"] for s in (*hosted.values(), *own.values())] == [0, 0, 0, 0], (hosted, own)
 
 
 @pytest.mark.timeout(120)

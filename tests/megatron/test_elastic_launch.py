@@ -12,8 +12,9 @@ repairs the new ranks from their replicas, rolls back and training goes on at DP
 
 Checks: every iteration trained once; ``--check-replicas`` finds every replica pair of every optimizer
 shard bitwise identical after every step at DP=4; the checkpoint the controller writes right after the
-scale-out (MINDIO_DUMP_AFTER_UPGRADE=1), relaunched with torchrun at DP=4, reproduces every later loss
-and the final state digest bit for bit. (The pacing of _elastic_paced.py only slows the steps at DP=2.)
+scale-out (MINDIO_DUMP_AFTER_UPGRADE=1), relaunched at DP=4 (under mindio-run:
+_mgt_launch.assert_relaunch_reproduces), reproduces every later loss and the final state digest bit for bit.
+(The pacing of _elastic_paced.py only slows the steps at DP=2.)
 """
 from __future__ import annotations
 

@@ -60,13 +60,15 @@ def _launch_elastic(tmp: Path, args: list, timeout: float = 420, standbys=(2, 3)
     another: one interpreter per script imports torch and megatron-core (~3 CPU-s) instead of each of the
     4-6 processes; each child then runs its script as ``__main__`` with its rank's environment, as
     mindio-run starts its workers (tests/ttp/_harness.py does the same for the toy job). Where it cannot
-    fork, each process is exec'd as before."""
+    fork, each process is exec'd as before. With the fork-server host of tests/conftest.py the servers are
+    forked from it, warm: their environment sets nothing the host's lacks that imports read (a PYTHONWARNINGS
+    here made the host refuse both, ~3 CPU-s each; a worker's warnings go to its .out file, as under mindio-run)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "TTP_PORT": str(free_port()), "WORLD_SIZE": "4",
            "LOCAL_WORLD_SIZE": "4", "HIGH_AVAILABILITY": "elastic-training,dump", "MINDIO_ACP_IDLE_EXIT": "20",
            "MINDIO_EVENT_LOG": str(tmp / "events.jsonl"), "TTP_LOG_PATH": str(tmp / "logs"),
            "ELASTIC_TEST_GO": str(tmp / "go"), "MINDIO_DUMP_AFTER_UPGRADE": "1",
-           "MINDIO_DRILL_DIR": str(tmp), "PYTHONWARNINGS": "ignore",  # as python -W ignore
+           "MINDIO_DRILL_DIR": str(tmp),
            "MINDIO_PRELOAD": "mindio.megatron", **(env_extra or {})}  # each --inject fault fires once per job
     servers: list = []
 

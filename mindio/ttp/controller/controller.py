@@ -142,7 +142,8 @@ class Controller:
         self._relay_acked: dict[bytes, tuple] = {}
         self._frozen = False  # gc.freeze() called (_freeze_heap), undone by close()
         self._beats: list = []  # (ident, gen) of the BEATS frames read in this turn, applied together (_flush_beats)
-        self._replies_held: list = []  # (connection, REPLIES item) read in this turn, recorded together (_flush_replies)
+        # (connection, REPLIES item) read in this turn, recorded together (_flush_replies)
+        self._replies_held: list = []
         self._reader = beats.reader(key)  # their columns (wire/beats.py: native when the core is built)
         self.address = ""
         self.final = core.final

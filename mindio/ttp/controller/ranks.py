@@ -100,7 +100,8 @@ class RankRecord:
         self.replica = replica
         self.dp_group = [] if dp_group is None else dp_group
         self._features = {} if features is None else features  # the processor's enable flags (retry.py)
-        self._v = {"asks": _asks(self._features), "pid": int(pid), "last_seen": float(last_seen), "beat_seen": float(last_seen), "step": int(step),
+        self._v = {"asks": _asks(self._features), "pid": int(pid), "last_seen": float(last_seen),
+                   "beat_seen": float(last_seen), "step": int(step),
                    "data_status": int(data_status),
                    "in_collective": bool(in_collective), "progress_age": float(progress_age),
                    "idle_age": float(idle_age), "step_p99": float(step_p99), "alive": bool(alive),

@@ -101,7 +101,6 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
     import zmq
 
     from mindio.ttp.wire import protocol as P
-    from mindio.ttp.wire.relay import _columns
     from mindio.ttp.wire.session import fresh
     STOP_DETAIL = {"step": 5, "data_status": 0, "main": "parked"}
     BATCH = P.Envelope(P.MsgType.BATCH, None)
@@ -187,7 +186,7 @@ def _sim(ranks: list, n: int, port: int, per_conn: int, batch: bool, go, report_
                     replies = [P.Envelope(P.MsgType.REPLY, P.Reply(ok=True, detail=detail), rank=r, sn=env.sn)
                                for r in to]
                     if relay_batch:  # one REPLIES item of columns, as a v7 relay sends them
-                        c.send(P.Envelope(P.MsgType.BATCH, P.Batch(_columns(replies))))
+                        c.send(P.Envelope(P.MsgType.BATCH, P.Batch(P.fold_replies(replies))))
                     else:
                         for rep in replies:
                             c.send(rep)

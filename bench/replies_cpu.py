@@ -7,9 +7,9 @@ machine is.
 A real Controller (its threads not started) with a real ROUTER socket; N ranks registered through N /
 per-relay relay connections; an action in flight (the engine waits for every rank's reply); each relay's
 frame of its ranks' replies, signed as a relay signs it (wire/relay.py: a BATCH holding one REPLIES item of
-columns since protocol v7; ``--items``: one REPLY item per rank, as before), is read
-as the controller's I/O thread reads it (verified, parsed) and handed to its dispatch, which records the
-replies in the action engine. Each reply is a stop reply (processor._stop_reply: step, data status, where the
+columns since protocol v7; ``--items``: one REPLY item per rank, as before, which the controller folds into
+columns), is read as the controller's I/O thread reads it (verified, parsed) and handed to its dispatch, which
+records the replies in the action engine. Each reply is a stop reply (processor._stop_reply: step, data status, where the
 main thread is). Printed: process CPU ms per round and per frame. Not in the test suite.
 ``MINDIO_SRC=DIR`` measures the mindio package in DIR instead (an older commit's: ``git archive C mindio``).
 """
@@ -23,14 +23,14 @@ from _threadless import KEY, parser  # (puts the mindio measured on sys.path)
 
 def main() -> None:
     p = parser(__doc__, "actions whose replies are")
-    p.add_argument("--items", action="store_true", help="one REPLY item per rank, as relays sent before protocol v7")
+    p.add_argument("--items", action="store_true", help="one REPLY item per rank, as relays sent before protocol v7 "
+                   "(this controller folds them into columns; the v6 controller's cost: MINDIO_SRC=<e8036bb's mindio>)")
     a = p.parse_args()
     from mindio.ttp.wire import protocol as P
     from mindio.ttp.controller import actions
-    from mindio.ttp.wire import relay
     from tests.ttp._harness import threadless_controller  # real Controller and ROUTER, threads not started
 
-    columns = getattr(relay, "_columns", None)  # (relays before protocol v7 sent REPLY items)
+    columns = getattr(P, "fold_replies", None)  # (relays before protocol v7 sent REPLY items)
 
     n, k = a.n, a.per_relay
     ctl, close = threadless_controller(n, KEY, k)

@@ -239,16 +239,14 @@ def test_a_relays_link_allows_one_interval_more_of_silence_than_a_ranks():
 
 
 def test_a_relay_sends_its_ranks_replies_to_one_action_as_one_replies_item_of_columns():
-    """Protocol v7: in what a relay sends up (relay._columns), each run of REPLYs to one action is one REPLIES item
+    """Protocol v7: in what a relay sends up (protocol.fold_replies), each run of REPLYs to one action is one REPLIES item
     (ranks, ok, code, detail), in place: other items keep their order, another action's replies start another
     item; the columns are checked as a frame's fields are (lengths, exact types, 64 bits)."""
-    from mindio.ttp.wire.relay import _columns
-
     def reply(rank, sn, ok=True):
         return P.Envelope(P.MsgType.REPLY, P.Reply(ok, 0 if ok else 3, {"r": rank}), rank=rank, sn=sn)
 
     report = P.Envelope(P.MsgType.REPORT, P.Report(state=3, message="x", step=1), rank=2)
-    got = _columns([reply(0, 5), reply(1, 5, ok=False), report, reply(2, 5), reply(3, 6)])
+    got = P.fold_replies([reply(0, 5), reply(1, 5, ok=False), report, reply(2, 5), reply(3, 6)])
     assert [(e.type, e.sn) for e in got] == [(P.MsgType.REPLIES, 5), (P.MsgType.REPORT, 0), (P.MsgType.REPLIES, 5),
                                              (P.MsgType.REPLIES, 6)]
     assert got[0].body == P.Replies([0, 1], [True, False], [0, 3], [{"r": 0}, {"r": 1}])

@@ -300,6 +300,7 @@ def test_a_relays_batch_of_replies_is_recorded_at_once_and_only_for_its_own_rank
     monkeypatch.setattr(RankRecord, "__getattribute__", counting_get)
     t0 = time.monotonic()
     ctl._dispatch(b"relay0", P.Envelope(P.MsgType.BATCH, P.Batch(items)), relay=True)
+    ctl._flush_replies()  # as at the end of the I/O thread's turn
     monkeypatch.undo()
     caller.join(10)
     assert not caller.is_alive()

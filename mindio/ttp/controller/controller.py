@@ -514,7 +514,7 @@ class Controller:
             if done:  # every rank of the world finished its training: a waiting standby is not needed
                 self.elastic.tell_standbys(0)
         elif env.type is P.MsgType.REPLY:
-            self._replies_heard([env], now)
+            self._reply_heard(env, now)
         elif env.type is P.MsgType.REQUEST and env.rank in self.ranks:
             if env.body.name == "dump":
                 self.request_dump(f"rank {env.rank}: {env.body.reason}")
@@ -534,29 +534,21 @@ class Controller:
             self.incidents.carry(env.rank)  # the job's exit order, to a rank it has not reached (incident.py)
 
     def _on_batch(self, ident: bytes, items: list, now: float) -> None:
-        """A relay's BATCH, item by item in order, except that a run of REPLY items (its ranks' answers to
-        an action, aggregated) is taken at once (:meth:`_on_replies`), and a run of REGISTER items is answered
-        with one BATCH of REGISTER_ACKs (protocol v6; sent before anything else is handled)."""
-        run: list = []
+        """A relay's BATCH, item by item in order, except that its ranks' answers to an action are recorded in
+        columns (REPLIES items; a run of REPLY items is folded into one: protocol.fold_replies) with the turn's
+        others (:meth:`_on_reply_columns`), and a run of REGISTER items is answered with one BATCH of
+        REGISTER_ACKs (protocol v6; sent before anything else is handled)."""
         try:
-            for item in items:
+            for item in P.fold_replies(items):
                 if item.type is P.MsgType.REGISTER:
                     if self._reg_acks is None:
                         self._reg_acks = (ident, [])
-                elif self._reg_acks is not None:  # (a stop round's batches are 100k REPLY items: no call each)
+                elif self._reg_acks is not None:  # (a stop round's batches are 12,500 REPLIES: no call each)
                     self._send_reg_acks()
-                if item.type is P.MsgType.REPLY:
-                    run.append(item)
-                    continue
-                if run:
-                    self._on_replies(ident, run, now)
-                    run = []
                 if item.type is P.MsgType.REPLIES:
                     self._on_reply_columns(ident, item)
                     continue
                 self._dispatch(ident, item, relay=True)
-            if run:
-                self._on_replies(ident, run, now)
         finally:
             self._send_reg_acks()
 
@@ -568,25 +560,6 @@ class Controller:
             self._chan.send(P.Envelope(P.MsgType.BATCH, P.Batch(
                 [P.Envelope(P.MsgType.REGISTER_ACK, ack, rank=rank) for rank in held[1]])), held[0])
 
-    def _on_replies(self, ident: bytes, items: list, now: float) -> None:
-        """A relay's BATCH of REPLY items: what :meth:`_dispatch` does for each REPLY, with the rank table's
-        columns and one call to the action engine instead of per rank in Python (a 100k-rank stop round
-        is 100k replies): items for ranks not registered through this relay are dropped, a replaced
-        rank's old process is refused, the rest are :meth:`_replies_heard`."""
-        if self._beats:  # as every frame of another kind: the beats read before it first
-            self._flush_beats()
-        table, replacements = self.ranks, self.replacements
-        mine = table.through(np.fromiter((e.rank for e in items), np.int64, len(items)), ident)
-        if not mine.all():
-            for pos in np.flatnonzero(~mine).tolist():
-                self.drops.drop(SessionError(f"REPLY for rank {items[pos].rank}, which is not registered through "
-                                             "this relay", "session"), origin=repr(ident))
-            items = [e for e, ok in zip(items, mine.tolist()) if ok]
-        if replacements.replaced:
-            items = [e for e in items if not replacements.refuse_stale(e)]
-        if items:
-            self._replies_heard(items, now)
-
     def _on_reply_columns(self, ident: bytes, env: P.Envelope) -> None:
         """A relay's REPLIES item (protocol v7): its ranks' answers to action ``env.sn``, in columns. Kept until
         the end of the I/O thread's read (or the next frame of another kind), then recorded with the turn's other
@@ -594,8 +567,8 @@ class Controller:
         self._replies_held.append((self.ranks.conn_id(ident), env))
 
     def _flush_replies(self) -> None:
-        """Record the REPLIES items read (:meth:`_on_reply_columns`): what :meth:`_on_replies` does for REPLY
-        items, over all of them at once and with no envelope per rank -- entries for ranks not registered
+        """Record the REPLIES items read (:meth:`_on_reply_columns`): what :meth:`_dispatch` does for a REPLY,
+        over all of them at once and with no envelope per rank -- entries for ranks not registered
         through the relay that sent them are dropped, a replaced rank's old process is refused, the live
         watched ranks were heard, and the action engine records the rest (ActionEngine.on_columns)."""
         held, self._replies_held = self._replies_held, []
@@ -637,24 +610,18 @@ class Controller:
             if cols.ranks:
                 self.actions.on_columns(env.sn, cols)
 
-    def _replies_heard(self, items: list, now: float) -> None:
-        """REPLY envelopes admitted (one frame, or a relay's batch): each live watched rank was heard
+    def _reply_heard(self, env: P.Envelope, now: float) -> None:
+        """A REPLY frame admitted (a rank's own connection): the rank, if live and watched, was heard
         (``last_seen``: any frame proves life; no beat: a reply carries no progress evidence), the exit order
-        counts as carried to those that confirm it, and the action engine records them."""
+        counts as carried to it if this confirms it, and the action engine records it. (A relay's replies:
+        :meth:`_flush_replies`.)"""
         table = self.ranks
-        if len(items) == 1:  # a rank's own frame: the record (a vector of one costs twice as much)
-            r = table.get(items[0].rank)
-            if r is not None and r.alive and table.watched[r.rank]:
-                r.last_seen = now
-        else:
-            idx = np.fromiter((e.rank for e in items), np.int64, len(items))
-            idx = idx[(idx >= 0) & (idx < len(table.present))]
-            heard = idx[table.present[idx] & table.col["alive"][idx] & table.watched[idx]]
-            table.col["last_seen"][heard] = now
+        r = table.get(env.rank)
+        if r is not None and r.alive and table.watched[r.rank]:
+            r.last_seen = now
         if self.incidents.order is not None:
-            for e in items:
-                self.incidents.confirmed(e.rank, e.sn)
-        self.actions.on_replies(items)
+            self.incidents.confirmed(env.rank, env.sn)
+        self.actions.on_replies([env])
 
     def _on_beats(self, ident: bytes, env: P.Envelope, now: float) -> None:
         """A relay's heartbeats for many ranks: kept until the end of the I/O thread's read (or the next

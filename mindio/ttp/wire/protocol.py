@@ -77,6 +77,7 @@ __all__ = [
     "HeartbeatAck", "Report", "Info", "Action", "Reply", "Replies", "Bye", "Request", "Beats", "Batch", "Hello",
     "Challenge",
     "encode", "pack_body", "decode", "decode_payload", "DropCounter", "BODY_TYPES", "pack_extras", "unpack_extras",
+    "fold_replies",
 ]
 
 VERSION = 7
@@ -319,6 +320,26 @@ _REPLY_COLS = (("ok", {bool}, "bool"), ("code", {int}, "int"), ("detail", {dict}
 
 def _check_replies(raw: dict) -> None:
     _check_columns("REPLIES", raw, _REPLY_COLS, ("ranks", "code"))
+
+
+def fold_replies(items: list) -> list:
+    """``items`` (a BATCH's) with each run of REPLYs to one action (one ``sn``) as one REPLIES item (v7): what a
+    relay sends, and how the controller records a BATCH's REPLY items however they came."""
+    out: list = []
+    for e in items:
+        if e.type is not MsgType.REPLY:
+            out.append(e)
+            continue
+        last = out[-1] if out else None
+        if last is None or last.type is not MsgType.REPLIES or last.sn != e.sn:
+            last = Envelope(MsgType.REPLIES, Replies([], [], [], []), rank=-1, sn=e.sn, gen=e.gen)
+            out.append(last)
+        cols = last.body
+        cols.ranks.append(e.rank)
+        cols.ok.append(e.body.ok)
+        cols.code.append(e.body.code)
+        cols.detail.append(e.body.detail)
+    return out
 
 
 def pack_extras(seq: list, sums: list) -> bytes:

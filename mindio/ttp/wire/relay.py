@@ -189,7 +189,7 @@ class Relay(threading.Thread):
             j, gen = i, up[i].gen
             while j < len(up) and j - i < _MAX_ITEMS and up[j].gen == gen:
                 j += 1
-            self.link.send(P.Envelope(P.MsgType.BATCH, P.Batch(_columns(up[i:j])), rank=-1, gen=gen))
+            self.link.send(P.Envelope(P.MsgType.BATCH, P.Batch(P.fold_replies(up[i:j])), rank=-1, gen=gen))
             i = j
 
     def _to(self, rank: int, env: P.Envelope) -> None:
@@ -235,25 +235,6 @@ class Relay(threading.Thread):
             self._to(env.rank, P.Envelope(t, P.HeartbeatAck(body.state), rank=env.rank))
         elif env.rank >= 0:
             self._to(env.rank, env)
-
-
-def _columns(items: list) -> list:
-    """``items`` with each run of REPLYs to one action (one ``sn``) as one REPLIES item (protocol v7)."""
-    out: list = []
-    for e in items:
-        if e.type is not P.MsgType.REPLY:
-            out.append(e)
-            continue
-        last = out[-1] if out else None
-        if last is None or last.type is not P.MsgType.REPLIES or last.sn != e.sn:
-            last = P.Envelope(P.MsgType.REPLIES, P.Replies([], [], [], []), rank=-1, sn=e.sn, gen=e.gen)
-            out.append(last)
-        cols = last.body
-        cols.ranks.append(e.rank)
-        cols.ok.append(e.body.ok)
-        cols.code.append(e.body.code)
-        cols.detail.append(e.body.detail)
-    return out
 
 
 def _beats(envs: list, gen: int) -> P.Envelope:

@@ -578,7 +578,7 @@ class Controller:
         sizes = [len(env.body.ranks) for _conn, env in held]
         ranks = np.fromiter(itertools.chain.from_iterable(env.body.ranks for _conn, env in held), np.int64,
                             sum(sizes))
-        keep = table.through_each(ranks, np.repeat(np.fromiter((c for c, _env in held), np.int64, len(held)), sizes))
+        keep = table.through(ranks, np.repeat(np.fromiter((c for c, _env in held), np.int64, len(held)), sizes))
         if not keep.all():
             pos = 0
             for (conn, env), n in zip(held, sizes):

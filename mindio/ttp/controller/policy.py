@@ -35,7 +35,7 @@ __all__ = [
     "secondary_in_incident", "is_primary", "can_do_uce_repair", "RankView",
     "shard_key", "shards_of", "usable", "DumpPlan", "select_dump_ranks", "plan_dump", "describe_shard",
     "select_repair_sources", "choose_lock_step", "stale_ranks", "ranks_to_advance",
-    "STRATEGY_ORDER", "strategies_of", "Incident", "INTACT", "feasible_strategies", "find_hung_ranks",
+    "STRATEGY_ORDER", "strategies_of", "strategies_asked", "asks_of", "Incident", "INTACT", "feasible_strategies", "find_hung_ranks",
 ]
 
 # The reference table (SPEC §2); first match wins. HBM MULTI BIT ECC is resolved by timing in classify().
@@ -377,21 +377,38 @@ def ranks_to_advance(views: Iterable[RankView], fenced: Iterable[int]) -> tuple[
 STRATEGY_ORDER = vocab.STRATEGY_ORDER
 
 
+# a processor's enable flags as bits (the rank table keeps them in a column: RankTable.strategies_asked)
+ASK_FLAGS, ASK_NO_UCE, ASK_ARF, ASK_ZIT = 1, 2, 4, 8
+
+
+def asks_of(features: Mapping) -> int:
+    """``features`` (tft_init_processor's flags: uce, arf, zit) as ASK_* bits; 0: no flags sent."""
+    if not features:
+        return 0
+    return ASK_FLAGS | (0 if features.get("uce", True) else ASK_NO_UCE) | (ASK_ARF if features.get("arf") else 0) | (
+        ASK_ZIT if features.get("zit") else 0)
+
+
+def strategies_asked(asks: np.ndarray) -> set:
+    """:func:`strategies_of` from the processors' flags as bits (:func:`asks_of`), one int per processor."""
+    flags = asks[(asks & ASK_FLAGS) != 0]
+    out = set()
+    if len(flags) and not (flags & ASK_NO_UCE).any():
+        out.add("retry")
+    if (flags & ASK_ARF).any():
+        out |= {"recover-in-place", "recover"}
+    if (flags & ASK_ZIT).any():
+        out.add("elastic-training")
+    return out
+
+
 def strategies_of(features: Iterable[Mapping]) -> set:
     """The strategies a job's processors ask for with their ``tft_init_processor`` flags: ``retry``
     when every one registered with ``enable_uce`` (the reference default; one that turned it off
     refuses a retry anyway), ``recover-in-place`` and ``recover`` when any registered with
     ``enable_arf``, ``elastic-training`` when any registered with ``enable_zit``. Processors that sent
     no flags ask for nothing."""
-    feats = [f for f in features if f]
-    out = set()
-    if feats and all(f.get("uce", True) for f in feats):
-        out.add("retry")
-    if any(f.get("arf") for f in feats):
-        out |= {"recover-in-place", "recover"}
-    if any(f.get("zit") for f in feats):
-        out.add("elastic-training")
-    return out
+    return strategies_asked(np.fromiter(map(asks_of, features), np.int64))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import ProtocolError
 from ..wire.protocol import unpack_extras
-from .policy import RankView, no_gc
+from .policy import RankView, asks_of, no_gc, strategies_asked
 
 _log = logging.getLogger("mindio.ttp.controller")
 
@@ -51,17 +51,8 @@ COLUMNS: dict[str, tuple] = {
     "registered": (np.bool_, True),
     "gen": (np.int64, 0),  # generation the rank's process registered in (a replacement: the recovery's)
     "left": (np.bool_, False),  # said BYE: its late heartbeats are answered "BYE", never "register again"
-    "asks": (np.int64, 0),  # its features (tft_init_processor's flags) as ASK_* bits, for RankTable.strategies_asked
+    "asks": (np.int64, 0),  # its features (tft_init_processor's flags) as policy.ASK_* bits (strategies_asked)
 }
-# RankRecord.asks: bits of its ``features`` (set with them)
-ASK_FLAGS, ASK_NO_UCE, ASK_ARF, ASK_ZIT = 1, 2, 4, 8
-
-
-def _asks(features: dict) -> int:
-    if not features:
-        return 0
-    return ASK_FLAGS | (0 if features.get("uce", True) else ASK_NO_UCE) | (ASK_ARF if features.get("arf") else 0) | (
-        ASK_ZIT if features.get("zit") else 0)
 _PY = {np.int64: int, np.float64: float, np.bool_: bool}
 
 
@@ -100,7 +91,7 @@ class RankRecord:
         self.replica = replica
         self.dp_group = [] if dp_group is None else dp_group
         self._features = {} if features is None else features  # the processor's enable flags (retry.py)
-        self._v = {"asks": _asks(self._features), "pid": int(pid), "last_seen": float(last_seen),
+        self._v = {"asks": asks_of(self._features), "pid": int(pid), "last_seen": float(last_seen),
                    "beat_seen": float(last_seen), "step": int(step),
                    "data_status": int(data_status),
                    "in_collective": bool(in_collective), "progress_age": float(progress_age),
@@ -116,7 +107,7 @@ class RankRecord:
     @features.setter
     def features(self, value: dict) -> None:
         self._features = value
-        self.asks = _asks(value)
+        self.asks = asks_of(value)
 
     @property
     def replica(self) -> tuple:
@@ -281,20 +272,9 @@ class RankTable(dict):
         return m
 
     def strategies_asked(self) -> set:
-        """policy.strategies_of over the features of the registered ranks, from the ``asks`` column: retry when
-        every one that sent flags allows it, recover-in-place and recover when any asked for ``arf``,
-        elastic-training when any asked for ``zit`` (a vector operation: a decision at 100,000 ranks read every
-        record's features, 0.1 s)."""
-        asks = self.col["asks"][self.mask(registered=True)]
-        flags = asks[(asks & ASK_FLAGS) != 0]
-        out = set()
-        if len(flags) and not (flags & ASK_NO_UCE).any():
-            out.add("retry")
-        if (flags & ASK_ARF).any():
-            out |= {"recover-in-place", "recover"}
-        if (flags & ASK_ZIT).any():
-            out.add("elastic-training")
-        return out
+        """policy.strategies_of over the features of the registered ranks, from the ``asks`` column (a vector
+        operation: a decision at 100,000 ranks read every record's features, 0.1 s)."""
+        return strategies_asked(self.col["asks"][self.mask(registered=True)])
 
     def ranks_where(self, **conds) -> list[int]:
         """The ranks (sorted) whose columns equal ``conds``: ``ranks_where(alive=True, registered=True)``."""
@@ -346,15 +326,11 @@ class RankTable(dict):
             step[idx] = [d.get("step", s) for (_, d), s in zip(got, step[idx].tolist())]
             self.col["data_status"][idx] = [d.get("data_status", 0) for _, d in got]
 
-    def through(self, ranks: np.ndarray, ident: bytes) -> np.ndarray:
-        """Whether each of ``ranks`` (an int64 array) is in the table and registered through connection
-        ``ident``: a bool per entry (a relay speaks only for its own ranks)."""
-        inside = (ranks >= 0) & (ranks < len(self.present))
-        j = np.where(inside, ranks, 0)
-        return inside & self.present[j] & (self.conn[j] == self._conns.get(ident, -2))
 
-    def through_each(self, ranks: np.ndarray, conns: np.ndarray) -> np.ndarray:
-        """:meth:`through` with a connection number (:meth:`conn_id`) per entry of ``ranks``."""
+    def through(self, ranks: np.ndarray, conns: np.ndarray) -> np.ndarray:
+        """Whether each of ``ranks`` (an int64 array) is in the table and registered through the connection
+        numbered (:meth:`conn_id`) as the same entry of ``conns``: a bool per entry (a relay speaks only for its
+        own ranks)."""
         inside = (ranks >= 0) & (ranks < len(self.present))
         j = np.where(inside, ranks, 0)
         return inside & self.present[j] & (self.conn[j] == conns)

@@ -174,7 +174,6 @@ class VerifiedState:
         ttp = sys.modules.get("mindio.ttp._runtime")
         proc = ttp.state.processor if ttp is not None else None
         ranks = sorted(sick)
-        if proc is None or (me == ranks[0] and not proc.ask_switch_out(ranks, why)) or (
-                me != ranks[0] and (proc.link is None or not proc.link.registered.is_set())):
+        if proc is None or not (proc.ask_switch_out(ranks, why) if me == ranks[0] else proc.connected):
             raise SubHealthyRank(why + ": replace it")
         _log.warning("%s: the controller is asked to switch ranks %s out, one after another", why, ranks)

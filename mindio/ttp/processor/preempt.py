@@ -101,10 +101,10 @@ def _on_signal(signum, frame) -> None:
             _default(signum)
         return  # asked already
     proc = _rt.processor
-    link = proc.link if proc is not None else None
-    if link is None or not link.is_alive() or not link.registered.is_set():
+    if proc is None or not proc.connected:
         _default(signum)  # nothing to checkpoint (yet, or any more)
         return
+    link = proc.link
     _first = (signum, time.monotonic())
     gone = gone_siblings()
     if gone:  # the launcher stops its workers because one of them ended: that one is the fault

@@ -253,15 +253,20 @@ class Processor:
         if self.link is not None:  # handed to zmq before the teardown takes the GIL (its gc pass)
             self.link.send(P.Envelope(P.MsgType.REPORT, self.last_report), wait=0.1)
 
+    @property
+    def connected(self) -> bool:
+        """A live link, registered with a controller: what a request to the controller needs."""
+        link = self.link
+        return link is not None and link.is_alive() and link.registered.is_set()
+
     def ask_switch_out(self, ranks: list, why: str) -> bool:
         """Ask the controller to hot-switch ``ranks`` out, one after another (ranks found sub-healthy: a holder
         in two replica mismatches, mindio.megatron.verified; the controller recovers them as faulty when it
         cannot switch). Training goes on meanwhile. False without a registered link (no controller)."""
-        link = self.link
-        if link is None or not link.is_alive() or not link.registered.is_set():
+        if not self.connected:
             return False
         reason = ",".join(str(int(r)) for r in ranks) + " " + why[:300]
-        link.send(P.Envelope(P.MsgType.REQUEST, P.Request("switch", reason=reason)), wait=0.1)
+        self.link.send(P.Envelope(P.MsgType.REQUEST, P.Request("switch", reason=reason)), wait=0.1)
         return True
 
     def teardown(self, is_uce: bool) -> None:
